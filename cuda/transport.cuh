@@ -1,0 +1,80 @@
+// moecomm device-side transport layer: the only file that talks to NVSHMEM.
+//
+// Kernels use these few operations and nothing else to reach peers, so a new transport is a new version
+// of this header and the kernels do not change:
+//   put_signal_warp  copy bytes to a peer's symmetric buffer, then add to a signal there (ordered after data)
+//   signal_add       add to a signal on a peer
+//   wait_geq         bounded wait until a local signal reaches a value; records a timeout in the error word
+//   peer_ptr         a load/store pointer to a peer's symmetric buffer, or nullptr when it is not
+//                    directly addressable (another node): callers must then use put_signal_warp
+// Constants (MOECOMM_*) come from moecomm/_constants.py as -D flags.
+#pragma once
+
+// NVSHMEM 3.4's reduce.cuh uses std:: traits without including them; under NVRTC there is no <type_traits>.
+#include <cuda/std/type_traits>
+namespace std {
+using cuda::std::enable_if;
+using cuda::std::is_integral;
+using cuda::std::is_signed;
+using cuda::std::is_unsigned;
+}  // namespace std
+#include <nvshmem.h>
+#include <nvshmemx.h>
+
+namespace moecomm {
+
+__device__ __forceinline__ uint64_t now_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+__device__ __forceinline__ uint64_t load_acquire(const uint64_t* p) {
+  uint64_t v;
+  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ int load_volatile(const int* p) { return *(const volatile int*)p; }
+
+// Error word: int32[MOECOMM_ERROR_WORDS] = {code, peer, phase, detail}; the first error recorded wins.
+__device__ __forceinline__ void record_error(int* err, int code, int peer, int phase, int detail) {
+  if (atomicCAS(err, MOECOMM_ERR_NONE, code) == MOECOMM_ERR_NONE) {
+    err[1] = peer;
+    err[2] = phase;
+    err[3] = detail;
+    __threadfence_system();
+  }
+}
+
+// Spin until *sig >= expected. Returns false when the deadline passes (a timeout naming `peer` is
+// recorded) or when another thread has already recorded an error (so one failure stops every waiter).
+__device__ __forceinline__ bool wait_geq(const uint64_t* sig, uint64_t expected, uint64_t deadline_ns,
+                                         int* err, int peer, int phase) {
+  while (load_acquire(sig) < expected) {
+    if (load_volatile(err) != MOECOMM_ERR_NONE) return false;
+    if (now_ns() > deadline_ns) {
+      record_error(err, MOECOMM_ERR_TIMEOUT, peer, phase, 0);
+      return false;
+    }
+  }
+  return true;
+}
+
+__device__ __forceinline__ void put_signal_warp(void* dst, const void* src, size_t bytes, uint64_t* sig,
+                                                uint64_t add, int pe) {
+  nvshmemx_putmem_signal_nbi_warp(dst, src, bytes, sig, add, NVSHMEM_SIGNAL_ADD, pe);
+}
+
+__device__ __forceinline__ void signal_add(uint64_t* sig, uint64_t add, int pe) {
+  nvshmemx_signal_op(sig, add, NVSHMEM_SIGNAL_ADD, pe);
+}
+
+template <typename T>
+__device__ __forceinline__ T* peer_ptr(T* symmetric, int pe) {
+  return static_cast<T*>(nvshmem_ptr(symmetric, pe));
+}
+
+__device__ __forceinline__ void quiet() { nvshmem_quiet(); }
+
+}  // namespace moecomm

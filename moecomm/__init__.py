@@ -1,0 +1,17 @@
+"""moecomm: Mixture-of-Experts dispatch and combine across GPUs (NVSHMEM) or CPU ranks, without PyTorch.
+
+    comm = moecomm.init()                       # under mpirun / mpiexec
+    a2a = moecomm.AllToAll(comm, max_num_tokens, num_experts, experts_per_token, hidden_dim, ...)
+    a2a.dispatch(...); ...experts...; a2a.combine(...)
+    a2a.destroy(); comm.finalize()
+"""
+from ._arrays import DeviceBuffer
+from ._dtypes import bfloat16, float8_e4m3fn, float16, float32
+from ._errors import CommTimeout, CompileError, InvalidArgument, InvalidRouting, MoeCommError
+from .alltoall import AllToAll
+from .comm import Communicator, init
+
+__version__ = "0.1.0"
+
+__all__ = ["AllToAll", "CommTimeout", "Communicator", "CompileError", "DeviceBuffer", "InvalidArgument",
+           "InvalidRouting", "MoeCommError", "bfloat16", "float16", "float8_e4m3fn", "float32", "init"]

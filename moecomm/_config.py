@@ -1,0 +1,111 @@
+"""The configuration of one AllToAll, validated once, and the buffer shapes derived from it."""
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import _constants as C
+from ._dtypes import IN_DTYPES, OUT_DTYPES, SCALE_DTYPES, as_dtype, float32
+from ._errors import InvalidArgument
+
+
+def _positive_int(name, value, minimum=1):
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+        raise InvalidArgument(f"{name} must be an integer >= {minimum}, got {value!r}")
+    return int(value)
+
+
+@dataclass(frozen=True)
+class AllToAllConfig:
+    """Everything that fixes an AllToAll's buffers. Identical on every rank (checked at construction).
+
+    Fields:
+        world_size, rank: the communicator's.
+        max_num_tokens: most tokens one rank dispatches per call (m <= this).
+        num_experts: experts in total; rank r owns experts r*E/W ... (r+1)*E/W - 1.
+        experts_per_token: top-k, 1..16.
+        hidden_dim: values per token.
+        hidden_dim_scale: scale values per token, or None when tokens carry no scales.
+        in_dtype / out_dtype / scale_dtype: numpy dtypes (bf16/fp16/fp8 e4m3; bf16/fp16; float32 or None).
+        dp_size: ranks per data-parallel group (they hold the same tokens); divides world_size.
+    """
+    world_size: int
+    rank: int
+    max_num_tokens: int
+    num_experts: int
+    experts_per_token: int
+    hidden_dim: int
+    hidden_dim_scale: object
+    in_dtype: np.dtype
+    out_dtype: np.dtype
+    scale_dtype: object
+    dp_size: int
+
+    @classmethod
+    def create(cls, world_size, rank, max_num_tokens, num_experts, experts_per_token, hidden_dim,
+               hidden_dim_scale, in_dtype, out_dtype, scale_dtype, dp_size):
+        """Validate the arguments of :class:`moecomm.AllToAll`; raise InvalidArgument on the first bad one."""
+        max_num_tokens = _positive_int("max_num_tokens", max_num_tokens)
+        num_experts = _positive_int("num_experts", num_experts)
+        k = _positive_int("experts_per_token", experts_per_token)
+        hidden_dim = _positive_int("hidden_dim", hidden_dim)
+        dp_size = _positive_int("dp_size", dp_size)
+        if num_experts > C.MAX_EXPERTS:
+            raise InvalidArgument(f"num_experts={num_experts} exceeds the supported {C.MAX_EXPERTS}")
+        if num_experts % world_size:
+            raise InvalidArgument(
+                f"num_experts={num_experts} must be a multiple of world_size={world_size}")
+        if k > min(C.MAX_TOPK, num_experts):
+            raise InvalidArgument(
+                f"experts_per_token={k} must be <= min({C.MAX_TOPK}, num_experts={num_experts})")
+        if world_size % dp_size:
+            raise InvalidArgument(f"dp_size={dp_size} must divide world_size={world_size}")
+        in_dtype = as_dtype(in_dtype, IN_DTYPES, "in_dtype")
+        out_dtype = as_dtype(out_dtype, OUT_DTYPES, "out_dtype")
+        for name, dt in (("in_dtype", in_dtype), ("out_dtype", out_dtype)):
+            if (hidden_dim * dt.itemsize) % C.ROW_ALIGN:
+                raise InvalidArgument(
+                    f"hidden_dim={hidden_dim} with {name}={dt} gives rows of "
+                    f"{hidden_dim * dt.itemsize} bytes; rows must be a multiple of {C.ROW_ALIGN} bytes")
+        if hidden_dim_scale is None:
+            if scale_dtype is not None:
+                raise InvalidArgument("scale_dtype given but hidden_dim_scale is None")
+        else:
+            hidden_dim_scale = _positive_int("hidden_dim_scale", hidden_dim_scale)
+            scale_dtype = as_dtype(float32 if scale_dtype is None else scale_dtype,
+                                   SCALE_DTYPES, "scale_dtype")
+        return cls(world_size, rank, max_num_tokens, num_experts, k, hidden_dim, hidden_dim_scale,
+                   in_dtype, out_dtype, scale_dtype, dp_size)
+
+    # Derived layout -------------------------------------------------------------------------
+    @property
+    def num_local_experts(self):
+        return self.num_experts // self.world_size
+
+    @property
+    def num_dp_groups(self):
+        return self.world_size // self.dp_size
+
+    @property
+    def dp_group(self):
+        return self.rank // self.dp_size
+
+    @property
+    def dp_rank(self):
+        return self.rank % self.dp_size
+
+    @property
+    def expert_capacity(self):
+        """Slots per local expert: every token of every DP group can reach one expert once."""
+        return self.max_num_tokens * self.num_dp_groups
+
+    def expert_x_shape(self):
+        return (self.num_local_experts, self.expert_capacity, self.hidden_dim)
+
+    def expert_x_scale_shape(self):
+        return (self.num_local_experts, self.expert_capacity, self.hidden_dim_scale)
+
+    def key(self):
+        """A tuple that must be equal on every rank (rank excluded)."""
+        return (self.world_size, self.max_num_tokens, self.num_experts, self.experts_per_token,
+                self.hidden_dim, self.hidden_dim_scale, str(self.in_dtype), str(self.out_dtype),
+                str(self.scale_dtype), self.dp_size)

@@ -1,0 +1,260 @@
+"""Build the CUDA sources in ``cuda/`` into one cubin with NVRTC and nvJitLink.
+
+Compile path (chosen on purpose): every ``.cu`` file is compiled by NVRTC to LTO-IR with relocatable
+device code (``-rdc=true -dlto``) and linked by nvJitLink together with NVSHMEM's static device library
+``libnvshmem_device.a``. Linking the real device library, rather than NVSHMEM's header-only mode, keeps the
+IBGDA (GPU-initiated InfiniBand) and proxy code paths in the kernels, so a peer reachable only over the
+network goes through the same kernels as an NVLink peer. The header-only mode has no IBGDA code.
+
+Three header fixes are needed for NVSHMEM 3.4 under NVRTC (see ../shared notes in the repo history):
+
+* NVSHMEM's device library was built with LP64 ``uint64_t`` = ``unsigned long``; NVRTC's CCCL
+  ``<cuda/std/cstdint>`` says ``unsigned long long``, so mangled names would not match at link time. We
+  hand NVRTC an in-memory copy of that header with the 64-bit typedefs as ``long`` / ``unsigned long``.
+* ``nvshmem_defines.h`` includes ``cuda_runtime.h``, which is host code; NVRTC gets an empty one.
+* ``nvshmem_tensor.h`` has an unannotated constructor: ``-default-device``; ``reduce.cuh`` uses
+  ``std::is_integral`` and friends without including them: ``cuda/nvshmem_rtc.cuh`` maps them.
+
+CCCL headers come from CuPy's bundled copy (a dependency on every machine), CUDA headers
+(``cuda_fp16.h``...) from the ``nvidia-cuda-runtime`` wheel or the toolkit.
+"""
+import concurrent.futures
+import hashlib
+import importlib.metadata
+import importlib.util
+import json
+import os
+import re
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import _cache
+from ._constants import device_defines
+from ._errors import CompileError
+
+FORMAT = "moecomm-build-v1"  # bump when the payload layout or the build recipe changes
+
+
+def source_dir():
+    """The folder holding the CUDA sources: ``moecomm/cuda`` in an installed wheel, ``cuda/`` in a checkout."""
+    here = Path(__file__).resolve().parent
+    for d in (here / "cuda", here.parent / "cuda"):
+        if (d / "transport.cuh").is_file():
+            return d
+    raise CompileError(f"CUDA sources not found beside {here} (looked for cuda/transport.cuh)")
+
+
+def _package_dir(name):
+    spec = importlib.util.find_spec(name)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def _dist_version(module):
+    for dist in importlib.metadata.packages_distributions().get(module, []):
+        return f"{dist}=={importlib.metadata.version(dist)}"
+    return "unknown"
+
+
+@dataclass(frozen=True)
+class Toolchain:
+    """Where the headers and the NVSHMEM device library are, and the versions that go into the cache key."""
+    nvshmem_include: Path
+    nvshmem_device_lib: Path
+    cccl_include: Path
+    cuda_include: Path
+    versions: dict
+
+    @classmethod
+    def find(cls):
+        from cuda.bindings import nvjitlink, nvrtc
+        nvshmem = Path(os.environ.get("MOECOMM_NVSHMEM_HOME") or (_package_dir("nvidia") / "nvshmem"))
+        cupy = _package_dir("cupy")
+        cccl = cupy / "_core" / "include" / "cupy" / "_cccl" / "libcudacxx" if cupy else None
+        cuda_candidates = [Path(p) / "cu13" / "include" for p in
+                           (importlib.util.find_spec("nvidia").submodule_search_locations or [])]
+        cuda_candidates += [Path(os.environ.get("CUDA_HOME", "/usr/local/cuda")) / "include"]
+        cuda_inc = next((p for p in cuda_candidates if (p / "cuda_fp16.h").is_file()), None)
+        missing = [what for what, p in (
+            ("NVSHMEM headers (nvidia-nvshmem-cu13)", nvshmem / "include" / "nvshmem.h"),
+            ("NVSHMEM device library", nvshmem / "lib" / "libnvshmem_device.a"),
+            ("CCCL headers (cupy)", cccl / "cuda" / "std" / "cstdint" if cccl else None),
+            ("CUDA headers (nvidia-cuda-runtime)", cuda_inc / "cuda_fp16.h" if cuda_inc else None),
+        ) if p is None or not p.is_file()]
+        if missing:
+            raise CompileError("cannot build kernels, missing: " + "; ".join(missing))
+        _, major, minor = nvrtc.nvrtcVersion()
+        ver = _header_defines(nvshmem / "include" / "non_abi" / "nvshmem_version.h")
+        versions = {
+            "nvrtc": f"{major}.{minor}",
+            "nvjitlink": ".".join(map(str, nvjitlink.version())),
+            "nvshmem": "{}.{}.{}".format(ver["NVSHMEM_VENDOR_MAJOR_VERSION"],
+                                         ver["NVSHMEM_VENDOR_MINOR_VERSION"],
+                                         ver["NVSHMEM_VENDOR_PATCH_VERSION"]),
+            "nvshmem_device_lib_bytes": (nvshmem / "lib" / "libnvshmem_device.a").stat().st_size,
+            "cccl": _dist_version("cupy"),
+            "cuda_headers": _header_defines(cuda_inc / "cuda.h").get("CUDA_VERSION", "unknown"),
+        }
+        return cls(nvshmem / "include", nvshmem / "lib" / "libnvshmem_device.a", cccl, cuda_inc, versions)
+
+    def rtc_headers(self):
+        """In-memory headers that NVRTC sees before any include path: (name, contents) pairs."""
+        cstdint = (self.cccl_include / "cuda" / "std" / "cstdint").read_text()
+        patched, n = re.subn(r"^using (u?int64_t)\s*=\s*(signed|unsigned) long long;",
+                             r"using \1 = \2 long;", cstdint, flags=re.M)
+        if n != 2:
+            raise CompileError("CCCL <cuda/std/cstdint> changed layout: cannot apply the LP64 fix")
+        return [("cuda/std/cstdint", patched),
+                ("cuda_runtime.h", "#pragma once  // host header: not needed under NVRTC\n")]
+
+
+def _header_defines(path):
+    return dict(re.findall(r"^#define\s+(\w+)\s+(\d+)", Path(path).read_text(), flags=re.M))
+
+
+@dataclass(frozen=True)
+class Build:
+    """A linked cubin for one arch and the resource use of each kernel in it.
+
+    ``resources`` maps kernel name -> {registers, stack, smem, spill_stores, spill_loads} (bytes).
+    """
+    arch: str
+    cubin: bytes
+    resources: dict
+    key: str
+    cached: bool
+
+
+def _nvrtc_options(toolchain, src, arch):
+    cc = arch.split("_")[1]
+    return [f"-arch=compute_{cc}", "-rdc=true", "-dlto", "-std=c++17", "-default-device", "-lineinfo",
+            f"-I{src}", f"-I{toolchain.nvshmem_include}", f"-I{toolchain.cccl_include}",
+            f"-I{toolchain.cuda_include}", *device_defines()]
+
+
+def build_key(arch, toolchain=None, src=None):
+    """The cache key: every input that changes the cubin."""
+    toolchain = toolchain or Toolchain.find()
+    src = Path(src or source_dir())
+    h = hashlib.sha256(FORMAT.encode())
+    h.update(json.dumps([arch, toolchain.versions, _nvrtc_options(toolchain, "", arch)],
+                        sort_keys=True).encode())
+    for name, text in toolchain.rtc_headers():
+        h.update(name.encode() + b"\0" + text.encode())
+    for f in sorted(src.iterdir()):
+        if f.suffix in (".cu", ".cuh"):
+            h.update(f.name.encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()[:32]
+
+
+def _nvrtc_compile(path, options, headers):
+    from cuda.bindings import nvrtc
+    names = [n.encode() for n, _ in headers]
+    texts = [t.encode() for _, t in headers]
+    err, prog = nvrtc.nvrtcCreateProgram(path.read_bytes(), str(path).encode(), len(texts), texts, names)
+    _check_nvrtc(err, "nvrtcCreateProgram")
+    try:
+        opts = [o.encode() for o in options]
+        (err,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
+        _, size = nvrtc.nvrtcGetProgramLogSize(prog)
+        log = bytearray(size)  # a fresh buffer: nvrtcGetProgramLog writes into it
+        nvrtc.nvrtcGetProgramLog(prog, log)
+        if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+            raise CompileError(f"NVRTC failed on {path.name}:\n{log.decode(errors='replace').rstrip(chr(0))}")
+        _, size = nvrtc.nvrtcGetLTOIRSize(prog)
+        ltoir = bytearray(size)
+        _check_nvrtc(nvrtc.nvrtcGetLTOIR(prog, ltoir)[0], "nvrtcGetLTOIR")
+        return bytes(ltoir)
+    finally:
+        nvrtc.nvrtcDestroyProgram(prog)
+
+
+def _check_nvrtc(err, what):
+    from cuda.bindings import nvrtc
+    if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+        raise CompileError(f"{what} failed: {err}")
+
+
+def _nvjitlink(ltoirs, device_lib, arch):
+    from cuda.bindings import nvjitlink
+    handle = nvjitlink.create(4, [f"-arch={arch}", "-lto", "-verbose", "-O3"])
+
+    def log(getter_size, getter):
+        n = getter_size(handle)
+        buf = bytearray(n)
+        if n:
+            getter(handle, buf)
+        return buf.decode(errors="replace").rstrip("\0")
+    try:
+        for name, data in ltoirs:
+            nvjitlink.add_data(handle, nvjitlink.InputType.LTOIR, data, len(data), name)
+        nvjitlink.add_file(handle, nvjitlink.InputType.LIBRARY, str(device_lib))
+        try:
+            nvjitlink.complete(handle)
+        except nvjitlink.nvJitLinkError as e:
+            raise CompileError(f"nvJitLink failed ({e}):\n"
+                               f"{log(nvjitlink.get_error_log_size, nvjitlink.get_error_log)}") from None
+        info = log(nvjitlink.get_info_log_size, nvjitlink.get_info_log)
+        cubin = bytearray(nvjitlink.get_linked_cubin_size(handle))
+        nvjitlink.get_linked_cubin(handle, cubin)
+        return bytes(cubin), info
+    finally:
+        nvjitlink.destroy(handle)
+
+
+_PROPS = re.compile(r"Function properties for '(\w+)':\s*\n\s*info\s*:\s*used (\d+) registers.*?"
+                    r"(\d+) stack, (\d+) bytes smem")
+_SPILLS = re.compile(r"Function properties for (\w+)\s*\n\S*\s*\.\s*(\d+) bytes stack frame, "
+                     r"(\d+) bytes spill stores, (\d+) bytes spill loads")
+
+
+def parse_resources(info_log):
+    """Per-kernel registers, stack, shared memory and spills from nvJitLink's verbose log."""
+    spills = {m[0]: (int(m[2]), int(m[3])) for m in _SPILLS.findall(info_log)}
+    out = {}
+    for name, regs, stack, smem in _PROPS.findall(info_log):
+        st, ld = spills.get(name, (0, 0))
+        out[name] = dict(registers=int(regs), stack=int(stack), smem=int(smem),
+                         spill_stores=st, spill_loads=ld)
+    return out
+
+
+def _build_uncached(arch, toolchain, src):
+    sources = sorted(src.glob("*.cu"))
+    options = _nvrtc_options(toolchain, src, arch)
+    headers = toolchain.rtc_headers()
+    workers = max(1, min(len(sources), os.cpu_count() or 1))
+    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+        ltoirs = list(zip((s.name for s in sources),
+                          pool.map(lambda s: _nvrtc_compile(s, options, headers), sources)))
+    cubin, info = _nvjitlink(ltoirs, toolchain.nvshmem_device_lib, arch)
+    meta = json.dumps({"resources": parse_resources(info), "versions": toolchain.versions}).encode()
+    return struct.pack("<Q", len(meta)) + meta + cubin
+
+
+_memo = {}
+
+
+def build(arch="sm_90", use_cache=True):
+    """Compile and link every kernel in ``cuda/`` for ``arch`` (e.g. ``"sm_90"``); no GPU needed.
+
+    Served from memory, then from the disk cache (see :mod:`moecomm._cache`); a warm process compiles
+    nothing. Raises CompileError carrying the NVRTC / nvJitLink log on failure.
+    """
+    if not re.fullmatch(r"sm_\d+a?", arch):
+        raise ValueError(f"arch must look like 'sm_90', got {arch!r}")
+    toolchain, src = Toolchain.find(), source_dir()
+    key = build_key(arch, toolchain, src)
+    if use_cache and key in _memo:
+        return _memo[key]
+    if use_cache:
+        payload, hit = _cache.get_or_build(key, lambda: _build_uncached(arch, toolchain, src))
+    else:
+        payload, hit = _build_uncached(arch, toolchain, src), False
+    (n,) = struct.unpack_from("<Q", payload)
+    meta = json.loads(payload[8:8 + n])
+    result = Build(arch, payload[8 + n:], meta["resources"], key, hit)
+    _memo[key] = result
+    return result

@@ -1,0 +1,117 @@
+"""Plain numpy dispatch and combine for all ranks at once: the definition every transport is tested against.
+
+Conventions (the same as :class:`moecomm.AllToAll`):
+
+* ``world_size`` ranks form ``world_size // dp_size`` data-parallel groups of ``dp_size`` consecutive
+  ranks; the ranks of a group hold the same tokens. Inputs here are given once per *group*.
+* Experts are placed contiguously: rank ``r`` owns experts ``r*L ... (r+1)*L - 1`` with
+  ``L = num_experts // world_size``.
+* A token is delivered once to every expert in its top-k row; expert ids in a row are distinct and in
+  ``[0, num_experts)`` (:func:`routing_error` says what is wrong otherwise).
+* Slot order inside an expert is unspecified for real transports; the reference fills slots ordered by
+  (group, token index), and :func:`canonical_rows` sorts any transport's slots the same way for comparison.
+"""
+import numpy as np
+
+
+def routing_error(indices, num_experts):
+    """Return a message describing the first invalid row of ``indices`` [m, k], or None if all are valid."""
+    indices = np.asarray(indices)
+    if indices.size == 0:
+        return None
+    bad = (indices < 0) | (indices >= num_experts)
+    if bad.any():
+        t, j = map(int, np.argwhere(bad)[0])
+        return (f"token {t}: expert id {int(indices[t, j])} at position {j} is outside "
+                f"[0, {num_experts})")
+    s = np.sort(indices, axis=1)
+    dup = s[:, 1:] == s[:, :-1]
+    if dup.any():
+        t, j = map(int, np.argwhere(dup)[0])
+        return f"token {t}: expert id {int(s[t, j])} appears more than once in its top-k row"
+    return None
+
+
+def dispatch(x, x_scale, indices, num_experts, world_size, max_num_tokens, dp_size=1):
+    """Dispatch every group's tokens to the experts' ranks.
+
+    Args:
+        x: list over groups of [m_g, hidden] arrays (any dtype; copied bit-exactly).
+        x_scale: list over groups of [m_g, hidden_scale] arrays, or None.
+        indices: list over groups of [m_g, k] integer expert ids.
+        num_experts, world_size, max_num_tokens, dp_size: as in :class:`moecomm.AllToAll`.
+
+    Returns:
+        list over ranks of dicts with
+        ``expert_num_tokens`` [L] int32,
+        ``expert_x`` [L, max_num_tokens * groups, hidden] (slots past the count are zero),
+        ``expert_x_scale`` likewise or None,
+        ``origin`` [L, capacity, 2] int32: (group, token index) of each slot, -1 where empty.
+    """
+    groups = world_size // dp_size
+    local = num_experts // world_size
+    cap = max_num_tokens * groups
+    hidden = x[0].shape[1]
+    out = []
+    for r in range(world_size):
+        counts = np.zeros(local, np.int32)
+        ex = np.zeros((local, cap, hidden), x[0].dtype)
+        es = None if x_scale is None else np.zeros((local, cap, x_scale[0].shape[1]), x_scale[0].dtype)
+        origin = np.full((local, cap, 2), -1, np.int32)
+        for g in range(groups):
+            for t, row in enumerate(np.asarray(indices[g])):
+                for e in row:
+                    if e // local != r:
+                        continue
+                    le, slot = int(e) - r * local, counts[int(e) - r * local]
+                    ex[le, slot] = x[g][t]
+                    if es is not None:
+                        es[le, slot] = x_scale[g][t]
+                    origin[le, slot] = (g, t)
+                    counts[le] += 1
+        out.append(dict(expert_num_tokens=counts, expert_x=ex, expert_x_scale=es, origin=origin))
+    return out
+
+
+def combine(indices, weights, expert_y, origin, num_experts, world_size, out_dtype, dp_size=1):
+    """Combine expert outputs back to their tokens.
+
+    Args:
+        indices: list over groups of [m_g, k] expert ids (as given to dispatch).
+        weights: list over groups of [m_g, k] float32 router weights.
+        expert_y: list over ranks of [L, capacity, hidden] expert outputs laid out like ``origin``.
+        origin: list over ranks of the ``origin`` arrays returned by :func:`dispatch`.
+        out_dtype: dtype of the result.
+
+    Returns:
+        list over groups of [m_g, hidden] arrays: sum_k weights[t, k] * y(expert k of token t),
+        accumulated in float32 and cast to ``out_dtype``.
+    """
+    local = num_experts // world_size
+    where = {}
+    for r in range(world_size):
+        for le, slot in zip(*np.nonzero(origin[r][:, :, 0] >= 0)):
+            g, t = origin[r][le, slot]
+            where[(int(g), int(t), r * local + int(le))] = (r, le, slot)
+    out = []
+    for g, (idx, w) in enumerate(zip(indices, weights)):
+        hidden = expert_y[0].shape[2]
+        acc = np.zeros((len(idx), hidden), np.float32)
+        for t, row in enumerate(np.asarray(idx)):
+            for j, e in enumerate(row):
+                r, le, slot = where[(g, t, int(e))]
+                acc[t] += np.float32(w[t, j]) * expert_y[r][le, slot].astype(np.float32)
+        out.append(acc.astype(out_dtype))
+    return out
+
+
+def canonical_rows(count, *arrays):
+    """The first ``count`` rows of each [capacity, ...] array, joined per slot and sorted by their bytes.
+
+    Returns a uint8 [count, bytes per slot] array: two slot layouts hold the same tokens (with the same
+    scales) exactly when their canonical rows are equal, whatever the slot order.
+    """
+    parts = [np.ascontiguousarray(a[:count]).view(np.uint8).reshape(count, a[0].nbytes)
+             for a in arrays if a is not None]
+    keys = np.concatenate(parts, axis=1)
+    return keys[np.lexsort(keys.T[::-1])] if count else keys

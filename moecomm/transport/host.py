@@ -1,0 +1,260 @@
+"""The host transport: dispatch and combine across CPU ranks with numpy arrays and mpi4py.
+
+Real communication, the same semantics and wire plan as the GPU kernels: each token goes once to every
+*rank* that owns one of its experts and is fanned out to the local experts there; combine sends back one
+float32 partial sum per (token, expert rank) when the router weights came with dispatch, else one row per
+(token, expert). Every MPI operation is non-blocking and waited on with a deadline, so a dead peer raises
+:class:`moecomm.CommTimeout` instead of hanging. Errors in one rank's input (bad expert ids, ``m`` out of
+range) travel with the counts exchange, so every rank raises instead of waiting for the faulty one.
+"""
+import time
+from dataclasses import dataclass
+
+import numpy as np
+from mpi4py import MPI
+
+from .. import reference
+from .._errors import CommTimeout, InvalidArgument, InvalidRouting, MoeCommError
+from .base import AllToAllBackend, Transport, peer_pattern
+
+_OK, _BAD_ROUTING, _BAD_M = 0, 1, 2
+
+
+def _wait(requests, deadline, timeout_s, phase):
+    while not MPI.Request.Testall(requests):
+        if time.monotonic() > deadline:  # collective requests cannot be cancelled: they are abandoned
+            raise CommTimeout(f"{phase}: peers did not complete the exchange within {timeout_s:g} s "
+                              f"(a rank may have died or skipped the call)", phase=phase)
+        time.sleep(50e-6)
+
+
+class _Exchange:
+    """One all-to-all of fixed-size byte records, preceded by a (status, count) exchange.
+
+    ``post`` sends ``rows`` (uint8 [n, record_bytes], grouped by destination rank in rank order) and the
+    rank's status; ``finish`` waits and returns the received rows grouped by source rank and the counts.
+    """
+
+    def __init__(self, comm, timeout_s, phase):
+        self.comm, self.timeout_s, self.phase = comm, timeout_s, phase
+
+    def post(self, rows, dest_counts, status):
+        w = self.comm.Get_size()
+        deadline = time.monotonic() + self.timeout_s
+        head = np.empty((w, 2), np.int64)
+        head[:, 0], head[:, 1] = status, dest_counts
+        heads = np.empty((w, 2), np.int64)
+        _wait([self.comm.Ialltoall(head, heads)], deadline, self.timeout_s, self.phase)
+        bad = np.nonzero(heads[:, 0])[0]
+        if bad.size:
+            return None, heads[:, 0]
+        src_counts = heads[:, 1]
+        rb = rows.shape[1]
+        recv = np.empty((int(src_counts.sum()), rb), np.uint8)
+        sc, rc = dest_counts * rb, src_counts * rb
+        req = self.comm.Ialltoallv(
+            [rows, (sc, np.concatenate([[0], np.cumsum(sc)[:-1]])), MPI.BYTE],
+            [recv, (rc, np.concatenate([[0], np.cumsum(rc)[:-1]])), MPI.BYTE])
+        return (req, rows, recv, src_counts, deadline), heads[:, 0]
+
+    def finish(self, pending):
+        req, _rows, recv, src_counts, deadline = pending
+        _wait([req], deadline, self.timeout_s, self.phase)
+        return recv, src_counts
+
+
+def _raise_status(statuses, own_message, phase):
+    bad = [int(r) for r in np.nonzero(statuses)[0]]
+    if own_message:
+        raise (InvalidArgument if "bound_m" in own_message else InvalidRouting)(f"{phase}: {own_message}")
+    kinds = {_BAD_ROUTING: "invalid expert ids", _BAD_M: "bound_m out of range"}
+    detail = ", ".join(f"rank {r}: {kinds.get(int(statuses[r]), 'error')}" for r in bad)
+    raise InvalidRouting(f"{phase}: peers reported bad input ({detail}); nothing was exchanged")
+
+
+def _records(*parts):
+    """Join per-row arrays into one uint8 [n, bytes] record array."""
+    n = parts[0].shape[0]
+    return np.concatenate([np.ascontiguousarray(p).view(np.uint8).reshape(n, p.itemsize * int(np.prod(p.shape[1:])))
+                           for p in parts], axis=1)
+
+
+@dataclass
+class _Received:
+    """What dispatch received, kept for combine."""
+    src_rank: np.ndarray    # [n] source rank of each received token
+    token: np.ndarray       # [n] token index on the source group
+    pair_j: np.ndarray      # [p] received token of each (token, local expert) pair
+    pair_k: np.ndarray      # [p] top-k position of the pair
+    pair_le: np.ndarray     # [p] local expert
+    pair_slot: np.ndarray   # [p] slot in that expert
+    weights: object         # [n, k] float32 router weights sent with dispatch, or None
+
+
+class HostAllToAll(AllToAllBackend):
+    def __init__(self, comm, cfg, timeout_s):
+        self.comm, self.cfg, self.timeout_s = comm, cfg, timeout_s
+        self._dispatch_pending = None
+        self._combine_pending = None
+        self._received = None
+        self._dispatched_m = None
+
+    # dispatch -------------------------------------------------------------------------------
+    def dispatch(self, a, do_send, do_recv, stream=None):
+        if do_send:
+            if self._dispatch_pending is not None:
+                raise InvalidArgument("dispatch: a send is already posted; call dispatch(do_send=False) first")
+            self._dispatch_pending = self._dispatch_send(a)
+        if do_recv:
+            if self._dispatch_pending is None:
+                raise InvalidArgument("dispatch: do_recv without a prior do_send")
+            pending, self._dispatch_pending = self._dispatch_pending, None
+            self._dispatch_recv(a, pending)
+
+    def _dispatch_send(self, a):
+        cfg = self.cfg
+        L, K, W = cfg.num_local_experts, cfg.experts_per_token, cfg.world_size
+        m = int(a.bound_m[0])
+        status, message = _OK, None
+        if not 0 <= m <= min(cfg.max_num_tokens, a.dp_x.shape[0]):
+            status = _BAD_M
+            message = f"bound_m={m} must be in [0, min(max_num_tokens, dp_x rows)={min(cfg.max_num_tokens, a.dp_x.shape[0])}]"
+        else:
+            message = reference.routing_error(a.indices[:m], cfg.num_experts)
+            status = _BAD_ROUTING if message else _OK
+        mine = np.arange(cfg.dp_rank, m if status == _OK else 0, cfg.dp_size)
+        idx = a.indices[mine].astype(np.int64)
+        owner = idx // L
+        parts, counts = [], np.zeros(W, np.int64)
+        for d in range(W):
+            to_d = owner == d
+            sel = to_d.any(axis=1)
+            counts[d] = sel.sum()
+            local = np.where(to_d[sel], idx[sel] - d * L, -1).astype(np.int32)
+            fields = [a.dp_x[mine[sel]]]
+            if a.dp_x_scale is not None:
+                fields.append(a.dp_x_scale[mine[sel]])
+            fields += [mine[sel].astype(np.int32)[:, None], local]
+            if a.weights is not None:
+                fields.append(a.weights[mine[sel]].astype(np.float32))
+            parts.append(_records(*fields))
+        rows = np.concatenate(parts) if parts else np.zeros((0, 0), np.uint8)
+        ex = _Exchange(self.comm, self.timeout_s, "dispatch")
+        pending, statuses = ex.post(rows, counts, status)
+        if pending is None:
+            _raise_status(statuses, message, "dispatch")
+        self._dispatched_m = m
+        return ex, pending, a.weights is not None
+
+    def _dispatch_recv(self, a, pending):
+        cfg = self.cfg
+        ex, p, has_weights = pending
+        recv, src_counts = ex.finish(p)
+        H, K = cfg.hidden_dim, cfg.experts_per_token
+        xb = H * cfg.in_dtype.itemsize
+        sb = 0 if cfg.hidden_dim_scale is None else cfg.hidden_dim_scale * 4
+        x = recv[:, :xb].view(cfg.in_dtype)
+        meta = np.ascontiguousarray(recv[:, xb + sb:xb + sb + 4 * (1 + K)]).view(np.int32)
+        token, local = meta[:, 0], meta[:, 1:]
+        weights = (np.ascontiguousarray(recv[:, xb + sb + 4 * (1 + K):]).view(np.float32)
+                   if has_weights else None)
+        pair_j, pair_k = np.nonzero(local >= 0)
+        pair_le = local[pair_j, pair_k]
+        counts = np.bincount(pair_le, minlength=cfg.num_local_experts)
+        order = np.argsort(pair_le, kind="stable")
+        starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+        pair_slot = np.empty_like(pair_le)
+        pair_slot[order] = np.arange(pair_le.size) - starts[pair_le[order]]
+        a.out_expert_x[pair_le, pair_slot] = x[pair_j]
+        if sb:
+            scale = np.ascontiguousarray(recv[:, xb:xb + sb]).view(np.float32)
+            a.out_expert_x_scale[pair_le, pair_slot] = scale[pair_j]
+        a.out_expert_num_tokens[:] = counts
+        src_rank = np.repeat(np.arange(cfg.world_size), src_counts)
+        self._received = _Received(src_rank, token, pair_j, pair_k, pair_le, pair_slot, weights)
+
+    # combine --------------------------------------------------------------------------------
+    def combine(self, a, do_send, do_recv, stream=None):
+        if do_send:
+            if self._combine_pending is not None:
+                raise InvalidArgument("combine: a send is already posted; call combine(do_send=False) first")
+            self._combine_pending = self._combine_send(a)
+        if do_recv:
+            if self._combine_pending is None:
+                raise InvalidArgument("combine: do_recv without a prior do_send")
+            pending, self._combine_pending = self._combine_pending, None
+            self._combine_recv(a, pending)
+
+    def _combine_send(self, a):
+        cfg, rv = self.cfg, self._received
+        if rv is None:
+            raise InvalidArgument("combine: no dispatch has completed on this AllToAll")
+        if a.weights is None and rv.weights is None:
+            raise InvalidArgument("combine: weights=None needs the router weights to have been passed to "
+                                  "dispatch(weights=...)")
+        y = a.expert_y[rv.pair_le, rv.pair_slot].astype(np.float32)  # [p, H]
+        if a.weights is None:  # sum this rank's experts per token, weighted, on the expert side
+            part = np.zeros((rv.token.size, cfg.hidden_dim), np.float32)
+            np.add.at(part, rv.pair_j, rv.weights[rv.pair_j, rv.pair_k][:, None] * y)
+            row_src, fields = rv.src_rank, [rv.token[:, None], part]
+        else:  # one row per (token, expert): the token side weights and sums
+            row_src = rv.src_rank[rv.pair_j]
+            fields = [rv.token[rv.pair_j][:, None], rv.pair_k.astype(np.int32)[:, None],
+                      a.expert_y[rv.pair_le, rv.pair_slot]]
+        group = row_src // cfg.dp_size
+        parts, counts = [], np.zeros(cfg.world_size, np.int64)
+        for d in range(cfg.world_size):  # every rank of the token's DP group gets the result
+            sel = group == d // cfg.dp_size
+            counts[d] = sel.sum()
+            parts.append(_records(*[f[sel] for f in fields]))
+        ex = _Exchange(self.comm, self.timeout_s, "combine")
+        pending, statuses = ex.post(np.concatenate(parts), counts, _OK)
+        if pending is None:
+            _raise_status(statuses, None, "combine")
+        return ex, pending, a.weights is None
+
+    def _combine_recv(self, a, pending):
+        cfg = self.cfg
+        ex, p, partials = pending
+        recv, _ = ex.finish(p)
+        m = int(a.bound_m[0])
+        if m != self._dispatched_m:
+            raise InvalidArgument(f"combine: bound_m={m} differs from the dispatched m={self._dispatched_m}")
+        token = np.ascontiguousarray(recv[:, :4]).view(np.int32)[:, 0]
+        acc = np.zeros((m, cfg.hidden_dim), np.float32)
+        if partials:
+            np.add.at(acc, token, np.ascontiguousarray(recv[:, 4:]).view(np.float32))
+        else:
+            k = np.ascontiguousarray(recv[:, 4:8]).view(np.int32)[:, 0]
+            y = np.ascontiguousarray(recv[:, 8:]).view(cfg.out_dtype).astype(np.float32)
+            np.add.at(acc, token, a.weights[token, k].astype(np.float32)[:, None] * y)
+        a.out_tokens[:m] = acc.astype(cfg.out_dtype)
+
+    def destroy(self):
+        self._received = self._dispatch_pending = self._combine_pending = None
+
+
+class HostTransport(Transport):
+    """CPU ranks exchanging numpy arrays over an mpi4py communicator."""
+    name = "host"
+    memory = "host"
+
+    def __init__(self, comm):
+        self.comm = comm
+
+    def new_alltoall(self, cfg, timeout_s):
+        return HostAllToAll(self.comm, cfg, timeout_s)
+
+    def check_peers(self, nbytes, timeout_s):
+        w, me = self.comm.Get_size(), self.comm.Get_rank()
+        send = peer_pattern(me, np.arange(w), nbytes)
+        recv = np.empty_like(send)
+        _wait([self.comm.Ialltoall(send, recv)], time.monotonic() + timeout_s, timeout_s, "peer_check")
+        expect = peer_pattern(np.arange(w), me, nbytes)
+        wrong = [int(p) for p in np.nonzero((recv != expect).any(axis=1))[0]]
+        if wrong:
+            raise MoeCommError(f"peer_check: wrong bytes received from ranks {wrong}")
+
+    def finalize(self):
+        self.comm = None
+

@@ -1,0 +1,262 @@
+"""Semantic sweep of AllToAll on any transport, run under MPI: every rank checks its own outputs.
+
+    mpiexec -n 3 python tests/mpi_alltoall.py --transport host [--quick]
+    mpirun -np 2 python tests/mpi_alltoall.py --transport nvshmem
+
+Every rank draws the same global random data from the case seed, so each computes the reference
+(moecomm.reference) locally and compares with what its transport produced: counts exactly, expert slots as
+multisets of (token, scales) rows, combined tokens within float32-accumulation rounding of the output
+dtype. Outputs are poisoned before every call. Exits non-zero on any mismatch; rank 0 prints a summary.
+"""
+import argparse
+import itertools
+import sys
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+import moecomm
+from moecomm import reference
+from moecomm._dtypes import as_dtype, IN_DTYPES, OUT_DTYPES
+
+POISON = 0xFF  # bytes of NaN in every float dtype we use; counts become -1
+
+
+class Host:
+    """Arrays for the host transport."""
+    @staticmethod
+    def put(a):
+        return np.array(a)
+
+    @staticmethod
+    def get(a):
+        return np.asarray(a)
+
+    @staticmethod
+    def empty(shape, dtype):
+        a = np.empty(shape, dtype)
+        a.view(np.uint8).fill(POISON)
+        return a
+
+    @staticmethod
+    def sync():
+        pass
+
+
+class Device:
+    """Arrays on the GPU (CuPy); dtypes CuPy lacks travel as raw bytes viewed by moecomm."""
+    @staticmethod
+    def _raw(dtype):
+        dtype = np.dtype(dtype)
+        return dtype if dtype.kind in "biuf" and dtype.name not in ("bfloat16", "float8_e4m3fn") \
+            else np.dtype(f"u{dtype.itemsize}")
+
+    @classmethod
+    def put(cls, a):
+        import cupy
+        a = np.ascontiguousarray(a)
+        return cupy.asarray(a.view(cls._raw(a.dtype)))
+
+    @classmethod
+    def get(cls, a, dtype=None):
+        out = a.get()
+        return out if dtype is None else out.view(dtype)
+
+    @classmethod
+    def empty(cls, shape, dtype):
+        import cupy
+        a = cupy.empty(shape, cls._raw(dtype))
+        a.view(cupy.uint8).fill(POISON)
+        return a
+
+    @staticmethod
+    def sync():
+        import cupy
+        cupy.cuda.get_current_stream().synchronize()
+
+
+def expert_fn(x, global_expert, out_dtype):
+    """The 'expert': a row-wise function that depends on the expert, so misrouted outputs show."""
+    return (x.astype(np.float32) * np.float32(1.0 + (global_expert % 7) / 8.0)).astype(out_dtype)
+
+
+def routing(rng, m, k, num_experts, world, rank, kind):
+    if kind == "uniform":
+        return np.argsort(rng.random((m, num_experts)), axis=1)[:, :k].astype(np.int32)
+    if kind == "one_expert":  # every token goes to expert 0 (plus distinct others when k > 1)
+        rest = np.argsort(rng.random((m, num_experts - 1)), axis=1)[:, :k - 1] + 1
+        return np.concatenate([np.zeros((m, 1), np.int64), rest], axis=1).astype(np.int32)
+    if kind == "other_rank":  # every token goes to experts of the next rank only
+        local = num_experts // world
+        base = ((rank + 1) % world) * local
+        return (base + np.argsort(rng.random((m, local)), axis=1)[:, :k]).astype(np.int32)
+    raise ValueError(kind)
+
+
+def random_tokens(rng, m, hidden, dtype):
+    return (rng.standard_normal((m, hidden)) * 2).astype(np.float32).astype(dtype)
+
+
+def run_case(comm, A, c, seed, tol):
+    """One configuration, several calls with fresh data. Returns a list of failure strings."""
+    W, rank = comm.world_size, comm.rank
+    dp = c["dp_size"]
+    G = W // dp
+    in_dt, out_dt = as_dtype(c["in_dtype"], IN_DTYPES, "in"), as_dtype(c["out_dtype"], OUT_DTYPES, "out")
+    E, K, H, S, M = c["num_experts"], c["topk"], c["hidden"], c["scale"], c["max_m"]
+    L = E // W
+    a2a = moecomm.AllToAll(comm, M, E, K, H, S, in_dt, out_dt, dp_size=dp)
+    fails = []
+    try:
+        for it in range(c["iters"]):
+            rng = np.random.default_rng([seed, it])
+            ms = [int(v) for v in rng.integers(0, M + 1, G)] if c["m"] == "random" else [c["m"]] * G
+            x = [random_tokens(rng, m, H, in_dt) for m in ms]
+            xs = [rng.random((m, S), np.float32) if S else None for m in ms]
+            idx = [routing(rng, m, K, E, G, g * dp, c["routing"]) for g, m in enumerate(ms)]
+            w = [rng.random((m, K), np.float32) for m in ms]
+            ref = reference.dispatch(x, xs if S else None, idx, E, W, M, dp)
+            g = rank // dp
+            m = ms[g]
+            rows = M if it % 2 else m  # exact-size and padded inputs
+            pad = lambda a, n=rows: np.concatenate([a, np.zeros((n - len(a),) + a.shape[1:], a.dtype)])
+            bound_m = A.put(np.array([m], np.int32))
+            out_n = A.empty((L,), np.int32)
+            out_x = A.empty((L, M * G, H), in_dt)
+            out_s = A.empty((L, M * G, S), np.float32) if S else None
+            send_w = c["weights_at"] == "dispatch"
+            dargs = (out_n, out_x, out_s, A.put(pad(x[g])), A.put(pad(xs[g])) if S else None,
+                     A.put(pad(idx[g])), bound_m)
+            if c["split"]:
+                a2a.dispatch(*dargs, do_send=True, do_recv=False, weights=A.put(pad(w[g])) if send_w else None)
+                a2a.dispatch(*dargs, do_send=False, do_recv=True, weights=A.put(pad(w[g])) if send_w else None)
+            else:
+                a2a.dispatch(*dargs, weights=A.put(pad(w[g])) if send_w else None)
+            A.sync()
+            got_n = A.get(out_n).view(np.int32)
+            got_x = A.get(out_x).view(in_dt)
+            got_s = A.get(out_s).view(np.float32) if S else None
+            r = ref[rank]
+            if not np.array_equal(got_n, r["expert_num_tokens"]):
+                fails.append(f"iter {it}: counts {got_n.tolist()} != {r['expert_num_tokens'].tolist()}")
+                continue
+            for le in range(L):
+                n = int(got_n[le])
+                if not np.array_equal(
+                        reference.canonical_rows(n, got_x[le], None if got_s is None else got_s[le]),
+                        reference.canonical_rows(n, r["expert_x"][le], None if got_s is None else r["expert_x_scale"][le])):
+                    fails.append(f"iter {it}: expert {le} tokens differ from the reference")
+                    break
+            # combine: expert outputs computed from what arrived, by the same row-wise function
+            y = np.stack([expert_fn(got_x[le], rank * L + le, out_dt) for le in range(L)])
+            ref_y = [np.stack([expert_fn(ref[q]["expert_x"][le], q * L + le, out_dt) for le in range(L)])
+                     for q in range(W)]
+            want = reference.combine(idx, w, ref_y, [q["origin"] for q in ref], E, W, out_dt, dp)[g]
+            out_t = A.empty((rows, H), out_dt)
+            cw = None if send_w else A.put(pad(w[g]))
+            cargs = (out_t, A.put(pad(idx[g])), cw, A.put(y), bound_m)
+            if c["split"]:
+                a2a.combine(*cargs, do_send=True, do_recv=False)
+                a2a.combine(*cargs, do_send=False, do_recv=True)
+            else:
+                a2a.combine(*cargs)
+            A.sync()
+            got_t = A.get(out_t).view(out_dt)[:m].astype(np.float32)
+            want = want.astype(np.float32)
+            bad = ~(np.abs(got_t - want) <= tol * (1 + np.abs(want)))
+            if bad.any():
+                t, h = map(int, np.argwhere(bad)[0])
+                fails.append(f"iter {it}: combine token {t} col {h}: {got_t[t, h]} != {want[t, h]} "
+                             f"({int(bad.sum())} values off)")
+    finally:
+        a2a.destroy()
+    return fails
+
+
+def bad_input_case(comm, A):
+    """A rank with a corrupted expert id: every rank raises InvalidRouting; the next call is correct."""
+    W = comm.world_size
+    E, K, H, M = 4 * W, 2, 64, 8
+    a2a = moecomm.AllToAll(comm, M, E, K, H, None, "bfloat16", "bfloat16")
+    fails = []
+    try:
+        rng = np.random.default_rng(7)
+        x = random_tokens(rng, M, H, moecomm.bfloat16)
+        idx = routing(rng, M, K, E, W, 0, "uniform")
+        if comm.rank == W - 1:
+            idx[3, 1] = E + 5
+        outs = (A.empty((E // W,), np.int32), A.empty((E // W, M * W, H), moecomm.bfloat16), None)
+        try:
+            a2a.dispatch(*outs, A.put(x), None, A.put(idx), A.put(np.array([M], np.int32)))
+            A.sync()
+            fails.append("corrupted index: no error raised")
+        except moecomm.InvalidRouting as e:
+            if comm.rank == W - 1 and "token 3" not in str(e):
+                fails.append(f"corrupted index: message does not name the token: {e}")
+        # a bad argument is refused before anything is sent, on this rank alone
+        try:
+            a2a.dispatch(*outs, A.put(x[:, :32]), None, A.put(idx), A.put(np.array([M], np.int32)))
+            fails.append("wrong hidden size: no error raised")
+        except moecomm.InvalidArgument:
+            pass
+    finally:
+        a2a.destroy()
+    return fails
+
+
+def cases(world, quick):
+    base = dict(in_dtype="bfloat16", out_dtype="bfloat16", hidden=256, scale=None, num_experts=4 * world,
+                topk=2, max_m=16, m="random", routing="uniform", dp_size=1, weights_at="dispatch",
+                split=False, iters=3)
+    out = []
+    for in_dt, out_dt in itertools.product(["bfloat16", "float16", "float8_e4m3fn"], ["bfloat16", "float16"]):
+        out.append(dict(base, in_dtype=in_dt, out_dtype=out_dt,
+                        scale=(base["hidden"] // 128 if in_dt == "float8_e4m3fn" else None)))
+    for k in ([1, 6, 8] if not quick else [1, 8]):
+        out.append(dict(base, topk=k, num_experts=8 * world))
+    for kind in ("one_expert", "other_rank"):
+        out.append(dict(base, routing=kind, topk=2))
+    out.append(dict(base, m=0))
+    out.append(dict(base, m=16))
+    out.append(dict(base, weights_at="combine"))
+    out.append(dict(base, split=True))
+    out.append(dict(base, split=True, weights_at="combine", in_dtype="float8_e4m3fn", scale=7))
+    out.append(dict(base, hidden=2048, scale=16, in_dtype="float8_e4m3fn", topk=8, num_experts=8 * world))
+    for dp in range(2, world + 1):
+        if world % dp == 0:
+            out.append(dict(base, dp_size=dp))
+            out.append(dict(base, dp_size=dp, weights_at="combine"))
+    out.append(dict(base, iters=50 if quick else 200, max_m=8, hidden=64))  # repeated calls, same buffers
+    return out
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--transport", default="auto")
+    p.add_argument("--quick", action="store_true")
+    args = p.parse_args()
+    comm = moecomm.init(transport=args.transport)
+    A = Host if comm.transport.memory == "host" else Device
+    # float32 accumulation in another order, then one rounding to the output dtype: within 2 ulp.
+    tol = {"bfloat16": 2 ** -7, "float16": 2 ** -10}
+    failures, t0 = [], time.time()
+    all_cases = cases(comm.world_size, args.quick)
+    for i, c in enumerate(all_cases):
+        for f in run_case(comm, A, c, seed=1000 + i, tol=tol[c["out_dtype"]]):
+            failures.append(f"rank {comm.rank} case {c}: {f}")
+    failures += [f"rank {comm.rank} bad input: {f}" for f in bad_input_case(comm, A)]
+    comm.check_peers()
+    everyone = comm.allgather(failures)
+    comm.finalize()
+    if comm.rank == 0:
+        flat = [f for fs in everyone for f in fs]
+        for f in flat[:20]:
+            print("FAIL", f)
+        print(f"{len(all_cases) + 1} cases on {len(everyone)} ranks ({args.transport}): "
+              f"{len(flat)} failures in {time.time() - t0:.1f} s")
+    sys.exit(1 if any(everyone) else 0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Build, test (and optionally benchmark) on the GPU machine in one go. Run from the repo root:
+#   bash tools/gpu_check.sh [quick]
+# Wheels missing there (nvshmem4py) travel in .whl/ (see README, "GPU machine"). Logs go to $OUT if set.
+set -u -o pipefail
+out=${OUT:-/tmp/moecomm-out}; mkdir -p "$out"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+# NVLink multicast stays off on shared machines; one node: no network transport, bootstrap over loopback.
+export NVSHMEM_DISABLE_NVLS=1 NCCL_NVLS_ENABLE=0 NVSHMEM_REMOTE_TRANSPORT=none NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME=lo
+export MOECOMM_CACHE_DIR=/tmp/moecomm-cache
+ngpu=$(nvidia-smi -L | wc -l)
+MPIRUN=(mpirun --allow-run-as-root --oversubscribe -x PYTHONPATH -x PYTHONUNBUFFERED -x NVSHMEM_DISABLE_NVLS
+  -x NCCL_NVLS_ENABLE -x NVSHMEM_REMOTE_TRANSPORT -x NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME -x MOECOMM_CACHE_DIR)
+status=0
+step() { echo "=== $*"; timeout ${STEP_TIMEOUT:-240} "$@" 2>&1 | tee -a "$out/gpu_check.log"; local rc=${PIPESTATUS[0]}; echo "=== rc=$rc: $*"; [ "$rc" = 0 ] || status=1; }
+{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; nvidia-smi topo -m;
+  python3 -c "import cupy, cuda.bindings, cuda.core, mpi4py, numpy; import importlib.metadata as m; print({p: m.version(p) for p in ['cupy-cuda13x','cuda-bindings','cuda-core','nvidia-cuda-nvrtc','nvidia-nvjitlink','nvidia-nvshmem-cu13','nvshmem4py-cu13','mpi4py','numpy']})"; } 2>&1 | tee "$out/gpu_env.txt"
+step python3 -m moecomm.build --arch sm_90
+step "${MPIRUN[@]}" -np "$ngpu" python3 tests/mpi_peer_check.py
+[ "${1:-}" = quick ] && exit $status
+step "${MPIRUN[@]}" -np "$ngpu" python3 tests/mpi_alltoall.py --transport nvshmem ${SWEEP_ARGS:-}
+exit $status
