@@ -47,7 +47,7 @@ class AllToAll:
         scale_dtype: float32 (the default when hidden_dim_scale is given), or None.
         dp_size: ranks per data-parallel group; a group's ranks hold the same tokens, share the sending
             and each receives the whole combined result.
-        timeout: seconds any wait may last (else ``$MOECOMM_TIMEOUT_S``, else 10).
+        timeout: seconds any wait may last (default: the communicator's).
     """
 
     def __init__(self, comm, max_num_tokens, num_experts, experts_per_token, hidden_dim,
@@ -64,7 +64,7 @@ class AllToAll:
         self.cfg = AllToAllConfig.create(comm.world_size, comm.rank, max_num_tokens, num_experts,
                                          experts_per_token, hidden_dim, hidden_dim_scale, in_dtype,
                                          out_dtype, scale_dtype, dp_size)
-        self.timeout_s, self.timeout_source = timeout_seconds(timeout)
+        self.timeout_s = comm.timeout_s if timeout is None else timeout_seconds(timeout)[0]
         self._memory = comm.transport.memory
         self._backend = comm.transport.new_alltoall(self.cfg, self.timeout_s)
 
@@ -92,7 +92,9 @@ class AllToAll:
             raise InvalidArgument("this AllToAll was destroyed")
 
     def _rows(self, obj, name):
-        shape = tuple(getattr(obj, "shape", ()) or ())
+        if not hasattr(obj, "shape"):
+            self._array(obj, name, None, None)  # raises: says which kinds of array are accepted
+        shape = tuple(obj.shape)
         if len(shape) != 2 or not 0 <= shape[0] <= self.cfg.max_num_tokens:
             raise InvalidArgument(f"{name}: expected a 2-D array of at most max_num_tokens="
                                   f"{self.cfg.max_num_tokens} rows, got shape {shape}")

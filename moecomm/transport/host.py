@@ -18,48 +18,60 @@ from .._errors import CommTimeout, InvalidArgument, InvalidRouting, MoeCommError
 from .base import AllToAllBackend, Transport, peer_pattern
 
 _OK, _BAD_ROUTING, _BAD_M = 0, 1, 2
+_TAG_DISPATCH, _TAG_COMBINE, _TAG_PEER_CHECK = 0x6D00, 0x6D10, 0x6D20  # each phase uses tag and tag + 1
 
 
-def _wait(requests, deadline, timeout_s, phase):
+def _wait(requests, peers, deadline, timeout_s, phase):
+    """Wait for MPI requests until ``deadline``; on expiry raise CommTimeout naming the first silent peer."""
     while not MPI.Request.Testall(requests):
-        if time.monotonic() > deadline:  # collective requests cannot be cancelled: they are abandoned
-            raise CommTimeout(f"{phase}: peers did not complete the exchange within {timeout_s:g} s "
-                              f"(a rank may have died or skipped the call)", phase=phase)
+        if time.monotonic() > deadline:
+            silent = sorted({p for p, r in zip(peers, requests) if not r.Test()})
+            raise CommTimeout(f"{phase}: no message from rank(s) {silent} within {timeout_s:g} s "
+                              f"(a rank may have died or skipped the call)",
+                              peer=silent[0] if silent else -1, phase=phase)
         time.sleep(50e-6)
 
 
 class _Exchange:
-    """One all-to-all of fixed-size byte records, preceded by a (status, count) exchange.
+    """One exchange of fixed-size byte records with every rank, point to point (so a silent peer can be
+    named), preceded by a (status, count) message to every rank.
 
     ``post`` sends ``rows`` (uint8 [n, record_bytes], grouped by destination rank in rank order) and the
     rank's status; ``finish`` waits and returns the received rows grouped by source rank and the counts.
     """
 
-    def __init__(self, comm, timeout_s, phase):
-        self.comm, self.timeout_s, self.phase = comm, timeout_s, phase
+    def __init__(self, comm, timeout_s, phase, tag):
+        self.comm, self.timeout_s, self.phase, self.tag = comm, timeout_s, phase, tag
 
     def post(self, rows, dest_counts, status):
-        w = self.comm.Get_size()
+        w, c = self.comm.Get_size(), self.comm
         deadline = time.monotonic() + self.timeout_s
         head = np.empty((w, 2), np.int64)
         head[:, 0], head[:, 1] = status, dest_counts
         heads = np.empty((w, 2), np.int64)
-        _wait([self.comm.Ialltoall(head, heads)], deadline, self.timeout_s, self.phase)
-        bad = np.nonzero(heads[:, 0])[0]
-        if bad.size:
+        recvs = [c.Irecv(heads[s], source=s, tag=self.tag) for s in range(w)]
+        sends = [c.Isend(head[d], dest=d, tag=self.tag) for d in range(w)]
+        _wait(recvs + sends, list(range(w)) * 2, deadline, self.timeout_s, self.phase)
+        if heads[:, 0].any():
             return None, heads[:, 0]
         src_counts = heads[:, 1]
-        rb = rows.shape[1]
-        recv = np.empty((int(src_counts.sum()), rb), np.uint8)
-        sc, rc = dest_counts * rb, src_counts * rb
-        req = self.comm.Ialltoallv(
-            [rows, (sc, np.concatenate([[0], np.cumsum(sc)[:-1]])), MPI.BYTE],
-            [recv, (rc, np.concatenate([[0], np.cumsum(rc)[:-1]])), MPI.BYTE])
-        return (req, rows, recv, src_counts, deadline), heads[:, 0]
+        recv = np.empty((int(src_counts.sum()), rows.shape[1]), np.uint8)
+        reqs, peers = [], []
+        src_off = np.concatenate([[0], np.cumsum(src_counts)])
+        dst_off = np.concatenate([[0], np.cumsum(dest_counts)])
+        for s in range(w):
+            if src_counts[s]:
+                reqs.append(c.Irecv(recv[src_off[s]:src_off[s + 1]], source=s, tag=self.tag + 1))
+                peers.append(s)
+        for d in range(w):
+            if dest_counts[d]:
+                reqs.append(c.Isend(rows[dst_off[d]:dst_off[d + 1]], dest=d, tag=self.tag + 1))
+                peers.append(d)
+        return (reqs, peers, rows, recv, src_counts, deadline), heads[:, 0]
 
     def finish(self, pending):
-        req, _rows, recv, src_counts, deadline = pending
-        _wait([req], deadline, self.timeout_s, self.phase)
+        reqs, peers, _rows, recv, src_counts, deadline = pending
+        _wait(reqs, peers, deadline, self.timeout_s, self.phase)
         return recv, src_counts
 
 
@@ -139,7 +151,7 @@ class HostAllToAll(AllToAllBackend):
                 fields.append(a.weights[mine[sel]].astype(np.float32))
             parts.append(_records(*fields))
         rows = np.concatenate(parts) if parts else np.zeros((0, 0), np.uint8)
-        ex = _Exchange(self.comm, self.timeout_s, "dispatch")
+        ex = _Exchange(self.comm, self.timeout_s, "dispatch", _TAG_DISPATCH)
         pending, statuses = ex.post(rows, counts, status)
         if pending is None:
             _raise_status(statuses, message, "dispatch")
@@ -207,7 +219,7 @@ class HostAllToAll(AllToAllBackend):
             sel = group == d // cfg.dp_size
             counts[d] = sel.sum()
             parts.append(_records(*[f[sel] for f in fields]))
-        ex = _Exchange(self.comm, self.timeout_s, "combine")
+        ex = _Exchange(self.comm, self.timeout_s, "combine", _TAG_COMBINE)
         pending, statuses = ex.post(np.concatenate(parts), counts, _OK)
         if pending is None:
             _raise_status(statuses, None, "combine")
@@ -249,7 +261,9 @@ class HostTransport(Transport):
         w, me = self.comm.Get_size(), self.comm.Get_rank()
         send = peer_pattern(me, np.arange(w), nbytes)
         recv = np.empty_like(send)
-        _wait([self.comm.Ialltoall(send, recv)], time.monotonic() + timeout_s, timeout_s, "peer_check")
+        reqs = [self.comm.Irecv(recv[s], source=s, tag=_TAG_PEER_CHECK) for s in range(w)]
+        reqs += [self.comm.Isend(send[d], dest=d, tag=_TAG_PEER_CHECK) for d in range(w)]
+        _wait(reqs, list(range(w)) * 2, time.monotonic() + timeout_s, timeout_s, "peer_check")
         expect = peer_pattern(np.arange(w), me, nbytes)
         wrong = [int(p) for p in np.nonzero((recv != expect).any(axis=1))[0]]
         if wrong:

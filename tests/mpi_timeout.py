@@ -1,0 +1,58 @@
+"""A rank that skips dispatch: every other rank raises CommTimeout within the timeout instead of hanging.
+
+    mpiexec -n 3 python tests/mpi_timeout.py --transport host
+    mpirun -np 2 python tests/mpi_timeout.py --transport nvshmem
+
+The last rank never calls dispatch. After the timeout the communicator is unusable (the abandoned
+exchange can never complete), so the ranks report and leave without tearing down collectively.
+"""
+import argparse
+import os
+import sys
+import time
+
+import numpy as np
+
+import moecomm
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--transport", default="auto")
+    args = p.parse_args()
+    comm = moecomm.init(transport=args.transport, timeout=1.0)
+    W, rank = comm.world_size, comm.rank
+    E, K, H, M = 2 * W, 1, 64, 4
+    a2a = moecomm.AllToAll(comm, M, E, K, H, in_dtype="bfloat16", out_dtype="bfloat16")
+    if comm.transport.memory == "host":
+        xp, put = np, np.asarray
+    else:
+        import cupy as xp
+        put = xp.asarray
+    outcome = "skipped"
+    if rank != W - 1:
+        x = np.zeros((M, H), np.uint16)
+        idx = (np.arange(M, dtype=np.int32) % E)[:, None].copy()
+        t0 = time.monotonic()
+        try:
+            a2a.dispatch(put(np.zeros(E // W, np.int32)), put(np.zeros((E // W, M * W, H), np.uint16)),
+                         None, put(x), None, put(idx), put(np.array([M], np.int32)))
+            if comm.transport.memory != "host":
+                a2a.synchronize()
+            outcome = "no error"
+        except moecomm.CommTimeout as e:
+            took = time.monotonic() - t0
+            outcome = f"CommTimeout after {took:.2f} s (peer {e.peer}, phase {e.phase})"
+            if not 0.9 <= took <= 5:
+                outcome = "late " + outcome
+    results = comm.allgather(outcome)
+    if rank == 0:
+        print("\n".join(f"rank {r}: {o}" for r, o in enumerate(results)))
+        ok = all(o.startswith("CommTimeout") for o in results[:-1])
+        print(f"CommTimeout on {sum(o.startswith('CommTimeout') for o in results)} ranks")
+    sys.stdout.flush()
+    os._exit(0 if rank != 0 or ok else 1)
+
+
+if __name__ == "__main__":
+    main()

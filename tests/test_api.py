@@ -1,0 +1,139 @@
+"""Argument validation: every bad input raises a clear exception before anything is sent, and the next
+valid call still works (single host rank, in process)."""
+import numpy as np
+import pytest
+
+import moecomm
+
+E, K, H, S, M = 8, 2, 256, 2, 16
+
+
+@pytest.fixture(scope="module")
+def comm():
+    c = moecomm.init(transport="host")
+    yield c
+    c.finalize()
+
+
+def _good(dtype="float8_e4m3fn"):
+    dt = moecomm.float8_e4m3fn if dtype == "float8_e4m3fn" else moecomm.bfloat16
+    rng = np.random.default_rng(0)
+    return dict(
+        out_expert_num_tokens=np.zeros(E, np.int32),
+        out_expert_x=np.zeros((E, M, H), dt),
+        out_expert_x_scale=np.zeros((E, M, S), np.float32),
+        dp_x=rng.standard_normal((M, H)).astype(dt),
+        dp_x_scale=rng.random((M, S), np.float32),
+        indices=np.argsort(rng.random((M, E)), axis=1)[:, :K].astype(np.int32),
+        bound_m=np.array([M], np.int32),
+        weights=rng.random((M, K), np.float32))
+
+
+@pytest.fixture
+def a2a(comm):
+    a = moecomm.AllToAll(comm, M, E, K, H, S, "float8_e4m3fn", "bfloat16")
+    yield a
+    a.destroy()
+
+
+def _roundtrip(a2a, args):
+    a2a.dispatch(**args)
+    y = args["out_expert_x"].astype(np.float32).astype(moecomm.bfloat16)
+    out = np.zeros((M, H), moecomm.bfloat16)
+    a2a.combine(out, args["indices"], None, y, args["bound_m"])
+    want = (args["dp_x"].astype(np.float32) * args["weights"].sum(1)[:, None]).astype(moecomm.bfloat16)
+    np.testing.assert_allclose(out.astype(np.float32), want.astype(np.float32), rtol=2 ** -7, atol=1e-6)
+
+
+BAD_DISPATCH = {
+    "dp_x dtype": (dict(dp_x=np.zeros((M, H), np.float32)), "dp_x: dtype float32"),
+    "dp_x hidden": (dict(dp_x=np.zeros((M, H // 2), moecomm.float8_e4m3fn)), "dp_x: shape"),
+    "too many rows": (dict(dp_x=np.zeros((M + 1, H), moecomm.float8_e4m3fn)), "at most max_num_tokens"),
+    "indices dtype": (dict(indices=np.zeros((M, K), np.int64)), "int32 or uint32"),
+    "indices k": (dict(indices=np.zeros((M, K + 1), np.int32)), "indices: shape"),
+    "non-contiguous": (dict(out_expert_x=np.zeros((E, M, 2 * H), moecomm.float8_e4m3fn)[:, :, ::2]),
+                       "C-contiguous"),
+    "missing scale": (dict(out_expert_x_scale=None), "out_expert_x_scale: required"),
+    "scale shape": (dict(dp_x_scale=np.zeros((M, S + 1), np.float32)), "dp_x_scale: shape"),
+    "counts dtype": (dict(out_expert_num_tokens=np.zeros(E, np.int64)), "out_expert_num_tokens: dtype"),
+    "bound_m shape": (dict(bound_m=np.array([M, 0], np.int32)), "bound_m: shape"),
+    "list input": (dict(dp_x=[[0.0] * H] * M), "takes numpy arrays"),
+    "m too large": (dict(bound_m=np.array([M + 1], np.int32)), "bound_m"),
+    "bad expert": (dict(indices=np.full((M, K), E, np.int32)), "outside [0, 8)"),
+    "repeated expert": (dict(indices=np.zeros((M, K), np.int32)), "more than once"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_DISPATCH), ids=lambda c: c.replace(" ", "-"))
+def test_bad_dispatch_then_good(a2a, case):
+    change, message = BAD_DISPATCH[case]
+    args = dict(_good(), **change)
+    with pytest.raises((moecomm.InvalidArgument, moecomm.InvalidRouting), match=None) as e:
+        a2a.dispatch(**args)
+    assert message in str(e.value)
+    _roundtrip(a2a, _good())
+
+
+BAD_CONFIG = {
+    "experts not divisible": (dict(num_experts=7), None),  # world 1 divides everything: see below
+    "topk over 16": (dict(experts_per_token=17, num_experts=32), "experts_per_token=17"),
+    "topk over experts": (dict(experts_per_token=9), "experts_per_token=9"),
+    "too many experts": (dict(num_experts=1024), "num_experts=1024"),
+    "hidden misaligned": (dict(hidden_dim=100), "multiple of 16 bytes"),
+    "in dtype": (dict(in_dtype="float32"), "in_dtype: unsupported dtype"),
+    "out dtype": (dict(out_dtype="float8_e4m3fn"), "out_dtype: unsupported dtype"),
+    "scale dtype without scales": (dict(hidden_dim_scale=None, scale_dtype="float32"), "scale_dtype given"),
+    "zero tokens": (dict(max_num_tokens=0), "max_num_tokens must be"),
+    "dp size": (dict(dp_size=3), "dp_size=3"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_CONFIG), ids=lambda c: c.replace(" ", "-"))
+def test_bad_config(comm, case):
+    change, message = BAD_CONFIG[case]
+    args = dict(dict(max_num_tokens=M, num_experts=E, experts_per_token=K, hidden_dim=H, hidden_dim_scale=S,
+                     in_dtype="float8_e4m3fn", out_dtype="bfloat16", dp_size=1), **change)
+    if message is None:  # accepted on one rank
+        moecomm.AllToAll(comm, **args).destroy()
+        return
+    with pytest.raises(moecomm.InvalidArgument) as e:
+        moecomm.AllToAll(comm, **args)
+    assert message in str(e.value)
+
+
+def test_combine_needs_weights_and_dispatch(comm):
+    a = moecomm.AllToAll(comm, M, E, K, H, S, "float8_e4m3fn", "bfloat16")
+    args = _good()
+    out = np.zeros((M, H), moecomm.bfloat16)
+    y = np.zeros((E, M, H), moecomm.bfloat16)
+    with pytest.raises(moecomm.InvalidArgument, match="no dispatch"):
+        a.combine(out, args["indices"], None, y, args["bound_m"])
+    a.dispatch(**dict(args, weights=None))
+    with pytest.raises(moecomm.InvalidArgument, match="weights=None needs"):
+        a.combine(out, args["indices"], None, y, args["bound_m"])
+    a.combine(out, args["indices"], args["weights"], y, args["bound_m"])
+    a.destroy()
+    a.destroy()  # twice is fine
+    with pytest.raises(moecomm.InvalidArgument, match="destroyed"):
+        a.dispatch(**args)
+
+
+def test_split_send_recv_order(a2a):
+    args = _good()
+    with pytest.raises(moecomm.InvalidArgument, match="without a prior do_send"):
+        a2a.dispatch(**args, do_send=False)
+    a2a.dispatch(**args, do_recv=False)
+    with pytest.raises(moecomm.InvalidArgument, match="already posted"):
+        a2a.dispatch(**args, do_recv=False)
+    a2a.dispatch(**args, do_send=False)
+    _roundtrip(a2a, _good())
+
+
+def test_dtype_names(comm):
+    for name in ("bf16", "bfloat16", moecomm.bfloat16, "fp16", np.float16, "e4m3", "float8_e4m3fn"):
+        moecomm.AllToAll(comm, M, E, K, H, None, name, "fp16").destroy()
+
+
+def test_unknown_transport():
+    with pytest.raises(moecomm.InvalidArgument, match="transport must be one of"):
+        moecomm.init(transport="ucx")

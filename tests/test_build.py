@@ -1,0 +1,84 @@
+"""The kernel build pipeline on a CPU-only machine: every kernel compiles and links for sm_90, the disk
+cache is keyed, checked and safe under concurrency, and compile errors carry the log with file and line."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT
+from moecomm import _cache, _jit
+from moecomm._errors import CompileError
+
+
+def _cli(cache, *args):
+    env = dict(os.environ, MOECOMM_CACHE_DIR=str(cache), PYTHONPATH=str(ROOT))
+    return subprocess.run([sys.executable, "-m", "moecomm.build", *args], capture_output=True, text=True,
+                          env=env, timeout=600)
+
+
+def test_cli_builds_every_kernel_then_hits_cache(tmp_path):
+    first = _cli(tmp_path, "--arch", "sm_90")
+    assert first.returncode == 0, first.stderr
+    assert " built in " in first.stdout
+    kernels = [line.split()[0] for line in first.stdout.splitlines()[2:]]
+    sources = (ROOT / "cuda").glob("*.cu")
+    declared = {w.split("(")[0] for f in sources for w in f.read_text().split()
+                if w.startswith("moecomm_") and "(" in w}
+    assert set(kernels) == declared, (kernels, declared)
+    second = _cli(tmp_path, "--arch", "sm_90")
+    assert "from cache" in second.stdout
+
+
+def test_concurrent_builds_share_one_compile(tmp_path):
+    env = dict(os.environ, MOECOMM_CACHE_DIR=str(tmp_path), PYTHONPATH=str(ROOT))
+    cmd = [sys.executable, "-m", "moecomm.build", "--arch", "sm_90"]
+    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env) for _ in range(3)]
+    outs = [p.communicate(timeout=600)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs)
+    assert sum(" built in " in o for o in outs) == 1, outs
+
+
+def test_key_covers_defines_and_sources(monkeypatch, tmp_path):
+    base = _jit.build_key("sm_90")
+    assert _jit.build_key("sm_90a") != base
+    monkeypatch.setattr(_jit, "device_defines", lambda: ["-DMOECOMM_ERR_TIMEOUT=99"])
+    assert _jit.build_key("sm_90") != base
+    monkeypatch.undo()
+    src = tmp_path / "src"
+    src.mkdir()
+    for f in (ROOT / "cuda").iterdir():
+        (src / f.name).write_bytes(f.read_bytes())
+    assert _jit.build_key("sm_90", src=src) == base
+    (src / "transport.cuh").write_text((src / "transport.cuh").read_text() + "\n// changed\n")
+    assert _jit.build_key("sm_90", src=src) != base
+
+
+def test_damaged_entry_is_rebuilt(tmp_path):
+    calls = []
+    build = lambda: calls.append(1) or b"payload"
+    assert _cache.get_or_build("k", build, tmp_path) == (b"payload", False)
+    assert _cache.get_or_build("k", build, tmp_path) == (b"payload", True)
+    entry = tmp_path / "k.bin"
+    entry.write_bytes(entry.read_bytes()[:-1] + b"X")
+    assert _cache.get_or_build("k", build, tmp_path) == (b"payload", False)
+    assert len(calls) == 2
+
+
+def test_compile_error_has_file_and_line(tmp_path):
+    bad = tmp_path / "broken.cu"
+    bad.write_text('#include "transport.cuh"\n\nextern "C" __global__ void k() { undeclared_name(); }\n')
+    tc = _jit.Toolchain.find()
+    with pytest.raises(CompileError) as e:
+        _jit._nvrtc_compile(bad, _jit._nvrtc_options(tc, ROOT / "cuda", "sm_90"), tc.rtc_headers())
+    assert "broken.cu(3)" in str(e.value) and "undeclared_name" in str(e.value)
+
+
+def test_resource_parser():
+    log = ("ptxas info    : Function properties for kern\n"
+           "ptxas         .     8 bytes stack frame, 4 bytes spill stores, 12 bytes spill loads\n"
+           "info    : Function properties for 'kern':\n"
+           "info    : used 40 registers, used 1 barriers, 16 stack, 2048 bytes smem, 564 bytes cmem[0]\n")
+    assert _jit.parse_resources(log) == {"kern": dict(registers=40, stack=16, smem=2048, spill_stores=4,
+                                                      spill_loads=12)}

@@ -1,0 +1,17 @@
+"""The host transport across real MPI ranks against the reference (tests/mpi_alltoall.py does the checks)."""
+import pytest
+
+from conftest import run_mpi
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 3, 4], ids=lambda n: f"ranks{n}")
+def test_sweep_matches_reference(ranks):
+    p = run_mpi(ranks, "tests/mpi_alltoall.py", "--transport", "host", *(["--quick"] if ranks > 2 else []))
+    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
+    assert ": 0 failures" in p.stdout
+
+
+def test_skipped_rank_times_out():
+    p = run_mpi(3, "tests/mpi_timeout.py", "--transport", "host", timeout=120)
+    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
+    assert "CommTimeout on 2 ranks" in p.stdout

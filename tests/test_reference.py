@@ -1,0 +1,58 @@
+"""The numpy reference on a hand-checked example, and routing validation."""
+import numpy as np
+
+from moecomm import reference
+
+
+def _example():
+    # 2 ranks, 4 experts (rank 0 owns 0,1; rank 1 owns 2,3), top-2, 3 tokens per rank
+    x = [np.array([[1.0], [2.0], [3.0]], np.float32), np.array([[10.0], [20.0], [30.0]], np.float32)]
+    idx = [np.array([[0, 2], [1, 0], [3, 2]]), np.array([[2, 3], [0, 1], [1, 2]])]
+    return x, idx
+
+
+def test_dispatch_by_hand():
+    x, idx = _example()
+    out = reference.dispatch(x, None, idx, num_experts=4, world_size=2, max_num_tokens=3)
+    assert out[0]["expert_num_tokens"].tolist() == [3, 3]
+    assert out[1]["expert_num_tokens"].tolist() == [4, 2]
+    assert out[0]["expert_x"].shape == (2, 6, 1)
+    assert out[0]["expert_x"][0, :3, 0].tolist() == [1.0, 2.0, 20.0]
+    assert out[0]["expert_x"][1, :3, 0].tolist() == [2.0, 20.0, 30.0]
+    assert out[1]["expert_x"][0, :4, 0].tolist() == [1.0, 3.0, 10.0, 30.0]
+    assert out[1]["expert_x"][1, :2, 0].tolist() == [3.0, 10.0]
+    assert out[1]["origin"][0, :4].tolist() == [[0, 0], [0, 2], [1, 0], [1, 2]]
+    assert (out[1]["origin"][1, 2:] == -1).all()
+
+
+def test_combine_by_hand():
+    x, idx = _example()
+    out = reference.dispatch(x, None, idx, num_experts=4, world_size=2, max_num_tokens=3)
+    y = [o["expert_x"] * (np.arange(2)[:, None, None] + 2 * r + 1) for r, o in enumerate(out)]  # expert e: x*(e+1)
+    w = [np.array([[0.5, 0.25], [1.0, 2.0], [0.0, 1.0]], np.float32)] * 2
+    got = reference.combine(idx, w, y, [o["origin"] for o in out], 4, 2, np.float32)
+    assert got[0][:, 0].tolist() == [1 * (0.5 * 1 + 0.25 * 3), 2 * (1.0 * 2 + 2.0 * 1), 3 * (0 * 4 + 1.0 * 3)]
+    assert got[1][:, 0].tolist() == [10 * (0.5 * 3 + 0.25 * 4), 20 * (1.0 * 1 + 2.0 * 2), 30 * (0 * 2 + 1.0 * 3)]
+
+
+def test_dp_groups_share_tokens():
+    x, idx = _example()
+    # 4 ranks in 2 DP groups of 2: the same two groups of tokens, experts spread over 4 ranks
+    out = reference.dispatch(x, None, idx, num_experts=4, world_size=4, max_num_tokens=3, dp_size=2)
+    assert [o["expert_num_tokens"].tolist() for o in out] == [[3], [3], [4], [2]]
+
+
+def test_routing_error():
+    assert reference.routing_error(np.array([[0, 1], [2, 3]]), 4) is None
+    assert "outside [0, 4)" in reference.routing_error(np.array([[0, 1], [4, 3]]), 4)
+    assert "token 1" in reference.routing_error(np.array([[0, 1], [-1, 3]]), 4)
+    assert "more than once" in reference.routing_error(np.array([[0, 1], [3, 3]]), 4)
+    assert reference.routing_error(np.zeros((0, 2), np.int32), 4) is None
+
+
+def test_canonical_rows_ignore_slot_order():
+    a = np.arange(12, dtype=np.int32).reshape(4, 3)
+    s = np.arange(4, dtype=np.float32)[:, None]
+    perm = [2, 0, 3, 1]
+    assert np.array_equal(reference.canonical_rows(4, a, s), reference.canonical_rows(4, a[perm], s[perm]))
+    assert not np.array_equal(reference.canonical_rows(4, a, s), reference.canonical_rows(4, a[perm], s))
