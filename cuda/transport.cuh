@@ -3,7 +3,8 @@
 // Kernels use these few operations and nothing else to reach peers, so a new transport is a new version
 // of this header and the kernels do not change:
 //   put_signal_warp  copy bytes to a peer's symmetric buffer, then add to a signal there (ordered after data)
-//   signal_add       add to a signal on a peer
+//   put_warp         copy bytes to a peer's symmetric buffer (non-blocking; complete with quiet)
+//   signal_add/_set  add to / set a signal on a peer
 //   wait_geq         bounded wait until a local signal reaches a value; records a timeout in the error word
 //   peer_ptr         a load/store pointer to a peer's symmetric buffer, or nullptr when it is not
 //                    directly addressable (another node): callers must then use put_signal_warp
@@ -70,11 +71,25 @@ __device__ __forceinline__ void signal_add(uint64_t* sig, uint64_t add, int pe) 
   nvshmemx_signal_op(sig, add, NVSHMEM_SIGNAL_ADD, pe);
 }
 
+// Set a signal on pe, ordered after this thread's earlier puts and stores to pe.
+__device__ __forceinline__ void signal_set(uint64_t* sig, uint64_t value, int pe) {
+  nvshmem_fence();
+  nvshmemx_signal_op(sig, value, NVSHMEM_SIGNAL_SET, pe);
+}
+
+__device__ __forceinline__ void put_warp(void* dst, const void* src, size_t bytes, int pe) {
+  nvshmemx_putmem_nbi_warp(dst, src, bytes, pe);
+}
+
 template <typename T>
 __device__ __forceinline__ T* peer_ptr(T* symmetric, int pe) {
   return static_cast<T*>(nvshmem_ptr(symmetric, pe));
 }
 
-__device__ __forceinline__ void quiet() { nvshmem_quiet(); }
+// Complete this thread's puts and make its stores to peers visible system-wide.
+__device__ __forceinline__ void quiet() {
+  nvshmem_quiet();
+  __threadfence_system();
+}
 
 }  // namespace moecomm

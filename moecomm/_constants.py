@@ -8,8 +8,27 @@ import os
 # Device error word (int32[4]): code, peer rank, phase, detail. The first error of a call wins.
 ERR_NONE = 0
 ERR_TIMEOUT = 1       # a bounded wait expired; peer = rank waited for
-ERR_BAD_EXPERT = 2    # an expert id outside [0, num_experts) or repeated in a token; detail = token index
+ERR_BAD_EXPERT = 2    # an expert id outside [0, num_experts) or repeated in a token; peer = rank whose
+                      # input it was, detail = token index (-1 when reported by a receiver)
+ERR_BAD_M = 3         # bound_m outside [0, min(rows, max_num_tokens)]; detail = m
+ERR_OVERFLOW = 4      # more records or expert slots than the buffers hold (a peer broke the protocol)
 ERROR_WORDS = 4
+
+# dtype codes of expert outputs in device code
+DT_BF16, DT_FP16 = 0, 1
+
+# Layout of one AllToAll: an int64 array, index MOECOMM_L_<NAME> in device code (cuda/alltoall.cuh).
+LAYOUT_FIELDS = ("WORLD", "RANK", "DP", "EXPERTS", "LOCAL_EXPERTS", "TOPK", "MAX_TOKENS", "HIDDEN",
+                 "X_BYTES", "SCALE_BYTES", "META_OFF", "REC_BYTES", "OUT_CODE", "OUT_ROW_BYTES", "CAP",
+                 "STAGE_SLOTS", "STAGE_BYTES")
+# Device state of one AllToAll (uint32): per-kernel epochs (calls completed) and block counters, the
+# bad-input flag, then arrays: per-destination send counters [world] at FIXED, per-local-expert slot
+# counters at EXPERT, records received per source [world] at RECV (offsets depend on the sizes).
+STATE_FIELDS = ("EPOCH_DS", "EPOCH_DR", "EPOCH_CS", "EPOCH_CR", "DONE_DS", "DONE_DR", "DONE_CS", "DONE_CR",
+                "BAD")
+STATE_FIXED = len(STATE_FIELDS)
+STAGE_SLOTS = 4       # staging rows per warp for puts to peers without a load/store mapping
+BLOCK_THREADS = 256   # every alltoall kernel runs 8 warps per block (shared arrays are sized for it)
 
 PHASES = ("peer_check", "dispatch", "combine")
 PHASE_PEER_CHECK, PHASE_DISPATCH, PHASE_COMBINE = range(len(PHASES))
@@ -52,6 +71,9 @@ def device_defines():
         "ERROR_WORDS": ERROR_WORDS, "MAX_TOPK": MAX_TOPK, "MAX_EXPERTS": MAX_EXPERTS,
         "ROW_ALIGN": ROW_ALIGN,
         "PHASE_PEER_CHECK": PHASE_PEER_CHECK, "PHASE_DISPATCH": PHASE_DISPATCH,
-        "PHASE_COMBINE": PHASE_COMBINE,
+        "PHASE_COMBINE": PHASE_COMBINE, "ERR_BAD_M": ERR_BAD_M, "ERR_OVERFLOW": ERR_OVERFLOW,
+        "DT_BF16": DT_BF16, "DT_FP16": DT_FP16, "S_FIXED": STATE_FIXED,
     }
+    values.update({f"L_{name}": i for i, name in enumerate(LAYOUT_FIELDS)})
+    values.update({f"S_{name}": i for i, name in enumerate(STATE_FIELDS)})
     return [f"-DMOECOMM_{k}={v}" for k, v in sorted(values.items())]

@@ -21,10 +21,6 @@ IN_DTYPES = (bfloat16, float16, float8_e4m3fn)
 OUT_DTYPES = (bfloat16, float16)
 SCALE_DTYPES = (float32,)
 
-# Codes that name a dtype in device code (passed to kernels as an int argument).
-DEVICE_CODE = {bfloat16: 0, float16: 1, float8_e4m3fn: 2, float32: 3}
-
-
 def as_dtype(value, allowed, what):
     """Return the numpy dtype named by ``value`` (a dtype, a type or a name) if it is in ``allowed``.
 

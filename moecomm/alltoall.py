@@ -76,7 +76,10 @@ class AllToAll:
             raise InvalidArgument(f"{name}: required, got None")
         if self._memory == "host":
             return _arrays.host_array(obj, name, dtype, shape)
-        return _arrays.device_array(obj, name, dtype, shape, self.comm.transport.device)
+        buf = _arrays.device_array(obj, name, dtype, shape, self.comm.transport.device)
+        if buf.ptr % 16:
+            raise InvalidArgument(f"{name}: device pointer {buf.ptr:#x} must be 16-byte aligned")
+        return buf
 
     def _index_dtype(self, indices):
         dt = getattr(indices, "dtype", None)
@@ -177,6 +180,13 @@ class AllToAll:
 
     def _stream(self, stream):
         return None if self._memory == "host" else stream_handle(stream)
+
+    def synchronize(self, stream=None):
+        """Wait for this AllToAll's work on ``stream`` and raise any error its kernels recorded
+        (CommTimeout naming the peer, InvalidRouting, ...). Dispatch and combine never synchronize; errors
+        of earlier calls are also raised at the start of the next call. Not collective."""
+        self._live()
+        self._backend.synchronize(self._stream(stream))
 
     def destroy(self):
         """Release the buffers (collective). Safe to call twice; later calls raise InvalidArgument."""

@@ -45,6 +45,9 @@ class AllToAllBackend(abc.ABC):
     def combine(self, args: CombineArgs, do_send: bool, do_recv: bool, stream) -> None:
         """Send expert outputs back and/or receive and sum them. Collective."""
 
+    def synchronize(self, stream) -> None:
+        """Wait for this AllToAll's work on ``stream``; raise errors the device recorded. Not collective."""
+
     @abc.abstractmethod
     def destroy(self) -> None:
         """Release buffers. Collective; called at most once."""

@@ -15,7 +15,7 @@ import numpy as np
 
 from .. import _constants as C
 from .. import _jit
-from .._errors import CommTimeout, InvalidArgument, MoeCommError
+from .._errors import CommTimeout, InvalidArgument, InvalidRouting, MoeCommError
 from .base import Transport, peer_pattern
 
 
@@ -75,6 +75,11 @@ class NvshmemTransport(Transport):
             return None
         return self._nvshmem.get_peer_array(array, pe)
 
+    def free(self, array):
+        """Free a symmetric array from :meth:`symmetric` (collective, same order on every rank)."""
+        self._arrays.remove(array)
+        self._nvshmem.free_array(array)
+
     def barrier(self, stream=None):
         """nvshmem barrier_all ordered on ``stream`` (a handle; default CuPy's current stream)."""
         s = self._cupy.cuda.get_current_stream().ptr if stream is None else stream
@@ -82,18 +87,6 @@ class NvshmemTransport(Transport):
 
     def function(self, name):
         return self.module.get_function(name)
-
-    def raise_device_error(self, error, what):
-        """Read an error word (after the stream synchronized); raise and clear it if it holds an error."""
-        code, peer, phase, detail = (int(v) for v in error.get())
-        if code == C.ERR_NONE:
-            return
-        error.fill(0)
-        phase_name = C.PHASES[phase] if 0 <= phase < len(C.PHASES) else str(phase)
-        if code == C.ERR_TIMEOUT:
-            raise CommTimeout(f"{what}: rank {self.rank} timed out in {phase_name} waiting for rank {peer}",
-                              peer=peer, phase=phase_name)
-        raise MoeCommError(f"{what}: device error {code} in {phase_name} (peer {peer}, detail {detail})")
 
     # peer check -------------------------------------------------------------------------------
     def _peer_buffers(self):
@@ -128,7 +121,10 @@ class NvshmemTransport(Transport):
             (box, outbox, signals, np.uint64(c), np.uint64(nbytes), np.uint64(box.shape[1]),
              np.uint64(int(timeout_s * 1e9)), self.error))
         cp.cuda.get_current_stream().synchronize()
-        self.raise_device_error(self.error, "check_peers")
+        words = self.error.get()
+        if words[0] != C.ERR_NONE:
+            self.error.fill(0)
+            raise error_from_words(words, "check_peers")
         got = box[:, :nbytes].get()
         expect = peer_pattern(np.arange(self.world_size), 0, nbytes) ^ (c & 0xFF)
         wrong = [int(p) for p in np.nonzero((got != expect).any(axis=1))[0]]
@@ -147,3 +143,23 @@ class NvshmemTransport(Transport):
         self._arrays = []
         self._bindings.cumodule_finalize(self.module.ptr)
         self._nvshmem.finalize()
+
+
+def error_from_words(words, what):
+    """The exception for a device error word ``(code, peer, phase, detail)`` recorded by a kernel."""
+    code, peer, phase, detail = (int(v) for v in words)
+    phase_name = C.PHASES[phase] if 0 <= phase < len(C.PHASES) else str(phase)
+    if code == C.ERR_TIMEOUT:
+        return CommTimeout(f"{what}: timed out in {phase_name} waiting for rank {peer}", peer=peer,
+                           phase=phase_name)
+    if code == C.ERR_BAD_EXPERT:
+        where = f" (token {detail})" if detail >= 0 else ""
+        return InvalidRouting(f"{what}: rank {peer} dispatched an expert id out of range or repeated in a "
+                              f"row{where}; no rank unpacked its tokens")
+    if code == C.ERR_BAD_M:
+        return InvalidRouting(f"{what}: rank {peer} passed bound_m={detail}, outside [0, min(rows, "
+                              f"max_num_tokens)]")
+    if code == C.ERR_OVERFLOW:
+        return MoeCommError(f"{what}: rank {peer} sent more than the buffers hold in {phase_name} "
+                            f"(detail {detail}): configurations differ or memory was corrupted")
+    return MoeCommError(f"{what}: device error {code} in {phase_name} (peer {peer}, detail {detail})")

@@ -1,0 +1,65 @@
+// Dispatch, receive half: wait for every source rank, fan its records out to the local experts.
+#include "alltoall.cuh"
+
+using namespace moecomm;
+
+// grid: world * parts blocks of 256 threads; block b serves source rank b % world (warp per record).
+//   recv_buf, sig    as in dispatch_send (this rank's copies)
+//   out_num [local_experts] int32; out_x [local_experts, cap, hidden] in_dtype;
+//   out_scale [local_experts, cap, scales] float32 or null
+//   slot_of [world, max_tokens, topk] int32: where record (src, j)'s k-th expert slot is (le*cap+slot, -1)
+extern "C" __global__ void __launch_bounds__(256)
+    moecomm_dispatch_recv(const long long* layout, unsigned* state, int* err, const uint8_t* recv_buf,
+                          const uint64_t* sig, int* out_num, uint8_t* out_x, float* out_scale, int* slot_of,
+                          unsigned long long timeout_ns) {
+  const Layout L(layout);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  const int src = blockIdx.x % L.world, part = blockIdx.x / L.world, parts = gridDim.x / L.world;
+  const unsigned epoch = state[MOECOMM_S_EPOCH_DR] + 1;
+  __shared__ unsigned count;
+  if (threadIdx.x == 0) {
+    const uint64_t v = wait_epoch(&sig[src], epoch, now_ns() + timeout_ns, err, src, MOECOMM_PHASE_DISPATCH);
+    if (v & SIG_BAD) record_error(err, MOECOMM_ERR_BAD_EXPERT, src, MOECOMM_PHASE_DISPATCH, -1);
+    count = (v & SIG_BAD) ? 0 : (unsigned)(v & SIG_COUNT);
+    if (count > (unsigned)L.max_tokens) {
+      record_error(err, MOECOMM_ERR_OVERFLOW, src, MOECOMM_PHASE_DISPATCH, count);
+      count = 0;
+    }
+    if (part == 0) state[L.s_recv + src] = count;
+  }
+  __syncthreads();
+  const int lo = L.rank * L.local_experts;
+  for (int j = part * warps + warp; j < (int)count; j += parts * warps) {
+    const uint8_t* rec = recv_buf + ((size_t)src * L.max_tokens + j) * L.rec_bytes;
+    int where = -1;
+    if (lane < L.topk) {
+      const int le = meta_of(rec, L)[1 + lane] - lo;
+      if (le >= 0 && le < L.local_experts) {
+        const unsigned slot = atomicAdd(&state[L.s_expert + le], 1u);
+        if (slot < (unsigned)L.cap) {
+          where = le * L.cap + slot;
+        } else {
+          record_error(err, MOECOMM_ERR_OVERFLOW, src, MOECOMM_PHASE_DISPATCH, le);
+        }
+      }
+      slot_of[((size_t)src * L.max_tokens + j) * L.topk + lane] = where;
+    }
+    for (int k = 0; k < L.topk; ++k) {
+      const int w = __shfl_sync(FULL, where, k);
+      if (w < 0) continue;
+      warp_copy16(out_x + (size_t)w * L.x_bytes, rec, L.x_bytes, lane);
+      if (L.scale_bytes) warp_copy4(out_scale + (size_t)w * (L.scale_bytes / 4), rec + L.x_bytes, L.scale_bytes, lane);
+    }
+  }
+  if (last_block(&state[MOECOMM_S_DONE_DR])) {
+    for (int le = threadIdx.x; le < L.local_experts; le += blockDim.x) {
+      const unsigned n = atomicExch(&state[L.s_expert + le], 0u);
+      out_num[le] = n < (unsigned)L.cap ? n : L.cap;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      state[MOECOMM_S_DONE_DR] = 0;
+      state[MOECOMM_S_EPOCH_DR] = epoch;
+    }
+  }
+}

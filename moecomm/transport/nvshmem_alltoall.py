@@ -1,0 +1,166 @@
+"""AllToAll on GPUs: the four kernels of ``cuda/`` over NVSHMEM symmetric buffers sized once.
+
+Symmetric memory per rank (bytes), W ranks, M = max_num_tokens, K = top-k, H = hidden_dim:
+
+    dispatch records   W * M * R          R = align16(H * in_size) + align16(4 * scales) + align16(4 + 8K)
+    combine rows       max(W, K) * M * H * out_size
+    staging            warps * 4 * max(R, H * out_size)    (sources of puts to non-mapped peers)
+    signals            2 * W * 8
+
+(:func:`symmetric_bytes`). Bytes on the wire per call, for n tokens sent by a rank and reaching on
+average r distinct ranks: dispatch n * r * R; combine n * r * H * out_size with router weights at
+dispatch (one partial per token and expert rank), else n * K * H * out_size.
+
+No host synchronization happens in dispatch or combine: m is read on the device from ``bound_m``, epochs
+and counters live in device memory, errors land in a mapped host word that is checked at the next call
+and by :meth:`synchronize`.
+"""
+import numpy as np
+
+from .. import _constants as C
+from .._dtypes import float16
+from .._errors import InvalidArgument
+from .base import AllToAllBackend
+from .nvshmem import error_from_words
+
+
+def _align16(n):
+    return (n + 15) // 16 * 16
+
+
+def record_bytes(cfg):
+    """Bytes of one dispatch record: token row, scales, token index + expert ids + weights."""
+    scales = 0 if cfg.hidden_dim_scale is None else 4 * cfg.hidden_dim_scale
+    return (_align16(cfg.hidden_dim * cfg.in_dtype.itemsize) + _align16(scales)
+            + _align16(4 + 8 * cfg.experts_per_token))
+
+
+def grids(cfg, num_sms):
+    """Blocks for (dispatch_send, per-source kernels, combine_recv)."""
+    warps = C.BLOCK_THREADS // 32
+    sends = -(-cfg.max_num_tokens // cfg.dp_size)
+    send_blocks = max(1, min(num_sms, -(-sends // warps)))
+    parts = max(1, min(-(-cfg.max_num_tokens // warps), max(1, num_sms // cfg.world_size)))
+    recv_blocks = max(1, min(num_sms, -(-cfg.max_num_tokens // warps)))
+    return send_blocks, cfg.world_size * parts, recv_blocks
+
+
+def symmetric_bytes(cfg, num_sms=132):
+    """Symmetric memory one rank allocates for this configuration (the formula in the module doc)."""
+    W, M, K = cfg.world_size, cfg.max_num_tokens, cfg.experts_per_token
+    out_row = cfg.hidden_dim * cfg.out_dtype.itemsize
+    send_blocks, per_src, _ = grids(cfg, num_sms)
+    stage = max(send_blocks, per_src) * (C.BLOCK_THREADS // 32) * C.STAGE_SLOTS * max(record_bytes(cfg), out_row)
+    return W * M * record_bytes(cfg) + max(W, K) * M * out_row + stage + 2 * W * 8
+
+
+class NvshmemAllToAll(AllToAllBackend):
+    def __init__(self, transport, cfg, timeout_s):
+        import cupy
+        self.t, self.cfg, self._cupy = transport, cfg, cupy
+        self.timeout_ns = np.uint64(int(timeout_s * 1e9))
+        W, M, K, L = cfg.world_size, cfg.max_num_tokens, cfg.experts_per_token, cfg.num_local_experts
+        out_row = cfg.hidden_dim * cfg.out_dtype.itemsize
+        rec = record_bytes(cfg)
+        num_sms = cupy.cuda.Device(transport.device).attributes["MultiProcessorCount"]
+        self.send_blocks, self.per_src_blocks, self.recv_blocks = grids(cfg, num_sms)
+        stage_bytes = max(rec, out_row)
+        stage_rows = max(self.send_blocks, self.per_src_blocks) * (C.BLOCK_THREADS // 32) * C.STAGE_SLOTS
+        layout = dict(
+            WORLD=W, RANK=cfg.rank, DP=cfg.dp_size, EXPERTS=cfg.num_experts, LOCAL_EXPERTS=L, TOPK=K,
+            MAX_TOKENS=M, HIDDEN=cfg.hidden_dim, X_BYTES=cfg.hidden_dim * cfg.in_dtype.itemsize,
+            SCALE_BYTES=0 if cfg.hidden_dim_scale is None else 4 * cfg.hidden_dim_scale,
+            META_OFF=rec - _align16(4 + 8 * K), REC_BYTES=rec,
+            OUT_CODE=C.DT_FP16 if cfg.out_dtype == float16 else C.DT_BF16,
+            OUT_ROW_BYTES=out_row, CAP=cfg.expert_capacity, STAGE_SLOTS=C.STAGE_SLOTS, STAGE_BYTES=stage_bytes)
+        self.layout = cupy.asarray(np.array([layout[f] for f in C.LAYOUT_FIELDS], np.int64))
+        self.state = cupy.zeros(C.STATE_FIXED + 2 * W + L, np.uint32)
+        self.slot_of = cupy.empty(W * M * K, np.int32)
+        sym = transport.symmetric
+        self.recv_buf = sym((W * M * rec,), np.uint8)
+        self.comb_buf = sym((max(W, K) * M * out_row,), np.uint8)
+        self.stage = sym((stage_rows * stage_bytes,), np.uint8)
+        self.sig = sym((2, W), np.uint64)  # [0]: dispatch signals, [1]: combine signals
+        self._owned = [self.recv_buf, self.comb_buf, self.stage, self.sig]
+        self.sig.fill(0)
+        mem = cupy.cuda.PinnedMemory(4 * C.ERROR_WORDS, cupy.cuda.runtime.hostAllocMapped)
+        self._err_mem, self.err = mem, np.frombuffer(mem, np.int32, C.ERROR_WORDS)
+        self.err[:] = 0
+        cupy.cuda.get_current_stream().synchronize()
+        transport.barrier()
+        cupy.cuda.get_current_stream().synchronize()
+        self._f = {n: transport.function(f"moecomm_{n}") for n in
+                   ("dispatch_send", "dispatch_recv", "combine_send", "combine_recv")}
+        self._dispatch_posted = self._combine_posted = False
+        self._dispatched = None  # whether the last dispatch carried router weights
+
+    # ------------------------------------------------------------------------------------------
+    def _launch(self, name, blocks, stream, *args):
+        self._f[name]((blocks,), (C.BLOCK_THREADS,), (self.layout, self.state, np.uint64(self._err_mem.ptr), *args),
+                      stream=self._cupy.cuda.ExternalStream(stream))
+
+    @staticmethod
+    def _ptr(buf):
+        return np.uint64(0 if buf is None else buf.ptr)
+
+    def check_error(self):
+        """Raise the first error a kernel recorded (no synchronization), and clear it."""
+        if self.err[0] != C.ERR_NONE:
+            words = self.err.copy()
+            self.err[:] = 0
+            raise error_from_words(words, "AllToAll")
+
+    def synchronize(self, stream):
+        self._cupy.cuda.ExternalStream(stream).synchronize()
+        self.check_error()
+
+    # ------------------------------------------------------------------------------------------
+    def dispatch(self, a, do_send, do_recv, stream):
+        self.check_error()
+        if do_send:
+            if self._dispatch_posted:
+                raise InvalidArgument("dispatch: a send is already posted; call dispatch(do_send=False) first")
+            self._launch("dispatch_send", self.send_blocks, stream, self._ptr(a.dp_x), self._ptr(a.dp_x_scale),
+                         self._ptr(a.indices), self._ptr(a.weights), self._ptr(a.bound_m),
+                         np.int32(a.dp_x.shape[0]), self.recv_buf, self.sig[0], self.stage)
+            self._dispatch_posted, self._dispatched = True, a.weights is not None
+        if do_recv:
+            if not self._dispatch_posted:
+                raise InvalidArgument("dispatch: do_recv without a prior do_send")
+            self._launch("dispatch_recv", self.per_src_blocks, stream, self.recv_buf, self.sig[0],
+                         self._ptr(a.out_expert_num_tokens), self._ptr(a.out_expert_x),
+                         self._ptr(a.out_expert_x_scale), self.slot_of, self.timeout_ns)
+            self._dispatch_posted = False
+
+    def combine(self, a, do_send, do_recv, stream):
+        self.check_error()
+        partials = np.int32(a.weights is None)
+        if do_send:
+            if self._combine_posted:
+                raise InvalidArgument("combine: a send is already posted; call combine(do_send=False) first")
+            if self._dispatched is None:
+                raise InvalidArgument("combine: no dispatch has completed on this AllToAll")
+            if partials and not self._dispatched:
+                raise InvalidArgument("combine: weights=None needs the router weights to have been passed to "
+                                      "dispatch(weights=...)")
+            self._launch("combine_send", self.per_src_blocks, stream, self.recv_buf, self.slot_of,
+                         self._ptr(a.expert_y), partials, self.comb_buf, self.sig[1], self.stage)
+            self._combine_posted, self._combine_partials = True, partials
+        if do_recv:
+            if not self._combine_posted:
+                raise InvalidArgument("combine: do_recv without a prior do_send")
+            if partials != self._combine_partials:
+                raise InvalidArgument("combine: weights must be given to both halves or to neither")
+            self._launch("combine_recv", self.recv_blocks, stream, self.comb_buf, self.sig[1],
+                         self._ptr(a.indices), self._ptr(a.weights), self._ptr(a.bound_m),
+                         np.int32(a.out_tokens.shape[0]), partials, self._ptr(a.out_tokens), self.timeout_ns)
+            self._combine_posted = False
+
+    def destroy(self):
+        self._cupy.cuda.get_current_stream().synchronize()
+        self.t.barrier()
+        self._cupy.cuda.get_current_stream().synchronize()
+        for a in self._owned:
+            self.t.free(a)
+        self._owned = []
+
