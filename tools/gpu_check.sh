@@ -25,5 +25,5 @@ step "${MPIRUN[@]}" -np "$ngpu" python3 tests/mpi_peer_check.py
 step "${MPIRUN[@]}" -np "$ngpu" python3 tests/mpi_alltoall.py --transport nvshmem --quick
 step "${MPIRUN[@]}" -np "$ngpu" python3 tests/mpi_timeout.py --transport nvshmem
 step "${MPIRUN[@]}" -np "$ngpu" python3 examples/demo.py
-STEP_TIMEOUT=${FULL_TIMEOUT:-400} step "${MPIRUN[@]}" -np "$ngpu" python3 tests/mpi_alltoall.py --transport nvshmem --full
+[ $status = 0 ] && STEP_TIMEOUT=${FULL_TIMEOUT:-400} step "${MPIRUN[@]}" -np "$ngpu" python3 tests/mpi_alltoall.py --transport nvshmem --full
 exit $status
