@@ -83,7 +83,8 @@ class NvshmemAllToAll(AllToAllBackend):
         self.sig = sym((2, W), np.uint64)  # [0]: dispatch signals, [1]: combine signals
         self._owned = [self.recv_buf, self.comb_buf, self.stage, self.sig]
         self.sig.fill(0)
-        mem = cupy.cuda.PinnedMemory(4 * C.ERROR_WORDS, cupy.cuda.runtime.hostAllocMapped)
+        mem = cupy.cuda.PinnedMemoryPointer(
+            cupy.cuda.PinnedMemory(4 * C.ERROR_WORDS, cupy.cuda.runtime.hostAllocMapped), 0)
         self._err_mem, self.err = mem, np.frombuffer(mem, np.int32, C.ERROR_WORDS)
         self.err[:] = 0
         cupy.cuda.get_current_stream().synchronize()
