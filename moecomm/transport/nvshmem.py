@@ -77,7 +77,7 @@ class NvshmemTransport(Transport):
 
     def free(self, array):
         """Free a symmetric array from :meth:`symmetric` (collective, same order on every rank)."""
-        self._arrays.remove(array)
+        self._arrays = [a for a in self._arrays if a is not array]  # by identity: == is elementwise
         self._nvshmem.free_array(array)
 
     def barrier(self, stream=None):
