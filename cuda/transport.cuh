@@ -81,9 +81,15 @@ __device__ __forceinline__ void put_warp(void* dst, const void* src, size_t byte
   nvshmemx_putmem_nbi_warp(dst, src, bytes, pe);
 }
 
+// MOECOMM_FORCE_PUTS=1 (a build option) treats every peer as network-only, so the put path that
+// InfiniBand/EFA peers take is exercised on a single NVLink node.
 template <typename T>
 __device__ __forceinline__ T* peer_ptr(T* symmetric, int pe) {
+#if MOECOMM_FORCE_PUTS
+  return nullptr;
+#else
   return static_cast<T*>(nvshmem_ptr(symmetric, pe));
+#endif
 }
 
 // Complete this thread's puts and make its stores to peers visible system-wide.

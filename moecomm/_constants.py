@@ -64,9 +64,15 @@ def timeout_seconds(value=None):
     return seconds, source
 
 
+# Build option: MOECOMM_FORCE_PUTS=1 makes kernels send every byte with NVSHMEM puts, as to a peer on
+# another node, instead of stores through nvshmem_ptr (for testing that path on one node).
+FORCE_PUTS_ENV = "MOECOMM_FORCE_PUTS"
+
+
 def device_defines():
-    """The constants above as NVRTC ``-D`` options."""
+    """The constants above (and the build options from the environment) as NVRTC ``-D`` options."""
     values = {
+        "FORCE_PUTS": int(os.environ.get(FORCE_PUTS_ENV, "0") == "1"),
         "ERR_NONE": ERR_NONE, "ERR_TIMEOUT": ERR_TIMEOUT, "ERR_BAD_EXPERT": ERR_BAD_EXPERT,
         "ERROR_WORDS": ERROR_WORDS, "MAX_TOPK": MAX_TOPK, "MAX_EXPERTS": MAX_EXPERTS,
         "ROW_ALIGN": ROW_ALIGN,

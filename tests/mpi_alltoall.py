@@ -325,6 +325,7 @@ def main():
     p.add_argument("--transport", default="auto")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--full", action="store_true", help="add model-sized cases (GPU runs)")
+    p.add_argument("--dp-only", action="store_true", help="only the cases with DP groups (dp_size > 1)")
     args = p.parse_args()
     comm = moecomm.init(transport=args.transport)
     A = Host if comm.transport.memory == "host" else Device
@@ -332,6 +333,8 @@ def main():
     tol = {"bfloat16": 2 ** -6, "float16": 2 ** -9}
     failures, t0 = [], time.time()
     all_cases = cases(comm.world_size, args.quick) + (gpu_cases(comm.world_size) if args.full else [])
+    if args.dp_only:
+        all_cases = [c for c in all_cases if c["dp_size"] > 1]
     for i, c in enumerate(all_cases):
         for f in run_case(comm, A, c, seed=1000 + i, tol=tol[c["out_dtype"]]):
             failures.append(f"rank {comm.rank} case {c}: {f}")

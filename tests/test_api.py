@@ -137,3 +137,13 @@ def test_dtype_names(comm):
 def test_unknown_transport():
     with pytest.raises(moecomm.InvalidArgument, match="transport must be one of"):
         moecomm.init(transport="ucx")
+
+
+def test_symmetric_memory_formula_r1():
+    """DeepSeek-R1 sizes: the symmetric memory per rank stays under 1 GiB at 128 tokens (EP2 and EP8)."""
+    from moecomm._config import AllToAllConfig
+    from moecomm.transport.nvshmem_alltoall import record_bytes, symmetric_bytes
+    for world in (2, 8):
+        c = AllToAllConfig.create(world, 0, 128, 256, 8, 7168, 56, "float8_e4m3fn", "bfloat16", None, 1)
+        assert record_bytes(c) == 7168 + 224 + 80
+        assert symmetric_bytes(c) < 2 ** 30

@@ -22,6 +22,22 @@ def test_alltoall_matches_reference():
     assert ": 0 failures" in p.stdout
 
 
+@pytest.mark.skipif(GPUS < 4, reason="DP groups with more than one EP group need >= 4 GPUs")
+def test_dp_groups():
+    p = run_mpi(GPUS, "tests/mpi_alltoall.py", "--transport", "nvshmem", "--dp-only", timeout=600)
+    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
+    assert ": 0 failures" in p.stdout
+
+
+@needs_gpu
+def test_network_path_with_puts_only():
+    """Every peer treated as off-node (MOECOMM_FORCE_PUTS=1): the put path of the same kernels."""
+    p = run_mpi(GPUS, "tests/mpi_alltoall.py", "--transport", "nvshmem", "--quick", timeout=600,
+                env={"MOECOMM_FORCE_PUTS": "1"})
+    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
+    assert ": 0 failures" in p.stdout
+
+
 @pytest.mark.skipif(GPUS < 2, reason="needs 2 GPUs")
 def test_skipped_rank_times_out():
     p = run_mpi(GPUS, "tests/mpi_timeout.py", "--transport", "nvshmem", timeout=120)

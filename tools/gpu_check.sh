@@ -25,5 +25,14 @@ step "${MPIRUN[@]}" -np "$ngpu" python3 tests/mpi_peer_check.py
 step "${MPIRUN[@]}" -np "$ngpu" python3 tests/mpi_alltoall.py --transport nvshmem --quick
 step "${MPIRUN[@]}" -np "$ngpu" python3 tests/mpi_timeout.py --transport nvshmem
 step "${MPIRUN[@]}" -np "$ngpu" python3 examples/demo.py
-[ $status = 0 ] && STEP_TIMEOUT=${FULL_TIMEOUT:-400} step "${MPIRUN[@]}" -np "$ngpu" python3 tests/mpi_alltoall.py --transport nvshmem --full
+[ "${1:-}" = bench ] || { [ $status = 0 ] && STEP_TIMEOUT=${FULL_TIMEOUT:-400} step "${MPIRUN[@]}" -np "$ngpu" python3 tests/mpi_alltoall.py --transport nvshmem --full; }
+if [ "${1:-}" = bench ] && [ $status = 0 ]; then
+  step "${MPIRUN[@]}" -np 1 python3 tests/mpi_alltoall.py --transport nvshmem --quick        # world size 1
+  MOECOMM_FORCE_PUTS=1 step "${MPIRUN[@]}" -x MOECOMM_FORCE_PUTS -np "$ngpu" python3 tests/mpi_alltoall.py --transport nvshmem --quick
+  # CuPy's NCCL binding finds libnccl through the loader path (the nvidia-nccl wheel)
+  nccl=$(python3 -c "import nvidia.nccl as m; print(list(m.__path__)[0] + '/lib')" 2>/dev/null)
+  export LD_LIBRARY_PATH=${nccl}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+  STEP_TIMEOUT=${BENCH_TIMEOUT:-300} step "${MPIRUN[@]}" -x LD_LIBRARY_PATH -np "$ngpu" python3 -m moecomm.bench \
+    --configs ${BENCH_CONFIGS:-r1-decode,r1-prefill,v2-lite,sweep} --json "$out/bench.json" --plot "$out/bench.png"
+fi
 exit $status

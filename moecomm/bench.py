@@ -1,0 +1,342 @@
+"""``mpirun -np N python -m moecomm.bench``: time dispatch and combine against NCCL all-to-all.
+
+Defaults run the two headline configurations (DeepSeek-R1 decode and prefill); ``--configs`` adds
+``v2-lite`` and ``sweep`` (R1 shapes, 1 ... 4096 tokens per rank). For each configuration:
+
+* correctness first: the dispatch counts (and, for small configurations, every expert's tokens) are checked
+  against :mod:`moecomm.reference` on fresh random routing;
+* eager launches, per phase (dispatch send, dispatch recv, combine send, combine recv) with CUDA events,
+  and the whole sequence captured once in a CUDA graph and replayed;
+* the NCCL baseline through CuPy's NCCL binding: the standard all-to-all of one row per (token, expert)
+  (fp8 + scales out, bf16 back), with exact per-rank sizes and padded to the worst case;
+* medians and p99 over ``--iters`` iterations after ``--warmup``, each iteration started by an on-stream
+  barrier, the maximum over ranks taken per iteration.
+
+Router weights go with dispatch (combine sums a token's local experts on the expert side). Output: a table,
+a JSON file (configuration, machine, versions, git commit, every figure) and, with matplotlib, a PNG plot
+of latency against tokens per rank.
+"""
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+import moecomm
+from moecomm import reference
+from moecomm.transport.nvshmem_alltoall import record_bytes
+
+CONFIGS = {  # name: (tokens per rank, experts, top-k, hidden, scales per token)
+    "r1-decode": (128, 256, 8, 7168, 56),
+    "r1-prefill": (4096, 256, 8, 7168, 56),
+    "v2-lite": (128, 64, 6, 2048, 16),
+}
+SWEEP_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+PHASES = ("dispatch_send", "dispatch_recv", "combine_send", "combine_recv")
+
+
+def routing(rng, m, k, experts, kind):
+    if kind == "uniform":
+        return np.argsort(rng.random((m, experts)), axis=1)[:, :k].astype(np.int32)
+    if kind == "zipf":  # expert popularity ~ 1/rank, random order of experts
+        p = 1.0 / np.arange(1, experts + 1)
+        p = rng.permutation(p / p.sum())
+        return np.stack([rng.choice(experts, k, replace=False, p=p) for _ in range(m)]).astype(np.int32)
+    if kind == "hot":  # expert 0 in every token's top-k
+        rest = np.argsort(rng.random((m, experts - 1)), axis=1)[:, :k - 1] + 1
+        return np.concatenate([np.zeros((m, 1), np.int64), rest], axis=1).astype(np.int32)
+    raise ValueError(kind)
+
+
+def stats(samples_us):
+    a = np.asarray(samples_us)
+    return {"median_us": float(np.median(a)), "p99_us": float(np.percentile(a, 99)),
+            "mean_us": float(a.mean()), "n": int(a.size)}
+
+
+class Bench:
+    def __init__(self, comm, args):
+        import cupy
+        self.comm, self.args, self.cp = comm, args, cupy
+        self.stream = cupy.cuda.Stream(non_blocking=True)
+        self.nccl = self._nccl()
+
+    def _nccl(self):
+        try:
+            from cupy.cuda import nccl
+        except ImportError:
+            return None
+        if not getattr(nccl, "available", True):
+            return None
+        uid = nccl.get_unique_id() if self.comm.rank == 0 else None
+        uid = self.comm.mpi.bcast(uid, root=0)
+        return nccl, nccl.NcclCommunicator(self.comm.world_size, uid, self.comm.rank)
+
+    def barrier(self):
+        self.comm.transport.barrier(self.stream.ptr)
+
+    def max_over_ranks(self, per_iter):
+        """per_iter: [iters, n] float array; returns the elementwise max over ranks."""
+        return np.max(np.stack(self.comm.allgather(np.asarray(per_iter))), axis=0)
+
+    def run(self, name, tokens, experts, k, hidden, scales):
+        cp, comm, s = self.cp, self.comm, self.stream
+        W, rank = comm.world_size, comm.rank
+        L = experts // W
+        a2a = moecomm.AllToAll(comm, tokens, experts, k, hidden, scales, "float8_e4m3fn", "bfloat16")
+        rng = np.random.default_rng([self.args.seed, tokens])
+        idx = [routing(rng, tokens, k, experts, self.args.routing) for _ in range(W)]
+        x = [rng.integers(0, 255, (tokens, hidden), np.uint8) & 0x77 for _ in range(W)]  # finite fp8 bytes
+        xs = [rng.random((tokens, scales), np.float32) for _ in range(W)]
+        w = [rng.random((tokens, k), np.float32) for _ in range(W)]
+        d = dict(x=cp.asarray(x[rank]), xs=cp.asarray(xs[rank]), idx=cp.asarray(idx[rank]),
+                 w=cp.asarray(w[rank]), m=cp.asarray(np.array([tokens], np.int32)),
+                 n=cp.zeros(L, np.int32), ex=cp.zeros((L, tokens * W, hidden), np.uint8),
+                 es=cp.zeros((L, tokens * W, scales), np.float32),
+                 y=cp.empty((L, tokens * W, hidden), np.uint16),
+                 out=cp.zeros((tokens, hidden), np.uint16))
+
+        d["y"][:] = (cp.arange(hidden, dtype=np.uint16) % 251 + 0x3C00)[None, None, :]  # finite bf16 (1..2)
+
+        def phase(i, dispatch):
+            send, recv = i % 2 == 0, i % 2 == 1
+            if dispatch:
+                a2a.dispatch(d["n"], d["ex"], d["es"], d["x"], d["xs"], d["idx"], d["m"], do_send=send,
+                             do_recv=recv, weights=d["w"], stream=s)
+            else:
+                a2a.combine(d["out"], d["idx"], None, d["y"], d["m"], do_send=send, do_recv=recv, stream=s)
+
+        # correctness on this routing before timing
+        for i in range(4):
+            phase(i, i < 2)
+        a2a.synchronize(s)
+        ref = reference.dispatch([xi.view(moecomm.float8_e4m3fn) for xi in x], xs, idx, experts, W, tokens)[rank]
+        counts = d["n"].get()
+        ok = bool(np.array_equal(counts, ref["expert_num_tokens"]))
+        if ok and tokens * k * W <= 4096:
+            ex, es = d["ex"].get(), d["es"].get()
+            ok = all(np.array_equal(reference.canonical_rows(int(c), ex[e], es[e]),
+                                    reference.canonical_rows(int(c), ref["expert_x"][e].view(np.uint8),
+                                                             ref["expert_x_scale"][e]))
+                     for e, c in enumerate(counts))
+        if not all(comm.allgather(ok)):
+            raise moecomm.MoeCommError(f"{name}: GPU dispatch disagrees with the reference")
+
+        # eager, per phase
+        ev = [cp.cuda.Event() for _ in range(5)]
+        samples = []
+        for it in range(self.args.warmup + self.args.iters):
+            self.barrier()
+            ev[0].record(s)
+            for i in range(4):
+                phase(i, i < 2)
+                ev[i + 1].record(s)
+            ev[4].synchronize()
+            if it >= self.args.warmup:
+                samples.append([cp.cuda.get_elapsed_time(ev[i], ev[i + 1]) * 1e3 for i in range(4)])
+        a2a.synchronize(s)
+        eager = self.max_over_ranks(samples)
+
+        # CUDA graph of the whole sequence
+        graph_us = None
+        if not self.args.no_graph:
+            with s:
+                s.begin_capture(cp.cuda.runtime.streamCaptureModeRelaxed)
+                for i in range(4):
+                    phase(i, i < 2)
+                g = s.end_capture()
+            t = []
+            for it in range(self.args.warmup + self.args.iters):
+                self.barrier()
+                ev[0].record(s)
+                g.launch(s)
+                ev[1].record(s)
+                ev[1].synchronize()
+                if it >= self.args.warmup:
+                    t.append([cp.cuda.get_elapsed_time(ev[0], ev[1]) * 1e3])
+            a2a.synchronize(s)
+            graph_us = self.max_over_ranks(t)[:, 0]
+
+        # bytes this rank sends to other ranks
+        owners = idx[rank] // L
+        remote_ranks = [len(set(row) - {rank}) for row in owners]
+        disp_bytes = sum(remote_ranks) * record_bytes(a2a.cfg)
+        comb_bytes = sum(remote_ranks) * hidden * 2
+        result = dict(config=name, tokens=tokens, experts=experts, topk=k, hidden=hidden, scales=scales,
+                      world=W, routing=self.args.routing, weights_at_dispatch=True,
+                      bytes={"dispatch": int(disp_bytes), "combine": int(comb_bytes)},
+                      eager={p: stats(eager[:, i]) for i, p in enumerate(PHASES)})
+        result["eager"]["total"] = stats(eager.sum(axis=1))
+        if graph_us is not None:
+            result["graph"] = {"total": stats(graph_us)}
+        best = result.get("graph", result["eager"])["total"]["median_us"]
+        result["GBps_per_rank"] = (disp_bytes + comb_bytes) / (best * 1e-6) / 1e9
+        if self.nccl:
+            result["nccl"] = self.nccl_baseline(idx[rank], tokens, k, L, hidden, scales)
+            result["speedup_vs_nccl_exact"] = result["nccl"]["exact"]["median_us"] / best
+        a2a.destroy()
+        return result
+
+    def nccl_baseline(self, idx, tokens, k, L, hidden, scales):
+        """Standard all-to-all: one row per (token, expert); fp8+scales out, bf16 back."""
+        nccl, comm = self.nccl
+        cp, s, W = self.cp, self.stream, self.comm.world_size
+        per_dest = np.bincount((idx // L).ravel(), minlength=W)
+        recv_counts = np.asarray(self.comm.mpi.alltoall(per_dest.tolist()))
+        out_row, back_row = hidden + 4 * scales, 2 * hidden
+        out = {}
+        for mode, sc, rc in (("exact", per_dest, recv_counts),
+                             ("padded", np.full(W, tokens * k), np.full(W, tokens * k))):
+            bufs = [cp.zeros(int(sc.sum()) * out_row, np.uint8), cp.zeros(int(rc.sum()) * out_row, np.uint8),
+                    cp.zeros(int(rc.sum()) * back_row, np.uint8), cp.zeros(int(sc.sum()) * back_row, np.uint8)]
+
+            def a2a(send, recv, scounts, rcounts, row):
+                so, ro = np.concatenate([[0], np.cumsum(scounts)]) * row, np.concatenate([[0], np.cumsum(rcounts)]) * row
+                nccl.groupStart()
+                for p in range(W):
+                    comm.send(send.data.ptr + int(so[p]), int(scounts[p]) * row, nccl.NCCL_UINT8, p, s.ptr)
+                    comm.recv(recv.data.ptr + int(ro[p]), int(rcounts[p]) * row, nccl.NCCL_UINT8, p, s.ptr)
+                nccl.groupEnd()
+            ev = [cp.cuda.Event() for _ in range(3)]
+            samples = []
+            for it in range(self.args.warmup + self.args.iters):
+                self.barrier()
+                ev[0].record(s)
+                a2a(bufs[0], bufs[1], sc, rc, out_row)
+                ev[1].record(s)
+                a2a(bufs[2], bufs[3], rc, sc, back_row)
+                ev[2].record(s)
+                ev[2].synchronize()
+                if it >= self.args.warmup:
+                    samples.append([cp.cuda.get_elapsed_time(ev[0], ev[1]) * 1e3,
+                                    cp.cuda.get_elapsed_time(ev[1], ev[2]) * 1e3])
+            t = self.max_over_ranks(samples)
+            out[mode] = dict(stats(t.sum(axis=1)), dispatch=stats(t[:, 0]), combine=stats(t[:, 1]))
+        return out
+
+
+def environment():
+    import cupy
+    import importlib.metadata as md
+    info = {"host": platform.node(), "python": platform.python_version()}
+    try:
+        q = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
+                           capture_output=True, text=True, timeout=30).stdout.strip().splitlines()
+        info["gpus"] = q
+    except (OSError, subprocess.SubprocessError):
+        info["gpus"] = []
+    info["cuda_runtime"] = cupy.cuda.runtime.runtimeGetVersion()
+    info["versions"] = {}
+    for p in ("cupy-cuda13x", "cuda-bindings", "cuda-core", "nvidia-cuda-nvrtc", "nvidia-nvjitlink",
+              "nvidia-nvshmem-cu13", "nvshmem4py-cu13", "mpi4py", "numpy", "nvidia-nccl-cu13"):
+        try:
+            info["versions"][p] = md.version(p)
+        except md.PackageNotFoundError:
+            pass
+    try:
+        info["git_commit"] = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                                            cwd=os.path.dirname(__file__)).stdout.strip()
+    except OSError:
+        info["git_commit"] = ""
+    return info
+
+
+def table(results):
+    head = (f"{'config':<12} {'tok':>5} {'eager d-send':>12} {'d-recv':>8} {'c-send':>8} {'c-recv':>8} "
+            f"{'eager tot':>10} {'p99':>8} {'graph tot':>10} {'p99':>8} {'GB/s':>7} {'NCCL exact':>11} "
+            f"{'padded':>8} {'x NCCL':>7}")
+    lines = [head, "-" * len(head)]
+    for r in results:
+        e, g, n = r["eager"], r.get("graph", {}).get("total"), r.get("nccl")
+        lines.append(
+            f"{r['config']:<12} {r['tokens']:>5} " + " ".join(f"{e[p]['median_us']:>{8 if i else 12}.1f}" for i, p in enumerate(PHASES))
+            + f" {e['total']['median_us']:>10.1f} {e['total']['p99_us']:>8.1f}"
+            + (f" {g['median_us']:>10.1f} {g['p99_us']:>8.1f}" if g else f" {'-':>10} {'-':>8}")
+            + f" {r['GBps_per_rank']:>7.1f}"
+            + (f" {n['exact']['median_us']:>11.1f} {n['padded']['median_us']:>8.1f} {r['speedup_vs_nccl_exact']:>7.2f}"
+               if n else f" {'n/a':>11} {'n/a':>8} {'-':>7}"))
+    return "\n".join(lines)
+
+
+def plot(results, path):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    sweep = sorted((r for r in results if r["config"] == "sweep"), key=lambda r: r["tokens"])
+    if not sweep:
+        return False
+    t = [r["tokens"] for r in sweep]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    ax.plot(t, [r["eager"]["total"]["median_us"] for r in sweep], "o-", label="moecomm eager")
+    if "graph" in sweep[0]:
+        ax.plot(t, [r["graph"]["total"]["median_us"] for r in sweep], "o-", label="moecomm CUDA graph")
+    if "nccl" in sweep[0]:
+        ax.plot(t, [r["nccl"]["exact"]["median_us"] for r in sweep], "s--", label="NCCL all-to-all, exact")
+        ax.plot(t, [r["nccl"]["padded"]["median_us"] for r in sweep], "s:", label="NCCL all-to-all, padded")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("tokens per rank")
+    ax.set_ylabel("dispatch + combine, median (us)")
+    ax.set_title(f"R1 shapes (7168 hidden, 256 experts, top-8), EP{sweep[0]['world']}")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return True
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python -m moecomm.bench", description=__doc__.splitlines()[0])
+    p.add_argument("--configs", default="r1-decode,r1-prefill",
+                   help="comma list of r1-decode, r1-prefill, v2-lite, sweep (default: the first two)")
+    p.add_argument("--routing", default="uniform", choices=["uniform", "zipf", "hot"])
+    p.add_argument("--iters", type=int, default=1000)
+    p.add_argument("--warmup", type=int, default=50)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-graph", action="store_true")
+    p.add_argument("--sweep-tokens", default=",".join(map(str, SWEEP_TOKENS)))
+    p.add_argument("--json", default="bench.json", help="output JSON (rank 0)")
+    p.add_argument("--plot", default="bench.png", help="output PNG of the sweep (rank 0, needs matplotlib)")
+    args = p.parse_args(argv)
+    comm = moecomm.init(transport="nvshmem")
+    bench = Bench(comm, args)
+    jobs = []
+    for name in args.configs.split(","):
+        if name == "sweep":
+            jobs += [("sweep", (t,) + CONFIGS["r1-decode"][1:]) for t in map(int, args.sweep_tokens.split(","))]
+        elif name in CONFIGS:
+            jobs.append((name, CONFIGS[name]))
+        else:
+            p.error(f"unknown config {name!r}")
+    results, t0 = [], time.time()
+    for i, (name, c) in enumerate(jobs):
+        results.append(bench.run(name, *c))
+        if comm.rank == 0:
+            done = (i + 1) / len(jobs)
+            print(f"\r[{'#' * int(30 * done):<30}] {i + 1}/{len(jobs)} {name} {c[0]} tokens "
+                  f"({time.time() - t0:.0f} s)", file=sys.stderr, end="\n" if i + 1 == len(jobs) else "",
+                  flush=True)
+    if comm.rank == 0:
+        print(table(results))
+        doc = {"command": "mpirun -np {} python -m moecomm.bench {}".format(comm.world_size, " ".join(
+            argv if argv is not None else sys.argv[1:])), "environment": environment(),
+            "nccl_baseline": bench.nccl is not None, "iters": args.iters, "warmup": args.warmup,
+            "results": results}
+        with open(args.json, "w") as f:
+            json.dump(doc, f, indent=1)
+        if plot(results, args.plot):
+            print(f"wrote {args.json} and {args.plot}")
+        else:
+            print(f"wrote {args.json} (no plot: needs the sweep and matplotlib)")
+    comm.finalize()
+
+
+if __name__ == "__main__":
+    main()
