@@ -43,47 +43,99 @@ __device__ __forceinline__ const int* meta_of(const uint8_t* rec, const Layout& 
   return (const int*)(rec + L.meta_off);
 }
 
-__device__ __forceinline__ void warp_copy16(void* dst, const void* src, int bytes, int lane) {
+// Up to MOECOMM_MAX_TOPK + 1 destinations per warp (experts or peers, plus a staging row).
+constexpr int MAX_FANOUT = MOECOMM_MAX_TOPK + 1;
+constexpr int WARPS = MOECOMM_BLOCK_THREADS / 32;
+constexpr int INFLIGHT = 8;  // 16-byte loads each lane keeps in flight in copies
+
+// Copy `bytes` (a multiple of 16) from src to dsts[0..n) + offset, loading each 16-byte chunk once and
+// keeping INFLIGHT loads per lane in flight (a plain loop would wait for each load: dst may alias src).
+__device__ __forceinline__ void fanout16(uint8_t* const* dsts, int n, const uint8_t* src, int bytes,
+                                         int offset, int lane) {
   const int4* s = (const int4*)src;
-  int4* d = (int4*)dst;
-  for (int i = lane; i < bytes / 16; i += 32) d[i] = s[i];
+  const int chunks = bytes / 16;
+  for (int base = lane; base < chunks; base += INFLIGHT * 32) {
+    int4 v[INFLIGHT];
+#pragma unroll
+    for (int u = 0; u < INFLIGHT; ++u)
+      if (base + u * 32 < chunks) v[u] = s[base + u * 32];
+    for (int j = 0; j < n; ++j) {
+      int4* d = (int4*)(dsts[j] + offset);
+#pragma unroll
+      for (int u = 0; u < INFLIGHT; ++u)
+        if (base + u * 32 < chunks) d[base + u * 32] = v[u];
+    }
+  }
 }
 
-__device__ __forceinline__ void warp_copy4(void* dst, const void* src, int bytes, int lane) {
+// The same for 4-byte words (scale rows, whose size need not be a multiple of 16).
+__device__ __forceinline__ void fanout4(uint8_t* const* dsts, int n, const uint8_t* src, int bytes,
+                                        int offset, int lane) {
   const int* s = (const int*)src;
-  int* d = (int*)dst;
-  for (int i = lane; i < bytes / 4; i += 32) d[i] = s[i];
+  for (int i = lane; i < bytes / 4; i += 32) {
+    const int v = s[i];
+    for (int j = 0; j < n; ++j) ((int*)(dsts[j] + offset))[i] = v;
+  }
 }
 
-// A staging slot of this warp (ring of stage_slots), the source of puts to peers that are not
-// load/store reachable. Before a slot is reused, the puts that read it must be complete (quiet).
+// A staging row of this warp (ring of stage_slots), the source of puts to peers that are not load/store
+// reachable. Before a row is reused, the puts that read it must be complete.
 struct Stage {
   uint8_t* base;
   int slots, bytes, n;
-  bool puts_pending;
+  bool puts_pending, used_puts;
   __device__ Stage(uint8_t* stage, const Layout& L, int gwarp)
       : base(stage + (size_t)gwarp * L.stage_slots * L.stage_bytes), slots(L.stage_slots),
-        bytes(L.stage_bytes), n(0), puts_pending(false) {}
+        bytes(L.stage_bytes), n(0), puts_pending(false), used_puts(false) {}
   __device__ uint8_t* next() {
     if (puts_pending && n % slots == 0) {
-      quiet();
+      nvshmem_quiet();
       puts_pending = false;
     }
     return base + (size_t)(n++ % slots) * bytes;
   }
+  __device__ void put(uint8_t* dst, const uint8_t* src, int nbytes, int pe) {
+    put_warp(dst, src, nbytes, pe);
+    puts_pending = used_puts = true;
+  }
 };
 
-// Copy a warp-local row (in `src`, which must be symmetric when a put is needed) to `dst` on pe.
-__device__ __forceinline__ void send_row(uint8_t* dst, const uint8_t* src, int bytes, int pe, int lane,
-                                         Stage& st) {
-  uint8_t* p = peer_ptr(dst, pe);
-  if (p) {
-    warp_copy16(p, src, bytes, lane);
-  } else {
-    put_warp(dst, src, bytes, pe);
-    st.puts_pending = true;
+// Destinations of one row on the peers [q0, q1): mapped peers get direct stores (into dsts), the others a
+// staged copy (appended to dsts) and a put. Returns the number of dsts; puts go out in send_puts.
+struct Targets {
+  uint8_t** dsts;   // shared, MAX_FANOUT per warp
+  uint8_t** remote; // shared, symmetric addresses of the put targets
+  int* pes;         // shared
+  int n, n_put;
+  uint8_t* staged;
+  __device__ void build(uint8_t* symmetric, int q0, int q1, Stage& st, int lane) {
+    n = n_put = 0;
+    staged = nullptr;
+    for (int q = q0; q < q1; ++q) {
+      uint8_t* p = peer_ptr(symmetric, q);
+      if (p) {
+        if (lane == 0) dsts[n] = p;
+        ++n;
+      } else {
+        if (lane == 0) {
+          remote[n_put] = symmetric;
+          pes[n_put] = q;
+        }
+        ++n_put;
+      }
+    }
+    if (n_put) {
+      staged = st.next();
+      if (lane == 0) dsts[n] = staged;
+      ++n;
+    }
+    __syncwarp();
   }
-}
+  __device__ void send_puts(int bytes, Stage& st) {
+    __syncwarp();
+    for (int j = 0; j < n_put; ++j) st.put(remote[j], staged, bytes, pes[j]);
+  }
+};
 
 // True in every thread of the block that finishes last. All threads call it after their work.
 __device__ __forceinline__ bool last_block(unsigned* done) {
@@ -100,7 +152,8 @@ __device__ __forceinline__ bool last_block(unsigned* done) {
 __device__ __forceinline__ uint64_t wait_epoch(const uint64_t* sig, unsigned epoch, uint64_t deadline,
                                                int* err, int peer, int phase) {
   uint64_t v;
-  while (((v = load_acquire(sig)) >> 32) < epoch) {
+  for (unsigned spin = 1; ((v = load_acquire(sig)) >> 32) < epoch; ++spin) {
+    if (spin % POLL_CHECK) continue;
     if (load_volatile(err) == MOECOMM_ERR_TIMEOUT) return 0;  // another wait already failed: stop
     if (now_ns() > deadline) {
       record_error(err, MOECOMM_ERR_TIMEOUT, peer, phase, 0);
@@ -114,14 +167,13 @@ __device__ __forceinline__ uint64_t epoch_signal(unsigned epoch, uint64_t payloa
   return ((uint64_t)epoch << 32) | payload;
 }
 
-// 8 values of the output dtype (16 bytes) <-> float.
-__device__ __forceinline__ void load8(const uint8_t* p, int code, float* f) {
-  const int4 v = *(const int4*)p;
+// 8 values of the output dtype in 16 bytes <-> float.
+__device__ __forceinline__ void to_float8(const int4& v, int code, float* f) {
   if (code == MOECOMM_DT_BF16) {
     const __nv_bfloat162* h = (const __nv_bfloat162*)&v;
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      float2 t = __bfloat1622float2(h[i]);
+      const float2 t = __bfloat1622float2(h[i]);
       f[2 * i] = t.x;
       f[2 * i + 1] = t.y;
     }
@@ -129,14 +181,14 @@ __device__ __forceinline__ void load8(const uint8_t* p, int code, float* f) {
     const __half2* h = (const __half2*)&v;
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      float2 t = __half22float2(h[i]);
+      const float2 t = __half22float2(h[i]);
       f[2 * i] = t.x;
       f[2 * i + 1] = t.y;
     }
   }
 }
 
-__device__ __forceinline__ void store8(uint8_t* p, int code, const float* f) {
+__device__ __forceinline__ int4 from_float8(const float* f, int code) {
   int4 v;
   if (code == MOECOMM_DT_BF16) {
     __nv_bfloat162* h = (__nv_bfloat162*)&v;
@@ -147,7 +199,48 @@ __device__ __forceinline__ void store8(uint8_t* p, int code, const float* f) {
 #pragma unroll
     for (int i = 0; i < 4; ++i) h[i] = __floats2half2_rn(f[2 * i], f[2 * i + 1]);
   }
-  *(int4*)p = v;
+  return v;
+}
+
+// dsts[0..nd) = sum_j w[j] * rows[j] over n rows of `row_bytes` (output dtype), accumulated in float.
+// Each lane handles two 16-byte chunks at a time and loads them from 4 rows before accumulating, so up to
+// 8 loads are in flight.
+__device__ __forceinline__ void weighted_sum(const uint8_t* const* rows, const float* w, int n,
+                                             int row_bytes, int code, uint8_t* const* dsts, int nd,
+                                             int lane) {
+  const int chunks = row_bytes / 16;
+  for (int c = lane; c < chunks; c += 64) {
+    const bool two = c + 32 < chunks;
+    float a0[8] = {0, 0, 0, 0, 0, 0, 0, 0}, a1[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    for (int j = 0; j < n; j += 4) {
+      int4 v0[4], v1[4];
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        if (j + u < n) {
+          v0[u] = ((const int4*)rows[j + u])[c];
+          if (two) v1[u] = ((const int4*)rows[j + u])[c + 32];
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        if (j + u >= n) continue;
+        float f[8];
+        to_float8(v0[u], code, f);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) a0[i] += w[j + u] * f[i];
+        if (two) {
+          to_float8(v1[u], code, f);
+#pragma unroll
+          for (int i = 0; i < 8; ++i) a1[i] += w[j + u] * f[i];
+        }
+      }
+    }
+    const int4 o0 = from_float8(a0, code), o1 = from_float8(a1, code);
+    for (int d = 0; d < nd; ++d) {
+      ((int4*)dsts[d])[c] = o0;
+      if (two) ((int4*)dsts[d])[c + 32] = o1;
+    }
+  }
 }
 
 }  // namespace moecomm

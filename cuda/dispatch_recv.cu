@@ -3,20 +3,23 @@
 
 using namespace moecomm;
 
-// grid: world * parts blocks of 256 threads; block b serves source rank b % world (warp per record).
+// grid: world * parts blocks of MOECOMM_BLOCK_THREADS; block b serves source rank b % world, one warp
+// per record (strided); each record is read once and stored into every local expert it goes to.
 //   recv_buf, sig    as in dispatch_send (this rank's copies)
 //   out_num [local_experts] int32; out_x [local_experts, cap, hidden] in_dtype;
 //   out_scale [local_experts, cap, scales] float32 or null
 //   slot_of [world, max_tokens, topk] int32: where record (src, j)'s k-th expert slot is (le*cap+slot, -1)
-extern "C" __global__ void __launch_bounds__(256)
+extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS)
     moecomm_dispatch_recv(const long long* layout, unsigned* state, int* err, const uint8_t* recv_buf,
                           const uint64_t* sig, int* out_num, uint8_t* out_x, float* out_scale, int* slot_of,
                           unsigned long long timeout_ns) {
   const Layout L(layout);
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int src = blockIdx.x % L.world, part = blockIdx.x / L.world, parts = gridDim.x / L.world;
   const unsigned epoch = state[MOECOMM_S_EPOCH_DR] + 1;
   __shared__ unsigned count;
+  __shared__ uint8_t* xdst[WARPS][MAX_FANOUT];
+  __shared__ uint8_t* sdst[WARPS][MAX_FANOUT];
   if (threadIdx.x == 0) {
     const uint64_t v = wait_epoch(&sig[src], epoch, now_ns() + timeout_ns, err, src, MOECOMM_PHASE_DISPATCH);
     if (v & SIG_BAD) record_error(err, MOECOMM_ERR_BAD_EXPERT, src, MOECOMM_PHASE_DISPATCH, -1);
@@ -29,7 +32,7 @@ extern "C" __global__ void __launch_bounds__(256)
   }
   __syncthreads();
   const int lo = L.rank * L.local_experts;
-  for (int j = part * warps + warp; j < (int)count; j += parts * warps) {
+  for (int j = part * WARPS + warp; j < (int)count; j += parts * WARPS) {
     const uint8_t* rec = recv_buf + ((size_t)src * L.max_tokens + j) * L.rec_bytes;
     int where = -1;
     if (lane < L.topk) {
@@ -44,17 +47,22 @@ extern "C" __global__ void __launch_bounds__(256)
       }
       slot_of[((size_t)src * L.max_tokens + j) * L.topk + lane] = where;
     }
-    for (int k = 0; k < L.topk; ++k) {
-      const int w = __shfl_sync(FULL, where, k);
-      if (w < 0) continue;
-      warp_copy16(out_x + (size_t)w * L.x_bytes, rec, L.x_bytes, lane);
-      if (L.scale_bytes) warp_copy4(out_scale + (size_t)w * (L.scale_bytes / 4), rec + L.x_bytes, L.scale_bytes, lane);
+    const unsigned mask = __ballot_sync(FULL, where >= 0);
+    if (where >= 0) {
+      const int pos = __popc(mask & ((1u << lane) - 1));
+      xdst[warp][pos] = out_x + (size_t)where * L.x_bytes;
+      sdst[warp][pos] = (uint8_t*)(out_scale + (size_t)where * (L.scale_bytes / 4));
     }
+    __syncwarp();
+    const int n = __popc(mask);
+    fanout16(xdst[warp], n, rec, L.x_bytes, 0, lane);
+    if (L.scale_bytes) fanout4(sdst[warp], n, rec + L.x_bytes, L.scale_bytes, 0, lane);
+    __syncwarp();
   }
   if (last_block(&state[MOECOMM_S_DONE_DR])) {
     for (int le = threadIdx.x; le < L.local_experts; le += blockDim.x) {
-      const unsigned n = atomicExch(&state[L.s_expert + le], 0u);
-      out_num[le] = n < (unsigned)L.cap ? n : L.cap;
+      const unsigned cnt = atomicExch(&state[L.s_expert + le], 0u);
+      out_num[le] = cnt < (unsigned)L.cap ? cnt : L.cap;
     }
     __syncthreads();
     if (threadIdx.x == 0) {

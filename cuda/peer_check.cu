@@ -19,7 +19,7 @@ extern "C" __global__ void moecomm_peer_check(uint8_t* inbox, const uint8_t* out
   moecomm::put_signal_warp(inbox + (size_t)me * row_bytes, outbox, nbytes, &signals[me], 1, peer);
   __syncwarp();
   if (threadIdx.x == 0) {
-    moecomm::quiet();
+    moecomm::complete_sends(true);
     moecomm::wait_geq(&signals[peer], expected, deadline, err, peer, MOECOMM_PHASE_PEER_CHECK);
   }
 }

@@ -6,6 +6,7 @@
 //   put_warp         copy bytes to a peer's symmetric buffer (non-blocking; complete with quiet)
 //   signal_add/_set  add to / set a signal on a peer
 //   wait_geq         bounded wait until a local signal reaches a value; records a timeout in the error word
+//   complete_sends   finish a thread's puts and stores before it (or its block) signals
 //   peer_ptr         a load/store pointer to a peer's symmetric buffer, or nullptr when it is not
 //                    directly addressable (another node): callers must then use put_signal_warp
 // Constants (MOECOMM_*) come from moecomm/_constants.py as -D flags.
@@ -49,11 +50,14 @@ __device__ __forceinline__ void record_error(int* err, int code, int peer, int p
 }
 
 // Spin until *sig >= expected. Returns false when the deadline passes (a timeout naming `peer` is
-// recorded) or when another thread has already recorded an error (so one failure stops every waiter).
+// recorded) or when another thread has recorded a timeout (so one failure stops every waiter). The clock
+// and the error word (possibly in mapped host memory) are read once per POLL_CHECK spins.
+constexpr unsigned POLL_CHECK = 256;
 __device__ __forceinline__ bool wait_geq(const uint64_t* sig, uint64_t expected, uint64_t deadline_ns,
                                          int* err, int peer, int phase) {
-  while (load_acquire(sig) < expected) {
-    if (load_volatile(err) != MOECOMM_ERR_NONE) return false;
+  for (unsigned spin = 1; load_acquire(sig) < expected; ++spin) {
+    if (spin % POLL_CHECK) continue;
+    if (load_volatile(err) == MOECOMM_ERR_TIMEOUT) return false;
     if (now_ns() > deadline_ns) {
       record_error(err, MOECOMM_ERR_TIMEOUT, peer, phase, 0);
       return false;
@@ -71,12 +75,6 @@ __device__ __forceinline__ void signal_add(uint64_t* sig, uint64_t add, int pe) 
   nvshmemx_signal_op(sig, add, NVSHMEM_SIGNAL_ADD, pe);
 }
 
-// Set a signal on pe, ordered after this thread's earlier puts and stores to pe.
-__device__ __forceinline__ void signal_set(uint64_t* sig, uint64_t value, int pe) {
-  nvshmem_fence();
-  nvshmemx_signal_op(sig, value, NVSHMEM_SIGNAL_SET, pe);
-}
-
 __device__ __forceinline__ void put_warp(void* dst, const void* src, size_t bytes, int pe) {
   nvshmemx_putmem_nbi_warp(dst, src, bytes, pe);
 }
@@ -92,9 +90,21 @@ __device__ __forceinline__ T* peer_ptr(T* symmetric, int pe) {
 #endif
 }
 
-// Complete this thread's puts and make its stores to peers visible system-wide.
-__device__ __forceinline__ void quiet() {
-  nvshmem_quiet();
+// Set a signal on pe, after this thread's earlier puts and stores to pe: a release store where the peer
+// is mapped, else an NVSHMEM signal operation behind a fence.
+__device__ __forceinline__ void signal_set(uint64_t* sig, uint64_t value, int pe) {
+  if (uint64_t* p = peer_ptr(sig, pe)) {
+    asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(value) : "memory");
+  } else {
+    nvshmem_fence();
+    nvshmemx_signal_op(sig, value, NVSHMEM_SIGNAL_SET, pe);
+  }
+}
+
+// Before signalling completion: finish this thread's puts (only if it issued any: nvshmem_quiet can be
+// costly) and make its stores to mapped peers visible system-wide.
+__device__ __forceinline__ void complete_sends(bool used_puts) {
+  if (used_puts) nvshmem_quiet();
   __threadfence_system();
 }
 

@@ -78,7 +78,7 @@ def device_defines():
         "ROW_ALIGN": ROW_ALIGN,
         "PHASE_PEER_CHECK": PHASE_PEER_CHECK, "PHASE_DISPATCH": PHASE_DISPATCH,
         "PHASE_COMBINE": PHASE_COMBINE, "ERR_BAD_M": ERR_BAD_M, "ERR_OVERFLOW": ERR_OVERFLOW,
-        "DT_BF16": DT_BF16, "DT_FP16": DT_FP16, "S_FIXED": STATE_FIXED,
+        "DT_BF16": DT_BF16, "DT_FP16": DT_FP16, "S_FIXED": STATE_FIXED, "BLOCK_THREADS": BLOCK_THREADS,
     }
     values.update({f"L_{name}": i for i, name in enumerate(LAYOUT_FIELDS)})
     values.update({f"S_{name}": i for i, name in enumerate(STATE_FIELDS)})

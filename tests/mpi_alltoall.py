@@ -304,14 +304,17 @@ def cases(world, quick):
     return out
 
 
-def gpu_cases(world):
-    """Model-sized configurations for the GPU transport (the reference is slow in Python: few iterations)."""
+def gpu_cases(world, quick):
+    """Model-sized configurations for the GPU transport (the reference is slow in Python: few iterations).
+    With ``quick``, only the DeepSeek-R1-sized ones."""
     base = dict(in_dtype="float8_e4m3fn", out_dtype="bfloat16", hidden=7168, scale=56, num_experts=256,
                 topk=8, max_m=128, m="random", routing="uniform", dp_size=1, weights_at="dispatch",
                 split=False, iters=2)
     out = [base, dict(base, m=128), dict(base, weights_at="combine"), dict(base, split=True),
            dict(base, routing="one_expert"), dict(base, routing="other_rank"), dict(base, m=0),
            dict(base, in_dtype="bfloat16", scale=None, out_dtype="float16")]
+    if quick:
+        return out
     for hidden, experts, k in ((2048, 64, 6), (4096, 8, 2), (2048, 8, 1), (4096, 64, 8)):
         for in_dt in ("bfloat16", "float16", "float8_e4m3fn"):
             out.append(dict(base, hidden=hidden, num_experts=max(experts, world), topk=k, in_dtype=in_dt,
@@ -332,7 +335,7 @@ def main():
     # float32 accumulation in another order, then one rounding to the output dtype: within 2 ulp.
     tol = {"bfloat16": 2 ** -6, "float16": 2 ** -9}
     failures, t0 = [], time.time()
-    all_cases = cases(comm.world_size, args.quick) + (gpu_cases(comm.world_size) if args.full else [])
+    all_cases = cases(comm.world_size, args.quick) + (gpu_cases(comm.world_size, args.quick) if args.full else [])
     if args.dp_only:
         all_cases = [c for c in all_cases if c["dp_size"] > 1]
     for i, c in enumerate(all_cases):

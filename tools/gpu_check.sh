@@ -29,6 +29,7 @@ step "${MPIRUN[@]}" -np "$ngpu" python3 examples/demo.py
 if [ "${1:-}" = bench ] && [ $status = 0 ]; then
   step "${MPIRUN[@]}" -np 1 python3 tests/mpi_alltoall.py --transport nvshmem --quick        # world size 1
   MOECOMM_FORCE_PUTS=1 step "${MPIRUN[@]}" -x MOECOMM_FORCE_PUTS -np "$ngpu" python3 tests/mpi_alltoall.py --transport nvshmem --quick
+  step "${MPIRUN[@]}" -np "$ngpu" python3 tests/mpi_alltoall.py --transport nvshmem --quick --full  # R1-sized cases
   # CuPy's NCCL binding finds libnccl through the loader path (the nvidia-nccl wheel)
   nccl=$(python3 -c "import nvidia.nccl as m; print(list(m.__path__)[0] + '/lib')" 2>/dev/null)
   export LD_LIBRARY_PATH=${nccl}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}

@@ -36,12 +36,13 @@ def record_bytes(cfg):
 
 
 def grids(cfg, num_sms):
-    """Blocks for (dispatch_send, per-source kernels, combine_recv)."""
-    warps = C.BLOCK_THREADS // 32
+    """Blocks for (dispatch_send, per-source kernels, combine_recv): a warp per token or record, up to
+    two blocks per SM (no block waits for another, so blocks beyond what is resident just queue)."""
+    warps, most = C.BLOCK_THREADS // 32, 2 * num_sms
     sends = -(-cfg.max_num_tokens // cfg.dp_size)
-    send_blocks = max(1, min(num_sms, -(-sends // warps)))
-    parts = max(1, min(-(-cfg.max_num_tokens // warps), max(1, num_sms // cfg.world_size)))
-    recv_blocks = max(1, min(num_sms, -(-cfg.max_num_tokens // warps)))
+    send_blocks = max(1, min(most, -(-sends // warps)))
+    parts = max(1, min(-(-cfg.max_num_tokens // warps), most // cfg.world_size))
+    recv_blocks = max(1, min(most, -(-cfg.max_num_tokens // warps)))
     return send_blocks, cfg.world_size * parts, recv_blocks
 
 
