@@ -213,6 +213,21 @@ def bad_input_case(comm, A):
             a2a.combine(A.empty((M, H), moecomm.bfloat16), A.put(idx), A.put(np.ones((M, K), np.float32)),
                         A.empty((E // W, M * W, H), moecomm.bfloat16), A.put(np.array([M], np.int32)))
             a2a.synchronize()
+        # the next valid call on the same AllToAll is correct
+        good = [routing(np.random.default_rng([8, r]), M, K, E, W, r, "uniform") for r in range(W)]
+        xs = [random_tokens(np.random.default_rng([9, r]), M, H, moecomm.bfloat16) for r in range(W)]
+        a2a.dispatch(*outs, A.put(xs[comm.rank]), None, A.put(good[comm.rank]), A.put(np.array([M], np.int32)),
+                     weights=A.put(np.ones((M, K), np.float32)))
+        a2a.synchronize()
+        ref = reference.dispatch(xs, None, good, E, W, M)[comm.rank]
+        got_n, got_x = A.get(outs[0]).view(np.int32), A.get(outs[1]).view(moecomm.bfloat16)
+        if not np.array_equal(got_n, ref["expert_num_tokens"]) or not all(
+                np.array_equal(reference.canonical_rows(int(n), got_x[e]),
+                               reference.canonical_rows(int(n), ref["expert_x"][e])) for e, n in enumerate(got_n)):
+            fails.append("the valid dispatch after an invalid one differs from the reference")
+        a2a.combine(A.empty((M, H), moecomm.bfloat16), A.put(good[comm.rank]), None,
+                    A.empty((E // W, M * W, H), moecomm.bfloat16), A.put(np.array([M], np.int32)))
+        a2a.synchronize()
         # a bad argument is refused before anything is sent, on this rank alone
         try:
             a2a.dispatch(*outs, A.put(x[:, :32]), None, A.put(idx), A.put(np.array([M], np.int32)))
