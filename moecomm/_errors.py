@@ -15,7 +15,8 @@ class InvalidArgument(ValueError):
 
 
 class InvalidRouting(MoeCommError):
-    """An expert id outside ``[0, num_experts)`` (or repeated within one token) reached dispatch.
+    """Invalid routing input reached dispatch: an expert id outside ``[0, num_experts)`` or repeated within
+    one token, or a ``bound_m`` outside ``[0, min(rows, max_num_tokens)]`` (read on the device on GPUs).
 
     Raised on every rank of the group, so that no rank is left waiting; the buffers of the call are
     unspecified, the next valid call is correct.

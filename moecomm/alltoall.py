@@ -67,6 +67,9 @@ class AllToAll:
         self.timeout_s = comm.timeout_s if timeout is None else timeout_seconds(timeout)[0]
         self._memory = comm.transport.memory
         self._backend = comm.transport.new_alltoall(self.cfg, self.timeout_s)
+        self._posted = {"dispatch": False, "combine": False}  # a send half waits for its receive half
+        self._dispatch_weights = None   # whether the last dispatch send carried router weights
+        self._combine_weights = None    # whether the posted combine send was given weights
 
     # ------------------------------------------------------------------------------------------
     def _array(self, obj, name, dtype, shape, optional=False):
@@ -149,7 +152,9 @@ class AllToAll:
             bound_m=self._array(bound_m, "bound_m", np.int32, (1,)),
             weights=self._array(weights, "weights", float32, (rows, c.experts_per_token), optional=True),
         )
-        self._backend.dispatch(a, bool(do_send), bool(do_recv), self._stream(stream))
+        self._split("dispatch", self._backend.dispatch, a, do_send, do_recv, stream)
+        if do_send:
+            self._dispatch_weights = weights is not None
 
     def combine(self, out_tokens, indices, weights, expert_y, bound_m, do_send=True, do_recv=True,
                 stream=None):
@@ -176,7 +181,26 @@ class AllToAll:
             expert_y=self._array(expert_y, "expert_y", c.out_dtype, c.expert_x_shape()),
             bound_m=self._array(bound_m, "bound_m", np.int32, (1,)),
         )
-        self._backend.combine(a, bool(do_send), bool(do_recv), self._stream(stream))
+        if self._dispatch_weights is None:
+            raise InvalidArgument("combine: no dispatch has completed on this AllToAll")
+        if weights is None and not self._dispatch_weights:
+            raise InvalidArgument("combine: weights=None needs the router weights to have been passed to "
+                                  "dispatch(weights=...)")
+        if do_recv and not do_send and (weights is not None) != self._combine_weights:
+            raise InvalidArgument("combine: give weights to both halves or to neither")
+        self._split("combine", self._backend.combine, a, do_send, do_recv, stream)
+        if do_send:
+            self._combine_weights = weights is not None
+
+    def _split(self, phase, run, args, do_send, do_recv, stream):
+        """Run the send and/or receive half of a phase, refusing an order that would deadlock or lose data."""
+        posted, do_send, do_recv = self._posted[phase], bool(do_send), bool(do_recv)
+        if do_send and posted:
+            raise InvalidArgument(f"{phase}: a send is already posted; call {phase}(do_send=False) first")
+        if do_recv and not (posted or do_send):
+            raise InvalidArgument(f"{phase}: do_recv without a prior do_send")
+        run(args, do_send, do_recv, self._stream(stream))
+        self._posted[phase] = (posted or do_send) and not do_recv
 
     def _stream(self, stream):
         return None if self._memory == "host" else stream_handle(stream)

@@ -71,6 +71,30 @@ class Communicator:
         t = self.timeout_s if timeout is None else timeout_seconds(timeout)[0]
         self.transport.check_peers(int(nbytes), t)
 
+    def symmetric(self, shape, dtype):
+        """A CuPy array on the NVSHMEM symmetric heap (collective: same shapes, same order on all ranks).
+
+        Contents are undefined. ``dtype`` must be one CuPy supports (uint8/uint16 for fp8/bf16 data).
+        GPU transport only; free with :meth:`free` (collective) or at :meth:`finalize`.
+        """
+        return self._gpu("symmetric").symmetric(shape, dtype)
+
+    def peer_array(self, array, pe):
+        """Rank ``pe``'s copy of a symmetric ``array``, mapped for loads/stores over NVLink, or None when
+        that rank is not load/store reachable (another node). GPU transport only."""
+        return self._gpu("peer_array").peer_array(array, pe)
+
+    def free(self, array):
+        """Free an array from :meth:`symmetric` (collective, same order on every rank). GPU transport only."""
+        self._gpu("free").free(array)
+
+    def _gpu(self, what):
+        self._live()
+        if self.transport.memory != "device":
+            raise InvalidArgument(f"{what}: symmetric memory needs the nvshmem transport, this communicator "
+                                  f"uses {self.transport.name!r}")
+        return self.transport
+
     def _live(self):
         if self.transport is None:
             raise InvalidArgument("this Communicator was finalized")

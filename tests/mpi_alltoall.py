@@ -14,7 +14,6 @@ import sys
 import time
 
 import numpy as np
-from mpi4py import MPI
 
 import moecomm
 from moecomm import reference

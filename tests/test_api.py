@@ -134,6 +134,11 @@ def test_dtype_names(comm):
         moecomm.AllToAll(comm, M, E, K, H, None, name, "fp16").destroy()
 
 
+def test_symmetric_memory_needs_gpu_transport(comm):
+    with pytest.raises(moecomm.InvalidArgument, match="needs the nvshmem transport"):
+        comm.symmetric((4,), np.float32)
+
+
 def test_unknown_transport():
     with pytest.raises(moecomm.InvalidArgument, match="transport must be one of"):
         moecomm.init(transport="ucx")

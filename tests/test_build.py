@@ -3,7 +3,6 @@ cache is keyed, checked and safe under concurrency, and compile errors carry the
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 

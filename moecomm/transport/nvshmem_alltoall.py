@@ -19,7 +19,6 @@ import numpy as np
 
 from .. import _constants as C
 from .._dtypes import float16
-from .._errors import InvalidArgument
 from .base import AllToAllBackend
 from .nvshmem import error_from_words
 
@@ -93,8 +92,6 @@ class NvshmemAllToAll(AllToAllBackend):
         cupy.cuda.get_current_stream().synchronize()
         self._f = {n: transport.function(f"moecomm_{n}") for n in
                    ("dispatch_send", "dispatch_recv", "combine_send", "combine_recv")}
-        self._dispatch_posted = self._combine_posted = False
-        self._dispatched = None  # whether the last dispatch carried router weights
 
     # ------------------------------------------------------------------------------------------
     def _launch(self, name, blocks, stream, *args):
@@ -120,43 +117,24 @@ class NvshmemAllToAll(AllToAllBackend):
     def dispatch(self, a, do_send, do_recv, stream):
         self.check_error()
         if do_send:
-            if self._dispatch_posted:
-                raise InvalidArgument("dispatch: a send is already posted; call dispatch(do_send=False) first")
             self._launch("dispatch_send", self.send_blocks, stream, self._ptr(a.dp_x), self._ptr(a.dp_x_scale),
                          self._ptr(a.indices), self._ptr(a.weights), self._ptr(a.bound_m),
                          np.int32(a.dp_x.shape[0]), self.recv_buf, self.sig[0], self.stage)
-            self._dispatch_posted, self._dispatched = True, a.weights is not None
         if do_recv:
-            if not self._dispatch_posted:
-                raise InvalidArgument("dispatch: do_recv without a prior do_send")
             self._launch("dispatch_recv", self.per_src_blocks, stream, self.recv_buf, self.sig[0],
                          self._ptr(a.out_expert_num_tokens), self._ptr(a.out_expert_x),
                          self._ptr(a.out_expert_x_scale), self.slot_of, self.timeout_ns)
-            self._dispatch_posted = False
 
     def combine(self, a, do_send, do_recv, stream):
         self.check_error()
         partials = np.int32(a.weights is None)
         if do_send:
-            if self._combine_posted:
-                raise InvalidArgument("combine: a send is already posted; call combine(do_send=False) first")
-            if self._dispatched is None:
-                raise InvalidArgument("combine: no dispatch has completed on this AllToAll")
-            if partials and not self._dispatched:
-                raise InvalidArgument("combine: weights=None needs the router weights to have been passed to "
-                                      "dispatch(weights=...)")
             self._launch("combine_send", self.per_src_blocks, stream, self.recv_buf, self.slot_of,
                          self._ptr(a.expert_y), partials, self.comb_buf, self.sig[1], self.stage)
-            self._combine_posted, self._combine_partials = True, partials
         if do_recv:
-            if not self._combine_posted:
-                raise InvalidArgument("combine: do_recv without a prior do_send")
-            if partials != self._combine_partials:
-                raise InvalidArgument("combine: weights must be given to both halves or to neither")
             self._launch("combine_recv", self.recv_blocks, stream, self.comb_buf, self.sig[1],
                          self._ptr(a.indices), self._ptr(a.weights), self._ptr(a.bound_m),
                          np.int32(a.out_tokens.shape[0]), partials, self._ptr(a.out_tokens), self.timeout_ns)
-            self._combine_posted = False
 
     def destroy(self):
         self._cupy.cuda.get_current_stream().synchronize()
