@@ -32,10 +32,13 @@ class NvshmemTransport(Transport):
         self._nvshmem, self._bindings, self._cupy = nvshmem.core, nvshmem.bindings, cupy
         rank, world = mpi.Get_rank(), mpi.Get_size()
         ndev = cupy.cuda.runtime.getDeviceCount()
-        if local_size > ndev:
-            raise MoeCommError(f"{local_size} ranks share this node but it has {ndev} GPUs: "
+        if ndev == 1:  # the launcher gave each rank its own GPU (srun --gpus-per-task=1, CUDA_VISIBLE_DEVICES)
+            self.device = 0
+        elif local_size <= ndev:
+            self.device = local_rank
+        else:
+            raise MoeCommError(f"{local_size} ranks share this node but they see {ndev} GPUs: "
                                f"run at most one rank per GPU")
-        self.device = local_rank
         cupy.cuda.Device(self.device).use()
         dev = Device(self.device)
         dev.set_current()
