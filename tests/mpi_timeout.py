@@ -1,10 +1,12 @@
 """A rank that skips dispatch: every other rank raises CommTimeout within the timeout instead of hanging.
 
-    mpiexec -n 3 python tests/mpi_timeout.py --transport host
+    mpiexec -n 3 python tests/mpi_timeout.py --transport host [--result FILE]
     mpirun -np 2 python tests/mpi_timeout.py --transport nvshmem
 
 The last rank never calls dispatch. After the timeout the communicator is unusable (the abandoned
-exchange can never complete), so the ranks report and leave without tearing down collectively.
+exchange can never complete), so on the host transport the ranks report and leave without tearing down
+collectively; rank 0 also writes its report to --result, since a launcher may drop the output of ranks
+that exit that way.
 """
 import argparse
 import os
@@ -19,6 +21,7 @@ import moecomm
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--transport", default="auto")
+    p.add_argument("--result", help="file for rank 0's report")
     args = p.parse_args()
     comm = moecomm.init(transport=args.transport, timeout=1.0)
     W, rank = comm.world_size, comm.rank
@@ -47,8 +50,12 @@ def main():
                 outcome = "late " + outcome
     results = comm.allgather(outcome)
     if rank == 0:
-        print("\n".join(f"rank {r}: {o}" for r, o in enumerate(results)))
-        print(f"CommTimeout on {sum(o.startswith('CommTimeout') for o in results)} ranks")
+        report = "\n".join(f"rank {r}: {o}" for r, o in enumerate(results))
+        report += f"\nCommTimeout on {sum(o.startswith('CommTimeout') for o in results)} ranks\n"
+        print(report, end="")
+        if args.result:
+            with open(args.result, "w") as f:
+                f.write(report)
     ok = all(o.startswith("CommTimeout") for o in results[:-1])
     code = 0 if ok else 1
     if comm.transport.memory == "host":  # abandoned MPI requests can never complete: leave without MPI
