@@ -4,7 +4,7 @@
 // of this header and the kernels do not change:
 //   put_signal_warp  copy bytes to a peer's symmetric buffer, then add to a signal there (ordered after data)
 //   put_warp         copy bytes to a peer's symmetric buffer (non-blocking; complete with quiet)
-//   signal_add/_set  add to / set a signal on a peer
+//   signal_set       set a signal on a peer, ordered after this thread's data to it
 //   wait_geq         bounded wait until a local signal reaches a value; records a timeout in the error word
 //   complete_sends   finish a thread's puts and stores before it (or its block) signals
 //   peer_ptr         a load/store pointer to a peer's symmetric buffer, or nullptr when it is not
@@ -69,10 +69,6 @@ __device__ __forceinline__ bool wait_geq(const uint64_t* sig, uint64_t expected,
 __device__ __forceinline__ void put_signal_warp(void* dst, const void* src, size_t bytes, uint64_t* sig,
                                                 uint64_t add, int pe) {
   nvshmemx_putmem_signal_nbi_warp(dst, src, bytes, sig, add, NVSHMEM_SIGNAL_ADD, pe);
-}
-
-__device__ __forceinline__ void signal_add(uint64_t* sig, uint64_t add, int pe) {
-  nvshmemx_signal_op(sig, add, NVSHMEM_SIGNAL_ADD, pe);
 }
 
 __device__ __forceinline__ void put_warp(void* dst, const void* src, size_t bytes, int pe) {

@@ -6,7 +6,7 @@ device code (``-rdc=true -dlto``) and linked by nvJitLink together with NVSHMEM'
 IBGDA (GPU-initiated InfiniBand) and proxy code paths in the kernels, so a peer reachable only over the
 network goes through the same kernels as an NVLink peer. The header-only mode has no IBGDA code.
 
-Three header fixes are needed for NVSHMEM 3.4 under NVRTC (see ../shared notes in the repo history):
+Three header fixes are needed for NVSHMEM 3.4 under NVRTC:
 
 * NVSHMEM's device library was built with LP64 ``uint64_t`` = ``unsigned long``; NVRTC's CCCL
   ``<cuda/std/cstdint>`` says ``unsigned long long``, so mangled names would not match at link time. We
@@ -70,11 +70,13 @@ class Toolchain:
     @classmethod
     def find(cls):
         from cuda.bindings import nvjitlink, nvrtc
-        nvshmem = Path(os.environ.get("MOECOMM_NVSHMEM_HOME") or (_package_dir("nvidia") / "nvshmem"))
+        spec = importlib.util.find_spec("nvidia")  # namespace of the NVIDIA wheels
+        wheels = [Path(p) for p in (spec.submodule_search_locations or [])] if spec else []
+        nvshmem = Path(os.environ.get("MOECOMM_NVSHMEM_HOME")
+                       or next((w / "nvshmem" for w in wheels if (w / "nvshmem").is_dir()), "nvshmem-not-found"))
         cupy = _package_dir("cupy")
         cccl = cupy / "_core" / "include" / "cupy" / "_cccl" / "libcudacxx" if cupy else None
-        cuda_candidates = [Path(p) / "cu13" / "include" for p in
-                           (importlib.util.find_spec("nvidia").submodule_search_locations or [])]
+        cuda_candidates = [w / "cu13" / "include" for w in wheels]
         cuda_candidates += [Path(os.environ.get("CUDA_HOME", "/usr/local/cuda")) / "include"]
         cuda_inc = next((p for p in cuda_candidates if (p / "cuda_fp16.h").is_file()), None)
         missing = [what for what, p in (

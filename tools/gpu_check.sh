@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Build, test (and optionally benchmark) on the GPU machine in one go. Run from the repo root:
-#   bash tools/gpu_check.sh [quick]
-# Wheels missing there (nvshmem4py) travel in .whl/ (see README, "GPU machine"). Logs go to $OUT if set.
+#   bash tools/gpu_check.sh          build, peer check, quick sweep, timeout, demo, full sweep
+#   bash tools/gpu_check.sh peer     build and peer check only
+#   bash tools/gpu_check.sh bench    build, checks, world size 1, put-only path, R1-sized sweep, benchmark
+# Wheels the GPU machine lacks (nvshmem4py) are installed from .whl/ when present. Logs go to $OUT if set.
 set -u -o pipefail
 out=${OUT:-/tmp/moecomm-out}; mkdir -p "$out"
 if ls .whl/*.whl >/dev/null 2>&1; then
