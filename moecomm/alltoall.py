@@ -31,7 +31,10 @@ class AllToAll:
     """Expert-parallel dispatch and combine over a :class:`moecomm.Communicator`.
 
     Construction is collective: every rank must pass the same configuration (checked; a mismatch raises
-    InvalidArgument on every rank). Buffers are sized once for the worst case and reused by every call.
+    InvalidArgument on every rank). Buffers are sized once for the worst case and reused by every call, so
+    each dispatch must be followed by its combine before the next dispatch, and the calls of one AllToAll
+    must run in order on the device (one stream, or streams ordered with events). Use one AllToAll per
+    concurrently live layer.
 
     Args:
         comm: the :class:`moecomm.Communicator`.
