@@ -45,13 +45,22 @@ def grids(cfg, num_sms):
     return send_blocks, cfg.world_size * parts, recv_blocks
 
 
-def symmetric_bytes(cfg, num_sms=132):
-    """Symmetric memory one rank allocates for this configuration (the formula in the module doc)."""
+def symmetric_sizes(cfg, num_sms):
+    """Bytes of each symmetric buffer one rank allocates (the formula in the module doc), and the staging
+    row size: {"recv_buf", "comb_buf", "stage", "signals", "stage_row"}."""
     W, M, K = cfg.world_size, cfg.max_num_tokens, cfg.experts_per_token
     out_row = cfg.hidden_dim * cfg.out_dtype.itemsize
     send_blocks, per_src, _ = grids(cfg, num_sms)
-    stage = max(send_blocks, per_src) * (C.BLOCK_THREADS // 32) * C.STAGE_SLOTS * max(record_bytes(cfg), out_row)
-    return W * M * record_bytes(cfg) + max(W, K) * M * out_row + stage + 2 * W * 8
+    stage_row = max(record_bytes(cfg), out_row)
+    stage_rows = max(send_blocks, per_src) * (C.BLOCK_THREADS // 32) * C.STAGE_SLOTS
+    return dict(recv_buf=W * M * record_bytes(cfg), comb_buf=max(W, K) * M * out_row,
+                stage=stage_rows * stage_row, signals=2 * W * 8, stage_row=stage_row)
+
+
+def symmetric_bytes(cfg, num_sms=132):
+    """Symmetric memory one rank allocates for this configuration (132 SMs: an H100/H200)."""
+    sizes = symmetric_sizes(cfg, num_sms)
+    return sum(v for k, v in sizes.items() if k != "stage_row")
 
 
 class NvshmemAllToAll(AllToAllBackend):
@@ -64,22 +73,21 @@ class NvshmemAllToAll(AllToAllBackend):
         rec = record_bytes(cfg)
         num_sms = cupy.cuda.Device(transport.device).attributes["MultiProcessorCount"]
         self.send_blocks, self.per_src_blocks, self.recv_blocks = grids(cfg, num_sms)
-        stage_bytes = max(rec, out_row)
-        stage_rows = max(self.send_blocks, self.per_src_blocks) * (C.BLOCK_THREADS // 32) * C.STAGE_SLOTS
+        sizes = symmetric_sizes(cfg, num_sms)
         layout = dict(
             WORLD=W, RANK=cfg.rank, DP=cfg.dp_size, EXPERTS=cfg.num_experts, LOCAL_EXPERTS=L, TOPK=K,
             MAX_TOKENS=M, HIDDEN=cfg.hidden_dim, X_BYTES=cfg.hidden_dim * cfg.in_dtype.itemsize,
             SCALE_BYTES=0 if cfg.hidden_dim_scale is None else 4 * cfg.hidden_dim_scale,
             META_OFF=rec - _align16(4 + 8 * K), REC_BYTES=rec,
             OUT_CODE=C.DT_FP16 if cfg.out_dtype == float16 else C.DT_BF16,
-            OUT_ROW_BYTES=out_row, CAP=cfg.expert_capacity, STAGE_SLOTS=C.STAGE_SLOTS, STAGE_BYTES=stage_bytes)
+            OUT_ROW_BYTES=out_row, CAP=cfg.expert_capacity, STAGE_SLOTS=C.STAGE_SLOTS, STAGE_BYTES=sizes["stage_row"])
         self.layout = cupy.asarray(np.array([layout[f] for f in C.LAYOUT_FIELDS], np.int64))
         self.state = cupy.zeros(C.STATE_FIXED + 2 * W + L, np.uint32)
         self.slot_of = cupy.empty(W * M * K, np.int32)
         sym = transport.symmetric
-        self.recv_buf = sym((W * M * rec,), np.uint8)
-        self.comb_buf = sym((max(W, K) * M * out_row,), np.uint8)
-        self.stage = sym((stage_rows * stage_bytes,), np.uint8)
+        self.recv_buf = sym((sizes["recv_buf"],), np.uint8)
+        self.comb_buf = sym((sizes["comb_buf"],), np.uint8)
+        self.stage = sym((sizes["stage"],), np.uint8)
         self.sig = sym((2, W), np.uint64)  # [0]: dispatch signals, [1]: combine signals
         self._owned = [self.recv_buf, self.comb_buf, self.stage, self.sig]
         self.sig.fill(0)
