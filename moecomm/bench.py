@@ -7,10 +7,14 @@ Defaults run the two headline configurations (DeepSeek-R1 decode and prefill); `
   against :mod:`moecomm.reference` on fresh random routing;
 * eager launches, per phase (dispatch send, dispatch recv, combine send, combine recv) with CUDA events,
   and the whole sequence captured once in a CUDA graph and replayed;
+* each phase captured in its own graph and replayed alone, after a barrier that guarantees the peers'
+  earlier phases are complete: the phase's own device time, without waiting for peers;
 * the NCCL baseline through CuPy's NCCL binding: the standard all-to-all of one row per (token, expert)
   (fp8 + scales out, bf16 back), with exact per-rank sizes and padded to the worst case;
 * medians and p99 over ``--iters`` iterations after ``--warmup``, each iteration started by an on-stream
-  barrier, the maximum over ranks taken per iteration.
+  barrier, the maximum over ranks taken per iteration. Graph replays and NCCL calls are preceded by a
+  device-side delay (``--delay-us``) so that they are queued before their start event fires: the host's
+  launch latency is not in those timings (eager timings include everything the host does).
 
 Router weights go with dispatch (combine sums a token's local experts on the expert side). Output: a table,
 a JSON file (configuration, machine, versions, git commit, every figure) and, with matplotlib, a PNG plot
@@ -64,6 +68,7 @@ class Bench:
         self.comm, self.args, self.cp = comm, args, cupy
         self.stream = cupy.cuda.Stream(non_blocking=True)
         self.nccl = self._nccl()
+        self._delay = comm.transport.function("moecomm_delay")
 
     def _nccl(self):
         try:
@@ -78,6 +83,42 @@ class Bench:
 
     def barrier(self):
         self.comm.transport.barrier(self.stream.ptr)
+
+    def start(self, event):
+        """Barrier, device delay, then ``event``: what follows is queued before the event fires."""
+        self.barrier()
+        self._delay((1,), (1,), (np.uint64(int(self.args.delay_us * 1e3)),), stream=self.stream)
+        event.record(self.stream)
+
+    def time_graphs(self, graphs, timed):
+        """Replay ``graphs`` in order per iteration; time graphs[timed] (after start()). Max over ranks."""
+        ev = [self.cp.cuda.Event() for _ in range(3)]
+        t = []
+        for it in range(self.args.warmup + self.args.iters):
+            for i, g in enumerate(graphs):
+                if i == timed:
+                    self.start(ev[0])
+                    g.launch(self.stream)
+                    ev[1].record(self.stream)
+                else:
+                    g.launch(self.stream)
+            ev[2].record(self.stream)
+            ev[2].synchronize()
+            if it >= self.args.warmup:
+                t.append([self.cp.cuda.get_elapsed_time(ev[0], ev[1]) * 1e3])
+        return self.max_over_ranks(t)[:, 0]
+
+    def capture(self, fn):
+        s = self.stream
+        with s:
+            s.begin_capture(self.cp.cuda.runtime.streamCaptureModeRelaxed)
+            fn()
+            return s.end_capture()
+
+    def launch_floor(self):
+        """One graph of one empty kernel, timed like the phases: the fixed cost of any graph replay."""
+        g = self.capture(lambda: self._delay((1,), (1,), (np.uint64(0),), stream=self.stream))
+        return stats(self.time_graphs([g], 0))
 
     def max_over_ranks(self, per_iter):
         """per_iter: [iters, n] float array; returns the elementwise max over ranks."""
@@ -141,25 +182,15 @@ class Bench:
         a2a.synchronize(s)
         eager = self.max_over_ranks(samples)
 
-        # CUDA graph of the whole sequence
-        graph_us = None
+        # CUDA graphs: the whole sequence, then each phase alone (peers' earlier phases complete)
+        graph = None
         if not self.args.no_graph:
-            with s:
-                s.begin_capture(cp.cuda.runtime.streamCaptureModeRelaxed)
-                for i in range(4):
-                    phase(i, i < 2)
-                g = s.end_capture()
-            t = []
-            for it in range(self.args.warmup + self.args.iters):
-                self.barrier()
-                ev[0].record(s)
-                g.launch(s)
-                ev[1].record(s)
-                ev[1].synchronize()
-                if it >= self.args.warmup:
-                    t.append([cp.cuda.get_elapsed_time(ev[0], ev[1]) * 1e3])
+            whole = self.capture(lambda: [phase(i, i < 2) for i in range(4)])
+            graph = {"total": stats(self.time_graphs([whole], 0))}
+            parts = [self.capture(lambda i=i: phase(i, i < 2)) for i in range(4)]
+            for i, p in enumerate(PHASES):
+                graph[p] = stats(self.time_graphs(parts, i))
             a2a.synchronize(s)
-            graph_us = self.max_over_ranks(t)[:, 0]
 
         # bytes this rank sends to other ranks
         owners = idx[rank] // L
@@ -171,8 +202,8 @@ class Bench:
                       bytes={"dispatch": int(disp_bytes), "combine": int(comb_bytes)},
                       eager={p: stats(eager[:, i]) for i, p in enumerate(PHASES)})
         result["eager"]["total"] = stats(eager.sum(axis=1))
-        if graph_us is not None:
-            result["graph"] = {"total": stats(graph_us)}
+        if graph is not None:
+            result["graph"] = graph
         best = result.get("graph", result["eager"])["total"]["median_us"]
         result["GBps_per_rank"] = (disp_bytes + comb_bytes) / (best * 1e-6) / 1e9
         if self.nccl:
@@ -204,8 +235,7 @@ class Bench:
             ev = [cp.cuda.Event() for _ in range(3)]
             samples = []
             for it in range(self.args.warmup + self.args.iters):
-                self.barrier()
-                ev[0].record(s)
+                self.start(ev[0])
                 a2a(bufs[0], bufs[1], sc, rc, out_row)
                 ev[1].record(s)
                 a2a(bufs[2], bufs[3], rc, sc, back_row)
@@ -259,6 +289,13 @@ def table(results):
             + f" {r['GBps_per_rank']:>7.1f}"
             + (f" {n['exact']['median_us']:>11.1f} {n['padded']['median_us']:>8.1f} {r['speedup_vs_nccl_exact']:>7.2f}"
                if n else f" {'n/a':>11} {'n/a':>8} {'-':>7}"))
+    if any("graph" in r for r in results):
+        head = f"{'graph, each phase alone':<24} {'tok':>5} " + " ".join(f"{p:>14}" for p in PHASES) + f" {'sum':>8}"
+        lines += ["", head, "-" * len(head)]
+        for r in (r for r in results if "graph" in r):
+            g = r["graph"]
+            lines.append(f"{r['config']:<24} {r['tokens']:>5} " + " ".join(f"{g[p]['median_us']:>14.1f}" for p in PHASES)
+                         + f" {sum(g[p]['median_us'] for p in PHASES):>8.1f}")
     return "\n".join(lines)
 
 
@@ -301,6 +338,8 @@ def main(argv=None):
     p.add_argument("--warmup", type=int, default=50)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-graph", action="store_true")
+    p.add_argument("--delay-us", type=float, default=100.0,
+                   help="device delay before each timed graph replay or NCCL call (default 100)")
     p.add_argument("--sweep-tokens", default=",".join(map(str, SWEEP_TOKENS)))
     p.add_argument("--json", default="bench.json", help="output JSON (rank 0)")
     p.add_argument("--plot", default="bench.png", help="output PNG of the sweep (rank 0, needs matplotlib)")
@@ -315,6 +354,7 @@ def main(argv=None):
             jobs.append((name, CONFIGS[name]))
         else:
             p.error(f"unknown config {name!r}")
+    floor = None if args.no_graph else bench.launch_floor()
     results, t0 = [], time.time()
     for i, (name, c) in enumerate(jobs):
         results.append(bench.run(name, *c))
@@ -325,9 +365,12 @@ def main(argv=None):
                   flush=True)
     if comm.rank == 0:
         print(table(results))
+        if floor:
+            print(f"graph launch floor (one empty kernel, timed like a phase): {floor['median_us']:.1f} us")
         doc = {"command": "mpirun -np {} python -m moecomm.bench {}".format(comm.world_size, " ".join(
             argv if argv is not None else sys.argv[1:])), "environment": environment(),
             "nccl_baseline": bench.nccl is not None, "iters": args.iters, "warmup": args.warmup,
+            "delay_us": args.delay_us, "graph_launch_floor": floor,
             "results": results}
         with open(args.json, "w") as f:
             json.dump(doc, f, indent=1)

@@ -3,6 +3,8 @@
 #   bash tools/gpu_check.sh          build, peer check, quick sweep, timeout, demo, full sweep
 #   bash tools/gpu_check.sh peer     build and peer check only
 #   bash tools/gpu_check.sh bench    build, checks, world size 1, put-only path, R1-sized sweep, benchmark
+#   bash tools/gpu_check.sh profile  build, short benchmark (per-phase graphs), Nsight Compute at world
+#                                    size 1 (all sections) and on every rank (kernel durations), quick sweep
 # Wheels the GPU machine lacks (nvshmem4py) are installed from .whl/ when present. Logs go to $OUT if set.
 set -u -o pipefail
 out=${OUT:-/tmp/moecomm-out}; mkdir -p "$out"
@@ -24,6 +26,29 @@ step() { echo "=== $*"; timeout ${STEP_TIMEOUT:-240} "$@" 2>&1 | tee -a "$out/gp
 step python3 -m moecomm.build --arch sm_90
 step "${MPIRUN[@]}" -np "$ngpu" python3 tests/mpi_peer_check.py
 [ "${1:-}" = peer ] && exit $status
+# CuPy's NCCL binding finds libnccl through the loader path (the nvidia-nccl wheel)
+nccl=$(python3 -c "import nvidia.nccl as m; print(list(m.__path__)[0] + '/lib')" 2>/dev/null)
+export LD_LIBRARY_PATH=${nccl}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+if [ "${1:-}" = profile ]; then
+  STEP_TIMEOUT=${BENCH_TIMEOUT:-300} step "${MPIRUN[@]}" -x LD_LIBRARY_PATH -np "$ngpu" python3 -m moecomm.bench \
+    --configs ${BENCH_CONFIGS:-r1-decode,r1-prefill,sweep} --sweep-tokens ${SWEEP_TOKENS:-1,16,512} \
+    --iters ${BENCH_ITERS:-500} --json "$out/bench.json" --plot "$out/bench.png"
+  step "${MPIRUN[@]}" -x LD_LIBRARY_PATH -np "$ngpu" python3 -m moecomm.bench --configs r1-decode --delay-us 0 \
+    --iters 300 --json "$out/bench-nodelay.json"  # host launch latency left in, as in earlier runs
+  ncu=(ncu --clock-control none -k "regex:moecomm_(dispatch|combine)")
+  one=(python3 -m moecomm.bench --configs sweep --iters 1 --warmup 0 --no-graph --json /tmp/ncu.json --plot /tmp/ncu.png)
+  for tok in 1 128 4096; do  # world size 1: every kernel's counters (replay is safe: no peer involved)
+    step "${MPIRUN[@]}" -x LD_LIBRARY_PATH -np 1 "${ncu[@]}" --launch-skip 4 --launch-count 4 --section SpeedOfLight --section LaunchStats \
+      --section Occupancy --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis \
+      "${one[@]}" --sweep-tokens $tok > "$out/ncu-ws1-$tok.txt"
+  done
+  for tok in 1 128 4096; do  # every rank: durations only (one pass, no replay across peers)
+    step "${MPIRUN[@]}" -x LD_LIBRARY_PATH -np "$ngpu" "${ncu[@]}" --launch-skip 4 --launch-count 4 \
+      --metrics gpu__time_duration.sum "${one[@]}" --sweep-tokens $tok > "$out/ncu-ws$ngpu-$tok.txt"
+  done
+  step "${MPIRUN[@]}" -np "$ngpu" python3 tests/mpi_alltoall.py --transport nvshmem --quick
+  exit $status
+fi
 step "${MPIRUN[@]}" -np "$ngpu" python3 tests/mpi_alltoall.py --transport nvshmem --quick
 step "${MPIRUN[@]}" -np "$ngpu" python3 tests/mpi_timeout.py --transport nvshmem
 step "${MPIRUN[@]}" -np "$ngpu" python3 examples/demo.py
@@ -32,9 +57,6 @@ if [ "${1:-}" = bench ] && [ $status = 0 ]; then
   step "${MPIRUN[@]}" -np 1 python3 tests/mpi_alltoall.py --transport nvshmem --quick        # world size 1
   MOECOMM_FORCE_PUTS=1 step "${MPIRUN[@]}" -x MOECOMM_FORCE_PUTS -np "$ngpu" python3 tests/mpi_alltoall.py --transport nvshmem --quick
   step "${MPIRUN[@]}" -np "$ngpu" python3 tests/mpi_alltoall.py --transport nvshmem --quick --full  # R1-sized cases
-  # CuPy's NCCL binding finds libnccl through the loader path (the nvidia-nccl wheel)
-  nccl=$(python3 -c "import nvidia.nccl as m; print(list(m.__path__)[0] + '/lib')" 2>/dev/null)
-  export LD_LIBRARY_PATH=${nccl}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
   STEP_TIMEOUT=${BENCH_TIMEOUT:-300} step "${MPIRUN[@]}" -x LD_LIBRARY_PATH -np "$ngpu" python3 -m moecomm.bench \
     --configs ${BENCH_CONFIGS:-r1-decode,r1-prefill,v2-lite,sweep} --json "$out/bench.json" --plot "$out/bench.png"
 fi
