@@ -43,81 +43,90 @@ __device__ __forceinline__ const int* meta_of(const uint8_t* rec, const Layout& 
   return (const int*)(rec + L.meta_off);
 }
 
-// Up to MOECOMM_MAX_TOPK + 1 destinations per warp (experts or peers, plus a staging row).
+// Work is handed out a token (or record) per block: the block's THREADS threads share each row, so a row
+// costs one or two rounds of loads instead of a warp's many. Up to MOECOMM_MAX_TOPK + 1 destinations per
+// row (experts or peers, plus a staging row).
 constexpr int MAX_FANOUT = MOECOMM_MAX_TOPK + 1;
-constexpr int WARPS = MOECOMM_BLOCK_THREADS / 32;
-constexpr int INFLIGHT = 8;  // 16-byte loads each lane keeps in flight in copies
+constexpr int THREADS = MOECOMM_BLOCK_THREADS;
+constexpr int INFLIGHT = 4;  // 16-byte loads per thread in flight in copies: a 16 KB row in one round
 
-// Copy `bytes` (a multiple of 16) from src to dsts[0..n) + offset, loading each 16-byte chunk once and
-// keeping INFLIGHT loads per lane in flight (a plain loop would wait for each load: dst may alias src).
+// Block-wide: copy `bytes` (a multiple of 16) from src to dsts[0..n) + offset, loading each 16-byte chunk
+// once and keeping up to INFLIGHT loads per thread in flight (a plain loop would wait for each load: dst
+// may alias src).
 __device__ __forceinline__ void fanout16(uint8_t* const* dsts, int n, const uint8_t* src, int bytes,
-                                         int offset, int lane) {
+                                         int offset) {
   const int4* s = (const int4*)src;
   const int chunks = bytes / 16;
-  for (int base = lane; base < chunks; base += INFLIGHT * 32) {
+  for (int base = threadIdx.x; base < chunks; base += INFLIGHT * THREADS) {
     int4 v[INFLIGHT];
 #pragma unroll
     for (int u = 0; u < INFLIGHT; ++u)
-      if (base + u * 32 < chunks) v[u] = s[base + u * 32];
+      if (base + u * THREADS < chunks) v[u] = s[base + u * THREADS];
     for (int j = 0; j < n; ++j) {
       int4* d = (int4*)(dsts[j] + offset);
 #pragma unroll
       for (int u = 0; u < INFLIGHT; ++u)
-        if (base + u * 32 < chunks) d[base + u * 32] = v[u];
+        if (base + u * THREADS < chunks) d[base + u * THREADS] = v[u];
     }
   }
 }
 
-// The same for 4-byte words (scale rows, whose size need not be a multiple of 16).
+// Block-wide, the same for 4-byte words (scale rows, whose size need not be a multiple of 16).
 __device__ __forceinline__ void fanout4(uint8_t* const* dsts, int n, const uint8_t* src, int bytes,
-                                        int offset, int lane) {
+                                        int offset) {
   const int* s = (const int*)src;
-  for (int i = lane; i < bytes / 4; i += 32) {
+  for (int i = threadIdx.x; i < bytes / 4; i += THREADS) {
     const int v = s[i];
     for (int j = 0; j < n; ++j) ((int*)(dsts[j] + offset))[i] = v;
   }
 }
 
-// A staging row of this warp (ring of stage_slots), the source of puts to peers that are not load/store
-// reachable. Before a row is reused, the puts that read it must be complete.
+// Block-wide: put `bytes` of src to remote[j] on pes[j], j < n (non-blocking; complete with quiet).
+// Not inlined: NVSHMEM's put path is large and would otherwise take registers from the copy loops.
+static __device__ __noinline__ void put_block_all(uint8_t* const* remote, const int* pes, int n,
+                                              const uint8_t* src, int bytes) {
+  for (int j = 0; j < n; ++j) put_block(remote[j], src, bytes, pes[j]);
+}
+
+// A block's ring of staging rows (stage_slots of them), the sources of puts to peers that are not
+// load/store reachable. Before a row is reused, the puts that read it must be complete. Every thread of
+// the block keeps an identical copy and calls next() together.
 struct Stage {
   uint8_t* base;
   int slots, bytes, n;
   bool puts_pending, used_puts;
-  __device__ Stage(uint8_t* stage, const Layout& L, int gwarp)
-      : base(stage + (size_t)gwarp * L.stage_slots * L.stage_bytes), slots(L.stage_slots),
+  __device__ Stage(uint8_t* stage, const Layout& L)
+      : base(stage + (size_t)blockIdx.x * L.stage_slots * L.stage_bytes), slots(L.stage_slots),
         bytes(L.stage_bytes), n(0), puts_pending(false), used_puts(false) {}
   __device__ uint8_t* next() {
     if (puts_pending && n % slots == 0) {
       nvshmem_quiet();
       puts_pending = false;
     }
-    return base + (size_t)(n++ % slots) * bytes;
-  }
-  __device__ void put(uint8_t* dst, const uint8_t* src, int nbytes, int pe) {
-    put_warp(dst, src, nbytes, pe);
     puts_pending = used_puts = true;
+    return base + (size_t)(n++ % slots) * bytes;
   }
 };
 
-// Destinations of one row on the peers [q0, q1): mapped peers get direct stores (into dsts), the others a
-// staged copy (appended to dsts) and a put. Returns the number of dsts; puts go out in send_puts.
+// Destinations of one row on the peers [q0, q1), built by every thread of the block alike: mapped peers
+// get direct stores (into dsts), the others a staged copy (appended to dsts) and a put (send_puts).
 struct Targets {
-  uint8_t** dsts;   // shared, MAX_FANOUT per warp
-  uint8_t** remote; // shared, symmetric addresses of the put targets
-  int* pes;         // shared
+  uint8_t** dsts;    // shared, MAX_FANOUT
+  uint8_t** remote;  // shared, symmetric addresses of the put targets
+  int* pes;          // shared
   int n, n_put;
   uint8_t* staged;
-  __device__ void build(uint8_t* symmetric, int q0, int q1, Stage& st, int lane) {
+  __device__ void build(uint8_t* symmetric, int q0, int q1, Stage& st) {
+    __syncthreads();  // the shared arrays may still be read for the previous row
     n = n_put = 0;
     staged = nullptr;
     for (int q = q0; q < q1; ++q) {
       uint8_t* p = peer_ptr(symmetric, q);
       if (p) {
-        if (lane == 0) dsts[n] = p;
+        if (threadIdx.x == 0) dsts[n] = p;
         ++n;
       } else {
-        if (lane == 0) {
+        if (threadIdx.x == 0) {
           remote[n_put] = symmetric;
           pes[n_put] = q;
         }
@@ -126,14 +135,15 @@ struct Targets {
     }
     if (n_put) {
       staged = st.next();
-      if (lane == 0) dsts[n] = staged;
+      if (threadIdx.x == 0) dsts[n] = staged;
       ++n;
     }
-    __syncwarp();
+    __syncthreads();
   }
-  __device__ void send_puts(int bytes, Stage& st) {
-    __syncwarp();
-    for (int j = 0; j < n_put; ++j) st.put(remote[j], staged, bytes, pes[j]);
+  __device__ void send_puts(int bytes) {
+    if (!n_put) return;
+    __syncthreads();  // the staged row is complete
+    put_block_all(remote, pes, n_put, staged, bytes);
   }
 };
 
@@ -202,15 +212,15 @@ __device__ __forceinline__ int4 from_float8(const float* f, int code) {
   return v;
 }
 
-// dsts[0..nd) = sum_j w[j] * rows[j] over n rows of `row_bytes` (output dtype), accumulated in float.
-// Each lane handles two 16-byte chunks at a time and loads them from 4 rows before accumulating, so up to
-// 8 loads are in flight.
+// Block-wide: dsts[0..nd) = sum_j w[j] * rows[j] over n rows of `row_bytes` (output dtype), accumulated in
+// float. Each thread handles two 16-byte chunks at a time and loads them from 4 rows before accumulating,
+// so up to 8 loads are in flight; a 14 KB bf16 row takes two such rounds per group of 4 rows.
 __device__ __forceinline__ void weighted_sum(const uint8_t* const* rows, const float* w, int n,
-                                             int row_bytes, int code, uint8_t* const* dsts, int nd,
-                                             int lane) {
+                                             int row_bytes, int code, uint8_t* const* dsts, int nd) {
   const int chunks = row_bytes / 16;
-  for (int c = lane; c < chunks; c += 64) {
-    const bool two = c + 32 < chunks;
+  for (int c = threadIdx.x; c < chunks; c += 2 * THREADS) {
+    const int c1 = c + THREADS;
+    const bool two = c1 < chunks;
     float a0[8] = {0, 0, 0, 0, 0, 0, 0, 0}, a1[8] = {0, 0, 0, 0, 0, 0, 0, 0};
     for (int j = 0; j < n; j += 4) {
       int4 v0[4], v1[4];
@@ -218,7 +228,7 @@ __device__ __forceinline__ void weighted_sum(const uint8_t* const* rows, const f
       for (int u = 0; u < 4; ++u) {
         if (j + u < n) {
           v0[u] = ((const int4*)rows[j + u])[c];
-          if (two) v1[u] = ((const int4*)rows[j + u])[c + 32];
+          if (two) v1[u] = ((const int4*)rows[j + u])[c1];
         }
       }
 #pragma unroll
@@ -238,7 +248,7 @@ __device__ __forceinline__ void weighted_sum(const uint8_t* const* rows, const f
     const int4 o0 = from_float8(a0, code), o1 = from_float8(a1, code);
     for (int d = 0; d < nd; ++d) {
       ((int4*)dsts[d])[c] = o0;
-      if (two) ((int4*)dsts[d])[c + 32] = o1;
+      if (two) ((int4*)dsts[d])[c1] = o1;
     }
   }
 }

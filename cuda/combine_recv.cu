@@ -3,18 +3,17 @@
 
 using namespace moecomm;
 
-// grid: any number of blocks of MOECOMM_BLOCK_THREADS; one warp per token (strided) over the group's m.
+// grid: any number of blocks of MOECOMM_BLOCK_THREADS; one block per token (strided) over the group's m.
 //   comb_buf, comb_sig   as in combine_send (this rank's copies)
 //   indices [rows, topk] int32, weights [rows, topk] float32 (read when partials == 0), bound_m [1] int32
 //   out [rows, hidden] out_dtype: rows 0..m-1 written
-extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS)
+extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, 2)
     moecomm_combine_recv(const long long* layout, unsigned* state, int* err, const uint8_t* comb_buf,
                          const uint64_t* comb_sig, const int* indices, const float* weights,
                          const int* bound_m, int rows, int partials, uint8_t* out,
                          unsigned long long timeout_ns) {
   const Layout L(layout);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int gwarp = blockIdx.x * WARPS + warp, nwarps = gridDim.x * WARPS;
   const unsigned epoch = state[MOECOMM_S_EPOCH_CR] + 1;
   const uint64_t deadline = now_ns() + timeout_ns;
   for (int q = threadIdx.x; q < L.world; q += blockDim.x)
@@ -22,31 +21,37 @@ extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS)
   __syncthreads();
   int m = *bound_m;
   if (m < 0 || m > rows || m > L.max_tokens) m = 0;  // dispatch reported it
-  __shared__ const uint8_t* srcs[WARPS][MOECOMM_MAX_TOPK];  // comb_buf rows to add for the warp's token
-  __shared__ float wts[WARPS][MOECOMM_MAX_TOPK];
-  __shared__ uint8_t* dst[WARPS];
-  for (int t = gwarp; t < m; t += nwarps) {
-    int e = -1;
-    if (lane < L.topk) e = indices[(size_t)t * L.topk + lane];
-    const bool valid = lane < L.topk && e >= 0 && e < L.num_experts;
-    const int rank = valid ? e / L.local_experts : -1;
-    bool first = valid;
-    for (int j = 0; j < L.topk; ++j) {
-      const int rj = __shfl_sync(FULL, rank, j);
-      if (j < lane) first = first && rj != rank;
+  __shared__ const uint8_t* srcs[MOECOMM_MAX_TOPK];  // comb_buf rows to add for the block's token
+  __shared__ float wts[MOECOMM_MAX_TOPK];
+  __shared__ int n;
+  __shared__ uint8_t* dst;
+  for (int t = blockIdx.x; t < m; t += gridDim.x) {
+    if (warp == 0) {
+      int e = -1;
+      if (lane < L.topk) e = indices[(size_t)t * L.topk + lane];
+      const bool valid = lane < L.topk && e >= 0 && e < L.num_experts;
+      const int rank = valid ? e / L.local_experts : -1;
+      bool first = valid;
+      for (int j = 0; j < L.topk; ++j) {
+        const int rj = __shfl_sync(FULL, rank, j);
+        if (j < lane) first = first && rj != rank;
+      }
+      const bool use = partials ? first : valid;
+      const unsigned mask = __ballot_sync(FULL, use);
+      if (use) {
+        const int pos = __popc(mask & ((1u << lane) - 1));
+        const size_t row = partials ? (size_t)rank * L.max_tokens + t : (size_t)t * L.topk + lane;
+        srcs[pos] = comb_buf + row * L.out_row_bytes;
+        wts[pos] = partials ? 1.0f : weights[(size_t)t * L.topk + lane];
+      }
+      if (lane == 0) {
+        n = __popc(mask);
+        dst = out + (size_t)t * L.out_row_bytes;
+      }
     }
-    const bool use = partials ? first : valid;
-    const unsigned mask = __ballot_sync(FULL, use);
-    if (use) {
-      const int pos = __popc(mask & ((1u << lane) - 1));
-      const size_t row = partials ? (size_t)rank * L.max_tokens + t : (size_t)t * L.topk + lane;
-      srcs[warp][pos] = comb_buf + row * L.out_row_bytes;
-      wts[warp][pos] = partials ? 1.0f : weights[(size_t)t * L.topk + lane];
-    }
-    if (lane == 0) dst[warp] = out + (size_t)t * L.out_row_bytes;
-    __syncwarp();
-    weighted_sum(srcs[warp], wts[warp], __popc(mask), L.out_row_bytes, L.out_code, &dst[warp], 1, lane);
-    __syncwarp();
+    __syncthreads();
+    weighted_sum(srcs, wts, n, L.out_row_bytes, L.out_code, &dst, 1);
+    __syncthreads();
   }
   if (last_block(&state[MOECOMM_S_DONE_CR])) {
     if (threadIdx.x == 0) {

@@ -3,12 +3,13 @@
 // Kernels use these few operations and nothing else to reach peers, so a new transport is a new version
 // of this header and the kernels do not change:
 //   put_signal_warp  copy bytes to a peer's symmetric buffer, then add to a signal there (ordered after data)
-//   put_warp         copy bytes to a peer's symmetric buffer (non-blocking; complete with quiet)
+//   put_block        copy bytes to a peer's symmetric buffer, all threads of a block together
+//                    (non-blocking; complete with quiet)
 //   signal_set       set a signal on a peer, ordered after this thread's data to it
 //   wait_geq         bounded wait until a local signal reaches a value; records a timeout in the error word
 //   complete_sends   finish a thread's puts and stores before it (or its block) signals
 //   peer_ptr         a load/store pointer to a peer's symmetric buffer, or nullptr when it is not
-//                    directly addressable (another node): callers must then use put_signal_warp
+//                    directly addressable (another node): callers must then put (put_block, put_signal_warp)
 // Constants (MOECOMM_*) come from moecomm/_constants.py as -D flags.
 #pragma once
 
@@ -71,8 +72,8 @@ __device__ __forceinline__ void put_signal_warp(void* dst, const void* src, size
   nvshmemx_putmem_signal_nbi_warp(dst, src, bytes, sig, add, NVSHMEM_SIGNAL_ADD, pe);
 }
 
-__device__ __forceinline__ void put_warp(void* dst, const void* src, size_t bytes, int pe) {
-  nvshmemx_putmem_nbi_warp(dst, src, bytes, pe);
+__device__ __forceinline__ void put_block(void* dst, const void* src, size_t bytes, int pe) {
+  nvshmemx_putmem_nbi_block(dst, src, bytes, pe);
 }
 
 // MOECOMM_FORCE_PUTS=1 (a build option) treats every peer as network-only, so the put path that

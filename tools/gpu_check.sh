@@ -58,6 +58,7 @@ if [ "${1:-}" = bench ] && [ $status = 0 ]; then
   MOECOMM_FORCE_PUTS=1 step "${MPIRUN[@]}" -x MOECOMM_FORCE_PUTS -np "$ngpu" python3 tests/mpi_alltoall.py --transport nvshmem --quick
   step "${MPIRUN[@]}" -np "$ngpu" python3 tests/mpi_alltoall.py --transport nvshmem --quick --full  # R1-sized cases
   STEP_TIMEOUT=${BENCH_TIMEOUT:-300} step "${MPIRUN[@]}" -x LD_LIBRARY_PATH -np "$ngpu" python3 -m moecomm.bench \
-    --configs ${BENCH_CONFIGS:-r1-decode,r1-prefill,v2-lite,sweep} --json "$out/bench.json" --plot "$out/bench.png"
+    --configs ${BENCH_CONFIGS:-r1-decode,r1-prefill,v2-lite,sweep} ${SWEEP_TOKENS:+--sweep-tokens $SWEEP_TOKENS} \
+    --iters ${BENCH_ITERS:-1000} --json "$out/bench.json" --plot "$out/bench.png"
 fi
 exit $status

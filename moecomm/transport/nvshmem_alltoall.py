@@ -4,7 +4,7 @@ Symmetric memory per rank (bytes), W ranks, M = max_num_tokens, K = top-k, H = h
 
     dispatch records   W * M * R          R = align16(H * in_size) + align16(4 * scales) + align16(4 + 8K)
     combine rows       max(W, K) * M * H * out_size
-    staging            warps * 4 * max(R, H * out_size)    (sources of puts to non-mapped peers)
+    staging            blocks * 4 * max(R, H * out_size)   (sources of puts to non-mapped peers)
     signals            2 * W * 8
 
 (:func:`symmetric_bytes`). Bytes on the wire per call, for n tokens sent by a rank and reaching on
@@ -35,13 +35,13 @@ def record_bytes(cfg):
 
 
 def grids(cfg, num_sms):
-    """Blocks for (dispatch_send, per-source kernels, combine_recv): a warp per token or record, up to
-    two blocks per SM (no block waits for another, so blocks beyond what is resident just queue)."""
-    warps, most = C.BLOCK_THREADS // 32, 2 * num_sms
-    sends = -(-cfg.max_num_tokens // cfg.dp_size)
-    send_blocks = max(1, min(most, -(-sends // warps)))
-    parts = max(1, min(-(-cfg.max_num_tokens // warps), most // cfg.world_size))
-    recv_blocks = max(1, min(most, -(-cfg.max_num_tokens // warps)))
+    """Blocks for (dispatch_send, per-source kernels, combine_recv): a block per token or record, up to
+    two blocks per SM (the kernels are built for two resident blocks; no block waits for another of its
+    own grid, so blocks beyond what is resident just queue)."""
+    most = 2 * num_sms
+    send_blocks = max(1, min(most, -(-cfg.max_num_tokens // cfg.dp_size)))
+    parts = max(1, min(cfg.max_num_tokens, most // cfg.world_size))
+    recv_blocks = max(1, min(most, cfg.max_num_tokens))
     return send_blocks, cfg.world_size * parts, recv_blocks
 
 
@@ -52,7 +52,7 @@ def symmetric_sizes(cfg, num_sms):
     out_row = cfg.hidden_dim * cfg.out_dtype.itemsize
     send_blocks, per_src, _ = grids(cfg, num_sms)
     stage_row = max(record_bytes(cfg), out_row)
-    stage_rows = max(send_blocks, per_src) * (C.BLOCK_THREADS // 32) * C.STAGE_SLOTS
+    stage_rows = max(send_blocks, per_src) * C.STAGE_SLOTS
     return dict(recv_buf=W * M * record_bytes(cfg), comb_buf=max(W, K) * M * out_row,
                 stage=stage_rows * stage_row, signals=2 * W * 8, stage_row=stage_row)
 
