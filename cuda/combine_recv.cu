@@ -16,27 +16,24 @@ extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, 2)
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const unsigned epoch = state[MOECOMM_S_EPOCH_CR] + 1;
   const uint64_t deadline = now_ns() + timeout_ns;
-  for (int q = threadIdx.x; q < L.world; q += blockDim.x)
-    wait_epoch(&comb_sig[q], epoch, deadline, err, q, MOECOMM_PHASE_COMBINE);
-  __syncthreads();
   int m = *bound_m;
   if (m < 0 || m > rows || m > L.max_tokens) m = 0;  // dispatch reported it
   __shared__ const uint8_t* srcs[MOECOMM_MAX_TOPK];  // comb_buf rows to add for the block's token
   __shared__ float wts[MOECOMM_MAX_TOPK];
   __shared__ int n;
   __shared__ uint8_t* dst;
-  for (int t = blockIdx.x; t < m; t += gridDim.x) {
-    if (warp == 0) {
+  for (int t = blockIdx.x;; t += gridDim.x) {
+    if (warp == 0 && t < m) {  // the token's rows (before the first wait: indices do not depend on it)
       int e = -1;
       if (lane < L.topk) e = indices[(size_t)t * L.topk + lane];
       const bool valid = lane < L.topk && e >= 0 && e < L.num_experts;
       const int rank = valid ? e / L.local_experts : -1;
-      bool first = valid;
+      bool once = valid;
       for (int j = 0; j < L.topk; ++j) {
         const int rj = __shfl_sync(FULL, rank, j);
-        if (j < lane) first = first && rj != rank;
+        if (j < lane) once = once && rj != rank;
       }
-      const bool use = partials ? first : valid;
+      const bool use = partials ? once : valid;
       const unsigned mask = __ballot_sync(FULL, use);
       if (use) {
         const int pos = __popc(mask & ((1u << lane) - 1));
@@ -49,7 +46,12 @@ extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, 2)
         dst = out + (size_t)t * L.out_row_bytes;
       }
     }
+    if (t == (int)blockIdx.x) {  // every block waits for every expert rank once, even with no token of its own
+      for (int q = threadIdx.x; q < L.world; q += blockDim.x)
+        wait_epoch(&comb_sig[q], epoch, deadline, err, q, MOECOMM_PHASE_COMBINE);
+    }
     __syncthreads();
+    if (t >= m) break;
     weighted_sum(srcs, wts, n, L.out_row_bytes, L.out_code, &dst, 1);
     __syncthreads();
   }

@@ -1,4 +1,5 @@
 // Dispatch, receive half: wait for every source rank, fan its records out to the local experts.
+// This rank's own tokens were put in place by dispatch_send; their records are only counted here.
 #include "alltoall.cuh"
 
 using namespace moecomm;
@@ -33,7 +34,8 @@ extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, 2)
   }
   __syncthreads();
   const int lo = L.rank * L.local_experts;
-  for (int j = part; j < (int)count; j += parts) {
+  const int records = src == L.rank ? 0 : (int)count;
+  for (int j = part; j < records; j += parts) {
     const uint8_t* rec = recv_buf + ((size_t)src * L.max_tokens + j) * L.rec_bytes;
     if (warp == 0) {  // a slot in each local expert of the record (in parallel lanes)
       int where = -1;

@@ -27,6 +27,15 @@ def stream_handle(stream):
     raise InvalidArgument(f"stream: cannot get a CUDA stream handle from {type(stream).__name__}")
 
 
+def _address(buf):
+    """Where an array checked by AllToAll._array starts (0 for None)."""
+    if buf is None:
+        return 0
+    if isinstance(buf, np.ndarray):
+        return buf.__array_interface__["data"][0]
+    return buf.ptr
+
+
 class AllToAll:
     """Expert-parallel dispatch and combine over a :class:`moecomm.Communicator`.
 
@@ -72,6 +81,7 @@ class AllToAll:
         self._backend = comm.transport.new_alltoall(self.cfg, self.timeout_s)
         self._posted = {"dispatch": False, "combine": False}  # a send half waits for its receive half
         self._dispatch_weights = None   # whether the last dispatch send carried router weights
+        self._dispatch_outputs = None   # addresses of the output arrays given to the last dispatch send
         self._combine_weights = None    # whether the posted combine send was given weights
 
     # ------------------------------------------------------------------------------------------
@@ -124,7 +134,9 @@ class AllToAll:
             indices: [rows, experts_per_token] int32 or uint32 expert ids, distinct per row.
             bound_m: [1] int32 holding m (a device array on GPUs, numpy on the host transport).
             do_send, do_recv: run the send half, the receive half, or both (the default). A send must be
-                followed by a receive before the next send; other work may run between them.
+                followed by a receive before the next send; other work may run between them. Both halves
+                must be given the same output arrays: the send half already stores the tokens for this
+                rank's own experts into them.
             weights: [rows, experts_per_token] float32 router weights, or None. When given, combine may
                 be called with weights=None and then sums each token's local expert outputs on the
                 expert side, sending fewer bytes back.
@@ -155,9 +167,14 @@ class AllToAll:
             bound_m=self._array(bound_m, "bound_m", np.int32, (1,)),
             weights=self._array(weights, "weights", float32, (rows, c.experts_per_token), optional=True),
         )
+        outputs = tuple(_address(b) for b in (a.out_expert_num_tokens, a.out_expert_x, a.out_expert_x_scale))
+        if do_recv and not do_send and self._posted["dispatch"] and outputs != self._dispatch_outputs:
+            raise InvalidArgument("dispatch: the receive half got other output arrays than the send half "
+                                  "(out_expert_num_tokens, out_expert_x, out_expert_x_scale must be the same)")
         self._split("dispatch", self._backend.dispatch, a, do_send, do_recv, stream)
         if do_send:
             self._dispatch_weights = weights is not None
+            self._dispatch_outputs = outputs
 
     def combine(self, out_tokens, indices, weights, expert_y, bound_m, do_send=True, do_recv=True,
                 stream=None):

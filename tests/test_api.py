@@ -125,6 +125,8 @@ def test_split_send_recv_order(a2a):
     a2a.dispatch(**args, do_recv=False)
     with pytest.raises(moecomm.InvalidArgument, match="already posted"):
         a2a.dispatch(**args, do_recv=False)
+    with pytest.raises(moecomm.InvalidArgument, match="other output arrays than the send half"):
+        a2a.dispatch(**dict(args, out_expert_x=args["out_expert_x"].copy()), do_send=False)
     a2a.dispatch(**args, do_send=False)
     _roundtrip(a2a, _good())
 

@@ -8,7 +8,8 @@ Symmetric memory per rank (bytes), W ranks, M = max_num_tokens, K = top-k, H = h
     signals            2 * W * 8
 
 (:func:`symmetric_bytes`). Bytes on the wire per call, for n tokens sent by a rank and reaching on
-average r distinct ranks: dispatch n * r * R; combine n * r * H * out_size with router weights at
+average r distinct other ranks: dispatch n * r * R (a token's rows for this rank's own experts are
+stored in place by the send kernel, with no record); combine n * r * H * out_size with router weights at
 dispatch (one partial per token and expert rank), else n * K * H * out_size.
 
 No host synchronization happens in dispatch or combine: m is read on the device from ``bound_m``, epochs
@@ -127,7 +128,8 @@ class NvshmemAllToAll(AllToAllBackend):
         if do_send:
             self._launch("dispatch_send", self.send_blocks, stream, self._ptr(a.dp_x), self._ptr(a.dp_x_scale),
                          self._ptr(a.indices), self._ptr(a.weights), self._ptr(a.bound_m),
-                         np.int32(a.dp_x.shape[0]), self.recv_buf, self.sig[0], self.stage)
+                         np.int32(a.dp_x.shape[0]), self.recv_buf, self.sig[0], self.stage,
+                         self._ptr(a.out_expert_x), self._ptr(a.out_expert_x_scale), self.slot_of)
         if do_recv:
             self._launch("dispatch_recv", self.per_src_blocks, stream, self.recv_buf, self.sig[0],
                          self._ptr(a.out_expert_num_tokens), self._ptr(a.out_expert_x),
