@@ -4,6 +4,9 @@
 
 Uses the formulas of moecomm/transport/nvshmem_alltoall.py (132 SMs, an H100/H200). Bytes on the wire are
 expectations for uniform top-k routing: a token reaches r = W * (1 - C(E - E/W, k) / C(E, k)) ranks.
+Dispatch sends a record to each of the r * (W - 1) / W other ranks (rows for the rank's own experts are
+stored in place); combine sends one partial row to each of the r ranks (the own one is a local copy);
+without router weights at dispatch, one row per (token, k).
 """
 from math import comb
 
@@ -25,7 +28,7 @@ def main():
             ranks = world * (1 - comb(E - L, k) / comb(E, k))
             out_row = c.hidden_dim * c.out_dtype.itemsize
             print(f"R1 EP{world} {tokens:>5} tok     {symmetric_bytes(c) / 2**20:>11.1f} MiB {ranks:>12.2f} "
-                  f"{tokens * ranks * record_bytes(c) / 2**20:>12.2f} MiB {tokens * ranks * out_row / 2**20:>11.2f} MiB"
+                  f"{tokens * ranks * (world - 1) / world * record_bytes(c) / 2**20:>12.2f} MiB {tokens * ranks * out_row / 2**20:>11.2f} MiB"
                   f" {tokens * k * out_row / 2**20:>13.2f} MiB")
 
 
