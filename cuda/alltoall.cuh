@@ -1,9 +1,10 @@
 // Shared by the four dispatch/combine kernels: the layout of one AllToAll, its device state, and helpers.
 //
 // Wire plan (bytes per phase are in moecomm/transport/nvshmem_alltoall.py):
-//   dispatch  each token goes once to every *rank* owning one of its experts, as one record
+//   dispatch  each token goes once to every other *rank* owning one of its experts, as one record
 //             [x | scales | token, expert ids[k], weights[k]] in the receiver's slot recv_buf[src][slot];
-//             the receiver fans it out to its local experts.
+//             the receiver fans it out to its local experts. Rows for the sender's own experts are
+//             stored in place by the sender, whose own record then holds only the metadata.
 //   combine   with the router weights from dispatch: one partial sum per (token, expert rank), out dtype,
 //             into comb_buf[expert rank][token] of every rank of the token's DP group; without them: one
 //             row per (token, k) into comb_buf[token][k].
