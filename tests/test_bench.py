@@ -1,0 +1,48 @@
+"""The benchmark's host-side pieces (routing, statistics, the report table) on the CPU; the timings
+themselves need GPUs (tools/gpu_check.sh bench)."""
+import numpy as np
+import pytest
+
+from moecomm import bench
+
+
+@pytest.mark.parametrize("kind", ["uniform", "zipf", "hot"])
+def test_routing_is_valid_topk(kind):
+    rng = np.random.default_rng(1)
+    idx = bench.routing(rng, 64, 8, 256, kind)
+    assert idx.shape == (64, 8) and idx.dtype == np.int32
+    assert idx.min() >= 0 and idx.max() < 256
+    assert all(len(set(row)) == 8 for row in idx.tolist())
+    if kind == "hot":
+        assert (idx == 0).any(axis=1).all()
+
+
+def test_zipf_routing_is_skewed():
+    counts = np.bincount(bench.routing(np.random.default_rng(2), 512, 8, 256, "zipf").ravel(), minlength=256)
+    uniform = np.bincount(bench.routing(np.random.default_rng(2), 512, 8, 256, "uniform").ravel(), minlength=256)
+    assert counts.max() > 3 * uniform.max()
+
+
+def test_stats():
+    s = bench.stats(np.arange(1, 101, dtype=float))
+    assert s["median_us"] == 50.5 and s["n"] == 100 and 99 <= s["p99_us"] <= 100
+
+
+def _result(tokens, graph=True, nccl=True):
+    t = {p: bench.stats([1.0 + i]) for i, p in enumerate(bench.PHASES)}
+    r = dict(config="r1-decode", tokens=tokens, eager=dict(t, total=bench.stats([10.0])), GBps_per_rank=12.5)
+    if graph:
+        r["graph"] = dict(t, total=bench.stats([4.0]))
+    if nccl:
+        r["nccl"] = {"exact": bench.stats([8.0]), "padded": bench.stats([9.0])}
+        r["speedup_vs_nccl_exact"] = 2.0
+    return r
+
+
+def test_table_lists_totals_and_phases_alone():
+    text = bench.table([_result(128), _result(1, graph=False, nccl=False)])
+    lines = text.splitlines()
+    assert lines[2].split()[:2] == ["r1-decode", "128"] and "2.00" in lines[2]
+    assert "n/a" in lines[3]
+    alone = lines[lines.index(next(l for l in lines if l.startswith("graph, each phase alone"))) + 2]
+    assert alone.split() == ["r1-decode", "128", "1.0", "2.0", "3.0", "4.0", "10.0"]
