@@ -28,7 +28,7 @@ STATE_FIELDS = ("EPOCH_DS", "EPOCH_DR", "EPOCH_CS", "EPOCH_CR", "DONE_DS", "DONE
                 "BAD")
 STATE_FIXED = len(STATE_FIELDS)
 STAGE_SLOTS = 4       # staging rows per warp for puts to peers without a load/store mapping
-BLOCK_THREADS = 256   # every alltoall kernel runs 8 warps per block (shared arrays are sized for it)
+BLOCK_THREADS = 256   # threads of every alltoall block: a block handles one token or record at a time
 
 PHASES = ("peer_check", "dispatch", "combine")
 PHASE_PEER_CHECK, PHASE_DISPATCH, PHASE_COMBINE = range(len(PHASES))
