@@ -27,7 +27,7 @@ LAYOUT_FIELDS = ("WORLD", "RANK", "DP", "EXPERTS", "LOCAL_EXPERTS", "TOPK", "MAX
 STATE_FIELDS = ("EPOCH_DS", "EPOCH_DR", "EPOCH_CS", "EPOCH_CR", "DONE_DS", "DONE_DR", "DONE_CS", "DONE_CR",
                 "BAD")
 STATE_FIXED = len(STATE_FIELDS)
-STAGE_SLOTS = 4       # staging rows per warp for puts to peers without a load/store mapping
+STAGE_SLOTS = 4       # staging rows per block for puts to peers without a load/store mapping
 BLOCK_THREADS = 256   # threads of every alltoall block: a block handles one token or record at a time
 
 PHASES = ("peer_check", "dispatch", "combine")
