@@ -1,4 +1,6 @@
-// Shared by the four dispatch/combine kernels: the layout of one AllToAll, its device state, and helpers.
+// Shared by the four dispatch/combine kernels: record layout, reading expert ids, copies, signals.
+// Their parameters (struct Fixed: the AllToAll's layout, device state and buffers; struct Call: the call's
+// arrays) are declared in moecomm_abi.h, generated from moecomm/_abi.py.
 //
 // Wire plan (bytes per phase are in moecomm/transport/nvshmem_alltoall.py):
 //   dispatch  each token goes once to every other *rank* owning one of its experts, as one record
@@ -22,26 +24,18 @@ constexpr unsigned FULL = 0xffffffffu;
 constexpr uint64_t SIG_BAD = 0x80000000ull;  // the sender's input was invalid: nothing was sent
 constexpr uint64_t SIG_COUNT = 0x7fffffffull;
 
-// The int64 layout array written once per AllToAll; indices MOECOMM_L_* come from Python.
-struct Layout {
-  int world, rank, dp, num_experts, local_experts, topk, max_tokens, hidden, x_bytes, scale_bytes,
-      meta_off, rec_bytes, out_code, out_row_bytes, cap, stage_slots, stage_bytes;
-  int s_expert, s_recv;  // state[] offsets of the per-local-expert and per-source counters
-  __device__ explicit Layout(const long long* p)
-      : world(p[MOECOMM_L_WORLD]), rank(p[MOECOMM_L_RANK]), dp(p[MOECOMM_L_DP]),
-        num_experts(p[MOECOMM_L_EXPERTS]), local_experts(p[MOECOMM_L_LOCAL_EXPERTS]),
-        topk(p[MOECOMM_L_TOPK]), max_tokens(p[MOECOMM_L_MAX_TOKENS]), hidden(p[MOECOMM_L_HIDDEN]),
-        x_bytes(p[MOECOMM_L_X_BYTES]), scale_bytes(p[MOECOMM_L_SCALE_BYTES]),
-        meta_off(p[MOECOMM_L_META_OFF]), rec_bytes(p[MOECOMM_L_REC_BYTES]),
-        out_code(p[MOECOMM_L_OUT_CODE]), out_row_bytes(p[MOECOMM_L_OUT_ROW_BYTES]), cap(p[MOECOMM_L_CAP]),
-        stage_slots(p[MOECOMM_L_STAGE_SLOTS]), stage_bytes(p[MOECOMM_L_STAGE_BYTES]),
-        s_expert(MOECOMM_S_FIXED + world), s_recv(MOECOMM_S_FIXED + world + local_experts) {}
-};
-
 // Record metadata after x and scales: int32 token, int32 expert[topk], float weight[topk].
-__device__ __forceinline__ int* meta_of(uint8_t* rec, const Layout& L) { return (int*)(rec + L.meta_off); }
-__device__ __forceinline__ const int* meta_of(const uint8_t* rec, const Layout& L) {
-  return (const int*)(rec + L.meta_off);
+__device__ __forceinline__ int* meta_of(uint8_t* rec, const Fixed& f) { return (int*)(rec + f.meta_off); }
+__device__ __forceinline__ const int* meta_of(const uint8_t* rec, const Fixed& f) {
+  return (const int*)(rec + f.meta_off);
+}
+
+// Expert id i of the call's [rows, topk] ids, read as given: int32 (uint32 reads alike: 0xffffffff is -1)
+// or int64. -1 means "no expert" (nothing sent, nothing combined); an id outside [-1, num_experts) comes
+// back as num_experts, which every caller treats as invalid.
+__device__ __forceinline__ int expert_id(const Call& c, size_t i, int num_experts) {
+  const long long v = c.idx64 ? ((const long long*)c.indices)[i] : ((const int*)c.indices)[i];
+  return v >= -1 && v < num_experts ? (int)v : num_experts;
 }
 
 // Work is handed out a token (or record) per block: the block's THREADS threads share each row, so a row
@@ -96,9 +90,9 @@ struct Stage {
   uint8_t* base;
   int slots, bytes, n;
   bool puts_pending, used_puts;
-  __device__ Stage(uint8_t* stage, const Layout& L)
-      : base(stage + (size_t)blockIdx.x * L.stage_slots * L.stage_bytes), slots(L.stage_slots),
-        bytes(L.stage_bytes), n(0), puts_pending(false), used_puts(false) {}
+  __device__ explicit Stage(const Fixed& f)
+      : base(f.stage + (size_t)blockIdx.x * f.stage_slots * f.stage_bytes), slots(f.stage_slots),
+        bytes(f.stage_bytes), n(0), puts_pending(false), used_puts(false) {}
   __device__ uint8_t* next() {
     if (puts_pending && n % slots == 0) {
       nvshmem_quiet();

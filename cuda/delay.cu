@@ -2,8 +2,8 @@
 // already queued when it starts (the host's launch latency stays out of device timings).
 #include "transport.cuh"
 
-// grid: one block of one thread. Spins until `ns` nanoseconds of the global timer have passed.
-extern "C" __global__ void moecomm_delay(unsigned long long ns) {
-  const uint64_t until = moecomm::now_ns() + ns;
+// grid: one block of one thread. Spins until d.ns nanoseconds of the global timer have passed.
+extern "C" __global__ void moecomm_delay(const moecomm::Delay d) {
+  const uint64_t until = moecomm::now_ns() + d.ns;
   while (moecomm::now_ns() < until) __nanosleep(1000);
 }

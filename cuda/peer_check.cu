@@ -3,23 +3,17 @@
 // the operations dispatch and combine use, over whatever path NVSHMEM chose for each peer.
 #include "transport.cuh"
 
-// grid: one block per peer (n_pes blocks), 32 threads.
-//   inbox    symmetric uint8 [n_pes, row_bytes]: row p receives peer p's pattern (nbytes <= row_bytes)
-//   outbox   symmetric uint8 [>= nbytes]: this rank's pattern
-//   signals  symmetric uint64 [n_pes]: signals[p] counts the checks whose data from p has landed
-//   expected value signals[p] must reach in this check (1 for the first check, then 2, ...)
-//   err      int32 [MOECOMM_ERROR_WORDS], zero before the launch
-extern "C" __global__ void moecomm_peer_check(uint8_t* inbox, const uint8_t* outbox, uint64_t* signals,
-                                              uint64_t expected, uint64_t nbytes, uint64_t row_bytes,
-                                              uint64_t timeout_ns, int* err) {
+// grid: one block per peer (n_pes blocks), 32 threads. Parameters: struct PeerCheck (moecomm_abi.h);
+// p.signals[q] must reach p.expected (1 for the first check, then 2, ...); p.err is zero before the launch.
+extern "C" __global__ void moecomm_peer_check(const moecomm::PeerCheck p) {
   const int me = nvshmem_my_pe();
   const int peer = blockIdx.x;
-  const uint64_t deadline = moecomm::now_ns() + timeout_ns;
+  const uint64_t deadline = moecomm::now_ns() + p.timeout_ns;
   if (peer >= nvshmem_n_pes()) return;
-  moecomm::put_signal_warp(inbox + (size_t)me * row_bytes, outbox, nbytes, &signals[me], 1, peer);
+  moecomm::put_signal_warp(p.inbox + (size_t)me * p.row_bytes, p.outbox, p.nbytes, &p.signals[me], 1, peer);
   __syncwarp();
   if (threadIdx.x == 0) {
     moecomm::complete_sends(true);
-    moecomm::wait_geq(&signals[peer], expected, deadline, err, peer, MOECOMM_PHASE_PEER_CHECK);
+    moecomm::wait_geq(&p.signals[peer], p.expected, deadline, p.err, peer, MOECOMM_PHASE_PEER_CHECK);
   }
 }

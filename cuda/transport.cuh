@@ -10,8 +10,9 @@
 //   complete_sends   finish a thread's puts and stores before it (or its block) signals
 //   peer_ptr         a load/store pointer to a peer's symmetric buffer, or nullptr when it is not
 //                    directly addressable (another node): callers must then put (put_block, put_signal_warp)
-// Constants (MOECOMM_*) come from moecomm/_constants.py as -D flags.
+// Constants (MOECOMM_*) and parameter structs come from the generated moecomm_abi.h (moecomm/_abi.py).
 #pragma once
+#include "moecomm_abi.h"
 
 // NVSHMEM 3.4's reduce.cuh uses std:: traits without including them; under NVRTC there is no <type_traits>.
 #include <cuda/std/type_traits>

@@ -1,9 +1,20 @@
 """Arrays at the API's edge: numpy for the host transport; for GPUs, anything that describes device memory.
 
-Device arrays are accepted as :class:`DeviceBuffer` (the raw-pointer layer), as any object with
-``__cuda_array_interface__`` (CuPy, Numba, PyTorch, ...) or ``__dlpack__`` (JAX, PyTorch, CuPy). All are
-reduced to a DeviceBuffer: pointer, shape, dtype, device. bfloat16 and float8 may arrive as raw types of the
-same size (``V2``/``u2`` for bf16, ``u1``/``i1``/``V1`` for fp8), since not every framework names them.
+Device arrays are read by the first rule that fits their type (chosen once per type, then looked up):
+
+* :class:`DeviceBuffer` (raw pointer, shape, dtype, device);
+* CuPy arrays and PyTorch tensors, by their attributes (a fraction of a microsecond; no DLPack capsule,
+  no ``__cuda_array_interface__`` dict). Neither carries a stream: the producer is taken to be the
+  framework's current stream on the rank's device, and when that is not the launch stream, the launch
+  stream is made to wait for it (what DLPack would do);
+* anything with ``__dlpack__``: called with ``stream=`` the launch stream, so the producer orders its work
+  before ours (JAX arrays, other frameworks);
+* anything with ``__cuda_array_interface__``: its ``stream`` field (version 3), when given and not the
+  launch stream, is waited for the same way.
+
+Any exception a producer raises while being read becomes :class:`InvalidArgument` naming the argument.
+bfloat16 and float8 may arrive as raw types of the same size (``V2``/``u2`` for bf16, ``u1``/``i1``/``V1``
+for fp8), since not every framework names them.
 """
 import ctypes
 from dataclasses import dataclass
@@ -31,41 +42,70 @@ class DeviceBuffer:
     device: int = -1
     owner: object = None
 
+    def __post_init__(self):  # normalised once, so that reading a buffer costs nothing per call
+        object.__setattr__(self, "shape", tuple(int(n) for n in self.shape))
+        object.__setattr__(self, "dtype", np.dtype(self.dtype))
+
     @property
     def nbytes(self):
         return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
 
 
-_RAW_KINDS = {1: "uViS", 2: "uViS"}  # kinds a special dtype may arrive as, by itemsize
+class Accepted(dict):
+    """{dtype an argument may arrive as: the dtype it is read as}, and ``names``, what to tell a caller."""
+
+    def __init__(self, mapping, names):
+        super().__init__(mapping)
+        self.names = names
 
 
-def _compatible(got, want):
-    got, want = np.dtype(got), np.dtype(want)
-    if got == want:
-        return True
-    special = want.kind == "V" or want.name in ("bfloat16", "float8_e4m3fn")
-    return special and got.itemsize == want.itemsize and got.kind in _RAW_KINDS.get(got.itemsize, "")
+def accepted(*dtypes):
+    """What arguments of the given dtypes accept: bfloat16 and float8_e4m3fn may also arrive as raw
+    integers or void of their size (not every framework names them)."""
+    out = {}
+    for want in map(np.dtype, dtypes):
+        out[want] = want
+        if want.name in ("bfloat16", "float8_e4m3fn"):
+            for kind in "uiV":
+                out.setdefault(np.dtype(f"{kind}{want.itemsize}"), want)
+    return Accepted(out, " or ".join(str(np.dtype(d)) for d in dtypes))
 
 
-def check(name, dtype, shape, contiguous, want_dtype, want_shape):
-    """Raise InvalidArgument unless dtype/shape/contiguity match. ``None`` in want_shape matches any size."""
-    if not _compatible(dtype, want_dtype):
-        raise InvalidArgument(f"{name}: dtype {np.dtype(dtype)} does not match expected {np.dtype(want_dtype)}")
-    if len(shape) != len(want_shape) or any(w is not None and s != w for s, w in zip(shape, want_shape)):
+def fits(shape, want):
+    """Whether ``shape`` matches ``want``, whose first size may be None (any number of rows)."""
+    return shape == want or (want[0] is None and len(shape) == len(want) and shape[1:] == want[1:])
+
+
+def check(name, dtype, shape, contiguous, accept, want_shape):
+    """The dtype ``dtype`` is read as; raise InvalidArgument unless dtype, shape and contiguity fit."""
+    got = accept.get(dtype)
+    if got is None:
+        shown = dtype if dtype is not None else "unknown"
+        raise InvalidArgument(f"{name}: dtype {shown} does not match expected {accept.names}")
+    if not fits(shape, want_shape):
         shown = tuple("*" if w is None else w for w in want_shape)
         raise InvalidArgument(f"{name}: shape {tuple(shape)} does not match expected {shown}")
     if not contiguous:
         raise InvalidArgument(f"{name}: must be C-contiguous")
+    return got
 
 
-def host_array(obj, name, dtype, shape, writable=False):
-    """Check a numpy array for the host transport and return it viewed as ``dtype``."""
-    if not isinstance(obj, np.ndarray):
-        raise InvalidArgument(f"{name}: the host transport takes numpy arrays, got {type(obj).__name__}")
-    check(name, obj.dtype, obj.shape, obj.flags.c_contiguous, dtype, shape)
-    if writable and not obj.flags.writeable:
-        raise InvalidArgument(f"{name}: must be writable")
-    return obj.view(dtype)
+class HostArrays:
+    """numpy arrays for the host transport: a value is the array itself, viewed as its expected dtype."""
+    memory = "host"
+
+    def begin(self, stream, first):
+        return None
+
+    def read(self, obj, name, accept, shape):
+        """Return ``(value, address, shape, dtype)`` of a checked numpy array."""
+        if not isinstance(obj, np.ndarray):
+            raise InvalidArgument(f"{name}: the host transport takes numpy arrays, got {type(obj).__name__}")
+        dt = check(name, obj.dtype, obj.shape, obj.flags.c_contiguous, accept, shape)
+        return obj.view(dt), obj.__array_interface__["data"][0], obj.shape, dt
+
+    def order(self):
+        pass
 
 
 # --- device arrays -----------------------------------------------------------------------------
@@ -91,6 +131,12 @@ _DL_DTYPES = {(0, 8): "int8", (0, 16): "int16", (0, 32): "int32", (0, 64): "int6
               (1, 8): "uint8", (1, 16): "uint16", (1, 32): "uint32", (1, 64): "uint64",
               (2, 16): "float16", (2, 32): "float32", (2, 64): "float64",
               (4, 16): "bfloat16", (10, 8): "float8_e4m3fn"}
+_CAPSULE_POINTER = ctypes.pythonapi.PyCapsule_GetPointer
+_CAPSULE_POINTER.restype, _CAPSULE_POINTER.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
+
+
+def _named(name):
+    return _ALIASES.get(name) or np.dtype(name)
 
 
 def _c_contiguous(shape, strides_elems):
@@ -102,56 +148,188 @@ def _c_contiguous(shape, strides_elems):
     return True
 
 
-def _from_cai(obj):
+# A reader returns (ptr, shape, dtype, contiguous, device, producer, owner): device None when unknown
+# (checked by pointer), producer the stream the data was written on (an int handle, None when already
+# ordered or unknown, or _CUPY / _TORCH for "that framework's current stream").
+_CUPY, _TORCH = "cupy", "torch"
+
+
+def _read_buffer(b):
+    return b.ptr, b.shape, b.dtype, True, b.device if b.device >= 0 else -1, None, b.owner
+
+
+def _read_cupy(a):
+    return a.data.ptr, a.shape, a.dtype, a._c_contiguous, a.data.device_id, _CUPY, a
+
+
+_TORCH_DTYPES = {}  # torch.dtype -> numpy dtype (None: not one we read), filled as dtypes are seen
+
+
+def _torch_dtype(d):
+    dt = _TORCH_DTYPES.get(d)
+    if dt is None and d not in _TORCH_DTYPES:
+        name = str(d).rpartition(".")[2]  # "torch.bfloat16" -> "bfloat16"
+        dt = _TORCH_DTYPES[d] = _named(name) if name in _DL_DTYPES.values() else None
+    return dt
+
+
+def _read_torch(t):
+    """PyTorch tensors (and anything that quacks like one: data_ptr, is_contiguous, get_device, dtype).
+    get_device() is -1 for CPU tensors: their pointer is then checked (and refused)."""
+    dev = t.get_device()
+    return t.data_ptr(), t.shape, _torch_dtype(t.dtype), t.is_contiguous(), dev if dev >= 0 else None, _TORCH, t
+
+
+def _dlpack_stream(stream):
+    return 1 if stream == 0 else stream  # DLPack: 1 is the legacy default stream, 0 is not allowed
+
+
+def _read_dlpack(obj, stream):
+    capsule = obj.__dlpack__(stream=_dlpack_stream(stream))
+    t = _DLTensor.from_address(_CAPSULE_POINTER(capsule, b"dltensor"))  # DLManagedTensor starts with it
+    if t.device.device_type not in (_DL_CUDA, _DL_CUDA_MANAGED):
+        raise InvalidArgument(f"DLPack device type {t.device.device_type} is not CUDA memory")
+    name = _DL_DTYPES.get((t.dtype.code, t.dtype.bits))
+    dtype = _named(name) if name is not None and t.dtype.lanes == 1 else None
+    shape = tuple(t.shape[i] for i in range(t.ndim))
+    contiguous = not t.strides or _c_contiguous(shape, [t.strides[i] for i in range(t.ndim)])
+    return int(t.data or 0) + int(t.byte_offset), shape, dtype, contiguous, t.device.device_id, None, capsule
+
+
+def _read_cai(obj, stream):
     cai = obj.__cuda_array_interface__
     ptr = int(cai["data"][0])
     shape = tuple(int(n) for n in cai["shape"])
     dtype = np.dtype(cai["typestr"])
     strides = cai.get("strides")
     contiguous = strides is None or _c_contiguous(shape, [s // dtype.itemsize for s in strides])
-    return ptr, shape, dtype, contiguous, None
+    producer = cai.get("stream")  # v3: None = no ordering needed; 1/2 = legacy/per-thread default
+    if producer == 1:
+        producer = 0
+    return ptr, shape, dtype, contiguous, None, producer, obj
 
 
-def _from_dlpack(obj):
-    capsule = obj.__dlpack__()
-    get = ctypes.pythonapi.PyCapsule_GetPointer
-    get.restype, get.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
-    t = _DLTensor.from_address(get(capsule, b"dltensor"))  # DLManagedTensor starts with its DLTensor
-    if t.device.device_type not in (_DL_CUDA, _DL_CUDA_MANAGED):
-        raise InvalidArgument(f"DLPack device type {t.device.device_type} is not CUDA memory")
-    name = _DL_DTYPES.get((t.dtype.code, t.dtype.bits))
-    if name is None or t.dtype.lanes != 1:
-        raise InvalidArgument(f"unsupported DLPack dtype code={t.dtype.code} bits={t.dtype.bits}")
-    dtype = _ALIASES.get(name) or np.dtype(name)
-    shape = tuple(t.shape[i] for i in range(t.ndim))
-    contiguous = not t.strides or _c_contiguous(shape, [t.strides[i] for i in range(t.ndim)])
-    return int(t.data or 0) + int(t.byte_offset), shape, dtype, contiguous, capsule
+def _reader_for(cls):
+    """The reader for objects of type ``cls`` (decided once per type)."""
+    if cls is DeviceBuffer:
+        return _read_buffer
+    try:
+        import cupy
+        if issubclass(cls, cupy.ndarray):
+            return _read_cupy
+    except ImportError:
+        pass
+    if all(hasattr(cls, a) for a in ("data_ptr", "is_contiguous", "get_device")):
+        return _read_torch
+    if hasattr(cls, "__dlpack__") and not issubclass(cls, np.ndarray):
+        return _read_dlpack
+    if hasattr(cls, "__cuda_array_interface__"):
+        return _read_cai
+    return None
 
 
-def _pointer_device(ptr):
-    import cupy
-    attrs = cupy.cuda.runtime.pointerGetAttributes(ptr)
-    if attrs.type not in (2, 3):  # cudaMemoryTypeDevice, cudaMemoryTypeManaged
-        return None
-    return attrs.device
+_READERS = {}
+_STREAM_READERS = (_read_dlpack, _read_cai)
 
 
-def device_array(obj, name, dtype, shape, device):
-    """Describe ``obj`` as a DeviceBuffer after checking dtype, shape, contiguity and device."""
-    if isinstance(obj, DeviceBuffer):
-        ptr, shp, dt, contiguous, owner = obj.ptr, tuple(obj.shape), np.dtype(obj.dtype), True, obj.owner
-    elif hasattr(obj, "__cuda_array_interface__"):
-        ptr, shp, dt, contiguous, owner = _from_cai(obj)
-    elif hasattr(obj, "__dlpack__") and not isinstance(obj, np.ndarray):
-        ptr, shp, dt, contiguous, owner = _from_dlpack(obj)
-    else:
-        raise InvalidArgument(
-            f"{name}: expected a device array (CuPy array, __cuda_array_interface__, __dlpack__ or "
-            f"moecomm.DeviceBuffer), got {type(obj).__name__}")
-    check(name, dt, shp, contiguous, dtype, shape)
-    if ptr and device >= 0:
-        on = _pointer_device(ptr)
-        if on != device:
-            where = "host memory" if on is None else f"device {on}"
-            raise InvalidArgument(f"{name}: memory is on {where}, expected device {device}")
-    return DeviceBuffer(ptr, shp, np.dtype(dtype), device, owner if owner is not None else obj)
+def _reader(obj):
+    reader = _READERS.get(type(obj))
+    if reader is None:
+        reader = _READERS[type(obj)] = _reader_for(type(obj))
+    return reader
+
+
+class DeviceArrays:
+    """Reads device arrays for one AllToAll on CUDA device ``device`` (one call at a time).
+
+    Per call: :meth:`begin` resolves the launch stream, :meth:`read` reads and checks each argument,
+    :meth:`order` makes the launch stream wait for the producers of what was read.
+    """
+    memory = "device"
+
+    def __init__(self, device, stream_order, pointer_device):
+        self.device = device
+        self._order, self._pointer_device = stream_order, pointer_device
+        self._producers = set()
+        self._stream = 0
+
+    def begin(self, stream, first):
+        """The launch stream (a handle) for ``stream``: None means the current stream of the framework of
+        ``first`` (the call's first array) on this device: PyTorch's for a tensor, else CuPy's."""
+        self._producers.clear()
+        if stream is None:
+            self._stream = self._framework_stream(_TORCH if _reader(first) is _read_torch else _CUPY)
+        else:
+            self._stream = stream_handle(stream)
+        return self._stream
+
+    def _framework_stream(self, which):
+        if which is _TORCH:
+            import torch
+            return torch._C._cuda_getCurrentRawStream(self.device)
+        import cupy
+        return cupy.cuda.get_current_stream(self.device).ptr
+
+    def read(self, obj, name, accept, shape):
+        """Return ``(value, address, shape, dtype)``: value and address the device address of a checked
+        array; dtype the one it is read as (a key of ``accept``'s values). ``shape``'s first size may be
+        None (any number of rows)."""
+        reader = _READERS.get(type(obj)) or _reader(obj)
+        if reader is None:
+
+            raise InvalidArgument(
+                f"{name}: expected a device array (CuPy array, PyTorch tensor, __dlpack__, "
+                f"__cuda_array_interface__ or moecomm.DeviceBuffer), got {type(obj).__name__}")
+        try:
+            if reader in _STREAM_READERS:
+                ptr, shp, dt, contiguous, dev, producer, _ = reader(obj, self._stream)
+            else:
+                ptr, shp, dt, contiguous, dev, producer, _ = reader(obj)
+        except InvalidArgument as e:
+            raise InvalidArgument(f"{name}: {e}") from None
+        except Exception as e:  # the producer's own error (torch raises KeyError for bf16 CAI, ...)
+            raise InvalidArgument(f"{name}: could not read the {type(obj).__name__} "
+                                  f"({type(e).__name__}: {e})") from None
+        got = accept.get(dt)
+        if (got is None or not contiguous or ptr & 15 or not (dev == self.device or dev == -1)
+                or not (shp == shape or fits(shp, shape))):
+            got = self._refuse(name, ptr, shp, dt, contiguous, dev, accept, shape)
+        if producer is not None:
+            self._producers.add(producer)
+        return ptr, ptr, shp, got
+
+    def _refuse(self, name, ptr, shape, dtype, contiguous, device, accept, want):
+        """Raise what is wrong with an argument the fast check refused; return its dtype when only its
+        device was unknown (then looked up by pointer) and is right."""
+        got = check(name, dtype, shape, contiguous, accept, want)
+        if device is None and ptr:
+            device = self._pointer_device(ptr)
+            if device is None:
+                raise InvalidArgument(f"{name}: memory at {ptr:#x} is not device memory")
+        if device != self.device and device != -1:
+            raise InvalidArgument(f"{name}: memory is on device {device}, expected device {self.device}")
+        if ptr % 16:
+            raise InvalidArgument(f"{name}: device pointer {ptr:#x} must be 16-byte aligned")
+        return got
+
+
+    def order(self):
+        """Make the launch stream wait for every producer stream seen since :meth:`begin` (no-op when they
+        are the launch stream, the common case)."""
+        for p in self._producers:
+            handle = self._framework_stream(p) if isinstance(p, str) else p
+            if handle != self._stream:
+                self._order.after(handle, self._stream)
+
+
+def stream_handle(stream):
+    """A CUDA stream handle (int) from an int, or an object with ``__cuda_stream__`` (cuda.core),
+    ``.ptr`` (CuPy) or ``.cuda_stream`` (PyTorch)."""
+    if isinstance(stream, (int, np.integer)):
+        return int(stream)
+    if hasattr(stream, "__cuda_stream__"):
+        return int(stream.__cuda_stream__()[1])
+    for attr in ("ptr", "cuda_stream"):
+        if hasattr(stream, attr):
+            return int(getattr(stream, attr))
+    raise InvalidArgument(f"stream: cannot get a CUDA stream handle from {type(stream).__name__}")

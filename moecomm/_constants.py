@@ -1,15 +1,16 @@
 """Constants shared by Python and device code.
 
-Defined once here; :func:`device_defines` turns them into ``-D`` flags for every kernel build, so the
-build-cache key covers them and no ``.cu`` file repeats a number.
+Defined once here; :func:`device_constants` hands them to :mod:`moecomm._abi`, which writes them into
+the generated device header (``MOECOMM_<NAME>``), so the build-cache key covers them and no ``.cu`` file
+repeats a number.
 """
 import os
 
 # Device error word (int32[4]): code, peer rank, phase, detail. The first error of a call wins.
 ERR_NONE = 0
 ERR_TIMEOUT = 1       # a bounded wait expired; peer = rank waited for
-ERR_BAD_EXPERT = 2    # an expert id outside [0, num_experts) or repeated in a token; peer = rank whose
-                      # input it was, detail = token index (-1 when reported by a receiver)
+ERR_BAD_EXPERT = 2    # an expert id outside [-1, num_experts) or repeated in a token (-1: no expert);
+                      # peer = rank whose input it was, detail = token index (-1 when reported by a receiver)
 ERR_BAD_M = 3         # bound_m outside [0, min(rows, max_num_tokens)]; detail = m
 ERR_OVERFLOW = 4      # more records or expert slots than the buffers hold (a peer broke the protocol)
 ERROR_WORDS = 4
@@ -17,10 +18,6 @@ ERROR_WORDS = 4
 # dtype codes of expert outputs in device code
 DT_BF16, DT_FP16 = 0, 1
 
-# Layout of one AllToAll: an int64 array, index MOECOMM_L_<NAME> in device code (cuda/alltoall.cuh).
-LAYOUT_FIELDS = ("WORLD", "RANK", "DP", "EXPERTS", "LOCAL_EXPERTS", "TOPK", "MAX_TOKENS", "HIDDEN",
-                 "X_BYTES", "SCALE_BYTES", "META_OFF", "REC_BYTES", "OUT_CODE", "OUT_ROW_BYTES", "CAP",
-                 "STAGE_SLOTS", "STAGE_BYTES")
 # Device state of one AllToAll (uint32): per-kernel epochs (calls completed) and block counters, the
 # bad-input flag, then arrays: per-destination send counters [world] at FIXED, per-local-expert slot
 # counters at EXPERT, records received per source [world] at RECV (offsets depend on the sizes).
@@ -69,17 +66,15 @@ def timeout_seconds(value=None):
 FORCE_PUTS_ENV = "MOECOMM_FORCE_PUTS"
 
 
-def device_defines():
-    """The constants above (and the build options from the environment) as NVRTC ``-D`` options."""
+def device_constants():
+    """The constants above (and the build options from the environment) by device name (MOECOMM_<name>)."""
     values = {
         "FORCE_PUTS": int(os.environ.get(FORCE_PUTS_ENV, "0") == "1"),
         "ERR_NONE": ERR_NONE, "ERR_TIMEOUT": ERR_TIMEOUT, "ERR_BAD_EXPERT": ERR_BAD_EXPERT,
-        "ERROR_WORDS": ERROR_WORDS, "MAX_TOPK": MAX_TOPK, "MAX_EXPERTS": MAX_EXPERTS,
-        "ROW_ALIGN": ROW_ALIGN,
-        "PHASE_PEER_CHECK": PHASE_PEER_CHECK, "PHASE_DISPATCH": PHASE_DISPATCH,
-        "PHASE_COMBINE": PHASE_COMBINE, "ERR_BAD_M": ERR_BAD_M, "ERR_OVERFLOW": ERR_OVERFLOW,
+        "ERR_BAD_M": ERR_BAD_M, "ERR_OVERFLOW": ERR_OVERFLOW, "ERROR_WORDS": ERROR_WORDS,
+        "MAX_TOPK": MAX_TOPK, "MAX_EXPERTS": MAX_EXPERTS, "ROW_ALIGN": ROW_ALIGN,
+        "PHASE_PEER_CHECK": PHASE_PEER_CHECK, "PHASE_DISPATCH": PHASE_DISPATCH, "PHASE_COMBINE": PHASE_COMBINE,
         "DT_BF16": DT_BF16, "DT_FP16": DT_FP16, "S_FIXED": STATE_FIXED, "BLOCK_THREADS": BLOCK_THREADS,
     }
-    values.update({f"L_{name}": i for i, name in enumerate(LAYOUT_FIELDS)})
     values.update({f"S_{name}": i for i, name in enumerate(STATE_FIELDS)})
-    return [f"-DMOECOMM_{k}={v}" for k, v in sorted(values.items())]
+    return values

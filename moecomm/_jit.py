@@ -29,11 +29,10 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import _cache
-from ._constants import device_defines
+from . import _abi, _cache
 from ._errors import CompileError
 
-FORMAT = "moecomm-build-v1"  # bump when the payload layout or the build recipe changes
+FORMAT = "moecomm-build-v2"  # bump when the payload layout or the build recipe changes
 
 
 def source_dir():
@@ -95,7 +94,7 @@ class Toolchain:
             "nvshmem": "{}.{}.{}".format(ver["NVSHMEM_VENDOR_MAJOR_VERSION"],
                                          ver["NVSHMEM_VENDOR_MINOR_VERSION"],
                                          ver["NVSHMEM_VENDOR_PATCH_VERSION"]),
-            "nvshmem_device_lib_bytes": (nvshmem / "lib" / "libnvshmem_device.a").stat().st_size,
+            "nvshmem_device_lib_sha256": _file_digest(nvshmem / "lib" / "libnvshmem_device.a"),
             "cccl": _dist_version("cupy"),
             "cuda_headers": _header_defines(cuda_inc / "cuda.h").get("CUDA_VERSION", "unknown"),
         }
@@ -109,7 +108,20 @@ class Toolchain:
         if n != 2:
             raise CompileError("CCCL <cuda/std/cstdint> changed layout: cannot apply the LP64 fix")
         return [("cuda/std/cstdint", patched),
-                ("cuda_runtime.h", "#pragma once  // host header: not needed under NVRTC\n")]
+                ("cuda_runtime.h", "#pragma once  // host header: not needed under NVRTC\n"),
+                (_abi.HEADER_NAME, _abi.header())]
+
+
+_digests = {}
+
+
+def _file_digest(path):
+    """SHA-256 of a file's contents (memoized per process by path, size and modification time)."""
+    st = path.stat()
+    key = (str(path), st.st_size, st.st_mtime_ns)
+    if key not in _digests:
+        _digests[key] = hashlib.sha256(path.read_bytes()).hexdigest()
+    return _digests[key]
 
 
 def _header_defines(path):
@@ -129,20 +141,23 @@ class Build:
     cached: bool
 
 
-def _nvrtc_options(toolchain, src, arch):
+def _compile_flags(arch):
     cc = arch.split("_")[1]
-    return [f"-arch=compute_{cc}", "-rdc=true", "-dlto", "-std=c++17", "-default-device", "-lineinfo",
-            f"-I{src}", f"-I{toolchain.nvshmem_include}", f"-I{toolchain.cccl_include}",
-            f"-I{toolchain.cuda_include}", *device_defines()]
+    return [f"-arch=compute_{cc}", "-rdc=true", "-dlto", "-std=c++17", "-default-device", "-lineinfo"]
+
+
+def _nvrtc_options(toolchain, src, arch):
+    return _compile_flags(arch) + [f"-I{src}", f"-I{toolchain.nvshmem_include}", f"-I{toolchain.cccl_include}",
+                                   f"-I{toolchain.cuda_include}"]
 
 
 def build_key(arch, toolchain=None, src=None):
-    """The cache key: every input that changes the cubin."""
+    """The cache key: every input that changes the cubin, by version and content (no paths), so two
+    environments with the same toolchain versions share cache entries."""
     toolchain = toolchain or Toolchain.find()
     src = Path(src or source_dir())
     h = hashlib.sha256(FORMAT.encode())
-    h.update(json.dumps([arch, toolchain.versions, _nvrtc_options(toolchain, "", arch)],
-                        sort_keys=True).encode())
+    h.update(json.dumps([arch, toolchain.versions, _compile_flags(arch)], sort_keys=True).encode())
     for name, text in toolchain.rtc_headers():
         h.update(name.encode() + b"\0" + text.encode())
     for f in sorted(src.iterdir()):

@@ -7,7 +7,8 @@ Conventions (the same as :class:`moecomm.AllToAll`):
 * Experts are placed contiguously: rank ``r`` owns experts ``r*L ... (r+1)*L - 1`` with
   ``L = num_experts // world_size``.
 * A token is delivered once to every expert in its top-k row; expert ids in a row are distinct and in
-  ``[0, num_experts)`` (:func:`routing_error` says what is wrong otherwise).
+  ``[0, num_experts)``, or -1 for a slot that goes nowhere (it is not sent and adds nothing in combine);
+  :func:`routing_error` says what is wrong otherwise.
 * Slot order inside an expert is unspecified for real transports; the reference fills slots ordered by
   (group, token index), and :func:`canonical_rows` sorts any transport's slots the same way for comparison.
 """
@@ -19,13 +20,13 @@ def routing_error(indices, num_experts):
     indices = np.asarray(indices)
     if indices.size == 0:
         return None
-    bad = (indices < 0) | (indices >= num_experts)
+    bad = (indices < -1) | (indices >= num_experts)
     if bad.any():
         t, j = map(int, np.argwhere(bad)[0])
         return (f"token {t}: expert id {int(indices[t, j])} at position {j} is outside "
-                f"[0, {num_experts})")
-    s = np.sort(indices, axis=1)
-    dup = s[:, 1:] == s[:, :-1]
+                f"[0, {num_experts}) (-1: no expert)")
+    s = np.sort(indices.astype(np.int64), axis=1)
+    dup = (s[:, 1:] == s[:, :-1]) & (s[:, 1:] >= 0)
     if dup.any():
         t, j = map(int, np.argwhere(dup)[0])
         return f"token {t}: expert id {int(s[t, j])} appears more than once in its top-k row"
@@ -38,7 +39,7 @@ def dispatch(x, x_scale, indices, num_experts, world_size, max_num_tokens, dp_si
     Args:
         x: list over groups of [m_g, hidden] arrays (any dtype; copied bit-exactly).
         x_scale: list over groups of [m_g, hidden_scale] arrays, or None.
-        indices: list over groups of [m_g, k] integer expert ids.
+        indices: list over groups of [m_g, k] integer expert ids (-1: none).
         num_experts, world_size, max_num_tokens, dp_size: as in :class:`moecomm.AllToAll`.
 
     Returns:
@@ -59,9 +60,9 @@ def dispatch(x, x_scale, indices, num_experts, world_size, max_num_tokens, dp_si
         es = None if x_scale is None else np.zeros((local, cap, x_scale[0].shape[1]), x_scale[0].dtype)
         origin = np.full((local, cap, 2), -1, np.int32)
         for g in range(groups):
-            for t, row in enumerate(np.asarray(indices[g])):
+            for t, row in enumerate(np.asarray(indices[g]).astype(np.int64)):
                 for e in row:
-                    if e // local != r:
+                    if e < 0 or e // local != r:
                         continue
                     le, slot = int(e) - r * local, counts[int(e) - r * local]
                     ex[le, slot] = x[g][t]
@@ -97,8 +98,10 @@ def combine(indices, weights, expert_y, origin, num_experts, world_size, out_dty
     for g, (idx, w) in enumerate(zip(indices, weights)):
         hidden = expert_y[0].shape[2]
         acc = np.zeros((len(idx), hidden), np.float32)
-        for t, row in enumerate(np.asarray(idx)):
+        for t, row in enumerate(np.asarray(idx).astype(np.int64)):
             for j, e in enumerate(row):
+                if e < 0:
+                    continue
                 r, le, slot = where[(g, t, int(e))]
                 acc[t] += np.float32(w[t, j]) * expert_y[r][le, slot].astype(np.float32)
         out.append(acc.astype(out_dtype))

@@ -49,7 +49,10 @@ BAD_DISPATCH = {
     "dp_x dtype": (dict(dp_x=np.zeros((M, H), np.float32)), "dp_x: dtype float32"),
     "dp_x hidden": (dict(dp_x=np.zeros((M, H // 2), moecomm.float8_e4m3fn)), "dp_x: shape"),
     "too many rows": (dict(dp_x=np.zeros((M + 1, H), moecomm.float8_e4m3fn)), "at most max_num_tokens"),
-    "indices dtype": (dict(indices=np.zeros((M, K), np.int64)), "int32 or uint32"),
+    "indices dtype": (dict(indices=np.zeros((M, K), np.int16)), "expected int32, uint32 or int64"),
+    "bound_m dtype": (dict(bound_m=np.array([M], np.int64)), "bound_m: dtype int64 does not match expected "
+                      "int32 or uint32"),
+    "expert id -2": (dict(indices=np.full((M, K), -2, np.int64)), "outside [0, 8) (-1: no expert)"),
     "indices k": (dict(indices=np.zeros((M, K + 1), np.int32)), "indices: shape"),
     "non-contiguous": (dict(out_expert_x=np.zeros((E, M, 2 * H), moecomm.float8_e4m3fn)[:, :, ::2]),
                        "C-contiguous"),
@@ -60,6 +63,8 @@ BAD_DISPATCH = {
     "list input": (dict(dp_x=[[0.0] * H] * M), "takes numpy arrays"),
     "m too large": (dict(bound_m=np.array([M + 1], np.int32)), "bound_m"),
     "bad expert": (dict(indices=np.full((M, K), E, np.int32)), "outside [0, 8)"),
+    "weights rows": (dict(weights=np.zeros((M - 1, K), np.float32)), "weights: shape (15, 2) does not match "
+                     "expected (16, 2)"),
     "repeated expert": (dict(indices=np.zeros((M, K), np.int32)), "more than once"),
 }
 

@@ -1,48 +1,287 @@
-"""Device-array interop parsed without a GPU: __cuda_array_interface__, DLPack capsules, raw pointers."""
+"""The device-array edge without a GPU: every reader (DeviceBuffer, tensor-like, DLPack, CUDA array
+interface), stream ordering with producers, producer errors, and every bad argument of dispatch and
+combine through the device path, named in an InvalidArgument (a fake device transport stands in for
+the GPU, as tinygrad's fake driver does)."""
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 
 import moecomm
-from moecomm import _arrays
+from moecomm import _abi, _arrays
+from moecomm.transport.base import AllToAllBackend, Transport
+
+LAUNCH = 0x100  # the launch stream of these tests
+
+
+class FakeOrder:
+    """Records the stream waits DeviceArrays asks for."""
+    def __init__(self):
+        self.waits = []
+
+    def after(self, producer, consumer):
+        self.waits.append((producer, consumer))
+
+
+def device_arrays(memory=None):
+    """DeviceArrays for device 0 whose pointer lookups come from ``memory`` ({ptr: device or None})."""
+    order = FakeOrder()
+    arrays = _arrays.DeviceArrays(0, order, lambda ptr: (memory or {}).get(ptr, 0))
+    arrays._framework_stream = lambda which: {"torch": 0x700, "cupy": 0x800}[which]
+    arrays.begin(LAUNCH, None)
+    return arrays, order
 
 
 class FakeCAI:
-    def __init__(self, shape, typestr, strides=None, ptr=0x7000_0000):
-        self.__cuda_array_interface__ = dict(shape=shape, typestr=typestr, data=(ptr, False),
-                                             strides=strides, version=3)
+    def __init__(self, shape, typestr, strides=None, ptr=0x7000_0000, stream=None):
+        self._cai = dict(shape=shape, typestr=typestr, data=(ptr, False), strides=strides, version=3, stream=stream)
+
+    @property
+    def __cuda_array_interface__(self):
+        return self._cai
+
+
+class FakeDtype:
+    def __init__(self, name):
+        self.name = name
+
+    def __str__(self):
+        return f"torch.{self.name}"
+
+
+_TORCH_DTYPES = {n: FakeDtype(n) for n in ("bfloat16", "float16", "float8_e4m3fn", "float32", "int32",
+                                           "uint32", "int64", "complex64")}
+
+
+class FakeTensor:
+    """What the tensor reader uses of a torch.Tensor: data_ptr(), shape, dtype, is_contiguous(),
+    get_device() (-1 for CPU tensors)."""
+    def __init__(self, shape, dtype, ptr=0x7100_0000, contiguous=True, device=0):
+        self.shape, self.dtype, self._ptr, self._c, self._dev = tuple(shape), _TORCH_DTYPES[dtype], ptr, contiguous, device
+
+    def data_ptr(self):
+        return self._ptr
+
+    def is_contiguous(self):
+        return self._c
+
+    def get_device(self):
+        return self._dev
+
+
+def read(obj, want, shape, arrays=None):
+    arrays = arrays or device_arrays()[0]
+    return arrays.read(obj, "x", _arrays.accepted(want), shape)
 
 
 def test_cai_accepts_and_checks():
-    b = _arrays.device_array(FakeCAI((4, 8), "<f2"), "x", np.float16, (4, 8), device=-1)
-    assert (b.ptr, b.shape, b.nbytes) == (0x7000_0000, (4, 8), 64)
-    # bfloat16 arriving as a raw 2-byte type is accepted and described as bfloat16
-    b = _arrays.device_array(FakeCAI((4, 8), "<V2"), "x", moecomm.bfloat16, (4, None), device=-1)
-    assert b.dtype == moecomm.bfloat16
-    with pytest.raises(moecomm.InvalidArgument, match="dtype float32 does not match expected float16"):
-        _arrays.device_array(FakeCAI((4, 8), "<f4"), "x", np.float16, (4, 8), device=-1)
-    with pytest.raises(moecomm.InvalidArgument, match=r"shape \(4, 8\) does not match expected \(4, 16\)"):
-        _arrays.device_array(FakeCAI((4, 8), "<f2"), "x", np.float16, (4, 16), device=-1)
-    with pytest.raises(moecomm.InvalidArgument, match="C-contiguous"):
-        _arrays.device_array(FakeCAI((4, 8), "<f2", strides=(2, 8)), "x", np.float16, (4, 8), device=-1)
-    # C strides given explicitly are fine
-    _arrays.device_array(FakeCAI((4, 8), "<f2", strides=(16, 2)), "x", np.float16, (4, 8), device=-1)
+    assert read(FakeCAI((4, 8), "<f2"), np.float16, (4, 8))[:2] == (0x7000_0000, 0x7000_0000)
+    # bfloat16 arriving as a raw 2-byte type is accepted and read as bfloat16
+    assert read(FakeCAI((4, 8), "<V2"), moecomm.bfloat16, (None, 8))[3] == moecomm.bfloat16
+    with pytest.raises(moecomm.InvalidArgument, match="x: dtype float32 does not match expected float16"):
+        read(FakeCAI((4, 8), "<f4"), np.float16, (4, 8))
+    with pytest.raises(moecomm.InvalidArgument, match=r"x: shape \(4, 8\) does not match expected \(4, 16\)"):
+        read(FakeCAI((4, 8), "<f2"), np.float16, (4, 16))
+    with pytest.raises(moecomm.InvalidArgument, match="x: must be C-contiguous"):
+        read(FakeCAI((4, 8), "<f2", strides=(2, 8)), np.float16, (4, 8))
+    read(FakeCAI((4, 8), "<f2", strides=(16, 2)), np.float16, (4, 8))  # C strides given explicitly
+    with pytest.raises(moecomm.InvalidArgument, match="16-byte aligned"):
+        read(FakeCAI((4, 8), "<f2", ptr=0x7000_0008), np.float16, (4, 8))
 
 
-def test_dlpack_parsed_and_host_memory_refused():
+def test_cai_stream_is_waited_for():
+    arrays, order = device_arrays()
+    arrays.read(FakeCAI((2,), "<i4", stream=0x555), "a", _arrays.accepted(np.int32), (2,))
+    arrays.read(FakeCAI((2,), "<i4", stream=LAUNCH), "b", _arrays.accepted(np.int32), (2,))
+    arrays.read(FakeCAI((2,), "<i4", stream=None), "c", _arrays.accepted(np.int32), (2,))
+    arrays.order()
+    assert order.waits == [(0x555, LAUNCH)]  # the launch stream itself and "no sync needed" wait for nothing
+    arrays.begin(LAUNCH, None)
+    arrays.read(FakeCAI((2,), "<i4", stream=1), "d", _arrays.accepted(np.int32), (2,))
+    arrays.order()
+    assert order.waits[-1] == (0, LAUNCH)  # CAI's 1 is the legacy default stream
+
+
+def test_memory_elsewhere_is_refused():
+    arrays, _ = device_arrays({0x7000_0000: 1, 0x7200_0000: None})
+    with pytest.raises(moecomm.InvalidArgument, match="x: memory is on device 1, expected device 0"):
+        read(FakeCAI((2,), "<i4"), np.int32, (2,), arrays)
+    with pytest.raises(moecomm.InvalidArgument, match="x: memory at 0x72000000 is not device memory"):
+        read(FakeCAI((2,), "<i4", ptr=0x7200_0000), np.int32, (2,), arrays)
+
+
+@pytest.mark.parametrize("dtype,want", [("bfloat16", moecomm.bfloat16), ("float16", moecomm.float16),
+                                        ("float8_e4m3fn", moecomm.float8_e4m3fn), ("float32", np.float32),
+                                        ("int32", np.int32), ("uint32", np.uint32), ("int64", np.int64)])
+def test_tensor_dtypes(dtype, want):
+    arrays, order = device_arrays()
+    ptr, _, shape, dt = arrays.read(FakeTensor((3, 16), dtype), "x", _arrays.accepted(want), (3, 16))
+    assert (ptr, shape, dt) == (0x7100_0000, (3, 16), np.dtype(want))
+    arrays.order()
+    assert order.waits == [(0x700, LAUNCH)]  # written on torch's current stream, not the launch stream
+
+
+def test_tensor_refusals():
+    with pytest.raises(moecomm.InvalidArgument, match="x: dtype unknown does not match expected bfloat16"):
+        read(FakeTensor((2, 8), "complex64"), moecomm.bfloat16, (2, 8))
+    with pytest.raises(moecomm.InvalidArgument, match="x: dtype int64 does not match expected int32"):
+        read(FakeTensor((2, 8), "int64"), np.int32, (2, 8))
+    with pytest.raises(moecomm.InvalidArgument, match="x: must be C-contiguous"):
+        read(FakeTensor((2, 8), "int32", contiguous=False), np.int32, (2, 8))
+    with pytest.raises(moecomm.InvalidArgument, match="x: memory is on device 3, expected device 0"):
+        read(FakeTensor((2, 8), "int32", device=3), np.int32, (2, 8))
+    cpu = device_arrays({0x7100_0000: None})[0]  # a CPU tensor: get_device() is -1, the pointer is host memory
+    with pytest.raises(moecomm.InvalidArgument, match="is not device memory"):
+        read(FakeTensor((2, 8), "int32", device=-1), np.int32, (2, 8), cpu)
+
+
+def test_producer_errors_name_the_argument():
+    class Raising:
+        @property
+        def __cuda_array_interface__(self):
+            raise KeyError("bfloat16 is not supported by the CUDA array interface")
+
+    with pytest.raises(moecomm.InvalidArgument, match=r"x: could not read the Raising \(KeyError: "):
+        read(Raising(), np.int32, (2,))
+
+    class BadTensor(FakeTensor):
+        def data_ptr(self):
+            raise RuntimeError("tensor storage was freed")
+
+    with pytest.raises(moecomm.InvalidArgument, match="x: could not read the BadTensor .*storage was freed"):
+        read(BadTensor((2,), "int32"), np.int32, (2,))
+
+
+def test_dlpack_gets_the_launch_stream_and_host_memory_is_refused():
     a = np.zeros((3, 5), np.float32)
-    with pytest.raises(moecomm.InvalidArgument, match="got ndarray"):
-        _arrays.device_array(a, "x", np.float32, (3, 5), device=-1)
+    with pytest.raises(moecomm.InvalidArgument, match="x: expected a device array .* got ndarray"):
+        read(a, np.float32, (3, 5))
+    seen = []
 
-    class Wrapper:  # a non-numpy producer of a CPU DLPack capsule
-        def __dlpack__(self, **kw):
+    class Producer:  # a non-numpy producer of a CPU DLPack capsule
+        def __dlpack__(self, stream=None):
+            seen.append(stream)
             return a.__dlpack__()
-    with pytest.raises(moecomm.InvalidArgument, match="not CUDA memory"):
-        _arrays.device_array(Wrapper(), "x", np.float32, (3, 5), device=-1)
+
+    with pytest.raises(moecomm.InvalidArgument, match="x: DLPack device type 1 is not CUDA memory"):
+        read(Producer(), np.float32, (3, 5))
+    arrays, _ = device_arrays()
+    arrays.begin(0, None)  # the legacy default stream is 1 in DLPack
+    with pytest.raises(moecomm.InvalidArgument):
+        arrays.read(Producer(), "x", _arrays.accepted(np.float32), (3, 5))
+    assert seen == [LAUNCH, 1]
 
 
 def test_raw_pointer_layer():
     b = moecomm.DeviceBuffer(0x1234_0000, (2, 16), moecomm.float8_e4m3fn)
-    got = _arrays.device_array(b, "x", moecomm.float8_e4m3fn, (2, 16), device=-1)
-    assert got.ptr == 0x1234_0000 and got.nbytes == 32
-    with pytest.raises(moecomm.InvalidArgument, match="expected a device array"):
-        _arrays.device_array([1, 2], "x", np.float32, (2,), device=-1)
+    assert read(b, moecomm.float8_e4m3fn, (2, 16))[0] == 0x1234_0000
+    assert b.nbytes == 32
+    with pytest.raises(moecomm.InvalidArgument, match="x: expected a device array .* got list"):
+        read([1, 2], np.float32, (2,))
+
+
+# --- AllToAll through the device path, on a fake GPU transport ---------------------------------
+
+E, K, H, S, M = 8, 2, 256, 2, 16
+
+
+class FakeBackend(AllToAllBackend):
+    def __init__(self):
+        self.call, self.launches = _abi.Call(), []
+
+    def dispatch(self, do_send, do_recv, stream):
+        self.launches.append(("dispatch", do_send, do_recv, stream, bytes(self.call)))
+
+    def combine(self, do_send, do_recv, stream):
+        self.launches.append(("combine", do_send, do_recv, stream, bytes(self.call)))
+
+    def destroy(self):
+        pass
+
+
+class FakeTransport(Transport):
+    name, memory, device = "fake", "device", 0
+
+    def new_alltoall(self, cfg, timeout_s):
+        self.backend = FakeBackend()
+        return self.backend
+
+    def new_arrays(self):
+        return device_arrays()[0]
+
+    def check_peers(self, nbytes, timeout_s):
+        pass
+
+    def finalize(self):
+        pass
+
+
+@pytest.fixture
+def fake():
+    comm = SimpleNamespace(world_size=1, rank=0, timeout_s=1.0, transport=FakeTransport(),
+                           allgather=lambda obj: [obj])
+    return moecomm.AllToAll(comm, M, E, K, H, S, "float8_e4m3fn", "bfloat16")
+
+
+def _buffers():
+    """Good dispatch arguments: tensors, CUDA-array-interface objects and raw buffers, at distinct addresses."""
+    return dict(
+        out_expert_num_tokens=FakeTensor((E,), "int32", ptr=0x1000),
+        out_expert_x=moecomm.DeviceBuffer(0x2000, (E, M, H), moecomm.float8_e4m3fn, 0),
+        out_expert_x_scale=FakeCAI((E, M, S), "<f4", ptr=0x3000),
+        dp_x=FakeTensor((M, H), "float8_e4m3fn", ptr=0x4000),
+        dp_x_scale=FakeTensor((M, S), "float32", ptr=0x5000),
+        indices=FakeTensor((M, K), "int64", ptr=0x6000),
+        bound_m=FakeTensor((1,), "uint32", ptr=0x7000),
+        weights=FakeTensor((M, K), "float32", ptr=0x8000))
+
+
+BAD = {
+    "out_expert_num_tokens": FakeTensor((E,), "int64", ptr=0x1000),
+    "out_expert_x": moecomm.DeviceBuffer(0x2000, (E, M, H + 16), moecomm.float8_e4m3fn, 0),
+    "out_expert_x_scale": FakeCAI((E, M, S), "<f4", ptr=0x3008),
+    "dp_x": FakeTensor((M, H), "bfloat16", ptr=0x4000),
+    "dp_x_scale": FakeTensor((M, S), "float32", ptr=0x5000, contiguous=False),
+    "indices": FakeTensor((M, K + 1), "int64", ptr=0x6000),
+    "bound_m": FakeTensor((1,), "int64", ptr=0x7000),
+    "weights": FakeTensor((M, K), "float32", ptr=0x8000, device=1),
+}
+
+
+@pytest.mark.parametrize("arg", list(BAD))
+def test_bad_dispatch_argument_is_named_and_nothing_launches(fake, arg):
+    with pytest.raises(moecomm.InvalidArgument, match=f"^{arg}: "):
+        fake.dispatch(**dict(_buffers(), **{arg: BAD[arg]}), stream=LAUNCH)
+    assert fake.comm.transport.backend.launches == []
+    fake.dispatch(**_buffers(), stream=LAUNCH)  # the next good call goes through
+    call = _abi.Call.from_buffer_copy(fake.comm.transport.backend.launches[-1][4])
+    assert (call.x, call.x_scale, call.indices, call.idx64, call.bound_m, call.weights, call.out_num, call.out_x,
+            call.out_scale, call.rows) == (0x4000, 0x5000, 0x6000, 1, 0x7000, 0x8000, 0x1000, 0x2000, 0x3000, M)
+
+
+BAD_COMBINE = {
+    "out_tokens": FakeTensor((M, H), "float16", ptr=0x9000),
+    "indices": FakeTensor((M - 1, K), "int32", ptr=0x6000),
+    "weights": FakeTensor((M, K), "bfloat16", ptr=0x8000),
+    "expert_y": moecomm.DeviceBuffer(0xa000, (E, M, H), moecomm.float8_e4m3fn, 0),
+    "bound_m": FakeCAI((2,), "<i4", ptr=0x7000),
+}
+
+
+@pytest.mark.parametrize("arg", list(BAD_COMBINE))
+def test_bad_combine_argument_is_named(fake, arg):
+    fake.dispatch(**_buffers(), stream=LAUNCH)
+    good = dict(out_tokens=FakeTensor((M, H), "bfloat16", ptr=0x9000), indices=FakeTensor((M, K), "int32", ptr=0x6000),
+                weights=FakeTensor((M, K), "float32", ptr=0x8000),
+                expert_y=moecomm.DeviceBuffer(0xa000, (E, M, H), moecomm.bfloat16, 0),
+                bound_m=FakeTensor((1,), "int32", ptr=0x7000))
+    with pytest.raises(moecomm.InvalidArgument, match=f"^{arg}: "):
+        fake.combine(**dict(good, **{arg: BAD_COMBINE[arg]}), stream=LAUNCH)
+    fake.combine(**good, stream=LAUNCH)
+    call = _abi.Call.from_buffer_copy(fake.comm.transport.backend.launches[-1][4])
+    assert (call.out_tokens, call.y, call.idx64, call.partials, call.rows) == (0x9000, 0xa000, 0, 0, M)
+
+
+def test_stream_none_follows_the_first_array(fake):
+    fake.dispatch(**_buffers())  # dp_x is a tensor: torch's current stream
+    assert fake.comm.transport.backend.launches[-1][3] == 0x700

@@ -1,13 +1,17 @@
 """The kernel build pipeline on a CPU-only machine: every kernel compiles and links for sm_90, the disk
 cache is keyed, checked and safe under concurrency, and compile errors carry the log with file and line."""
+import ctypes
 import os
 import subprocess
 import sys
 
 import pytest
 
+import dataclasses
+from pathlib import Path
+
 from conftest import ROOT
-from moecomm import _cache, _jit
+from moecomm import _abi, _cache, _jit
 from moecomm._errors import CompileError
 
 
@@ -25,7 +29,7 @@ def test_cli_builds_every_kernel_then_hits_cache(tmp_path):
     sources = (ROOT / "cuda").glob("*.cu")
     declared = {w.split("(")[0] for f in sources for w in f.read_text().split()
                 if w.startswith("moecomm_") and "(" in w}
-    assert set(kernels) == declared, (kernels, declared)
+    assert set(kernels) == declared == set(_abi.KERNELS), (kernels, declared)
     second = _cli(tmp_path, "--arch", "sm_90")
     assert "from cache" in second.stdout
 
@@ -39,12 +43,16 @@ def test_concurrent_builds_share_one_compile(tmp_path):
     assert sum(" built in " in o for o in outs) == 1, outs
 
 
-def test_key_covers_defines_and_sources(monkeypatch, tmp_path):
+def test_key_covers_abi_and_sources_not_paths(monkeypatch, tmp_path):
     base = _jit.build_key("sm_90")
     assert _jit.build_key("sm_90a") != base
-    monkeypatch.setattr(_jit, "device_defines", lambda: ["-DMOECOMM_ERR_TIMEOUT=99"])
+    monkeypatch.setattr(_abi, "header", lambda: "#define MOECOMM_ERR_TIMEOUT 99\n")
     assert _jit.build_key("sm_90") != base
     monkeypatch.undo()
+    elsewhere = dataclasses.replace(_jit.Toolchain.find(), nvshmem_include=Path("/elsewhere/include"),
+                                    nvshmem_device_lib=Path("/elsewhere/lib/libnvshmem_device.a"),
+                                    cuda_include=Path("/elsewhere/cuda/include"))
+    assert _jit.build_key("sm_90", elsewhere) == base  # another environment with the same versions
     src = tmp_path / "src"
     src.mkdir()
     for f in (ROOT / "cuda").iterdir():
@@ -81,3 +89,22 @@ def test_resource_parser():
            "info    : used 40 registers, used 1 barriers, 16 stack, 2048 bytes smem, 564 bytes cmem[0]\n")
     assert _jit.parse_resources(log) == {"kern": dict(registers=40, stack=16, smem=2048, spill_stores=4,
                                                       spill_loads=12)}
+
+
+def test_kernel_signature_must_match_the_abi_table(tmp_path):
+    """A kernel whose parameters differ from its declaration in moecomm_abi.h does not build."""
+    bad = tmp_path / "delay.cu"
+    bad.write_text('#include "transport.cuh"\nextern "C" __global__ void moecomm_delay(unsigned long long ns) {}\n')
+    tc = _jit.Toolchain.find()
+    with pytest.raises(CompileError, match="moecomm_delay"):
+        _jit._nvrtc_compile(bad, _jit._nvrtc_options(tc, ROOT / "cuda", "sm_90"), tc.rtc_headers())
+
+
+def test_abi_header_states_every_struct_field():
+    text = _abi.header()
+    for struct in _abi.STRUCTS:
+        assert f"static_assert(sizeof({struct.__name__}) == {ctypes.sizeof(struct)}" in text
+        for field, _ in struct.c_fields:
+            assert f"decltype({struct.__name__}::{field})" in text
+    for name, k in _abi.KERNELS.items():
+        assert f'extern "C" __global__ void {name}(' in text

@@ -45,9 +45,20 @@ def test_dp_groups_share_tokens():
 def test_routing_error():
     assert reference.routing_error(np.array([[0, 1], [2, 3]]), 4) is None
     assert "outside [0, 4)" in reference.routing_error(np.array([[0, 1], [4, 3]]), 4)
-    assert "token 1" in reference.routing_error(np.array([[0, 1], [-1, 3]]), 4)
+    assert "token 1" in reference.routing_error(np.array([[0, 1], [-2, 3]]), 4)
+    assert reference.routing_error(np.array([[0, -1], [-1, -1]]), 4) is None  # -1: no expert, repeatable
     assert "more than once" in reference.routing_error(np.array([[0, 1], [3, 3]]), 4)
     assert reference.routing_error(np.zeros((0, 2), np.int32), 4) is None
+
+
+def test_no_expert_ids_send_and_add_nothing():
+    x = [np.arange(6, dtype=np.float32).reshape(3, 2)]
+    idx = [np.array([[1, -1], [-1, -1], [0, 1]])]
+    out = reference.dispatch(x, None, idx, num_experts=2, world_size=1, max_num_tokens=3)
+    assert out[0]["expert_num_tokens"].tolist() == [1, 2]
+    y = [out[0]["expert_x"]]
+    got = reference.combine(idx, [np.ones((3, 2), np.float32)], y, [out[0]["origin"]], 2, 1, np.float32)[0]
+    assert got.tolist() == [[0, 1], [0, 0], [8, 10]]
 
 
 def test_canonical_rows_ignore_slot_order():

@@ -1,49 +1,46 @@
 """The transport boundary: what a new transport implements.
 
-A transport moves bytes between the ranks of one communicator. :class:`moecomm.AllToAll` validates every
-argument in Python (dtype, shape, contiguity, device) and then calls a backend made by
-:meth:`Transport.new_alltoall` with the checked arrays, so a backend never sees bad input. Arrays reach a
-backend as numpy arrays (``memory == "host"``) or as :class:`moecomm.DeviceBuffer` (``memory == "device"``).
+A transport moves bytes between the ranks of one communicator. :class:`moecomm.AllToAll` reads and
+checks every argument in Python (dtype, shape, contiguity, device, the order of split halves) and then
+calls a backend made by :meth:`Transport.new_alltoall`, so a backend never sees bad input.
+
+Arguments reach a backend through its *call record* (``backend.call``), which AllToAll fills before each
+call with the fields of :data:`moecomm._abi.CALL_FIELDS`: ``x``, ``x_scale``, ``indices``, ``weights``,
+``bound_m``, ``out_num``, ``out_x``, ``out_scale`` (dispatch), ``indices``, ``weights``, ``bound_m``,
+``y``, ``out_tokens`` (combine), and the ints ``rows``, ``idx64``, ``partials``. A transport with
+``memory == "host"`` gets numpy arrays (None where absent); one with ``memory == "device"`` gets device
+addresses (0 where absent) in a :class:`moecomm._abi.Call` structure that it hands to its kernels as is.
 """
 import abc
-from dataclasses import dataclass
+from types import SimpleNamespace
 
 import numpy as np
 
-
-@dataclass
-class DispatchArgs:
-    """Checked arguments of one dispatch (shapes in :meth:`moecomm.AllToAll.dispatch`)."""
-    out_expert_num_tokens: object
-    out_expert_x: object
-    out_expert_x_scale: object
-    dp_x: object
-    dp_x_scale: object
-    indices: object
-    bound_m: object
-    weights: object
+from .._abi import CALL_FIELDS
 
 
-@dataclass
-class CombineArgs:
-    """Checked arguments of one combine (shapes in :meth:`moecomm.AllToAll.combine`)."""
-    out_tokens: object
-    indices: object
-    weights: object
-    expert_y: object
-    bound_m: object
+def host_call_record():
+    """A call record for host transports: every field of CALL_FIELDS, None (or 0 for the ints)."""
+    return SimpleNamespace(**{f: (0 if t == "int" else None) for f, t in CALL_FIELDS})
 
 
 class AllToAllBackend(abc.ABC):
-    """One AllToAll's transport-side state: buffers sized at construction, reused by every call."""
+    """One AllToAll's transport-side state: buffers sized at construction, reused by every call.
+
+    Attributes:
+        call: the call record AllToAll fills before each dispatch or combine (see the module doc).
+    """
+    call = None
 
     @abc.abstractmethod
-    def dispatch(self, args: DispatchArgs, do_send: bool, do_recv: bool, stream) -> None:
-        """Send (``do_send``) and/or receive and unpack (``do_recv``). Collective."""
+    def dispatch(self, do_send: bool, do_recv: bool, stream) -> None:
+        """Send (``do_send``) and/or receive and unpack (``do_recv``) the call record's dispatch arrays.
+        Collective."""
 
     @abc.abstractmethod
-    def combine(self, args: CombineArgs, do_send: bool, do_recv: bool, stream) -> None:
-        """Send expert outputs back and/or receive and sum them. Collective."""
+    def combine(self, do_send: bool, do_recv: bool, stream) -> None:
+        """Send expert outputs back and/or receive and sum them (the call record's combine arrays).
+        Collective."""
 
     def synchronize(self, stream) -> None:
         """Wait for this AllToAll's work on ``stream``; raise errors the device recorded. Not collective."""
@@ -54,14 +51,25 @@ class AllToAllBackend(abc.ABC):
 
 
 class Transport(abc.ABC):
-    """A communicator's data path. ``name`` and ``memory`` ("host" or "device") are class attributes."""
+    """A communicator's data path. ``name`` and ``memory`` ("host" or "device") are class attributes.
+
+    Attributes:
+        device: CUDA device ordinal for device transports (-1 for host transports).
+        context: the :class:`moecomm._cuda.Context` entry points make current (None for host transports).
+        arrays: the argument reader, :class:`moecomm._arrays.HostArrays` or ``DeviceArrays``.
+    """
     name = ""
     memory = ""
-    device = -1  # CUDA device ordinal for device transports
+    device = -1
+    context = None
 
     @abc.abstractmethod
     def new_alltoall(self, cfg, timeout_s) -> AllToAllBackend:
         """Create the backend for one AllToAll configuration (collective)."""
+
+    @abc.abstractmethod
+    def new_arrays(self):
+        """An argument reader for one AllToAll (it holds per-call state)."""
 
     @abc.abstractmethod
     def check_peers(self, nbytes: int, timeout_s: float) -> None:

@@ -14,8 +14,9 @@ import numpy as np
 from mpi4py import MPI
 
 from .. import reference
+from .._arrays import HostArrays
 from .._errors import CommTimeout, InvalidArgument, InvalidRouting, MoeCommError
-from .base import AllToAllBackend, Transport, peer_pattern
+from .base import AllToAllBackend, Transport, host_call_record, peer_pattern
 
 _OK, _BAD_ROUTING, _BAD_M = 0, 1, 2
 _TAG_DISPATCH, _TAG_COMBINE, _TAG_PEER_CHECK = 0x6D00, 0x6D10, 0x6D20  # each phase uses tag and tag + 1
@@ -106,42 +107,43 @@ class _Received:
 class HostAllToAll(AllToAllBackend):
     def __init__(self, comm, cfg, timeout_s):
         self.comm, self.cfg, self.timeout_s = comm, cfg, timeout_s
+        self.call = host_call_record()
         self._dispatch_pending = None
         self._combine_pending = None
         self._received = None
         self._dispatched_m = None
 
     # dispatch -------------------------------------------------------------------------------
-    def dispatch(self, a, do_send, do_recv, stream=None):
+    def dispatch(self, do_send, do_recv, stream=None):
         if do_send:
-            self._dispatch_pending = self._dispatch_send(a)
+            self._dispatch_pending = self._dispatch_send(self.call)
         if do_recv:
             pending, self._dispatch_pending = self._dispatch_pending, None
-            self._dispatch_recv(a, pending)
+            self._dispatch_recv(self.call, pending)
 
     def _dispatch_send(self, a):
         cfg = self.cfg
         L, W = cfg.num_local_experts, cfg.world_size
         m = int(a.bound_m[0])
         status, message = _OK, None
-        if not 0 <= m <= min(cfg.max_num_tokens, a.dp_x.shape[0]):
+        if not 0 <= m <= min(cfg.max_num_tokens, a.rows):
             status = _BAD_M
-            message = f"bound_m={m} must be in [0, min(max_num_tokens, dp_x rows)={min(cfg.max_num_tokens, a.dp_x.shape[0])}]"
+            message = f"bound_m={m} must be in [0, min(max_num_tokens, dp_x rows)={min(cfg.max_num_tokens, a.rows)}]"
         else:
             message = reference.routing_error(a.indices[:m], cfg.num_experts)
             status = _BAD_ROUTING if message else _OK
         mine = np.arange(cfg.dp_rank, m if status == _OK else 0, cfg.dp_size)
         idx = a.indices[mine].astype(np.int64)
-        owner = idx // L
+        owner = np.where(idx >= 0, idx // L, -1)  # id -1: no expert, no destination
         parts, counts = [], np.zeros(W, np.int64)
         for d in range(W):
             to_d = owner == d
             sel = to_d.any(axis=1)
             counts[d] = sel.sum()
             local = np.where(to_d[sel], idx[sel] - d * L, -1).astype(np.int32)
-            fields = [a.dp_x[mine[sel]]]
-            if a.dp_x_scale is not None:
-                fields.append(a.dp_x_scale[mine[sel]])
+            fields = [a.x[mine[sel]]]
+            if a.x_scale is not None:
+                fields.append(a.x_scale[mine[sel]])
             fields += [mine[sel].astype(np.int32)[:, None], local]
             if a.weights is not None:
                 fields.append(a.weights[mine[sel]].astype(np.float32))
@@ -173,33 +175,33 @@ class HostAllToAll(AllToAllBackend):
         starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
         pair_slot = np.empty_like(pair_le)
         pair_slot[order] = np.arange(pair_le.size) - starts[pair_le[order]]
-        a.out_expert_x[pair_le, pair_slot] = x[pair_j]
+        a.out_x[pair_le, pair_slot] = x[pair_j]
         if sb:
             scale = np.ascontiguousarray(recv[:, xb:xb + sb]).view(np.float32)
-            a.out_expert_x_scale[pair_le, pair_slot] = scale[pair_j]
-        a.out_expert_num_tokens[:] = counts
+            a.out_scale[pair_le, pair_slot] = scale[pair_j]
+        a.out_num[:] = counts
         src_rank = np.repeat(np.arange(cfg.world_size), src_counts)
         self._received = _Received(src_rank, token, pair_j, pair_k, pair_le, pair_slot, weights)
 
     # combine --------------------------------------------------------------------------------
-    def combine(self, a, do_send, do_recv, stream=None):
+    def combine(self, do_send, do_recv, stream=None):
         if do_send:
-            self._combine_pending = self._combine_send(a)
+            self._combine_pending = self._combine_send(self.call)
         if do_recv:
             pending, self._combine_pending = self._combine_pending, None
-            self._combine_recv(a, pending)
+            self._combine_recv(self.call, pending)
 
     def _combine_send(self, a):
         cfg, rv = self.cfg, self._received
-        y = a.expert_y[rv.pair_le, rv.pair_slot].astype(np.float32)  # [p, H]
-        if a.weights is None:  # sum this rank's experts per token, weighted, on the expert side
+        y = a.y[rv.pair_le, rv.pair_slot].astype(np.float32)  # [p, H]
+        if a.partials:  # sum this rank's experts per token, weighted, on the expert side
             part = np.zeros((rv.token.size, cfg.hidden_dim), np.float32)
             np.add.at(part, rv.pair_j, rv.weights[rv.pair_j, rv.pair_k][:, None] * y)
             row_src, fields = rv.src_rank, [rv.token[:, None], part]
         else:  # one row per (token, expert): the token side weights and sums
             row_src = rv.src_rank[rv.pair_j]
             fields = [rv.token[rv.pair_j][:, None], rv.pair_k.astype(np.int32)[:, None],
-                      a.expert_y[rv.pair_le, rv.pair_slot]]
+                      a.y[rv.pair_le, rv.pair_slot]]
         group = row_src // cfg.dp_size
         parts, counts = [], np.zeros(cfg.world_size, np.int64)
         for d in range(cfg.world_size):  # every rank of the token's DP group gets the result
@@ -210,7 +212,7 @@ class HostAllToAll(AllToAllBackend):
         pending, statuses = ex.post(np.concatenate(parts), counts, _OK)
         if pending is None:
             _raise_status(statuses, None, "combine")
-        return ex, pending, a.weights is None
+        return ex, pending, bool(a.partials)
 
     def _combine_recv(self, a, pending):
         cfg = self.cfg
@@ -243,6 +245,9 @@ class HostTransport(Transport):
 
     def new_alltoall(self, cfg, timeout_s):
         return HostAllToAll(self.comm, cfg, timeout_s)
+
+    def new_arrays(self):
+        return HostArrays()
 
     def check_peers(self, nbytes, timeout_s):
         w, me = self.comm.Get_size(), self.comm.Get_rank()

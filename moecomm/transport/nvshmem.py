@@ -7,14 +7,16 @@ bypassed on purpose: ``nvshmem.core.module_init`` prints to stdout and ``module_
 ``cumodule_finalize`` directly. Device code is built by :mod:`moecomm._jit` (nvshmem4py's device-bitcode
 finder expects a file the NVSHMEM 3.4.5 wheel does not ship).
 
-NVSHMEM is started by unique id: rank 0 creates the id, MPI broadcasts its bytes, every rank calls
-``nvshmem.core.init(..., initializer_method="uid")`` after binding GPU ``local_rank``. This needs no
-NVSHMEM build matched to the MPI library (its MPI bootstrap plugin would).
+NVSHMEM is started by unique id: rank 0 creates the id, the bootstrap (MPI, torch.distributed, ...)
+gathers its bytes to every rank, every rank calls ``nvshmem.core.init(..., initializer_method="uid")``
+after binding GPU ``local_rank``. This needs no NVSHMEM build matched to the MPI library (its MPI
+bootstrap plugin would). Everything runs in the primary context of the rank's GPU (``self.context``).
 """
 import numpy as np
 
+from .. import _abi, _cuda, _jit
 from .. import _constants as C
-from .. import _jit
+from .._arrays import DeviceArrays
 from .._errors import CommTimeout, InvalidArgument, InvalidRouting, MoeCommError
 from .base import Transport, peer_pattern
 
@@ -23,14 +25,13 @@ class NvshmemTransport(Transport):
     name = "nvshmem"
     memory = "device"
 
-    def __init__(self, mpi, local_rank, local_size):
+    def __init__(self, bootstrap, local_rank, local_size):
         import cupy
         import nvshmem.bindings
         import nvshmem.core
-        from cuda.core import Device
 
         self._nvshmem, self._bindings, self._cupy = nvshmem.core, nvshmem.bindings, cupy
-        rank, world = mpi.Get_rank(), mpi.Get_size()
+        self.rank, self.world_size, self.bootstrap = bootstrap.rank, bootstrap.world_size, bootstrap
         ndev = cupy.cuda.runtime.getDeviceCount()
         if ndev == 1:  # the launcher gave each rank its own GPU (srun --gpus-per-task=1, CUDA_VISIBLE_DEVICES)
             self.device = 0
@@ -39,24 +40,35 @@ class NvshmemTransport(Transport):
         else:
             raise MoeCommError(f"{local_size} ranks share this node but they see {ndev} GPUs: "
                                f"run at most one rank per GPU")
-        cupy.cuda.Device(self.device).use()
+        self.context = _cuda.Context(self.device)
+        previous = self.context.enter()  # NVSHMEM, the module and every CuPy array of ours live in it
+        try:
+            self._start()
+        finally:  # a thread that had no current device keeps this one (CuPy code after init uses it)
+            if previous is not _cuda.NO_CONTEXT:
+                self.context.leave(previous)
+
+    def _start(self):
+        from cuda.core import Device
         dev = Device(self.device)
         dev.set_current()
-        uid = nvshmem.core.get_unique_id(empty=rank != 0)
-        mpi.Bcast(uid._data.view(np.int8), root=0)
-        nvshmem.core.init(device=dev, uid=uid, rank=rank, nranks=world, initializer_method="uid")
-        if nvshmem.core.my_pe() != rank:
-            raise MoeCommError(f"NVSHMEM PE {nvshmem.core.my_pe()} != MPI rank {rank}")
-        self.rank, self.world_size, self.mpi = rank, world, mpi
+        uid = self._nvshmem.get_unique_id(empty=self.rank != 0)
+        uid_bytes = uid._data.view(np.uint8)
+        uid_bytes[:] = np.frombuffer(self.bootstrap.allgather(uid_bytes.tobytes())[0], np.uint8)
+        self._nvshmem.init(device=dev, uid=uid, rank=self.rank, nranks=self.world_size, initializer_method="uid")
+        if self._nvshmem.my_pe() != self.rank:
+            raise MoeCommError(f"NVSHMEM PE {self._nvshmem.my_pe()} != rank {self.rank}")
         major, minor = dev.compute_capability
+        self.num_sms = dev.properties.multiprocessor_count
         self.build = _jit.build(f"sm_{major}{minor}")
-        self.module = cupy.cuda.function.Module()
-        self.module.load(self.build.cubin)
-        nvshmem.bindings.cumodule_init(self.module.ptr)
+        self.module = _cuda.Module(self.build.cubin)
+        self._bindings.cumodule_init(int(self.module.handle))
         self._arrays = []       # symmetric arrays we own, freed in allocation order at finalize
         self._peer = None
         self._peer_checks = 0
-        self.error = cupy.zeros(C.ERROR_WORDS, np.int32)  # device error word of eager checks
+        self.error = self._cupy.zeros(C.ERROR_WORDS, np.int32)  # device error word of eager checks
+        self._peer_args = _abi.PeerCheck(err=self.error.data.ptr)
+        self._peer_launch = self.launch("moecomm_peer_check", self.world_size, self._peer_args)
         self._peer_buffers()
 
     # symmetric memory -------------------------------------------------------------------------
@@ -66,7 +78,8 @@ class NvshmemTransport(Transport):
         Contents are undefined (NVSHMEM does not zero memory). ``dtype`` must be one CuPy supports; use
         uint8 / uint16 for bfloat16 and float8 data.
         """
-        a = self._nvshmem.array(tuple(shape), dtype=np.dtype(dtype).name)
+        with self.context:
+            a = self._nvshmem.array(tuple(shape), dtype=np.dtype(dtype).name)
         self._arrays.append(a)
         return a
 
@@ -74,22 +87,31 @@ class NvshmemTransport(Transport):
         """``array`` of rank ``pe`` mapped for loads/stores (NVLink), or None when not addressable."""
         if pe == self.rank:
             return array
-        if not self._bindings.ptr(array.data.ptr, pe):
-            return None
-        return self._nvshmem.get_peer_array(array, pe)
+        with self.context:
+            if not self._bindings.ptr(array.data.ptr, pe):
+                return None
+            return self._nvshmem.get_peer_array(array, pe)
 
     def free(self, array):
         """Free a symmetric array from :meth:`symmetric` (collective, same order on every rank)."""
         self._arrays = [a for a in self._arrays if a is not array]  # by identity: == is elementwise
-        self._nvshmem.free_array(array)
+        with self.context:
+            self._nvshmem.free_array(array)
 
     def barrier(self, stream=None):
         """nvshmem barrier_all ordered on ``stream`` (a handle; default CuPy's current stream)."""
-        s = self._cupy.cuda.get_current_stream().ptr if stream is None else stream
-        self._bindings.barrier_all_on_stream(s)
+        with self.context:
+            s = self._cupy.cuda.get_current_stream().ptr if stream is None else stream
+            self._bindings.barrier_all_on_stream(s)
 
-    def function(self, name):
-        return self.module.get_function(name)
+    def launch(self, name, blocks, *params):
+        """A :class:`moecomm._cuda.Launch` of kernel ``name`` (see moecomm._abi.KERNELS) with ``params``."""
+        kernel = _abi.KERNELS[name]
+        return _cuda.Launch(self.module.function(kernel), kernel, blocks, *params)
+
+    def new_arrays(self):
+        with self.context:
+            return DeviceArrays(self.device, _cuda.StreamOrder(), _cuda.pointer_device)
 
     # peer check -------------------------------------------------------------------------------
     def _peer_buffers(self):
@@ -111,19 +133,24 @@ class NvshmemTransport(Transport):
         receiver's signal; a peer can reach check c + 2 (reusing inbox[c % 2]) only after this rank's
         signal for c + 1, i.e. after this rank has read check c.
         """
-        cp = self._cupy
         if nbytes > C.PEER_CHECK_BYTES:
             raise InvalidArgument(f"check_peers: nbytes={nbytes} exceeds {C.PEER_CHECK_BYTES}")
+        with self.context:
+            self._check_peers(nbytes, timeout_s)
+
+    def _check_peers(self, nbytes, timeout_s):
+        cp = self._cupy
         inbox, outbox, signals = self._peer_buffers()
         self._peer_checks += 1
         c = self._peer_checks
         outbox[:nbytes] = cp.asarray(peer_pattern(self.rank, 0, nbytes) ^ (c & 0xFF))
         box = inbox[c % 2]
-        self.function("moecomm_peer_check")(
-            (self.world_size,), (32,),
-            (box, outbox, signals, np.uint64(c), np.uint64(nbytes), np.uint64(box.shape[1]),
-             np.uint64(int(timeout_s * 1e9)), self.error))
-        cp.cuda.get_current_stream().synchronize()
+        p = self._peer_args
+        p.inbox, p.outbox, p.signals = box.data.ptr, outbox.data.ptr, signals.data.ptr
+        p.expected, p.nbytes, p.row_bytes, p.timeout_ns = c, nbytes, box.shape[1], int(timeout_s * 1e9)
+        stream = cp.cuda.get_current_stream()
+        self._peer_launch(stream.ptr)
+        stream.synchronize()
         words = self.error.get()
         if words[0] != C.ERR_NONE:
             self.error.fill(0)
@@ -139,13 +166,16 @@ class NvshmemTransport(Transport):
         return NvshmemAllToAll(self, cfg, timeout_s)
 
     def finalize(self):
-        self._cupy.cuda.get_current_stream().synchronize()
-        self.mpi.Barrier()
-        for a in self._arrays:
-            self._nvshmem.free_array(a)
-        self._arrays = []
-        self._bindings.cumodule_finalize(self.module.ptr)
-        self._nvshmem.finalize()
+        with self.context:
+            self._cupy.cuda.get_current_stream().synchronize()
+            self.bootstrap.barrier()
+            for a in self._arrays:
+                self._nvshmem.free_array(a)
+            self._arrays = []
+            self._bindings.cumodule_finalize(int(self.module.handle))
+            self.module.unload()
+            self._nvshmem.finalize()
+        self.context.release()
 
 
 def error_from_words(words, what):

@@ -14,10 +14,12 @@ dispatch (one partial per token and expert rank), else n * K * H * out_size.
 
 No host synchronization happens in dispatch or combine: m is read on the device from ``bound_m``, epochs
 and counters live in device memory, errors land in a mapped host word that is checked at the next call
-and by :meth:`synchronize`.
+and by :meth:`synchronize`. Each kernel's parameter block (:class:`moecomm._abi.Fixed` and the call
+record :class:`moecomm._abi.Call`) is built once; a call writes the call record and launches.
 """
 import numpy as np
 
+from .. import _abi, _cuda
 from .. import _constants as C
 from .._dtypes import float16
 from .base import AllToAllBackend
@@ -35,15 +37,9 @@ def record_bytes(cfg):
             + _align16(4 + 8 * cfg.experts_per_token))
 
 
-def grids(cfg, num_sms):
-    """Blocks for (dispatch_send, per-source kernels, combine_recv): a block per token or record, up to
-    two blocks per SM (the kernels are built for two resident blocks; no block waits for another of its
-    own grid, so blocks beyond what is resident just queue)."""
-    most = 2 * num_sms
-    send_blocks = max(1, min(most, -(-cfg.max_num_tokens // cfg.dp_size)))
-    parts = max(1, min(cfg.max_num_tokens, most // cfg.world_size))
-    recv_blocks = max(1, min(most, cfg.max_num_tokens))
-    return send_blocks, cfg.world_size * parts, recv_blocks
+def blocks(cfg, num_sms):
+    """{kernel name: grid size} of the four AllToAll kernels (grid rules in moecomm._abi.KERNELS)."""
+    return {n: _abi.KERNELS[n].grid(cfg, num_sms) for n in _abi.ALLTOALL_KERNELS}
 
 
 def symmetric_sizes(cfg, num_sms):
@@ -51,9 +47,9 @@ def symmetric_sizes(cfg, num_sms):
     row size: {"recv_buf", "comb_buf", "stage", "signals", "stage_row"}."""
     W, M, K = cfg.world_size, cfg.max_num_tokens, cfg.experts_per_token
     out_row = cfg.hidden_dim * cfg.out_dtype.itemsize
-    send_blocks, per_src, _ = grids(cfg, num_sms)
     stage_row = max(record_bytes(cfg), out_row)
-    stage_rows = max(send_blocks, per_src) * C.STAGE_SLOTS
+    grid = blocks(cfg, num_sms)  # the two kernels that stage rows
+    stage_rows = max(grid["moecomm_dispatch_send"], grid["moecomm_combine_send"]) * C.STAGE_SLOTS
     return dict(recv_buf=W * M * record_bytes(cfg), comb_buf=max(W, K) * M * out_row,
                 stage=stage_rows * stage_row, signals=2 * W * 8, stage_row=stage_row)
 
@@ -65,24 +61,14 @@ def symmetric_bytes(cfg, num_sms=132):
 
 
 class NvshmemAllToAll(AllToAllBackend):
+    """Created and used inside the transport's context (moecomm.AllToAll enters it)."""
+
     def __init__(self, transport, cfg, timeout_s):
         import cupy
         self.t, self.cfg, self._cupy = transport, cfg, cupy
-        self.timeout_ns = np.uint64(int(timeout_s * 1e9))
         W, M, K, L = cfg.world_size, cfg.max_num_tokens, cfg.experts_per_token, cfg.num_local_experts
-        out_row = cfg.hidden_dim * cfg.out_dtype.itemsize
         rec = record_bytes(cfg)
-        num_sms = cupy.cuda.Device(transport.device).attributes["MultiProcessorCount"]
-        self.send_blocks, self.per_src_blocks, self.recv_blocks = grids(cfg, num_sms)
-        sizes = symmetric_sizes(cfg, num_sms)
-        layout = dict(
-            WORLD=W, RANK=cfg.rank, DP=cfg.dp_size, EXPERTS=cfg.num_experts, LOCAL_EXPERTS=L, TOPK=K,
-            MAX_TOKENS=M, HIDDEN=cfg.hidden_dim, X_BYTES=cfg.hidden_dim * cfg.in_dtype.itemsize,
-            SCALE_BYTES=0 if cfg.hidden_dim_scale is None else 4 * cfg.hidden_dim_scale,
-            META_OFF=rec - _align16(4 + 8 * K), REC_BYTES=rec,
-            OUT_CODE=C.DT_FP16 if cfg.out_dtype == float16 else C.DT_BF16,
-            OUT_ROW_BYTES=out_row, CAP=cfg.expert_capacity, STAGE_SLOTS=C.STAGE_SLOTS, STAGE_BYTES=sizes["stage_row"])
-        self.layout = cupy.asarray(np.array([layout[f] for f in C.LAYOUT_FIELDS], np.int64))
+        sizes = symmetric_sizes(cfg, transport.num_sms)
         self.state = cupy.zeros(C.STATE_FIXED + 2 * W + L, np.uint32)
         self.slot_of = cupy.empty(W * M * K, np.int32)
         sym = transport.symmetric
@@ -96,21 +82,27 @@ class NvshmemAllToAll(AllToAllBackend):
             cupy.cuda.PinnedMemory(4 * C.ERROR_WORDS, cupy.cuda.runtime.hostAllocMapped), 0)
         self._err_mem, self.err = mem, np.frombuffer(mem, np.int32, C.ERROR_WORDS)
         self.err[:] = 0
+        self.fixed = _abi.Fixed(
+            state=self.state.data.ptr, err=mem.ptr, recv_buf=self.recv_buf.data.ptr,
+            comb_buf=self.comb_buf.data.ptr, stage=self.stage.data.ptr, sig=self.sig[0].data.ptr,
+            comb_sig=self.sig[1].data.ptr, slot_of=self.slot_of.data.ptr, timeout_ns=int(timeout_s * 1e9),
+            world=W, rank=cfg.rank, dp=cfg.dp_size, num_experts=cfg.num_experts, local_experts=L, topk=K,
+            max_tokens=M, hidden=cfg.hidden_dim, x_bytes=cfg.hidden_dim * cfg.in_dtype.itemsize,
+            scale_bytes=0 if cfg.hidden_dim_scale is None else 4 * cfg.hidden_dim_scale,
+            meta_off=rec - _align16(4 + 8 * K), rec_bytes=rec,
+            out_code=C.DT_FP16 if cfg.out_dtype == float16 else C.DT_BF16,
+            out_row_bytes=cfg.hidden_dim * cfg.out_dtype.itemsize, cap=cfg.expert_capacity,
+            stage_slots=C.STAGE_SLOTS, stage_bytes=sizes["stage_row"],
+            s_expert=C.STATE_FIXED + W, s_recv=C.STATE_FIXED + W + L)
+        self.call = _abi.Call()
+        grid = blocks(cfg, transport.num_sms)
+        (self._dispatch_send, self._dispatch_recv, self._combine_send, self._combine_recv) = (
+            transport.launch(n, grid[n], self.fixed, self.call) for n in _abi.ALLTOALL_KERNELS)
         cupy.cuda.get_current_stream().synchronize()
         transport.barrier()
         cupy.cuda.get_current_stream().synchronize()
-        self._f = {n: transport.function(f"moecomm_{n}") for n in
-                   ("dispatch_send", "dispatch_recv", "combine_send", "combine_recv")}
 
     # ------------------------------------------------------------------------------------------
-    def _launch(self, name, blocks, stream, *args):
-        self._f[name]((blocks,), (C.BLOCK_THREADS,), (self.layout, self.state, np.uint64(self._err_mem.ptr), *args),
-                      stream=self._cupy.cuda.ExternalStream(stream))
-
-    @staticmethod
-    def _ptr(buf):
-        return np.uint64(0 if buf is None else buf.ptr)
-
     def check_error(self):
         """Raise the first error a kernel recorded (no synchronization), and clear it."""
         if self.err[0] != C.ERR_NONE:
@@ -119,32 +111,22 @@ class NvshmemAllToAll(AllToAllBackend):
             raise error_from_words(words, "AllToAll")
 
     def synchronize(self, stream):
-        self._cupy.cuda.ExternalStream(stream).synchronize()
+        _cuda.stream_synchronize(stream)
         self.check_error()
 
-    # ------------------------------------------------------------------------------------------
-    def dispatch(self, a, do_send, do_recv, stream):
+    def dispatch(self, do_send, do_recv, stream):
         self.check_error()
         if do_send:
-            self._launch("dispatch_send", self.send_blocks, stream, self._ptr(a.dp_x), self._ptr(a.dp_x_scale),
-                         self._ptr(a.indices), self._ptr(a.weights), self._ptr(a.bound_m),
-                         np.int32(a.dp_x.shape[0]), self.recv_buf, self.sig[0], self.stage,
-                         self._ptr(a.out_expert_x), self._ptr(a.out_expert_x_scale), self.slot_of)
+            self._dispatch_send(stream)
         if do_recv:
-            self._launch("dispatch_recv", self.per_src_blocks, stream, self.recv_buf, self.sig[0],
-                         self._ptr(a.out_expert_num_tokens), self._ptr(a.out_expert_x),
-                         self._ptr(a.out_expert_x_scale), self.slot_of, self.timeout_ns)
+            self._dispatch_recv(stream)
 
-    def combine(self, a, do_send, do_recv, stream):
+    def combine(self, do_send, do_recv, stream):
         self.check_error()
-        partials = np.int32(a.weights is None)
         if do_send:
-            self._launch("combine_send", self.per_src_blocks, stream, self.recv_buf, self.slot_of,
-                         self._ptr(a.expert_y), partials, self.comb_buf, self.sig[1], self.stage)
+            self._combine_send(stream)
         if do_recv:
-            self._launch("combine_recv", self.recv_blocks, stream, self.comb_buf, self.sig[1],
-                         self._ptr(a.indices), self._ptr(a.weights), self._ptr(a.bound_m),
-                         np.int32(a.out_tokens.shape[0]), partials, self._ptr(a.out_tokens), self.timeout_ns)
+            self._combine_recv(stream)
 
     def destroy(self):
         self._cupy.cuda.get_current_stream().synchronize()
@@ -153,4 +135,3 @@ class NvshmemAllToAll(AllToAllBackend):
         for a in self._owned:
             self.t.free(a)
         self._owned = []
-

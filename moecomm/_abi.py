@@ -1,0 +1,153 @@
+"""The kernel ABI, declared once: parameter structs, kernel signatures, grid rules, device constants.
+
+Python packs kernel parameters into ctypes structures built from the field lists below, and
+:func:`header` turns the same lists into ``moecomm_abi.h``, the header every ``cuda/*.cu`` file includes:
+the ``MOECOMM_*`` constants, the structs with ``static_assert``s of each struct's size and each field's
+size and alignment as ctypes computed them (so the offsets agree too), and a declaration of every kernel. A ``.cu`` file whose kernel signature differs from its
+declaration here, or a struct laid out differently by the device compiler, fails to build; at load time
+:meth:`moecomm._cuda.Module.function` also checks each kernel's parameter sizes against these structs.
+
+The dispatch/combine kernels all take the same two parameters: ``Fixed`` (set once per AllToAll: its
+layout, device state and buffers) and ``Call`` (the arrays of the current call, rewritten by every
+call). A launch copies both, so one host-side copy of each serves every kernel and every call.
+"""
+import ctypes
+from dataclasses import dataclass
+
+from . import _constants as C
+
+_CTYPES = {"int": ctypes.c_int32, "unsigned": ctypes.c_uint32, "unsigned long long": ctypes.c_uint64}
+
+
+def _ctype(c_decl):
+    """ctypes type of a C field type: every pointer is a 64-bit address, stored as an int."""
+    return ctypes.c_uint64 if c_decl.endswith("*") else _CTYPES[c_decl]
+
+
+def _struct(name, fields, doc):
+    cls = type(name, (ctypes.Structure,), {"_fields_": [(f, _ctype(t)) for f, t in fields], "__doc__": doc})
+    cls.c_fields = fields
+    return cls
+
+
+# The AllToAll's fixed parameters: layout (sizes in elements or bytes), then device state and buffers.
+FIXED_FIELDS = (
+    ("state", "unsigned*"),         # uint32 device state, MOECOMM_S_* indices
+    ("err", "int*"),                # int32[MOECOMM_ERROR_WORDS] error word (mapped host memory)
+    ("recv_buf", "uint8_t*"),       # symmetric [world, max_tokens, rec_bytes] dispatch records
+    ("comb_buf", "uint8_t*"),       # symmetric combine rows, [max(world, topk) * max_tokens, hidden] out dtype
+    ("stage", "uint8_t*"),          # symmetric staging rows (sources of puts to unmapped peers)
+    ("sig", "uint64_t*"),           # symmetric [world] dispatch signals
+    ("comb_sig", "uint64_t*"),      # symmetric [world] combine signals
+    ("slot_of", "int*"),            # [world, max_tokens, topk] expert slot of each received record's k-th id
+    ("timeout_ns", "unsigned long long"),
+    ("world", "int"), ("rank", "int"), ("dp", "int"), ("num_experts", "int"), ("local_experts", "int"),
+    ("topk", "int"), ("max_tokens", "int"), ("hidden", "int"),
+    ("x_bytes", "int"),             # hidden * in_dtype size
+    ("scale_bytes", "int"),         # 4 * hidden_dim_scale (0 without scales)
+    ("meta_off", "int"),            # offset of a record's metadata (token, ids[topk], weights[topk])
+    ("rec_bytes", "int"),           # bytes of one dispatch record
+    ("out_code", "int"),            # MOECOMM_DT_BF16 / MOECOMM_DT_FP16
+    ("out_row_bytes", "int"),       # hidden * out_dtype size
+    ("cap", "int"),                 # slots per local expert
+    ("stage_slots", "int"), ("stage_bytes", "int"),  # staging rows per block and their size
+    ("s_expert", "int"), ("s_recv", "int"),          # state[] offsets of per-expert and per-source counters
+)
+# The arrays of one call (dispatch fields, then combine fields): device addresses, 0 for None.
+CALL_FIELDS = (
+    ("x", "const uint8_t*"),        # dispatch: [rows, hidden] in_dtype
+    ("x_scale", "const float*"),    # dispatch: [rows, scales] float32
+    ("indices", "const void*"),     # [rows, topk] int32/uint32 (idx64 == 0) or int64 expert ids
+    ("weights", "const float*"),    # [rows, topk] float32
+    ("bound_m", "const int*"),      # [1] int32/uint32: m
+    ("out_num", "int*"),            # dispatch: [local_experts] int32
+    ("out_x", "uint8_t*"),          # dispatch: [local_experts, cap, hidden] in_dtype
+    ("out_scale", "float*"),        # dispatch: [local_experts, cap, scales] float32
+    ("y", "const uint8_t*"),        # combine: [local_experts, cap, hidden] out_dtype
+    ("out_tokens", "uint8_t*"),     # combine: [rows, hidden] out_dtype
+    ("rows", "int"),                # rows of x / out_tokens / indices / weights
+    ("idx64", "int"),               # indices are int64
+    ("partials", "int"),            # combine: weights came with dispatch (sum on the expert side)
+)
+PEER_CHECK_FIELDS = (
+    ("inbox", "uint8_t*"),          # symmetric [2, world, row_bytes]: check c reads half c % 2
+    ("outbox", "const uint8_t*"),   # symmetric [>= nbytes]: this rank's pattern
+    ("signals", "uint64_t*"),       # symmetric [world]: checks whose data from each peer has landed
+    ("err", "int*"),
+    ("expected", "unsigned long long"), ("nbytes", "unsigned long long"),
+    ("row_bytes", "unsigned long long"), ("timeout_ns", "unsigned long long"),
+)
+DELAY_FIELDS = (("ns", "unsigned long long"),)
+
+Fixed = _struct("Fixed", FIXED_FIELDS, "Parameters fixed for one AllToAll (see FIXED_FIELDS).")
+Call = _struct("Call", CALL_FIELDS, "Arrays of one dispatch or combine call (see CALL_FIELDS).")
+PeerCheck = _struct("PeerCheck", PEER_CHECK_FIELDS, "Parameters of one peer check.")
+Delay = _struct("Delay", DELAY_FIELDS, "Parameters of the benchmark's device delay.")
+STRUCTS = (Fixed, Call, PeerCheck, Delay)
+
+
+# Grid rules -------------------------------------------------------------------------------------
+def _send_blocks(cfg, num_sms):
+    """A block per token of this rank's DP share, up to two per SM (the kernels are built for two resident
+    blocks; no block waits for another of its own grid, so blocks beyond what is resident just queue)."""
+    return max(1, min(2 * num_sms, -(-cfg.max_num_tokens // cfg.dp_size)))
+
+
+def _per_source_blocks(cfg, num_sms):
+    """world * parts blocks: block b serves source rank b % world, a record per block (strided)."""
+    return cfg.world_size * max(1, min(cfg.max_num_tokens, 2 * num_sms // cfg.world_size))
+
+
+def _token_blocks(cfg, num_sms):
+    """A block per token of the DP group (strided), up to two per SM."""
+    return max(1, min(2 * num_sms, cfg.max_num_tokens))
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """One kernel: its symbol, its parameters (struct types, in order), its grid rule and block size."""
+    name: str
+    params: tuple
+    grid: object = None      # (cfg, num_sms) -> blocks, for the AllToAll kernels
+    threads: int = C.BLOCK_THREADS
+
+
+KERNELS = {k.name: k for k in (
+    Kernel("moecomm_dispatch_send", (Fixed, Call), _send_blocks),
+    Kernel("moecomm_dispatch_recv", (Fixed, Call), _per_source_blocks),
+    Kernel("moecomm_combine_send", (Fixed, Call), _per_source_blocks),
+    Kernel("moecomm_combine_recv", (Fixed, Call), _token_blocks),
+    Kernel("moecomm_peer_check", (PeerCheck,), threads=32),
+    Kernel("moecomm_delay", (Delay,), threads=1),
+)}
+ALLTOALL_KERNELS = ("moecomm_dispatch_send", "moecomm_dispatch_recv", "moecomm_combine_send",
+                    "moecomm_combine_recv")
+
+
+# The device header --------------------------------------------------------------------------------
+HEADER_NAME = "moecomm_abi.h"
+
+
+def header():
+    """The text of ``moecomm_abi.h`` (handed to NVRTC in memory; the build-cache key covers it)."""
+    lines = ["// Generated by moecomm/_abi.py (constants, kernel parameter structs, kernel declarations).",
+             "#pragma once", "#include <cuda/std/cstdint>", ""]
+    lines += [f"#define MOECOMM_{k} {v}" for k, v in sorted(C.device_constants().items())]
+    lines += ["", "namespace moecomm {"]
+    for s in STRUCTS:
+        lines.append(f"struct {s.__name__} {{")
+        lines += [f"  {t} {f};" for f, t in s.c_fields]
+        lines.append("};")
+        lines.append(f'static_assert(sizeof({s.__name__}) == {ctypes.sizeof(s)}, "{s.__name__}: size differs '
+                     f'from moecomm/_abi.py");')
+        for f, _ in s.c_fields:  # same order, sizes and alignments: the same offsets as ctypes computed
+            t = _ctype(dict(s.c_fields)[f])
+            lines.append(f"static_assert(sizeof(decltype({s.__name__}::{f})) == {ctypes.sizeof(t)} && "
+                         f"alignof(decltype({s.__name__}::{f})) == {ctypes.alignment(t)}, "
+                         f'"{s.__name__}.{f}: size or alignment differs from moecomm/_abi.py");')
+    lines += ["}  // namespace moecomm", ""]
+    for k in KERNELS.values():
+        params = ", ".join(f"const moecomm::{p.__name__}" for p in k.params)
+        lines.append(f'extern "C" __global__ void {k.name}({params});')
+    return "\n".join(lines) + "\n"
+

@@ -1,0 +1,148 @@
+"""The CUDA driver through cuda.bindings: one checking helper, the rank's context, modules, launches.
+
+Every driver call of moecomm goes through :func:`check`. Device work runs in the primary context of the
+rank's GPU (the one CuPy and NVSHMEM use): entry points make it current for their duration and give the
+caller's context back (:meth:`Context.enter` / :meth:`Context.leave`), so a caller whose current device
+is another GPU (JAX moves it to the GPU it last touched) neither breaks a call nor sees it changed.
+"""
+import ctypes
+
+from cuda.bindings import driver
+
+from ._errors import CompileError, MoeCommError
+
+_launch_kernel = driver.cuLaunchKernel
+_get_current = driver.cuCtxGetCurrent
+_set_current = driver.cuCtxSetCurrent
+NO_CONTEXT = driver.CUcontext(0)  # what Context.enter returns when no context was current
+_DEVICE_MEMORY = (int(driver.CUmemorytype.CU_MEMORYTYPE_DEVICE), int(driver.CUmemorytype.CU_MEMORYTYPE_UNIFIED))
+
+
+def check(result, what):
+    """Raise MoeCommError naming ``what`` unless a cuda.bindings call succeeded; return its value(s)."""
+    if result[0]:
+        raise error(result[0], what)
+    return result[1] if len(result) == 2 else result[1:] or None
+
+
+def error(code, what):
+    name = driver.cuGetErrorName(code)[1]
+    return MoeCommError(f"{what} failed: {name.decode() if name else int(code)}")
+
+
+class Context:
+    """The primary context of CUDA device ``device``, retained for the life of this object."""
+
+    def __init__(self, device):
+        check(driver.cuInit(0), "cuInit")
+        self.device = device
+        self._dev = check(driver.cuDeviceGet(device), "cuDeviceGet")
+        self.handle = check(driver.cuDevicePrimaryCtxRetain(self._dev), "cuDevicePrimaryCtxRetain")
+
+    def enter(self):
+        """Make this context current. Returns what :meth:`leave` needs to give the caller's back (None
+        when it already was current: the common case, one driver query)."""
+        current = _get_current()[1]
+        if current == self.handle:
+            return None
+        check(_set_current(self.handle), "cuCtxSetCurrent")
+        return NO_CONTEXT if current is None or not int(current) else current
+
+    @staticmethod
+    def leave(previous):
+        if previous is not None:
+            check(_set_current(previous), "cuCtxSetCurrent")
+
+    def __enter__(self):
+        self._stack = getattr(self, "_stack", [])
+        self._stack.append(self.enter())
+        return self
+
+    def __exit__(self, *exc):
+        self.leave(self._stack.pop())
+
+    def release(self):
+        if self.handle is not None:
+            check(driver.cuDevicePrimaryCtxRelease(self._dev), "cuDevicePrimaryCtxRelease")
+            self.handle = None
+
+
+class Module:
+    """A cubin loaded into the current context; kernels looked up by their :class:`moecomm._abi.Kernel`
+    entry, with each parameter's size checked against the ABI's struct."""
+
+    def __init__(self, cubin):
+        self.handle = check(driver.cuModuleLoadData(cubin), "cuModuleLoadData")
+
+    def function(self, kernel):
+        f = check(driver.cuModuleGetFunction(self.handle, kernel.name.encode()), f"loading {kernel.name}")
+        for i, struct in enumerate(kernel.params):
+            _, size = check(driver.cuFuncGetParamInfo(f, i), f"{kernel.name} parameter {i}")
+            if size != ctypes.sizeof(struct):
+                raise CompileError(f"{kernel.name}: parameter {i} is {size} bytes on the device, "
+                                   f"{ctypes.sizeof(struct)} in moecomm/_abi.py ({struct.__name__})")
+        if driver.cuFuncGetParamInfo(f, len(kernel.params))[0] == driver.CUresult.CUDA_SUCCESS:
+            raise CompileError(f"{kernel.name}: takes more parameters than moecomm/_abi.py declares")
+        return f
+
+    def unload(self):
+        if self.handle is not None:
+            check(driver.cuModuleUnload(self.handle), "cuModuleUnload")
+            self.handle = None
+
+
+class Launch:
+    """One kernel with its parameter block built once. ``launch(stream)`` launches it with the current
+    contents of ``params`` (ctypes structures the owner keeps updating; a launch copies them).
+
+    Args:
+        function: the kernel's CUfunction (:meth:`Module.function`).
+        kernel: its :class:`moecomm._abi.Kernel` entry.
+        blocks: grid size (blocks of ``kernel.threads`` threads).
+        params: one instance of each struct in ``kernel.params``, in order.
+    """
+
+    def __init__(self, function, kernel, blocks, *params):
+        if tuple(type(p) for p in params) != kernel.params:
+            raise TypeError(f"{kernel.name} takes {[p.__name__ for p in kernel.params]}, "
+                            f"got {[type(p).__name__ for p in params]}")
+        self.function, self.name, self.threads, self.blocks = function, kernel.name, kernel.threads, int(blocks)
+        self._params = params  # kept alive: the pointer array points into them
+        self._pointers = (ctypes.c_void_p * len(params))(*(ctypes.addressof(p) for p in params))
+        self._address = ctypes.addressof(self._pointers)
+
+    def __call__(self, stream):
+        err = _launch_kernel(self.function, self.blocks, 1, 1, self.threads, 1, 1, 0, stream, self._address, 0)[0]
+        if err:
+            raise error(err, f"launching {self.name}")
+
+
+class StreamOrder:
+    """Orders one stream after another with a reused event (the wait captures the event as recorded)."""
+
+    def __init__(self):
+        self.event = check(driver.cuEventCreate(driver.CUevent_flags.CU_EVENT_DISABLE_TIMING), "cuEventCreate")
+
+    def after(self, producer, consumer):
+        """Work queued on ``consumer`` from now on waits for the work queued on ``producer`` so far."""
+        check(driver.cuEventRecord(self.event, producer), "cuEventRecord")
+        check(driver.cuStreamWaitEvent(consumer, self.event, 0), "cuStreamWaitEvent")
+
+    def destroy(self):
+        if self.event is not None:
+            check(driver.cuEventDestroy(self.event), "cuEventDestroy")
+            self.event = None
+
+
+def stream_synchronize(stream):
+    check(driver.cuStreamSynchronize(stream), "cuStreamSynchronize")
+
+
+def pointer_device(ptr):
+    """CUDA device ordinal of the device (or managed) memory at ``ptr``; None for host or unknown memory."""
+    attr = driver.CUpointer_attribute
+    err, kind = driver.cuPointerGetAttribute(attr.CU_POINTER_ATTRIBUTE_MEMORY_TYPE, ptr)
+    if err or int(kind) not in _DEVICE_MEMORY:
+        return None
+    err, ordinal = driver.cuPointerGetAttribute(attr.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, ptr)
+    return None if err else int(ordinal)
