@@ -1,7 +1,7 @@
 """Semantic sweep of AllToAll on any transport, run under MPI: every rank checks its own outputs.
 
     mpiexec -n 3 python tests/mpi_alltoall.py --transport host [--quick]
-    mpirun -np 2 python tests/mpi_alltoall.py --transport nvshmem
+    mpirun -np 2 python tests/mpi_alltoall.py --transport nvshmem [--arrays cupy|torch|buffer]
 
 Every rank draws the same global random data from the case seed, so each computes the reference
 (moecomm.reference) locally and compares with what its transport produced: counts exactly, expert slots as
@@ -17,7 +17,7 @@ import numpy as np
 
 import moecomm
 from moecomm import reference
-from moecomm._dtypes import as_dtype, IN_DTYPES, OUT_DTYPES
+from moecomm._dtypes import _ALIASES, as_dtype, IN_DTYPES, OUT_DTYPES
 
 POISON = 0xFF  # bytes of NaN in every float dtype we use; counts become -1
 
@@ -77,6 +77,59 @@ class Device:
         (a @ a).sum()
 
 
+class Torch(Device):
+    """PyTorch tensors of the real dtypes (bf16, fp16, fp8 e4m3, int64, uint32, ...), passed as they are."""
+    @staticmethod
+    def _torch(dtype):
+        import torch
+        return getattr(torch, np.dtype(dtype).name)
+
+    @classmethod
+    def put(cls, a):
+        import torch
+        a = np.ascontiguousarray(a)
+        return torch.from_numpy(a.view(cls._raw(a.dtype)).copy()).cuda().view(cls._torch(a.dtype))
+
+    @staticmethod
+    def get(t, dtype=None):
+        import torch
+        name = str(t.dtype).split(".")[1]
+        out = t.contiguous().view(torch.uint8).cpu().numpy()
+        return out.view(dtype if dtype is not None else (_ALIASES.get(name) or np.dtype(name)))
+
+    @classmethod
+    def empty(cls, shape, dtype):
+        import torch
+        nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+        return torch.full((nbytes,), POISON, dtype=torch.uint8, device="cuda").view(cls._torch(dtype)).view(tuple(shape))
+
+    @staticmethod
+    def work():
+        import torch
+        a = torch.ones((2048, 2048), device="cuda")
+        (a @ a).sum()
+
+
+class Buffers(Device):
+    """Raw moecomm.DeviceBuffers over CuPy memory (the pointer layer)."""
+    @classmethod
+    def put(cls, a):
+        return cls._wrap(super().put(a), np.asarray(a).dtype)
+
+    @classmethod
+    def empty(cls, shape, dtype):
+        return cls._wrap(super().empty(shape, dtype), dtype)
+
+    @staticmethod
+    def _wrap(c, dtype):
+        return moecomm.DeviceBuffer(c.data.ptr, c.shape, np.dtype(dtype), c.data.device_id, c)
+
+    @staticmethod
+    def get(b, dtype=None):
+        out = b.owner.get()
+        return out if dtype is None else out.view(dtype)
+
+
 def expert_fn(x, global_expert, out_dtype):
     """The 'expert': a row-wise function that depends on the expert, so misrouted outputs show."""
     return (x.astype(np.float32) * np.float32(1.0 + (global_expert % 7) / 8.0)).astype(out_dtype)
@@ -100,6 +153,11 @@ def routing(rng, m, k, num_experts, world, rank, kind):
         local = num_experts // world
         base = ((rank + 1) % world) * local
         return (base + np.argsort(rng.random((m, local)), axis=1)[:, :k]).astype(np.int32)
+    if kind == "holes":  # a third of the slots go nowhere (id -1), some tokens nowhere at all
+        idx = routing(rng, m, k, num_experts, world, rank, "uniform")
+        idx[rng.random(idx.shape) < 1 / 3] = -1
+        idx[::5] = -1
+        return idx
     raise ValueError(kind)
 
 
@@ -130,13 +188,14 @@ def run_case(comm, A, c, seed, tol):
             m = ms[g]
             rows = M if it % 2 else m  # exact-size and padded inputs
             pad = lambda a, n=rows: np.concatenate([a, np.zeros((n - len(a),) + a.shape[1:], a.dtype)])
-            bound_m = A.put(np.array([m], np.int32))
+            bound_m = A.put(np.array([m], c.get("m_dtype", "int32")))
+            idx_in = lambda a: A.put(pad(a).astype(c.get("idx_dtype", "int32")))  # -1 wraps to 0xffffffff
             out_n = A.empty((L,), np.int32)
             out_x = A.empty((L, M * G, H), in_dt)
             out_s = A.empty((L, M * G, S), np.float32) if S else None
             send_w = c["weights_at"] == "dispatch"
             dargs = (out_n, out_x, out_s, A.put(pad(x[g])), A.put(pad(xs[g])) if S else None,
-                     A.put(pad(idx[g])), bound_m)
+                     idx_in(idx[g]), bound_m)
             if c["split"]:  # other work runs on the stream between the halves
                 a2a.dispatch(*dargs, do_send=True, do_recv=False, weights=A.put(pad(w[g])) if send_w else None)
                 A.work()
@@ -165,7 +224,7 @@ def run_case(comm, A, c, seed, tol):
             want = reference.combine(idx, w, ref_y, [q["origin"] for q in ref], E, W, out_dt, dp)[g]
             out_t = A.empty((rows, H), out_dt)
             cw = None if send_w else A.put(pad(w[g]))
-            cargs = (out_t, A.put(pad(idx[g])), cw, A.put(y), bound_m)
+            cargs = (out_t, idx_in(idx[g]), cw, A.put(y), bound_m)
             if c["split"]:
                 a2a.combine(*cargs, do_send=True, do_recv=False)
                 A.work()
@@ -208,7 +267,7 @@ def bad_input_case(comm, A):
         except moecomm.InvalidRouting as e:
             if comm.rank == W - 1 and "token 3" not in str(e):
                 fails.append(f"corrupted index: message does not name the token: {e}")
-        if A is Device:  # the device transport raises at synchronization; combine keeps the protocol
+        if A is not Host:  # the device transport raises at synchronization; combine keeps the protocol
             a2a.combine(A.empty((M, H), moecomm.bfloat16), A.put(idx), A.put(np.ones((M, K), np.float32)),
                         A.empty((E // W, M * W, H), moecomm.bfloat16), A.put(np.array([M], np.int32)))
             a2a.synchronize()
@@ -306,6 +365,11 @@ def cases(world, quick):
         out.append(dict(base, routing=kind, topk=2))
     out.append(dict(base, m=0))
     out.append(dict(base, m=16))
+    out.append(dict(base, idx_dtype="int64"))  # DeepEP / torch.topk ids
+    out.append(dict(base, idx_dtype="uint32", m_dtype="uint32"))  # pplx-kernels / vLLM
+    out.append(dict(base, routing="holes"))
+    out.append(dict(base, routing="holes", idx_dtype="int64", weights_at="combine"))
+    out.append(dict(base, routing="holes", idx_dtype="uint32", split=True, topk=4, num_experts=8 * world))
     out.append(dict(base, weights_at="combine"))
     out.append(dict(base, split=True))
     out.append(dict(base, split=True, weights_at="combine", in_dtype="float8_e4m3fn", scale=7))
@@ -343,9 +407,14 @@ def main():
     p.add_argument("--quick", action="store_true")
     p.add_argument("--full", action="store_true", help="add model-sized cases (GPU runs)")
     p.add_argument("--dp-only", action="store_true", help="only the cases with DP groups (dp_size > 1)")
+    p.add_argument("--arrays", default="cupy", choices=["cupy", "torch", "buffer"],
+                   help="what the GPU transport is given: CuPy arrays, PyTorch tensors or DeviceBuffers")
     args = p.parse_args()
     comm = moecomm.init(transport=args.transport)
-    A = Host if comm.transport.memory == "host" else Device
+    A = Host if comm.transport.memory == "host" else {"cupy": Device, "torch": Torch, "buffer": Buffers}[args.arrays]
+    if A is Torch:
+        import torch
+        torch.cuda.set_device(comm.device)
     # float32 accumulation in another order, then one rounding to the output dtype: within 2 ulp.
     tol = {"bfloat16": 2 ** -6, "float16": 2 ** -9}
     failures, t0 = [], time.time()
@@ -356,7 +425,7 @@ def main():
         for f in run_case(comm, A, c, seed=1000 + i, tol=tol[c["out_dtype"]]):
             failures.append(f"rank {comm.rank} case {c}: {f}")
     failures += [f"rank {comm.rank} bad input: {f}" for f in bad_input_case(comm, A)]
-    if A is Device:
+    if A is not Host:
         failures += [f"rank {comm.rank} graph: {f}" for f in graph_case(comm)]
     comm.check_peers()
     everyone = comm.allgather(failures)
@@ -365,7 +434,7 @@ def main():
         flat = [f for fs in everyone for f in fs]
         for f in flat[:20]:
             print("FAIL", f)
-        print(f"{len(all_cases) + 1} cases on {len(everyone)} ranks ({args.transport}): "
+        print(f"{len(all_cases) + 1} cases on {len(everyone)} ranks ({args.transport}, {A.__name__}): "
               f"{len(flat)} failures in {time.time() - t0:.1f} s")
     sys.exit(1 if any(everyone) else 0)
 

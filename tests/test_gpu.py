@@ -48,3 +48,64 @@ def test_skipped_rank_times_out():
 def test_demo_on_gpus():
     p = run_mpi(GPUS, "examples/demo.py", "--transport", "nvshmem", timeout=300)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+
+
+def _has(module):
+    import importlib.util
+    return importlib.util.find_spec(module) is not None
+
+
+needs_torch = pytest.mark.skipif(GPUS < 1 or not _has("torch"), reason="needs a GPU and torch")
+
+
+@needs_torch
+def test_torch_tensors_as_they_are():
+    """The sweep with PyTorch tensors of the real dtypes (bf16, fp16, fp8, int64 and uint32 ids, ...)."""
+    p = run_mpi(GPUS, "tests/mpi_alltoall.py", "--transport", "nvshmem", "--arrays", "torch", "--quick",
+                timeout=600)
+    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
+    assert ": 0 failures" in p.stdout
+
+
+@needs_gpu
+def test_raw_device_buffers():
+    p = run_mpi(GPUS, "tests/mpi_alltoall.py", "--transport", "nvshmem", "--arrays", "buffer", "--quick",
+                timeout=600)
+    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
+    assert ": 0 failures" in p.stdout
+
+
+@pytest.mark.skipif(GPUS < 2 or not (_has("torch") and _has("jax")), reason="needs 2 GPUs, torch and jax")
+def test_embedding_devices_and_streams():
+    """Another current device, late producers on side streams (torch, __dlpack__, CuPy, JAX), stream kinds."""
+    p = run_mpi(GPUS, "tests/mpi_embedding.py", timeout=300)
+    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
+    assert ": 0 failures" in p.stdout
+
+
+@needs_torch
+def test_torch_example_in_a_cuda_graph():
+    p = run_mpi(GPUS, "examples/torch_moe.py", timeout=300)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert "all ranks match" in p.stdout
+
+
+@pytest.mark.skipif(GPUS < 1 or not _has("jax"), reason="needs a GPU and jax")
+@pytest.mark.parametrize("order", [[], ["--jax-first"]], ids=["jax-after-init", "jax-before-init"])
+def test_jax_example_jitted(order):
+    p = run_mpi(GPUS, "examples/jax_moe.py", *order, timeout=300)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert "all ranks match" in p.stdout
+
+
+@needs_torch
+def test_started_from_torch_distributed():
+    import os
+    import subprocess
+    import sys
+    from conftest import ROOT
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(GPUS),
+                        str(ROOT / "tests/torchrun_bootstrap.py")], capture_output=True, text=True, timeout=300,
+                       cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert ": 0 failures" in p.stdout

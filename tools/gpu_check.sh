@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Build, test (and optionally benchmark) on the GPU machine in one go. Run from the repo root:
-#   bash tools/gpu_check.sh          build, peer check, quick sweep, timeout, demo, full sweep
+#   bash tools/gpu_check.sh          build, peer check, quick sweep, embedding, timeout, demo, full sweep
+#   bash tools/gpu_check.sh quick    the same without the full sweep, then the put-only path and a short
+#                                    R1-decode benchmark (host time per call included)
 #   bash tools/gpu_check.sh peer     build and peer check only
 #   bash tools/gpu_check.sh bench    build, checks, world size 1, put-only path, R1-sized sweep, benchmark
 #   bash tools/gpu_check.sh profile  build, short benchmark (per-phase graphs), Nsight Compute at world
@@ -50,13 +52,29 @@ if [ "${1:-}" = profile ]; then
   exit $status
 fi
 step "${MPIRUN[@]}" -np "$ngpu" python3 tests/mpi_alltoall.py --transport nvshmem --quick
+# embedding: torch tensors and raw buffers through the sweep, devices and streams, the examples, torchrun
+step "${MPIRUN[@]}" -np "$ngpu" python3 tests/mpi_alltoall.py --transport nvshmem --quick --arrays torch
+step "${MPIRUN[@]}" -np "$ngpu" python3 tests/mpi_alltoall.py --transport nvshmem --quick --arrays buffer
+step "${MPIRUN[@]}" -np "$ngpu" python3 tests/mpi_embedding.py
+step "${MPIRUN[@]}" -np "$ngpu" python3 examples/torch_moe.py
+step "${MPIRUN[@]}" -np "$ngpu" python3 examples/jax_moe.py
+step "${MPIRUN[@]}" -np "$ngpu" python3 examples/jax_moe.py --jax-first
+step python3 -m torch.distributed.run --nproc-per-node "$ngpu" tests/torchrun_bootstrap.py
 step "${MPIRUN[@]}" -np "$ngpu" python3 tests/mpi_timeout.py --transport nvshmem
 step "${MPIRUN[@]}" -np "$ngpu" python3 examples/demo.py
+if [ "${1:-}" = quick ]; then
+  MOECOMM_FORCE_PUTS=1 step "${MPIRUN[@]}" -x MOECOMM_FORCE_PUTS -np "$ngpu" python3 tests/mpi_alltoall.py --transport nvshmem --quick
+  STEP_TIMEOUT=${BENCH_TIMEOUT:-300} step "${MPIRUN[@]}" -x LD_LIBRARY_PATH -np "$ngpu" python3 -m moecomm.bench \
+    --configs ${BENCH_CONFIGS:-r1-decode} --iters ${BENCH_ITERS:-300} --json "$out/bench.json" --plot "$out/bench.png"
+  exit $status
+fi
 [ "${1:-}" = bench ] || { [ $status = 0 ] && STEP_TIMEOUT=${FULL_TIMEOUT:-400} step "${MPIRUN[@]}" -np "$ngpu" python3 tests/mpi_alltoall.py --transport nvshmem --full; }
 if [ "${1:-}" = bench ] && [ $status = 0 ]; then
   step "${MPIRUN[@]}" -np 1 python3 tests/mpi_alltoall.py --transport nvshmem --quick        # world size 1
   MOECOMM_FORCE_PUTS=1 step "${MPIRUN[@]}" -x MOECOMM_FORCE_PUTS -np "$ngpu" python3 tests/mpi_alltoall.py --transport nvshmem --quick
   step "${MPIRUN[@]}" -np "$ngpu" python3 tests/mpi_alltoall.py --transport nvshmem --quick --full  # R1-sized cases
+  step "${MPIRUN[@]}" -np "$ngpu" python3 tools/host_profile.py  # where an eager call's host time goes
+
   STEP_TIMEOUT=${BENCH_TIMEOUT:-300} step "${MPIRUN[@]}" -x LD_LIBRARY_PATH -np "$ngpu" python3 -m moecomm.bench \
     --configs ${BENCH_CONFIGS:-r1-decode,r1-prefill,v2-lite,sweep} ${SWEEP_TOKENS:+--sweep-tokens $SWEEP_TOKENS} \
     --iters ${BENCH_ITERS:-1000} --json "$out/bench.json" --plot "$out/bench.png"

@@ -1,0 +1,142 @@
+"""A whole MoE layer in JAX on moecomm, jitted on every rank and checked against the same layer computed on
+one device in plain JAX, with new tokens and a new token count m at every step.
+
+    mpirun -np 2 python examples/jax_moe.py [--jax-first]
+
+The layer: router top-k (jax.lax.top_k) -> dispatch -> every local expert as one batched matmul over its
+slots -> combine (router weights sent with dispatch, summed on the expert side). It runs twice per step:
+with whole dispatch/combine calls, and with split halves and other work (a shared expert) in between.
+``--jax-first`` initialises JAX before moecomm.init(); by default JAX starts after it. Both work.
+
+JAX preallocates 75 % of every GPU it sees, so each rank's process must see only its own GPU: this script
+sets CUDA_VISIBLE_DEVICES from the launcher's local rank (Open MPI, MPICH, Slurm, torchrun) before anything
+initialises CUDA (``srun --gpus-per-task=1`` does the same). No other setting is needed; JAX keeps its
+default preallocation.
+"""
+import os
+
+
+def _own_gpu():
+    """Show this process only the GPU of its local rank (before any CUDA initialisation)."""
+    for var in ("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID", "LOCAL_RANK"):
+        if os.environ.get(var, "").isdigit():
+            local, visible = int(os.environ[var]), os.environ.get("CUDA_VISIBLE_DEVICES")
+            os.environ["CUDA_VISIBLE_DEVICES"] = visible.split(",")[local] if visible else str(local)
+            return
+
+
+_own_gpu()
+
+import argparse  # noqa: E402
+import sys  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+
+def step_time(fn, *args, steps=50):
+    """Microseconds per call of a jitted function, with ``steps`` calls queued before one wait."""
+    import time
+    fn(*args)[0].block_until_ready()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        out = fn(*args)
+    out[0].block_until_ready()
+    return (time.perf_counter() - t0) / steps * 1e6
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+
+    p.add_argument("--tokens", type=int, default=128, help="max tokens per rank")
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--experts-per-rank", type=int, default=4)
+    p.add_argument("--topk", type=int, default=4)
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--jax-first", action="store_true", help="start JAX on the GPU before moecomm.init()")
+    args = p.parse_args()
+    if args.jax_first:
+        import jax
+        jax.devices()
+    import moecomm
+    comm = moecomm.init(transport="nvshmem")
+    import jax
+    import jax.numpy as jnp
+
+    import moecomm.jax
+
+    W, rank, M, H, K = comm.world_size, comm.rank, args.tokens, args.hidden, args.topk
+    E, L = args.experts_per_rank * W, args.experts_per_rank
+    a2a = moecomm.AllToAll(comm, M, E, K, H, None, "bfloat16", "bfloat16")
+    layer = moecomm.jax.AllToAll(a2a)
+
+    keys = jax.random.split(jax.random.PRNGKey(0), 3)  # every rank draws the same weights
+    w_router = jax.random.normal(keys[0], (H, E)) / H ** 0.5
+    w_experts = (jax.random.normal(keys[1], (E, H, H)) / H ** 0.5).astype(jnp.bfloat16)
+    w_shared = (jax.random.normal(keys[2], (H, H)) / H ** 0.5).astype(jnp.bfloat16)
+    w_local = w_experts[rank * L:(rank + 1) * L]
+
+    def route(x):
+        weights, ids = jax.lax.top_k(jax.nn.softmax(x.astype(jnp.float32) @ w_router, -1), K)
+        return weights, ids  # float32, int32 [rows, K]
+
+    def experts(expert_x):
+        return jnp.einsum("lch,lhd->lcd", expert_x, w_local, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+
+    @jax.jit
+    def moe(x, m):
+        weights, ids = route(x)
+        counts, expert_x, _ = layer.dispatch(x, None, ids, m, weights)
+        return layer.combine(ids, None, experts(expert_x), m), counts
+
+    @jax.jit
+    def moe_split(x, m):
+        weights, ids = route(x)
+        sent = layer.dispatch_send(x, None, ids, m, weights)
+        shared = x @ w_shared  # runs while the tokens fly
+        counts, expert_x, _ = layer.dispatch_recv(sent)
+        back = layer.combine_send(ids, None, experts(expert_x), m)
+        return layer.combine_recv(back), counts, shared
+
+    @jax.jit
+    def reference(x):
+        """The same layer on this device alone, all experts local."""
+        weights, ids = route(x)
+        y_all = jnp.einsum("mh,ehd->emd", x, w_experts, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+        y = y_all[ids, jnp.arange(x.shape[0])[:, None]]
+        return (weights[..., None] * y.astype(jnp.float32)).sum(1)
+
+    ok, worst = True, 0.0
+    for step in range(args.steps):
+        rng = np.random.default_rng([step, rank])
+        m = int(rng.integers(1, M + 1))
+        x = jnp.asarray(rng.standard_normal((M, H)), jnp.bfloat16)
+        bound_m = jnp.asarray([m], jnp.int32)
+        want = np.asarray(reference(x))[:m]
+        for fn in (moe, moe_split):
+            out, counts = fn(x, bound_m)[:2]
+            out = np.asarray(out, np.float32)[:m]
+            a2a.synchronize()  # raises what the kernels recorded (a peer's timeout, bad ids)
+            err = float(np.linalg.norm(out - want) / np.linalg.norm(want))
+            received = sum(comm.allgather(int(np.asarray(counts).sum())))
+            sent = sum(comm.allgather(m)) * K  # every id is an expert: each (token, k) lands once
+            worst = max(worst, err)
+            ok = ok and err < 2e-2 and received == sent
+    per_step = {name: step_time(fn, x, bound_m) for name, fn in (("layer", moe), ("split layer", moe_split))}
+    a2a.synchronize()
+    results = comm.allgather((ok, worst))
+    if rank == 0:
+        print(f"JAX MoE layer: {W} ranks, {M} tokens/rank max, hidden {H}, {E} experts, top-{K}, jitted "
+              f"(whole and split calls), JAX started {'before' if args.jax_first else 'after'} moecomm.init()")
+        print("  time per jitted step (50 steps queued, then one wait): "
+              + ", ".join(f"{k} {v:.0f} us" for k, v in per_step.items()))
+        for r, (good, e) in enumerate(results):
+            print(f"  rank {r}: worst relative error vs one-device JAX {e:.2e}  {'OK' if good else 'MISMATCH'}")
+
+        print("result:", "all ranks match" if all(g for g, _ in results) else "MISMATCH")
+    a2a.destroy()
+    comm.finalize()
+    sys.exit(0 if all(g for g, _ in results) else 1)
+
+
+if __name__ == "__main__":
+    main()
