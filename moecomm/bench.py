@@ -9,6 +9,10 @@ Defaults run the two headline configurations (DeepSeek-R1 decode and prefill); `
   and the whole sequence captured once in a CUDA graph and replayed;
 * each phase captured in its own graph and replayed alone, after a barrier that guarantees the peers'
   earlier phases are complete: the phase's own device time, without waiting for peers;
+* host time per eager call (dispatch with both halves; combine with both halves) for CuPy arrays,
+  PyTorch tensors (when torch is installed) and raw DeviceBuffers, measured while the device is kept busy
+  by a delay kernel so that the launch queue never blocks the host; and the eager layer (dispatch +
+  combine, host in the loop) timed with events;
 * the NCCL baseline through CuPy's NCCL binding: the standard all-to-all of one row per (token, expert)
   (fp8 + scales out, bf16 back), with exact per-rank sizes and padded to the worst case;
 * medians and p99 over ``--iters`` iterations after ``--warmup``, each iteration started by an on-stream
@@ -27,11 +31,12 @@ import platform
 import subprocess
 import sys
 import time
+from contextlib import nullcontext
 
 import numpy as np
 
 import moecomm
-from moecomm import reference
+from moecomm import _abi, reference
 from moecomm.transport.nvshmem_alltoall import record_bytes
 
 CONFIGS = {  # name: (tokens per rank, experts, top-k, hidden, scales per token)
@@ -68,7 +73,13 @@ class Bench:
         self.comm, self.args, self.cp = comm, args, cupy
         self.stream = cupy.cuda.Stream(non_blocking=True)
         self.nccl = self._nccl()
-        self._delay = comm.transport.function("moecomm_delay")
+        self._delay_args = _abi.Delay()
+        self._delay_launch = comm.transport.launch("moecomm_delay", 1, self._delay_args)
+
+    def delay(self, us):
+        """A device-side delay of ``us`` microseconds on the bench stream."""
+        self._delay_args.ns = int(us * 1e3)
+        self._delay_launch(self.stream.ptr)
 
     def _nccl(self):
         try:
@@ -87,7 +98,7 @@ class Bench:
     def start(self, event):
         """Barrier, device delay, then ``event``: what follows is queued before the event fires."""
         self.barrier()
-        self._delay((1,), (1,), (np.uint64(int(self.args.delay_us * 1e3)),), stream=self.stream)
+        self.delay(self.args.delay_us)
         event.record(self.stream)
 
     def time_graphs(self, graphs, timed):
@@ -117,7 +128,7 @@ class Bench:
 
     def launch_floor(self):
         """One graph of one empty kernel, timed like the phases: the fixed cost of any graph replay."""
-        g = self.capture(lambda: self._delay((1,), (1,), (np.uint64(0),), stream=self.stream))
+        g = self.capture(lambda: self.delay(0))
         return stats(self.time_graphs([g], 0))
 
     def max_over_ranks(self, per_iter):
@@ -125,6 +136,11 @@ class Bench:
         return np.max(np.stack(self.comm.allgather(np.asarray(per_iter))), axis=0)
 
     def run(self, name, tokens, experts, k, hidden, scales):
+        """Every figure of one configuration (CuPy's current stream is the bench stream throughout)."""
+        with self.stream:
+            return self._run(name, tokens, experts, k, hidden, scales)
+
+    def _run(self, name, tokens, experts, k, hidden, scales):
         cp, comm, s = self.cp, self.comm, self.stream
         W, rank = comm.world_size, comm.rank
         L = experts // W
@@ -182,6 +198,9 @@ class Bench:
         a2a.synchronize(s)
         eager = self.max_over_ranks(samples)
 
+        eager_layer = self.eager_layer(a2a, d)
+        host_us = self.host_cost(a2a, d)
+
         # CUDA graphs: the whole sequence, then each phase alone (peers' earlier phases complete)
         graph = None
         if not self.args.no_graph:
@@ -202,6 +221,7 @@ class Bench:
                       bytes={"dispatch": int(disp_bytes), "combine": int(comb_bytes)},
                       eager={p: stats(eager[:, i]) for i, p in enumerate(PHASES)})
         result["eager"]["total"] = stats(eager.sum(axis=1))
+        result["eager_layer"], result["host_us"] = eager_layer, host_us
         if graph is not None:
             result["graph"] = graph
         best = result.get("graph", result["eager"])["total"]["median_us"]
@@ -211,6 +231,68 @@ class Bench:
             result["speedup_vs_nccl_exact"] = result["nccl"]["exact"]["median_us"] / best
         a2a.destroy()
         return result
+
+    def eager_layer(self, a2a, d):
+        """dispatch() then combine(), both halves each, host in the loop: events around the two calls."""
+        cp, s = self.cp, self.stream
+        ev = [cp.cuda.Event(), cp.cuda.Event()]
+        samples = []
+        for it in range(self.args.warmup + self.args.iters):
+            self.barrier()
+            ev[0].record(s)
+            a2a.dispatch(d["n"], d["ex"], d["es"], d["x"], d["xs"], d["idx"], d["m"], weights=d["w"], stream=s)
+            a2a.combine(d["out"], d["idx"], None, d["y"], d["m"], stream=s)
+            ev[1].record(s)
+            ev[1].synchronize()
+            if it >= self.args.warmup:
+                samples.append([cp.cuda.get_elapsed_time(ev[0], ev[1]) * 1e3])
+        return stats(self.max_over_ranks(samples)[:, 0])
+
+    def input_kinds(self, d):
+        """The bench arrays as each kind of input a user passes: CuPy arrays (as they are), raw
+        DeviceBuffers, and PyTorch tensors of the real dtypes (when torch is installed)."""
+        cp, dev = self.cp, self.comm.device
+        dtypes = dict(ex=moecomm.float8_e4m3fn, x=moecomm.float8_e4m3fn, y=moecomm.bfloat16,
+                      out=moecomm.bfloat16)
+        kinds = {"cupy": d, "buffer": {k: moecomm.DeviceBuffer(a.data.ptr, a.shape, dtypes.get(k, a.dtype), dev, a)
+                                       for k, a in d.items()}}
+        try:
+            import torch
+        except ImportError:
+            return kinds
+        views = dict(ex=torch.float8_e4m3fn, x=torch.float8_e4m3fn, y=torch.bfloat16, out=torch.bfloat16)
+        kinds["torch"] = {k: torch.from_dlpack(a).view(views[k]) if k in views else torch.from_dlpack(a)
+                          for k, a in d.items()}
+        cp.cuda.get_current_stream().synchronize()
+        return kinds
+
+    def host_cost(self, a2a, d, calls=50, reps=20):
+        """Host microseconds per eager dispatch (both halves) and combine (both halves), per input kind.
+        The device is kept busy by a delay kernel queued first, so the launch queue never blocks the
+        host; ``calls`` pairs per repetition (4 launches each, well under the queue depth)."""
+        s, out = self.stream, {}
+        for kind, a in self.input_kinds(d).items():
+            framework = nullcontext()
+            if kind == "torch":  # the tensors' producer stream is torch's current one: make it ours
+                import torch
+                framework = torch.cuda.stream(torch.cuda.ExternalStream(s.ptr))
+            t = {"dispatch": [], "combine": []}
+            with framework:
+                for _ in range(reps):
+                    self.barrier()
+                    self.delay(20000)
+                    for _ in range(calls):
+                        t0 = time.perf_counter_ns()
+                        a2a.dispatch(a["n"], a["ex"], a["es"], a["x"], a["xs"], a["idx"], a["m"], weights=a["w"],
+                                     stream=s)
+                        t1 = time.perf_counter_ns()
+                        a2a.combine(a["out"], a["idx"], None, a["y"], a["m"], stream=s)
+                        t["combine"].append((time.perf_counter_ns() - t1) / 1e3)
+                        t["dispatch"].append((t1 - t0) / 1e3)
+                    s.synchronize()
+            a2a.synchronize(s)
+            out[kind] = {phase: stats(v) for phase, v in t.items()}
+        return out
 
     def nccl_baseline(self, idx, tokens, k, L, hidden, scales):
         """Standard all-to-all: one row per (token, expert); fp8+scales out, bf16 back."""
@@ -296,6 +378,17 @@ def table(results):
             g = r["graph"]
             lines.append(f"{r['config']:<24} {r['tokens']:>5} " + " ".join(f"{g[p]['median_us']:>14.1f}" for p in PHASES)
                          + f" {sum(g[p]['median_us'] for p in PHASES):>8.1f}")
+    hosts = [r for r in results if "host_us" in r]
+    if hosts:
+        kinds = sorted({k for r in hosts for k in r["host_us"]})
+        head = (f"{'host us per call (median)':<26} {'tok':>5} "
+                + " ".join(f"{k + ' d/c':>14}" for k in kinds) + f" {'eager layer':>12} {'graph':>8}")
+        lines += ["", head, "-" * len(head)]
+        for r in hosts:
+            h, g = r["host_us"], r.get("graph", {}).get("total")
+            lines.append(f"{r['config']:<26} {r['tokens']:>5} " + " ".join(
+                f"{h[k]['dispatch']['median_us']:>6.1f}/{h[k]['combine']['median_us']:<7.1f}" if k in h else f"{'-':>14}"
+                for k in kinds) + f" {r['eager_layer']['median_us']:>12.1f}" + (f" {g['median_us']:>8.1f}" if g else ""))
     return "\n".join(lines)
 
 
