@@ -344,7 +344,8 @@ def environment():
     info["cuda_runtime"] = cupy.cuda.runtime.runtimeGetVersion()
     info["versions"] = {}
     for p in ("cupy-cuda13x", "cuda-bindings", "cuda-core", "nvidia-cuda-nvrtc", "nvidia-nvjitlink",
-              "nvidia-nvshmem-cu13", "nvshmem4py-cu13", "mpi4py", "numpy", "nvidia-nccl-cu13"):
+              "nvidia-nvshmem-cu13", "nvshmem4py-cu13", "mpi4py", "numpy", "nvidia-nccl-cu13", "torch"):
+
         try:
             info["versions"][p] = md.version(p)
         except md.PackageNotFoundError:
@@ -404,7 +405,10 @@ def plot(results, path):
         return False
     t = [r["tokens"] for r in sweep]
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    ax.plot(t, [r["eager"]["total"]["median_us"] for r in sweep], "o-", label="moecomm eager")
+    ax.plot(t, [r["eager"]["total"]["median_us"] for r in sweep], "o-", label="moecomm eager, each half its own call")
+    if "eager_layer" in sweep[0]:
+        ax.plot(t, [r["eager_layer"]["median_us"] for r in sweep], "o-", label="moecomm eager, dispatch() + combine()")
+
     if "graph" in sweep[0]:
         ax.plot(t, [r["graph"]["total"]["median_us"] for r in sweep], "o-", label="moecomm CUDA graph")
     if "nccl" in sweep[0]:

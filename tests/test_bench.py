@@ -30,7 +30,10 @@ def test_stats():
 
 def _result(tokens, graph=True, nccl=True):
     t = {p: bench.stats([1.0 + i]) for i, p in enumerate(bench.PHASES)}
-    r = dict(config="r1-decode", tokens=tokens, eager=dict(t, total=bench.stats([10.0])), GBps_per_rank=12.5)
+    r = dict(config="r1-decode", tokens=tokens, eager=dict(t, total=bench.stats([10.0])), GBps_per_rank=12.5,
+             eager_layer=bench.stats([7.0]),
+             host_us={"cupy": {"dispatch": bench.stats([9.5]), "combine": bench.stats([8.25])}})
+
     if graph:
         r["graph"] = dict(t, total=bench.stats([4.0]))
     if nccl:
@@ -46,3 +49,9 @@ def test_table_lists_totals_and_phases_alone():
     assert "n/a" in lines[3]
     alone = lines[lines.index(next(l for l in lines if l.startswith("graph, each phase alone"))) + 2]
     assert alone.split() == ["r1-decode", "128", "1.0", "2.0", "3.0", "4.0", "10.0"]
+
+
+def test_table_lists_host_time_per_call():
+    lines = bench.table([_result(128)]).splitlines()
+    row = lines[lines.index(next(l for l in lines if l.startswith("host us per call"))) + 2]
+    assert row.split() == ["r1-decode", "128", "9.5/8.2", "7.0", "4.0"]
