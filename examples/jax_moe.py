@@ -131,8 +131,8 @@ def main():
               + ", ".join(f"{k} {v:.0f} us" for k, v in per_step.items()))
         for r, (good, e) in enumerate(results):
             print(f"  rank {r}: worst relative error vs one-device JAX {e:.2e}  {'OK' if good else 'MISMATCH'}")
-
-        print("result:", "all ranks match" if all(g for g, _ in results) else "MISMATCH")
+        print("result:"
+, "all ranks match" if all(g for g, _ in results) else "MISMATCH")
     a2a.destroy()
     comm.finalize()
     sys.exit(0 if all(g for g, _ in results) else 1)

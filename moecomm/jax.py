@@ -80,83 +80,63 @@ class AllToAll:
         return DeviceBuffer(b.__cuda_array_interface__["data"][0], tuple(b.shape), np.dtype(b.dtype),
                             self._device)
 
-    def _outs(self, out):
-        counts, ex, exs = out if self._scaled else (*out, None)
-        return self._buffer(counts), self._buffer(ex), self._buffer(exs)
+    @staticmethod
+    def _stream(ctx):
+        """XLA's stream for this execution."""
+        return ctx.stream
 
-    def _dispatch_args(self, dp_x, dp_x_scale, indices, bound_m, weights):
-        return [self._buffer(b) for b in (dp_x, dp_x_scale, indices, bound_m, weights)]
-
-    def _dispatch_out_struct(self):
-        return self._dispatch_out if self._scaled else self._dispatch_out[:2]
+    def _dispatch_op(self, send, recv, inputs, outputs=None):
+        """One buffer_callback running the given halves of dispatch on ``inputs`` (dp_x, dp_x_scale,
+        indices, bound_m, weights); a receive half after a send half completes ``outputs`` (the send's
+        counts, expert_x, expert_x_scale) in place. Returns (counts, expert_x, expert_x_scale or None)."""
+        def run(ctx, out, *args):
+            x, xs, idx, m, w = (self._buffer(b) for b in args[-5:])
+            n, ex, exs = (self._buffer(b) for b in (out if self._scaled else (*out, None)))
+            # after a send half, XLA may have copied its outputs: their contents are what the send wrote
+            self.a2a._dispatch_call(n, ex, exs, x, xs, idx, m, send, recv, w, self._stream(ctx), outputs is None)
+        structs = self._dispatch_out if self._scaled else self._dispatch_out[:2]
+        aliases = None if outputs is None else {i: i for i in range(len(structs))}
+        out = buffer_callback(run, structs, has_side_effect=False, input_output_aliases=aliases)(
+            *(outputs or ()), *inputs)
+        return tuple(out) if self._scaled else (*out, None)
 
     def dispatch(self, dp_x, dp_x_scale, indices, bound_m, weights=None):
         """Both halves of :meth:`moecomm.AllToAll.dispatch`. Returns ``(out_expert_num_tokens [L] int32,
         out_expert_x [L, capacity, hidden] in_dtype, out_expert_x_scale [L, capacity, scales] float32 or
         None)``."""
-        def run(ctx, out, dp_x, dp_x_scale, indices, bound_m, weights):
-            x, xs, idx, m, w = self._dispatch_args(dp_x, dp_x_scale, indices, bound_m, weights)
-            n, ex, exs = self._outs(out)
-            self.a2a._dispatch_call(n, ex, exs, x, xs, idx, m, True, True, w, ctx.stream, True)
-        out = buffer_callback(run, self._dispatch_out_struct(), has_side_effect=False)(
-            dp_x, dp_x_scale, indices, bound_m, weights)
-        return tuple(out) if self._scaled else (*out, None)
+        return self._dispatch_op(True, True, (dp_x, dp_x_scale, indices, bound_m, weights))
 
     def dispatch_send(self, dp_x, dp_x_scale, indices, bound_m, weights=None):
         """The send half of :meth:`dispatch`; returns a :class:`DispatchHandle` for :meth:`dispatch_recv`."""
-        def run(ctx, out, dp_x, dp_x_scale, indices, bound_m, weights):
-            x, xs, idx, m, w = self._dispatch_args(dp_x, dp_x_scale, indices, bound_m, weights)
-            n, ex, exs = self._outs(out)
-            self.a2a._dispatch_call(n, ex, exs, x, xs, idx, m, True, False, w, ctx.stream, True)
-        out = buffer_callback(run, self._dispatch_out_struct(), has_side_effect=False)(
-            dp_x, dp_x_scale, indices, bound_m, weights)
-        counts, ex, exs = tuple(out) if self._scaled else (*out, None)
-        return DispatchHandle(counts, ex, exs, dp_x, dp_x_scale, indices, bound_m, weights)
+        inputs = (dp_x, dp_x_scale, indices, bound_m, weights)
+        return DispatchHandle(*self._dispatch_op(True, False, inputs), *inputs)
 
     def dispatch_recv(self, handle):
         """The receive half: completes the handle's outputs in place. Returns what :meth:`dispatch` does."""
-        h = handle
+        return self._dispatch_op(False, True, handle[3:], outputs=handle[:3])
 
-        def run(ctx, out, counts, ex, exs, dp_x, dp_x_scale, indices, bound_m, weights):
-            x, xs, idx, m, w = self._dispatch_args(dp_x, dp_x_scale, indices, bound_m, weights)
-            n, ex, exs = self._outs(out)
-            # XLA may have copied the outputs between the halves: their contents are what the send wrote
-            self.a2a._dispatch_call(n, ex, exs, x, xs, idx, m, False, True, w, ctx.stream, False)
-        aliases = {0: 0, 1: 1, 2: 2} if self._scaled else {0: 0, 1: 1}
-        out = buffer_callback(run, self._dispatch_out_struct(), has_side_effect=False,
-                              input_output_aliases=aliases)(
-            h.out_expert_num_tokens, h.out_expert_x, h.out_expert_x_scale, h.dp_x, h.dp_x_scale, h.indices,
-            h.bound_m, h.weights)
-        return tuple(out) if self._scaled else (*out, None)
-
-    def _combine_out(self, indices):
+    def _combine_op(self, send, recv, inputs, out_tokens=None):
+        """One buffer_callback running the given halves of combine on ``inputs`` (indices, weights,
+        expert_y, bound_m); a receive half after a send half writes into the send's ``out_tokens``."""
+        def run(ctx, out, *args):
+            idx, w, y, m = (self._buffer(b) for b in args[-4:])
+            self.a2a._combine_call(self._buffer(out), idx, w, y, m, send, recv, self._stream(ctx))
         c = self.a2a.cfg
-        return jax.ShapeDtypeStruct((indices.shape[0], c.hidden_dim), c.out_dtype)
+        struct = jax.ShapeDtypeStruct((inputs[0].shape[0], c.hidden_dim), c.out_dtype)
+        return buffer_callback(run, struct, has_side_effect=False,
+                               input_output_aliases=None if out_tokens is None else {0: 0})(
+            *(() if out_tokens is None else (out_tokens,)), *inputs)
 
     def combine(self, indices, weights, expert_y, bound_m):
         """Both halves of :meth:`moecomm.AllToAll.combine`. Returns out_tokens [rows, hidden] out_dtype
         (rows = indices.shape[0]; rows >= m are left as XLA allocated them)."""
-        def run(ctx, out, indices, weights, expert_y, bound_m):
-            idx, w, y, m = (self._buffer(b) for b in (indices, weights, expert_y, bound_m))
-            self.a2a._combine_call(self._buffer(out), idx, w, y, m, True, True, ctx.stream)
-        return buffer_callback(run, self._combine_out(indices), has_side_effect=False)(
-            indices, weights, expert_y, bound_m)
+        return self._combine_op(True, True, (indices, weights, expert_y, bound_m))
 
     def combine_send(self, indices, weights, expert_y, bound_m):
         """The send half of :meth:`combine`; returns a :class:`CombineHandle` for :meth:`combine_recv`."""
-        def run(ctx, out, indices, weights, expert_y, bound_m):
-            idx, w, y, m = (self._buffer(b) for b in (indices, weights, expert_y, bound_m))
-            self.a2a._combine_call(self._buffer(out), idx, w, y, m, True, False, ctx.stream)
-        out = buffer_callback(run, self._combine_out(indices), has_side_effect=False)(
-            indices, weights, expert_y, bound_m)
-        return CombineHandle(out, indices, weights, expert_y, bound_m)
+        inputs = (indices, weights, expert_y, bound_m)
+        return CombineHandle(self._combine_op(True, False, inputs), *inputs)
 
     def combine_recv(self, handle):
         """The receive half: returns out_tokens, as :meth:`combine`."""
-        def run(ctx, out, out_tokens, indices, weights, expert_y, bound_m):
-            idx, w, y, m = (self._buffer(b) for b in (indices, weights, expert_y, bound_m))
-            self.a2a._combine_call(self._buffer(out), idx, w, y, m, False, True, ctx.stream)
-        h = handle
-        return buffer_callback(run, self._combine_out(h.indices), has_side_effect=False,
-                               input_output_aliases={0: 0})(
-            h.out_tokens, h.indices, h.weights, h.expert_y, h.bound_m)
+        return self._combine_op(False, True, handle[1:], out_tokens=handle[0])
