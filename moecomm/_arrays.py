@@ -107,6 +107,10 @@ class HostArrays:
     def order(self):
         pass
 
+    def close(self):
+        pass
+
+
 
 # --- device arrays -----------------------------------------------------------------------------
 
@@ -148,18 +152,19 @@ def _c_contiguous(shape, strides_elems):
     return True
 
 
-# A reader returns (ptr, shape, dtype, contiguous, device, producer, owner): device None when unknown
-# (checked by pointer), producer the stream the data was written on (an int handle, None when already
-# ordered or unknown, or _CUPY / _TORCH for "that framework's current stream").
+# A reader returns (ptr, shape, dtype, contiguous, device, producer): device None when unknown (checked by
+# pointer) or -1 (not checked), producer the stream the data was written on (an int handle, None when
+# already ordered or unknown, or _CUPY / _TORCH for "that framework's current stream"). The caller holds
+# the array for the call; a DLPack capsule may go once read (the producer's array keeps the memory).
 _CUPY, _TORCH = "cupy", "torch"
 
 
 def _read_buffer(b):
-    return b.ptr, b.shape, b.dtype, True, b.device if b.device >= 0 else -1, None, b.owner
+    return b.ptr, b.shape, b.dtype, True, b.device if b.device >= 0 else -1, None
 
 
 def _read_cupy(a):
-    return a.data.ptr, a.shape, a.dtype, a._c_contiguous, a.data.device_id, _CUPY, a
+    return a.data.ptr, a.shape, a.dtype, a._c_contiguous, a.data.device_id, _CUPY
 
 
 _TORCH_DTYPES = {}  # torch.dtype -> numpy dtype (None: not one we read), filled as dtypes are seen
@@ -177,7 +182,7 @@ def _read_torch(t):
     """PyTorch tensors (and anything that quacks like one: data_ptr, is_contiguous, get_device, dtype).
     get_device() is -1 for CPU tensors: their pointer is then checked (and refused)."""
     dev = t.get_device()
-    return t.data_ptr(), t.shape, _torch_dtype(t.dtype), t.is_contiguous(), dev if dev >= 0 else None, _TORCH, t
+    return t.data_ptr(), t.shape, _torch_dtype(t.dtype), t.is_contiguous(), dev if dev >= 0 else None, _TORCH
 
 
 def _dlpack_stream(stream):
@@ -193,7 +198,7 @@ def _read_dlpack(obj, stream):
     dtype = _named(name) if name is not None and t.dtype.lanes == 1 else None
     shape = tuple(t.shape[i] for i in range(t.ndim))
     contiguous = not t.strides or _c_contiguous(shape, [t.strides[i] for i in range(t.ndim)])
-    return int(t.data or 0) + int(t.byte_offset), shape, dtype, contiguous, t.device.device_id, None, capsule
+    return int(t.data or 0) + int(t.byte_offset), shape, dtype, contiguous, t.device.device_id, None
 
 
 def _read_cai(obj, stream):
@@ -206,7 +211,7 @@ def _read_cai(obj, stream):
     producer = cai.get("stream")  # v3: None = no ordering needed; 1/2 = legacy/per-thread default
     if producer == 1:
         producer = 0
-    return ptr, shape, dtype, contiguous, None, producer, obj
+    return ptr, shape, dtype, contiguous, None, producer
 
 
 def _reader_for(cls):
@@ -276,15 +281,14 @@ class DeviceArrays:
         None (any number of rows)."""
         reader = _READERS.get(type(obj)) or _reader(obj)
         if reader is None:
-
             raise InvalidArgument(
                 f"{name}: expected a device array (CuPy array, PyTorch tensor, __dlpack__, "
                 f"__cuda_array_interface__ or moecomm.DeviceBuffer), got {type(obj).__name__}")
         try:
             if reader in _STREAM_READERS:
-                ptr, shp, dt, contiguous, dev, producer, _ = reader(obj, self._stream)
+                ptr, shp, dt, contiguous, dev, producer = reader(obj, self._stream)
             else:
-                ptr, shp, dt, contiguous, dev, producer, _ = reader(obj)
+                ptr, shp, dt, contiguous, dev, producer = reader(obj)
         except InvalidArgument as e:
             raise InvalidArgument(f"{name}: {e}") from None
         except Exception as e:  # the producer's own error (torch raises KeyError for bf16 CAI, ...)
@@ -312,7 +316,6 @@ class DeviceArrays:
             raise InvalidArgument(f"{name}: device pointer {ptr:#x} must be 16-byte aligned")
         return got
 
-
     def order(self):
         """Make the launch stream wait for every producer stream seen since :meth:`begin` (no-op when they
         are the launch stream, the common case)."""
@@ -320,6 +323,11 @@ class DeviceArrays:
             handle = self._framework_stream(p) if isinstance(p, str) else p
             if handle != self._stream:
                 self._order.after(handle, self._stream)
+
+    def close(self):
+        """Release the event used for ordering (in the rank's context)."""
+        self._order.destroy()
+
 
 
 def stream_handle(stream):

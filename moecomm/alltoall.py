@@ -26,7 +26,10 @@ class AllToAll:
     each dispatch must be followed by its combine before the next dispatch, and the calls of one AllToAll
     must run in order on the device (one stream, or streams ordered with events). Use one AllToAll per
     concurrently live layer. Calls run on the communicator's GPU whatever the caller's current device is,
-    and leave the caller's current device as it was.
+    and leave the caller's current device as it was. Calls are asynchronous: the arrays passed to a call
+    must stay alive and unchanged until its work on the stream has run (moecomm does not tell another
+    framework's allocator about the streams it uses).
+
 
     Args:
         comm: the :class:`moecomm.Communicator`.
@@ -249,6 +252,8 @@ class AllToAll:
             backend, self._backend = self._backend, None
             with self._context or nullcontext():
                 backend.destroy()
+                self._arrays.close()
+
 
     def __enter__(self):
         return self

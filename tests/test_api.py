@@ -159,3 +159,27 @@ def test_symmetric_memory_formula_r1():
         c = AllToAllConfig.create(world, 0, 128, 256, 8, 7168, 56, "float8_e4m3fn", "bfloat16", None, 1)
         assert record_bytes(c) == 7168 + 224 + 80
         assert symmetric_bytes(c) < 2 ** 30
+
+
+class Loopback(moecomm.Bootstrap):
+    """A one-rank bootstrap: what a custom runtime implements."""
+    def allgather(self, data):
+        return [bytes(data)]
+
+    def barrier(self):
+        pass
+
+
+def test_bootstrap_of_each_kind():
+    from mpi4py import MPI
+    from moecomm.comm import MpiBootstrap, bootstrap_of
+    b = Loopback()
+    assert bootstrap_of(b) is b
+    assert isinstance(bootstrap_of(MPI.COMM_WORLD), MpiBootstrap) and isinstance(bootstrap_of(None), MpiBootstrap)
+    with pytest.raises(moecomm.InvalidArgument, match="comm: expected an mpi4py communicator"):
+        bootstrap_of(object())
+
+
+def test_host_transport_needs_mpi():
+    with pytest.raises(moecomm.InvalidArgument, match="host transport moves data over MPI"):
+        moecomm.init(comm=Loopback(), transport="host")

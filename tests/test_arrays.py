@@ -22,6 +22,10 @@ class FakeOrder:
     def after(self, producer, consumer):
         self.waits.append((producer, consumer))
 
+    def destroy(self):
+        pass
+
+
 
 def device_arrays(memory=None):
     """DeviceArrays for device 0 whose pointer lookups come from ``memory`` ({ptr: device or None})."""

@@ -107,7 +107,9 @@ class NvshmemTransport(Transport):
     def launch(self, name, blocks, *params):
         """A :class:`moecomm._cuda.Launch` of kernel ``name`` (see moecomm._abi.KERNELS) with ``params``."""
         kernel = _abi.KERNELS[name]
-        return _cuda.Launch(self.module.function(kernel), kernel, blocks, *params)
+        with self.context:
+            return _cuda.Launch(self.module.function(kernel), kernel, blocks, *params)
+
 
     def new_arrays(self):
         with self.context:
