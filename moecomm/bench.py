@@ -37,6 +37,7 @@ import numpy as np
 
 import moecomm
 from moecomm import _abi, reference
+from moecomm.comm import gpu_count
 from moecomm.transport.nvshmem_alltoall import record_bytes
 
 CONFIGS = {  # name: (tokens per rank, experts, top-k, hidden, scales per token)
@@ -441,16 +442,31 @@ def main(argv=None):
     p.add_argument("--json", default="bench.json", help="output JSON (rank 0)")
     p.add_argument("--plot", default="bench.png", help="output PNG of the sweep (rank 0, needs matplotlib)")
     args = p.parse_args(argv)
-    comm = moecomm.init(transport="nvshmem")
-    bench = Bench(comm, args)
     jobs = []
     for name in args.configs.split(","):
         if name == "sweep":
-            jobs += [("sweep", (t,) + CONFIGS["r1-decode"][1:]) for t in map(int, args.sweep_tokens.split(","))]
+            try:
+                tokens = [int(t) for t in args.sweep_tokens.split(",")]
+            except ValueError:
+                p.error(f"--sweep-tokens: expected a comma list of integers, got {args.sweep_tokens!r}")
+            jobs += [("sweep", (t,) + CONFIGS["r1-decode"][1:]) for t in tokens]
         elif name in CONFIGS:
             jobs.append((name, CONFIGS[name]))
         else:
-            p.error(f"unknown config {name!r}")
+            p.error(f"unknown config {name!r}; expected {', '.join(list(CONFIGS) + ['sweep'])}")
+    if gpu_count() == 0:
+        p.exit(2, f"{p.prog}: needs GPUs (one per rank, under mpirun) and this process sees none\n")
+    try:
+        return measure(args, jobs, argv)
+    except moecomm.MoeCommError as e:
+        print(f"{p.prog}: {e}", file=sys.stderr)
+        return 1
+
+
+def measure(args, jobs, argv):
+    """Every configuration in ``jobs`` (collective); rank 0 prints the tables and writes the files."""
+    comm = moecomm.init(transport="nvshmem")
+    bench = Bench(comm, args)
     floor = None if args.no_graph else bench.launch_floor()
     results, t0 = [], time.time()
     for i, (name, c) in enumerate(jobs):
@@ -479,4 +495,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

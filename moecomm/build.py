@@ -4,6 +4,7 @@ Prints each kernel's registers, stack, shared memory and spills; exits non-zero 
 build. Uses the disk cache unless ``--no-cache``.
 """
 import argparse
+import re
 import sys
 import time
 
@@ -11,9 +12,15 @@ from . import _jit
 from ._errors import CompileError
 
 
+def _arch(text):
+    if not re.fullmatch(r"sm_\d+a?", text):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a CUDA architecture like sm_90 or sm_90a")
+    return text
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m moecomm.build", description=__doc__.splitlines()[0])
-    p.add_argument("--arch", default="sm_90", help="target, e.g. sm_90 (default)")
+    p.add_argument("--arch", default="sm_90", type=_arch, help="target, e.g. sm_90 (default) or sm_90a")
     p.add_argument("--no-cache", action="store_true", help="build even if the disk cache has it")
     args = p.parse_args(argv)
     t0 = time.time()

@@ -14,7 +14,7 @@ import socket
 import weakref
 
 from ._constants import timeout_seconds
-from ._errors import InvalidArgument
+from ._errors import InvalidArgument, MoeCommError
 
 log = logging.getLogger("moecomm")
 
@@ -231,8 +231,11 @@ def init(comm=None, transport="auto", timeout=None):
     if transport not in TRANSPORTS:
         raise InvalidArgument(f"transport must be one of {TRANSPORTS}, got {transport!r}")
     boot = bootstrap_of(comm)
+    gpus = gpu_count()
     if transport == "auto":
-        transport = "nvshmem" if gpu_count() > 0 else "host"
+        transport = "nvshmem" if gpus > 0 else "host"
+    if transport == "nvshmem" and gpus == 0:
+        raise MoeCommError("transport 'nvshmem' needs a GPU and this process sees none")
     chosen = [b.decode() for b in boot.allgather(transport.encode())]
     if len(set(chosen)) != 1:
         raise InvalidArgument(f"ranks chose different transports: {chosen}")

@@ -55,3 +55,25 @@ def test_table_lists_host_time_per_call():
     lines = bench.table([_result(128)]).splitlines()
     row = lines[lines.index(next(l for l in lines if l.startswith("host us per call"))) + 2]
     assert row.split() == ["r1-decode", "128", "9.5/8.2", "7.0", "4.0"]
+
+
+def _cli(*args):
+    import os
+    import subprocess
+    import sys
+    from conftest import ROOT
+    return subprocess.run([sys.executable, "-m", "moecomm.bench", *args], capture_output=True, text=True,
+                          timeout=120, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+
+
+def test_cli_refuses_an_unknown_config_in_one_line():
+    p = _cli("--configs", "nope")
+    assert p.returncode == 2 and "unknown config 'nope'" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_cli_without_a_gpu_says_so():
+    from conftest import gpu_count
+    if gpu_count():
+        pytest.skip("this machine has a GPU")
+    p = _cli()
+    assert p.returncode == 2 and "needs GPUs" in p.stderr and "Traceback" not in p.stderr

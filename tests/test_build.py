@@ -34,7 +34,13 @@ def test_cli_builds_every_kernel_then_hits_cache(tmp_path):
     assert "from cache" in second.stdout
 
 
+def test_cli_refuses_a_bad_arch_in_one_line(tmp_path):
+    p = _cli(tmp_path, "--arch", "foo")
+    assert p.returncode == 2 and "'foo' is not a CUDA architecture" in p.stderr and "Traceback" not in p.stderr
+
+
 def test_concurrent_builds_share_one_compile(tmp_path):
+
     env = dict(os.environ, MOECOMM_CACHE_DIR=str(tmp_path), PYTHONPATH=str(ROOT))
     cmd = [sys.executable, "-m", "moecomm.build", "--arch", "sm_90"]
     procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env) for _ in range(3)]
