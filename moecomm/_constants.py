@@ -6,6 +6,8 @@ repeats a number.
 """
 import os
 
+from ._errors import InvalidArgument
+
 # Device error word (int32[4]): code, peer rank, phase, detail. The first error of a call wins.
 ERR_NONE = 0
 ERR_TIMEOUT = 1       # a bounded wait expired; peer = rank waited for
@@ -51,13 +53,17 @@ def timeout_seconds(value=None):
     Returns ``(seconds, source)`` where source says where the value came from (for logs and errors).
     """
     if value is not None:
-        seconds, source = float(value), "argument"
+        raw, source = value, "argument"
     elif os.environ.get(TIMEOUT_ENV):
-        seconds, source = float(os.environ[TIMEOUT_ENV]), TIMEOUT_ENV
+        raw, source = os.environ[TIMEOUT_ENV], TIMEOUT_ENV
     else:
-        seconds, source = DEFAULT_TIMEOUT_S, "default"
+        raw, source = DEFAULT_TIMEOUT_S, "default"
+    try:
+        seconds = float(raw)
+    except (TypeError, ValueError):
+        seconds = float("nan")
     if not seconds > 0:
-        raise ValueError(f"timeout must be > 0 seconds, got {seconds} (from {source})")
+        raise InvalidArgument(f"timeout must be a number of seconds > 0, got {raw!r} (from {source})")
     return seconds, source
 
 

@@ -37,5 +37,35 @@ class CommTimeout(MoeCommError):
         self.phase = phase
 
 
+class PeerError(MoeCommError):
+    """Another rank's part of a collective call failed (its reason is in the message): nothing was exchanged
+    and the next call works. Raised on the ranks whose own arguments were fine, while the faulty rank
+    raises InvalidArgument.
+
+    Attributes:
+        peer: rank whose call failed.
+        reason: what that rank raised.
+    """
+
+    def __init__(self, message, peer=-1, reason=""):
+        super().__init__(message)
+        self.peer = peer
+        self.reason = reason
+
+
+class OutOfStep(MoeCommError):
+    """Two ranks paired calls that do not belong together (another AllToAll, another phase, another call
+    number, another control operation): raised on every rank involved instead of exchanging data."""
+
+
+class CommBroken(MoeCommError):
+
+    """The communicator can no longer be used: an earlier wait for a peer expired (or the ranks' calls went
+    out of step), so messages of that call may still be in flight. Every later call raises this at once;
+    ``finalize()`` and interpreter exit skip the collective teardown. Recover by finalizing and starting a
+    new communicator among the ranks that are alive (a new job, or a new MPI communicator of survivors)."""
+
+
 class CompileError(MoeCommError):
     """NVRTC or nvJitLink rejected a kernel; the message carries the compiler log."""
+

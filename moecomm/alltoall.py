@@ -7,7 +7,7 @@ from ._arrays import Accepted, accepted
 from ._config import AllToAllConfig
 from ._constants import timeout_seconds
 from ._dtypes import float32
-from ._errors import InvalidArgument
+from ._errors import CommTimeout, InvalidArgument, OutOfStep
 
 # expert ids: uint32 is read as int32, as the kernels read it (0xffffffff is -1: no expert)
 _INDICES = Accepted({np.dtype(np.int32): np.dtype(np.int32), np.dtype(np.uint32): np.dtype(np.int32),
@@ -51,22 +51,30 @@ class AllToAll:
     def __init__(self, comm, max_num_tokens, num_experts, experts_per_token, hidden_dim,
                  hidden_dim_scale=None, in_dtype="bfloat16", out_dtype="bfloat16", scale_dtype=None,
                  dp_size=1, timeout=None):
-        self.comm = comm
-        args = (max_num_tokens, num_experts, experts_per_token, hidden_dim, hidden_dim_scale,
-                str(in_dtype), str(out_dtype), str(scale_dtype), dp_size)
-        everyone = comm.allgather(args)
-        differ = [r for r, a in enumerate(everyone) if a != everyone[0]]
+        self.comm, self._backend = comm, None
+        error = None
+        try:  # checked on every rank, then compared: a bad argument on one rank raises on all of them
+            self.cfg = c = AllToAllConfig.create(comm.world_size, comm.rank, max_num_tokens, num_experts,
+                                                 experts_per_token, hidden_dim, hidden_dim_scale, in_dtype,
+                                                 out_dtype, scale_dtype, dp_size)
+            self.timeout_s = comm.timeout_s if timeout is None else timeout_seconds(timeout)[0]
+            mine = (None, c.key())
+        except InvalidArgument as e:
+            error, mine = e, (str(e), None)
+        everyone = comm.allgather(mine, "AllToAll(...)")
+        if error is not None:
+            raise error
+        refused = [(r, reason) for r, (reason, _) in enumerate(everyone) if reason]
+        if refused:
+            raise InvalidArgument(f"AllToAll: rank {refused[0][0]} refused its arguments: {refused[0][1]}")
+        differ = [r for r, (_, key) in enumerate(everyone) if key != everyone[0][1]]
         if differ:
-            raise InvalidArgument(f"AllToAll arguments differ across ranks: rank {differ[0]} passed "
-                                  f"{everyone[differ[0]]}, rank 0 passed {everyone[0]}")
-        self.cfg = c = AllToAllConfig.create(comm.world_size, comm.rank, max_num_tokens, num_experts,
-                                             experts_per_token, hidden_dim, hidden_dim_scale, in_dtype,
-                                             out_dtype, scale_dtype, dp_size)
-        self.timeout_s = comm.timeout_s if timeout is None else timeout_seconds(timeout)[0]
+            raise InvalidArgument(f"AllToAll arguments differ across ranks: rank {differ[0]} has "
+                                  f"{everyone[differ[0]][1]}, rank 0 has {everyone[0][1]}")
         transport = comm.transport
         self._context = transport.context
-        with self._context or nullcontext():
-            self._backend = transport.new_alltoall(c, self.timeout_s)
+        with self._context or nullcontext(), comm._failing():
+            self._backend = transport.new_alltoall(c, self.timeout_s, comm._new_alltoall_id())
             self._arrays = transport.new_arrays()
         self._call = self._backend.call
         self._none = None if transport.memory == "host" else 0  # an absent array in the call record
@@ -77,12 +85,15 @@ class AllToAll:
         self._posted = {"dispatch": False, "combine": False}  # a send half waits for its receive half
         self._dispatch_weights = None   # whether the last dispatch send carried router weights
         self._dispatch_outputs = None   # addresses of the output arrays given to the last dispatch send
+        self._combine_due = False       # a dispatch was sent and its combine not yet
         self._combine_weights = None    # whether the posted combine send was given weights
 
     # ------------------------------------------------------------------------------------------
     def _live(self):
         if self._backend is None:
             raise InvalidArgument("this AllToAll was destroyed")
+        if self.comm.broken is not None:
+            self.comm._live()  # raises CommBroken
 
     def _rows(self, name, shape):
         """The row count of a [rows, hidden] argument, which sets the call's."""
@@ -135,12 +146,32 @@ class AllToAll:
         try:
             self._dispatch(out_expert_num_tokens, out_expert_x, out_expert_x_scale, dp_x, dp_x_scale,
                            indices, bound_m, do_send, do_recv, weights, stream, same_outputs)
+        except (CommTimeout, OutOfStep) as e:
+            self.comm.fail(e)
+            raise
         finally:
             if previous is not None:
                 self._context.leave(previous)
 
     def _dispatch(self, out_expert_num_tokens, out_expert_x, out_expert_x_scale, dp_x, dp_x_scale, indices,
                   bound_m, do_send, do_recv, weights, stream, same_outputs):
+        try:
+            s, outputs = self._dispatch_args(out_expert_num_tokens, out_expert_x, out_expert_x_scale, dp_x,
+                                             dp_x_scale, indices, bound_m, do_send, do_recv, weights, stream,
+                                             same_outputs)
+        except InvalidArgument as e:
+            self._refuse("dispatch", do_send, e)
+        self._arrays.order()
+        self._backend.dispatch(bool(do_send), bool(do_recv), s)
+        if do_send:
+            self._dispatch_weights = weights is not None
+            self._dispatch_outputs = outputs
+            self._combine_due = True
+        self._posted["dispatch"] = (self._posted["dispatch"] or do_send) and not do_recv
+
+    def _dispatch_args(self, out_expert_num_tokens, out_expert_x, out_expert_x_scale, dp_x, dp_x_scale,
+                       indices, bound_m, do_send, do_recv, weights, stream, same_outputs):
+        """Read and check dispatch's arguments into the call record; returns (stream, output addresses)."""
         c, call, read, none = self.cfg, self._call, self._arrays.read, self._none
         s = self._arrays.begin(stream, dp_x)
         unscaled = c.hidden_dim_scale is None
@@ -170,12 +201,10 @@ class AllToAll:
             raise InvalidArgument("dispatch: the receive half got other output arrays than the send half "
                                   "(out_expert_num_tokens, out_expert_x, out_expert_x_scale must be the same)")
         self._split("dispatch", do_send, do_recv)
-        self._arrays.order()
-        self._backend.dispatch(bool(do_send), bool(do_recv), s)
-        if do_send:
-            self._dispatch_weights = weights is not None
-            self._dispatch_outputs = outputs
-        self._posted["dispatch"] = (self._posted["dispatch"] or do_send) and not do_recv
+        if do_send and self._combine_due:
+            raise InvalidArgument("dispatch: the previous dispatch has not been combined (each dispatch is "
+                                  "followed by its combine before the next dispatch)")
+        return s, outputs
 
     def combine(self, out_tokens, indices, weights, expert_y, bound_m, do_send=True, do_recv=True,
                 stream=None):
@@ -199,11 +228,27 @@ class AllToAll:
         previous = self._context.enter() if self._context else None
         try:
             self._combine(out_tokens, indices, weights, expert_y, bound_m, do_send, do_recv, stream)
+        except (CommTimeout, OutOfStep) as e:
+            self.comm.fail(e)
+            raise
         finally:
             if previous is not None:
                 self._context.leave(previous)
 
     def _combine(self, out_tokens, indices, weights, expert_y, bound_m, do_send, do_recv, stream):
+        try:
+            s = self._combine_args(out_tokens, indices, weights, expert_y, bound_m, do_send, do_recv, stream)
+        except InvalidArgument as e:
+            self._refuse("combine", do_send, e)
+        self._arrays.order()
+        self._backend.combine(bool(do_send), bool(do_recv), s)
+        if do_send:
+            self._combine_weights = weights is not None
+            self._combine_due = False
+        self._posted["combine"] = (self._posted["combine"] or do_send) and not do_recv
+
+    def _combine_args(self, out_tokens, indices, weights, expert_y, bound_m, do_send, do_recv, stream):
+        """Read and check combine's arguments into the call record; returns the stream."""
         c, call, read = self.cfg, self._call, self._arrays.read
         s = self._arrays.begin(stream, out_tokens)
         call.out_tokens, _, shape, _ = read(out_tokens, "out_tokens", self._out, self._token_shape)
@@ -215,19 +260,26 @@ class AllToAll:
         call.y = read(expert_y, "expert_y", self._out, self._expert_shape)[0]
         call.bound_m = read(bound_m, "bound_m", _BOUND_M, _ONE)[0]
         call.rows, call.partials = rows, weights is None
-        if self._dispatch_weights is None:
-            raise InvalidArgument("combine: no dispatch has completed on this AllToAll")
+        if do_send and not self._combine_due:
+            raise InvalidArgument("combine: no dispatch to combine (each dispatch is followed by exactly one "
+                                  "combine)")
+        if do_send and self._posted["dispatch"]:
+            raise InvalidArgument("combine: the dispatch's receive half has not run yet")
         if weights is None and not self._dispatch_weights:
             raise InvalidArgument("combine: weights=None needs the router weights to have been passed to "
                                   "dispatch(weights=...)")
         if do_recv and not do_send and (weights is not None) != self._combine_weights:
             raise InvalidArgument("combine: give weights to both halves or to neither")
         self._split("combine", do_send, do_recv)
-        self._arrays.order()
-        self._backend.combine(bool(do_send), bool(do_recv), s)
-        if do_send:
-            self._combine_weights = weights is not None
-        self._posted["combine"] = (self._posted["combine"] or do_send) and not do_recv
+        return s
+
+    def _refuse(self, phase, do_send, error):
+        """Raise ``error``, a refused argument of a call; when the call starts a send half, the ranks are
+        meeting in it: take part as a refusing rank first, so that the peers raise PeerError naming this
+        rank instead of waiting for it (where the transport can)."""
+        if do_send and not self._posted[phase]:
+            self._backend.refuse(phase, str(error))
+        raise error
 
     def _split(self, phase, do_send, do_recv):
         """Refuse an order of send and receive halves that would deadlock or lose data."""
@@ -242,16 +294,17 @@ class AllToAll:
         (CommTimeout naming the peer, InvalidRouting, ...). Dispatch and combine never synchronize; errors
         of earlier calls are also raised at the start of the next call. Not collective."""
         self._live()
-        with self._context or nullcontext():
+        with self._context or nullcontext(), self.comm._failing():
             s = None if self._context is None else self._arrays.begin(stream, None)
             self._backend.synchronize(s)
 
     def destroy(self):
-        """Release the buffers (collective). Safe to call twice; later calls raise InvalidArgument."""
+        """Release the buffers (collective; local only when the communicator is broken). Safe to call twice;
+        later calls raise InvalidArgument."""
         if self._backend is not None:
             backend, self._backend = self._backend, None
-            with self._context or nullcontext():
-                backend.destroy()
+            with self._context or nullcontext(), self.comm._failing():
+                backend.destroy(collective=self.comm.broken is None)
                 self._arrays.close()
 
 

@@ -8,13 +8,16 @@ so needs an mpi4py communicator.
 """
 import abc
 import atexit
+import contextlib
 import logging
+import os
 import pickle
 import socket
+import sys
 import weakref
 
 from ._constants import timeout_seconds
-from ._errors import InvalidArgument, MoeCommError
+from ._errors import CommBroken, CommTimeout, InvalidArgument, MoeCommError, OutOfStep
 
 log = logging.getLogger("moecomm")
 
@@ -32,43 +35,48 @@ class Bootstrap(abc.ABC):
     world_size = 1
 
     @abc.abstractmethod
-    def allgather(self, data: bytes) -> list:
-        """Collective: every rank passes ``data`` (bytes); returns the list of every rank's bytes, by rank."""
+    def allgather(self, data: bytes, timeout_s: float, what: str) -> list:
+        """Collective: every rank passes ``data`` (bytes); returns the list of every rank's bytes, by rank.
 
-    @abc.abstractmethod
-    def barrier(self) -> None:
-        """Collective: return once every rank has called it."""
+        Should raise :class:`moecomm.CommTimeout` (naming a silent rank in ``.peer`` when it can) when not
+        every rank has taken part within ``timeout_s`` seconds. ``what`` names the operation, for errors.
+        """
+
+    def barrier(self, timeout_s: float, what: str) -> None:
+        """Collective: return once every rank has called it (bounded like :meth:`allgather`)."""
+        self.allgather(b"", timeout_s, what)
 
 
 class MpiBootstrap(Bootstrap):
-    """An mpi4py communicator (``mpi`` attribute: the communicator itself)."""
+    """An mpi4py communicator (``mpi`` attribute: the communicator itself). Its control collectives are
+    point to point with deadlines (:class:`moecomm._mpi.Control`): a silent rank is named."""
 
     def __init__(self, mpi):
-        self.mpi = mpi
+        from ._mpi import Control
+        self.mpi, self._control = mpi, Control(mpi)
         self.rank, self.world_size = mpi.Get_rank(), mpi.Get_size()
 
-    def allgather(self, data):
-        return self.mpi.allgather(bytes(data))
-
-    def barrier(self):
-        self.mpi.Barrier()
+    def allgather(self, data, timeout_s, what):
+        return self._control.allgather(data, what, timeout_s)
 
 
 class TorchBootstrap(Bootstrap):
-    """A ``torch.distributed`` process group (e.g. under torchrun). With the NCCL backend, torch's current
-    device must be this rank's GPU (``torch.cuda.set_device``), as torch.distributed itself requires."""
+    """A ``torch.distributed`` process group (e.g. under torchrun). Its collectives are bounded by the
+    group's own timeout (``init_process_group(timeout=...)``), not by moecomm's. With the NCCL backend,
+    torch's current device must be this rank's GPU (``torch.cuda.set_device``), as torch.distributed
+    itself requires."""
 
     def __init__(self, group):
         import torch.distributed as dist
         self._dist, self.group = dist, group
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
 
-    def allgather(self, data):
+    def allgather(self, data, timeout_s, what):
         out = [None] * self.world_size
         self._dist.all_gather_object(out, bytes(data), group=self.group)
         return out
 
-    def barrier(self):
+    def barrier(self, timeout_s, what):
         self._dist.barrier(group=self.group)
 
 
@@ -110,6 +118,12 @@ def gpu_count():
 class Communicator:
     """The ranks taking part in expert parallelism, and the transport that connects them.
 
+    Every wait of a communicator is bounded by its timeout and raises :class:`moecomm.CommTimeout`
+    naming a silent rank. After a timeout (or calls gone out of step across ranks) the communicator is
+    *broken*: every later call raises :class:`moecomm.CommBroken` at once, ``finalize()`` and interpreter
+    exit skip the collective teardown, and at exit the process ends without finalizing MPI (which would
+    wait for the dead rank forever): with status 1 if an exception went unhandled, else 0.
+
     Attributes:
         bootstrap: the :class:`Bootstrap` it was started from.
         mpi: the mpi4py communicator, or None when started from another runtime.
@@ -117,39 +131,42 @@ class Communicator:
         local_rank, local_size: rank and count among the ranks sharing this node.
         transport: the :class:`moecomm.transport.Transport` in use (``.name`` is "host" or "nvshmem").
         device: CUDA device ordinal bound to this rank, or -1 on the host transport.
+        timeout_s: seconds any wait may last (the default for every AllToAll).
+        broken: why the communicator can no longer be used, or None.
     """
 
-    def __init__(self, bootstrap, transport_name, timeout=None):
-        self.bootstrap = bootstrap
+    def __init__(self, bootstrap, transport_name, timeout_s):
+        self.bootstrap, self.timeout_s, self.broken, self.transport = bootstrap, timeout_s, None, None
+        self._alltoalls = 0
         self.mpi = getattr(bootstrap, "mpi", None)
         self.rank, self.world_size = bootstrap.rank, bootstrap.world_size
-        nodes = self._allgather(_node_id())
+        nodes = self._allgather(_node_id(), "init")
         here = [r for r, n in enumerate(nodes) if n == nodes[self.rank]]
         self.local_rank, self.local_size = here.index(self.rank), len(here)
-        self.timeout_s, source = timeout_seconds(timeout)
-        log.info("moecomm rank %d/%d: timeout %.3g s (from %s)", self.rank, self.world_size,
-                 self.timeout_s, source)
-        if transport_name == "host":
-            from .transport.host import HostTransport
-            self.transport = HostTransport(self.mpi)
-        else:
-            from .transport.nvshmem import NvshmemTransport
-            self.transport = NvshmemTransport(bootstrap, self.local_rank, self.local_size)
+        with self._failing():
+            if transport_name == "host":
+                from .transport.host import HostTransport
+                self.transport = HostTransport(self.mpi)
+            else:
+                from .transport.nvshmem import NvshmemTransport
+                self.transport = NvshmemTransport(bootstrap, self.local_rank, self.local_size, timeout_s)
         self.device = self.transport.device
-        atexit.register(_finalize_at_exit, weakref.ref(self))
+        _exit_guard.watch(self)
 
-    def allgather(self, obj):
-        """Gather one picklable object from every rank (collective)."""
+    def allgather(self, obj, what="allgather"):
+        """Gather one picklable object from every rank (collective, bounded by the timeout)."""
         self._live()
-        return self._allgather(obj)
+        return self._allgather(obj, what)
 
-    def _allgather(self, obj):
-        return [pickle.loads(b) for b in self.bootstrap.allgather(pickle.dumps(obj))]
+    def _allgather(self, obj, what):
+        with self._failing():
+            return [pickle.loads(b) for b in self.bootstrap.allgather(pickle.dumps(obj), self.timeout_s, what)]
 
     def barrier(self):
-        """Wait for every rank (collective)."""
+        """Wait for every rank (collective, bounded by the timeout)."""
         self._live()
-        self.bootstrap.barrier()
+        with self._failing():
+            self.bootstrap.barrier(self.timeout_s, "barrier")
 
     def check_peers(self, nbytes=4096, timeout=None):
         """Send ``nbytes`` to every rank through the transport and verify what arrives (collective).
@@ -161,7 +178,8 @@ class Communicator:
         if int(nbytes) <= 0:
             raise InvalidArgument(f"nbytes must be > 0, got {nbytes}")
         t = self.timeout_s if timeout is None else timeout_seconds(timeout)[0]
-        self.transport.check_peers(int(nbytes), t)
+        with self._failing():
+            self.transport.check_peers(int(nbytes), t)
 
     def symmetric(self, shape, dtype):
         """A CuPy array on the NVSHMEM symmetric heap (collective: same shapes, same order on all ranks).
@@ -187,15 +205,48 @@ class Communicator:
                                   f"uses {self.transport.name!r}")
         return self.transport
 
+    def _new_alltoall_id(self):
+        """The next AllToAll's number on this communicator (the same on every rank: construction is
+        collective and in the same order everywhere); host-transport messages carry it."""
+        self._alltoalls += 1
+        return self._alltoalls
+
     def _live(self):
         if self.transport is None:
             raise InvalidArgument("this Communicator was finalized")
+        if self.broken is not None:
+            raise CommBroken(f"this Communicator is broken ({self.broken}); finalize it and start a new one")
+
+    @contextlib.contextmanager
+    def _failing(self):
+        """Mark the communicator broken when what runs inside raises CommTimeout or finds the ranks out of
+        step (messages of that call may still be in flight)."""
+        try:
+            yield
+        except (CommTimeout, OutOfStep) as e:
+            self.fail(e)
+            raise
+
+    def fail(self, error):
+        """Mark the communicator broken by ``error`` (the first reason is kept)."""
+        if self.broken is None:
+            self.broken = f"{type(error).__name__}: {error}"
+            _exit_guard.broken = True
+            log.error("moecomm rank %d: communicator broken: %s", self.rank, self.broken)
 
     def finalize(self):
-        """Release the transport (NVSHMEM included). Collective; safe to call twice."""
-        if getattr(self, "transport", None) is not None:
-            t, self.transport = self.transport, None
-            t.finalize()
+        """Release the transport (NVSHMEM included). Collective: a bounded barrier first, so that a rank
+        that is gone is named here (CommTimeout) rather than waited for at exit; local only when the
+        communicator is broken. Safe to call twice."""
+        if self.transport is not None:
+            t = self.transport
+            try:
+                if self.broken is None:
+                    self.barrier()
+            finally:
+                self.transport = None
+                with self._failing():
+                    t.finalize(collective=self.broken is None)
 
     def __enter__(self):
         return self
@@ -204,10 +255,43 @@ class Communicator:
         self.finalize()
 
 
-def _finalize_at_exit(ref):
-    comm = ref()
-    if comm is not None:
-        comm.finalize()
+class _ExitGuard:
+    """At interpreter exit: finalize live communicators; if a wait for a peer failed (in init or in a
+    communicator), end the process without MPI's finalization, which waits for every rank, dead ones
+    included. Installed by the first init()."""
+
+    def __init__(self):
+        self.comms, self.unhandled, self.broken, self._previous_hook = [], False, False, None
+
+    def install(self):
+        if self._previous_hook is None:
+            self._previous_hook = sys.excepthook
+            sys.excepthook = self._excepthook
+            atexit.register(self.at_exit)
+
+    def watch(self, comm):
+        self.comms.append(weakref.ref(comm))
+
+    def _excepthook(self, kind, value, tb):
+        self.unhandled = True
+        self._previous_hook(kind, value, tb)
+
+    def at_exit(self):
+        comms = [c for c in (r() for r in self.comms) if c is not None]
+        for comm in comms:
+            try:
+                comm.finalize()
+            except MoeCommError as e:
+                log.error("moecomm rank %d: finalize at exit: %s", comm.rank, e)
+        if self.broken:
+            logging.shutdown()
+            for stream in (sys.stdout, sys.stderr):
+                with contextlib.suppress(Exception):
+                    stream.flush()
+            os._exit(1 if self.unhandled else 0)
+
+
+_exit_guard = _ExitGuard()
 
 
 def _mpi():
@@ -216,7 +300,7 @@ def _mpi():
 
 
 def init(comm=None, transport="auto", timeout=None):
-    """Create a :class:`Communicator` (collective over ``comm``).
+    """Create a :class:`Communicator` (collective over ``comm``, bounded by the timeout).
 
     Args:
         comm: the process group: an mpi4py communicator (default ``MPI.COMM_WORLD``), a
@@ -226,20 +310,28 @@ def init(comm=None, transport="auto", timeout=None):
             through ``comm``), "host" (CPU ranks, numpy arrays; needs an mpi4py communicator), or "auto":
             nvshmem when this process sees a GPU, else host. Every rank must make the same choice
             (checked).
-        timeout: default seconds for bounded waits (else ``$MOECOMM_TIMEOUT_S``, else 10).
+        timeout: seconds any wait may last (else ``$MOECOMM_TIMEOUT_S``, else 10); a rank silent for longer
+            is named in a CommTimeout.
     """
     if transport not in TRANSPORTS:
         raise InvalidArgument(f"transport must be one of {TRANSPORTS}, got {transport!r}")
+    timeout_s, source = timeout_seconds(timeout)
     boot = bootstrap_of(comm)
+    _exit_guard.install()
     gpus = gpu_count()
     if transport == "auto":
         transport = "nvshmem" if gpus > 0 else "host"
     if transport == "nvshmem" and gpus == 0:
         raise MoeCommError("transport 'nvshmem' needs a GPU and this process sees none")
-    chosen = [b.decode() for b in boot.allgather(transport.encode())]
+    try:
+        chosen = [b.decode() for b in boot.allgather(transport.encode(), timeout_s, "init")]
+    except (CommTimeout, OutOfStep):
+        _exit_guard.broken = True
+        raise
     if len(set(chosen)) != 1:
         raise InvalidArgument(f"ranks chose different transports: {chosen}")
     if transport == "host" and getattr(boot, "mpi", None) is None:
         raise InvalidArgument("the host transport moves data over MPI: pass an mpi4py communicator")
-    return Communicator(boot, transport, timeout)
-
+    log.info("moecomm rank %d/%d: transport %s, timeout %.3g s (from %s)", boot.rank, boot.world_size,
+             transport, timeout_s, source)
+    return Communicator(boot, transport, timeout_s)

@@ -36,11 +36,16 @@ def a2a(comm):
     a.destroy()
 
 
-def _roundtrip(a2a, args):
-    a2a.dispatch(**args)
+def _combine(a2a, args):
     y = args["out_expert_x"].astype(np.float32).astype(moecomm.bfloat16)
     out = np.zeros((M, H), moecomm.bfloat16)
     a2a.combine(out, args["indices"], None, y, args["bound_m"])
+    return out
+
+
+def _roundtrip(a2a, args):
+    a2a.dispatch(**args)
+    out = _combine(a2a, args)
     want = (args["dp_x"].astype(np.float32) * args["weights"].sum(1)[:, None]).astype(moecomm.bfloat16)
     np.testing.assert_allclose(out.astype(np.float32), want.astype(np.float32), rtol=2 ** -7, atol=1e-6)
 
@@ -133,6 +138,23 @@ def test_split_send_recv_order(a2a):
     with pytest.raises(moecomm.InvalidArgument, match="other output arrays than the send half"):
         a2a.dispatch(**dict(args, out_expert_x=args["out_expert_x"].copy()), do_send=False)
     a2a.dispatch(**args, do_send=False)
+    _combine(a2a, args)
+    _roundtrip(a2a, _good())
+
+
+def test_each_dispatch_has_one_combine(a2a):
+    args = _good()
+    with pytest.raises(moecomm.InvalidArgument, match="no dispatch to combine"):
+        _combine(a2a, args)
+    a2a.dispatch(**args, do_recv=False)
+    with pytest.raises(moecomm.InvalidArgument, match="receive half has not run yet"):
+        _combine(a2a, args)
+    a2a.dispatch(**args, do_send=False)
+    with pytest.raises(moecomm.InvalidArgument, match="previous dispatch has not been combined"):
+        a2a.dispatch(**args)
+    _combine(a2a, args)
+    with pytest.raises(moecomm.InvalidArgument, match="no dispatch to combine"):
+        _combine(a2a, args)
     _roundtrip(a2a, _good())
 
 
@@ -163,11 +185,8 @@ def test_symmetric_memory_formula_r1():
 
 class Loopback(moecomm.Bootstrap):
     """A one-rank bootstrap: what a custom runtime implements."""
-    def allgather(self, data):
+    def allgather(self, data, timeout_s, what):
         return [bytes(data)]
-
-    def barrier(self):
-        pass
 
 
 def test_bootstrap_of_each_kind():

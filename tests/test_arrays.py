@@ -2,6 +2,7 @@
 interface), stream ordering with producers, producer errors, and every bad argument of dispatch and
 combine through the device path, named in an InvalidArgument (a fake device transport stands in for
 the GPU, as tinygrad's fake driver does)."""
+import contextlib
 from types import SimpleNamespace
 
 import numpy as np
@@ -199,14 +200,14 @@ class FakeBackend(AllToAllBackend):
     def combine(self, do_send, do_recv, stream):
         self.launches.append(("combine", do_send, do_recv, stream, bytes(self.call)))
 
-    def destroy(self):
+    def destroy(self, collective):
         pass
 
 
 class FakeTransport(Transport):
     name, memory, device = "fake", "device", 0
 
-    def new_alltoall(self, cfg, timeout_s):
+    def new_alltoall(self, cfg, timeout_s, ident):
         self.backend = FakeBackend()
         return self.backend
 
@@ -216,14 +217,15 @@ class FakeTransport(Transport):
     def check_peers(self, nbytes, timeout_s):
         pass
 
-    def finalize(self):
+    def finalize(self, collective):
         pass
 
 
 @pytest.fixture
 def fake():
-    comm = SimpleNamespace(world_size=1, rank=0, timeout_s=1.0, transport=FakeTransport(),
-                           allgather=lambda obj: [obj])
+    comm = SimpleNamespace(world_size=1, rank=0, timeout_s=1.0, transport=FakeTransport(), broken=None,
+                           allgather=lambda obj, what: [obj], _failing=contextlib.nullcontext,
+                           _new_alltoall_id=lambda: 1, fail=lambda e: None)
     return moecomm.AllToAll(comm, M, E, K, H, S, "float8_e4m3fn", "bfloat16")
 
 

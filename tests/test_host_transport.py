@@ -17,3 +17,10 @@ def test_skipped_rank_times_out(tmp_path):
     text = report.read_text() if report.exists() else ""
     assert "CommTimeout on 2 ranks" in text, text + p.stdout[-4000:] + p.stderr[-4000:]
     assert "peer 2, phase dispatch" in text
+
+
+def test_failed_calls_are_collective_and_out_of_step_calls_refused():
+    """tests/mpi_control.py: a bad argument at each position raises on every rank and the next call is
+    right; spellings of one configuration agree; AllToAlls met out of order raise OutOfStep everywhere."""
+    p = run_mpi(3, "tests/mpi_control.py", timeout=120)
+    assert p.returncode == 0 and ": 0 failures" in p.stdout, p.stdout[-4000:] + p.stderr[-4000:]

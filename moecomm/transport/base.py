@@ -42,12 +42,19 @@ class AllToAllBackend(abc.ABC):
         """Send expert outputs back and/or receive and sum them (the call record's combine arrays).
         Collective."""
 
+    def refuse(self, phase: str, reason: str) -> None:
+        """Take part in a send half of ``phase`` ("dispatch" or "combine") whose arguments AllToAll refused,
+        sending no data, so that the peers raise :class:`moecomm.PeerError` naming this rank instead of
+        waiting for it (AllToAll then raises its InvalidArgument). A transport that cannot leaves it out:
+        its peers then time out."""
+
     def synchronize(self, stream) -> None:
         """Wait for this AllToAll's work on ``stream``; raise errors the device recorded. Not collective."""
 
     @abc.abstractmethod
-    def destroy(self) -> None:
-        """Release buffers. Collective; called at most once."""
+    def destroy(self, collective: bool) -> None:
+        """Release buffers; called at most once. Collective, unless ``collective`` is False (the
+        communicator is broken): then release only what needs no peer."""
 
 
 class Transport(abc.ABC):
@@ -64,8 +71,9 @@ class Transport(abc.ABC):
     context = None
 
     @abc.abstractmethod
-    def new_alltoall(self, cfg, timeout_s) -> AllToAllBackend:
-        """Create the backend for one AllToAll configuration (collective)."""
+    def new_alltoall(self, cfg, timeout_s, ident) -> AllToAllBackend:
+        """Create the backend for one AllToAll configuration (collective). ``ident`` is the AllToAll's
+        number on the communicator, the same on every rank (messages may carry it)."""
 
     @abc.abstractmethod
     def new_arrays(self):
@@ -76,8 +84,9 @@ class Transport(abc.ABC):
         """Exchange ``nbytes`` with every rank and verify them; raise on loss, corruption or timeout."""
 
     @abc.abstractmethod
-    def finalize(self) -> None:
-        """Release everything the transport holds (collective)."""
+    def finalize(self, collective: bool) -> None:
+        """Release everything the transport holds. Collective (bounded by the communicator's timeout),
+        unless ``collective`` is False (the communicator is broken): then release only what needs no peer."""
 
 
 def peer_pattern(src, dst, nbytes):

@@ -4,58 +4,71 @@ Real communication, the same semantics and wire plan as the GPU kernels: each to
 *rank* that owns one of its experts and is fanned out to the local experts there; combine sends back one
 float32 partial sum per (token, expert rank) when the router weights came with dispatch, else one row per
 (token, expert). Every MPI operation is non-blocking and waited on with a deadline, so a dead peer raises
-:class:`moecomm.CommTimeout` instead of hanging. Errors in one rank's input (bad expert ids, ``m`` out of
-range) travel with the counts exchange, so every rank raises instead of waiting for the faulty one.
+:class:`moecomm.CommTimeout` naming it instead of hanging.
+
+Every send half starts with a header to every rank: the AllToAll's number, the phase, the call's number,
+a status and a reason. So a rank whose input is bad (expert ids, ``m``, an argument AllToAll refused)
+still takes part, every rank raises within one exchange (the faulty rank its own error, the others
+:class:`moecomm.PeerError` or :class:`moecomm.InvalidRouting` naming it) and the next call works; and
+two ranks in different AllToAlls, phases or calls raise :class:`moecomm.OutOfStep` instead of
+exchanging data.
 """
 import time
 from dataclasses import dataclass
 
 import numpy as np
-from mpi4py import MPI
 
 from .. import reference
 from .._arrays import HostArrays
-from .._errors import CommTimeout, InvalidArgument, InvalidRouting, MoeCommError
+from .._errors import InvalidArgument, InvalidRouting, MoeCommError, OutOfStep, PeerError
+from .._mpi import TAG_COMBINE, TAG_DISPATCH, TAG_PEER_CHECK, wait_all
 from .base import AllToAllBackend, Transport, host_call_record, peer_pattern
 
-_OK, _BAD_ROUTING, _BAD_M = 0, 1, 2
-_TAG_DISPATCH, _TAG_COMBINE, _TAG_PEER_CHECK = 0x6D00, 0x6D10, 0x6D20  # each phase uses tag and tag + 1
-
-
-def _wait(requests, peers, deadline, timeout_s, phase):
-    """Wait for MPI requests until ``deadline``; on expiry raise CommTimeout naming the first silent peer."""
-    while not MPI.Request.Testall(requests):
-        if time.monotonic() > deadline:
-            silent = sorted({p for p, r in zip(peers, requests) if not r.Test()})
-            raise CommTimeout(f"{phase}: no message from rank(s) {silent} within {timeout_s:g} s "
-                              f"(a rank may have died or skipped the call)",
-                              peer=silent[0] if silent else -1, phase=phase)
-        time.sleep(50e-6)
+_OK, _BAD_ROUTING, _BAD_M, _BAD_ARG = 0, 1, 2, 3  # statuses in a header
+_PHASES = ("dispatch", "combine")
+_FIELDS, _HEADER = 5, 256  # header: int64 [alltoall, phase, call, status, count], then the reason (UTF-8)
 
 
 class _Exchange:
-    """One exchange of fixed-size byte records with every rank, point to point (so a silent peer can be
-    named), preceded by a (status, count) message to every rank.
+    """The exchanges of one phase of one AllToAll: byte records with every rank, point to point (so a
+    silent peer can be named), each preceded by a header to every rank.
 
-    ``post`` sends ``rows`` (uint8 [n, record_bytes], grouped by destination rank in rank order) and the
-    rank's status; ``finish`` waits and returns the received rows grouped by source rank and the counts.
+    ``post`` sends ``rows`` (uint8 [n, record_bytes], grouped by destination rank in rank order) after the
+    headers; ``finish`` waits and returns the received rows grouped by source rank and the counts.
     """
 
-    def __init__(self, comm, timeout_s, phase, tag):
-        self.comm, self.timeout_s, self.phase, self.tag = comm, timeout_s, phase, tag
+    def __init__(self, comm, timeout_s, alltoall, phase, tag):
+        self.comm, self.timeout_s, self.alltoall, self.phase, self.tag = comm, timeout_s, alltoall, phase, tag
+        self.calls = 0
 
-    def post(self, rows, dest_counts, status):
+    def post(self, rows, dest_counts, status, reason=""):
+        """Exchange headers; then, if every rank's status is OK, post the rows. Returns (pending or None,
+        statuses [world], reasons [world])."""
         w, c = self.comm.Get_size(), self.comm
+        self.calls += 1
+        me = (self.alltoall, _PHASES.index(self.phase), self.calls)
         deadline = time.monotonic() + self.timeout_s
-        head = np.empty((w, 2), np.int64)
-        head[:, 0], head[:, 1] = status, dest_counts
-        heads = np.empty((w, 2), np.int64)
+        head = np.zeros((w, _HEADER), np.uint8)
+        fields = head[:, :8 * _FIELDS].view(np.int64)
+        fields[:, :3], fields[:, 3], fields[:, 4] = me, status, dest_counts
+        text = reason.encode()[:_HEADER - 8 * _FIELDS]
+        head[:, 8 * _FIELDS:8 * _FIELDS + len(text)] = np.frombuffer(text, np.uint8)
+        heads = np.empty((w, _HEADER), np.uint8)
         recvs = [c.Irecv(heads[s], source=s, tag=self.tag) for s in range(w)]
         sends = [c.Isend(head[d], dest=d, tag=self.tag) for d in range(w)]
-        _wait(recvs + sends, list(range(w)) * 2, deadline, self.timeout_s, self.phase)
-        if heads[:, 0].any():
-            return None, heads[:, 0]
-        src_counts = heads[:, 1]
+        wait_all(recvs + sends, list(range(w)) * 2, deadline, self.timeout_s, self.phase)
+        got = heads[:, :8 * _FIELDS].view(np.int64)
+        for s in range(w):
+            if tuple(got[s, :3]) != me:
+                a, phase, call = (int(v) for v in got[s, :3])
+                theirs = _PHASES[phase] if 0 <= phase < len(_PHASES) else f"phase {phase}"
+                raise OutOfStep(f"{self.phase}: rank {s} is in AllToAll #{a} {theirs} call {call} while this "
+                                f"rank is in AllToAll #{self.alltoall} {self.phase} call {self.calls}")
+        statuses = got[:, 3].copy()
+        reasons = [bytes(heads[s, 8 * _FIELDS:]).rstrip(b"\0").decode(errors="replace") for s in range(w)]
+        if statuses.any():
+            return None, statuses, reasons
+        src_counts = got[:, 4].copy()
         recv = np.empty((int(src_counts.sum()), rows.shape[1]), np.uint8)
         reqs, peers = [], []
         src_off = np.concatenate([[0], np.cumsum(src_counts)])
@@ -68,18 +81,30 @@ class _Exchange:
             if dest_counts[d]:
                 reqs.append(c.Isend(rows[dst_off[d]:dst_off[d + 1]], dest=d, tag=self.tag + 1))
                 peers.append(d)
-        return (reqs, peers, rows, recv, src_counts, deadline), heads[:, 0]
+        return (reqs, peers, rows, recv, src_counts, deadline), statuses, reasons
 
     def finish(self, pending):
         reqs, peers, _rows, recv, src_counts, deadline = pending
-        _wait(reqs, peers, deadline, self.timeout_s, self.phase)
+        wait_all(reqs, peers, deadline, self.timeout_s, self.phase)
         return recv, src_counts
 
+    def refuse(self, reason):
+        """Take part in an exchange as a rank whose argument was refused: header only, no data."""
+        self.post(np.zeros((0, 0), np.uint8), np.zeros(self.comm.Get_size(), np.int64), _BAD_ARG, reason)
 
-def _raise_status(statuses, own_message, phase):
+
+def _raise_status(statuses, reasons, own, phase):
+    """The error of an exchange in which some rank's status was not OK: ``own`` is this rank's (status,
+    message) when its input was bad."""
+    if own is not None:
+        status, message = own
+        raise (InvalidArgument if status == _BAD_ARG else InvalidRouting)(f"{phase}: {message}")
     bad = [int(r) for r in np.nonzero(statuses)[0]]
-    if own_message:
-        raise InvalidRouting(f"{phase}: {own_message}")
+    refused = [r for r in bad if statuses[r] == _BAD_ARG]
+    if refused:
+        r = refused[0]
+        raise PeerError(f"{phase}: rank {r} refused its call ({reasons[r]}); nothing was exchanged", peer=r,
+                        reason=reasons[r])
     kinds = {_BAD_ROUTING: "invalid expert ids", _BAD_M: "bound_m out of range"}
     detail = ", ".join(f"rank {r}: {kinds.get(int(statuses[r]), 'error')}" for r in bad)
     raise InvalidRouting(f"{phase}: peers reported bad input ({detail}); nothing was exchanged")
@@ -105,9 +130,11 @@ class _Received:
 
 
 class HostAllToAll(AllToAllBackend):
-    def __init__(self, comm, cfg, timeout_s):
+    def __init__(self, comm, cfg, timeout_s, ident):
         self.comm, self.cfg, self.timeout_s = comm, cfg, timeout_s
         self.call = host_call_record()
+        self._exchanges = {phase: _Exchange(comm, timeout_s, ident, phase, tag)
+                           for phase, tag in (("dispatch", TAG_DISPATCH), ("combine", TAG_COMBINE))}
         self._dispatch_pending = None
         self._combine_pending = None
         self._received = None
@@ -149,10 +176,10 @@ class HostAllToAll(AllToAllBackend):
                 fields.append(a.weights[mine[sel]].astype(np.float32))
             parts.append(_records(*fields))
         rows = np.concatenate(parts) if parts else np.zeros((0, 0), np.uint8)
-        ex = _Exchange(self.comm, self.timeout_s, "dispatch", _TAG_DISPATCH)
-        pending, statuses = ex.post(rows, counts, status)
+        ex = self._exchanges["dispatch"]
+        pending, statuses, reasons = ex.post(rows, counts, status, message or "")
         if pending is None:
-            _raise_status(statuses, message, "dispatch")
+            _raise_status(statuses, reasons, (status, message) if status else None, "dispatch")
         self._dispatched_m = m
         return ex, pending, a.weights is not None
 
@@ -193,6 +220,12 @@ class HostAllToAll(AllToAllBackend):
 
     def _combine_send(self, a):
         cfg, rv = self.cfg, self._received
+        ex, m = self._exchanges["combine"], int(a.bound_m[0])
+        if m != self._dispatched_m:  # refused in the exchange, so that every rank raises
+            message = f"bound_m={m} differs from the dispatched m={self._dispatched_m}"
+            _, statuses, reasons = ex.post(np.zeros((0, 0), np.uint8), np.zeros(cfg.world_size, np.int64),
+                                           _BAD_ARG, message)
+            _raise_status(statuses, reasons, (_BAD_ARG, message), "combine")
         y = a.y[rv.pair_le, rv.pair_slot].astype(np.float32)  # [p, H]
         if a.partials:  # sum this rank's experts per token, weighted, on the expert side
             part = np.zeros((rv.token.size, cfg.hidden_dim), np.float32)
@@ -208,19 +241,16 @@ class HostAllToAll(AllToAllBackend):
             sel = group == d // cfg.dp_size
             counts[d] = sel.sum()
             parts.append(_records(*[f[sel] for f in fields]))
-        ex = _Exchange(self.comm, self.timeout_s, "combine", _TAG_COMBINE)
-        pending, statuses = ex.post(np.concatenate(parts), counts, _OK)
+        pending, statuses, reasons = ex.post(np.concatenate(parts), counts, _OK)
         if pending is None:
-            _raise_status(statuses, None, "combine")
+            _raise_status(statuses, reasons, None, "combine")
         return ex, pending, bool(a.partials)
 
     def _combine_recv(self, a, pending):
         cfg = self.cfg
         ex, p, partials = pending
         recv, _ = ex.finish(p)
-        m = int(a.bound_m[0])
-        if m != self._dispatched_m:
-            raise InvalidArgument(f"combine: bound_m={m} differs from the dispatched m={self._dispatched_m}")
+        m = self._dispatched_m
         token = np.ascontiguousarray(recv[:, :4]).view(np.int32)[:, 0]
         acc = np.zeros((m, cfg.hidden_dim), np.float32)
         if partials:
@@ -231,7 +261,10 @@ class HostAllToAll(AllToAllBackend):
             np.add.at(acc, token, a.weights[token, k].astype(np.float32)[:, None] * y)
         a.out_tokens[:m] = acc.astype(cfg.out_dtype)
 
-    def destroy(self):
+    def refuse(self, phase, reason):
+        self._exchanges[phase].refuse(reason)
+
+    def destroy(self, collective):
         self._received = self._dispatch_pending = self._combine_pending = None
 
 
@@ -243,8 +276,8 @@ class HostTransport(Transport):
     def __init__(self, comm):
         self.comm = comm
 
-    def new_alltoall(self, cfg, timeout_s):
-        return HostAllToAll(self.comm, cfg, timeout_s)
+    def new_alltoall(self, cfg, timeout_s, ident):
+        return HostAllToAll(self.comm, cfg, timeout_s, ident)
 
     def new_arrays(self):
         return HostArrays()
@@ -253,14 +286,14 @@ class HostTransport(Transport):
         w, me = self.comm.Get_size(), self.comm.Get_rank()
         send = peer_pattern(me, np.arange(w), nbytes)
         recv = np.empty_like(send)
-        reqs = [self.comm.Irecv(recv[s], source=s, tag=_TAG_PEER_CHECK) for s in range(w)]
-        reqs += [self.comm.Isend(send[d], dest=d, tag=_TAG_PEER_CHECK) for d in range(w)]
-        _wait(reqs, list(range(w)) * 2, time.monotonic() + timeout_s, timeout_s, "peer_check")
+        reqs = [self.comm.Irecv(recv[s], source=s, tag=TAG_PEER_CHECK) for s in range(w)]
+        reqs += [self.comm.Isend(send[d], dest=d, tag=TAG_PEER_CHECK) for d in range(w)]
+        wait_all(reqs, list(range(w)) * 2, time.monotonic() + timeout_s, timeout_s, "peer_check")
         expect = peer_pattern(np.arange(w), me, nbytes)
         wrong = [int(p) for p in np.nonzero((recv != expect).any(axis=1))[0]]
         if wrong:
             raise MoeCommError(f"peer_check: wrong bytes received from ranks {wrong}")
 
-    def finalize(self):
+    def finalize(self, collective):
         self.comm = None
 

@@ -25,13 +25,14 @@ class NvshmemTransport(Transport):
     name = "nvshmem"
     memory = "device"
 
-    def __init__(self, bootstrap, local_rank, local_size):
+    def __init__(self, bootstrap, local_rank, local_size, timeout_s):
         import cupy
         import nvshmem.bindings
         import nvshmem.core
 
         self._nvshmem, self._bindings, self._cupy = nvshmem.core, nvshmem.bindings, cupy
         self.rank, self.world_size, self.bootstrap = bootstrap.rank, bootstrap.world_size, bootstrap
+        self.timeout_s = timeout_s
         ndev = cupy.cuda.runtime.getDeviceCount()
         if ndev == 1:  # the launcher gave each rank its own GPU (srun --gpus-per-task=1, CUDA_VISIBLE_DEVICES)
             self.device = 0
@@ -54,7 +55,8 @@ class NvshmemTransport(Transport):
         dev.set_current()
         uid = self._nvshmem.get_unique_id(empty=self.rank != 0)
         uid_bytes = uid._data.view(np.uint8)
-        uid_bytes[:] = np.frombuffer(self.bootstrap.allgather(uid_bytes.tobytes())[0], np.uint8)
+        uid_bytes[:] = np.frombuffer(self.bootstrap.allgather(uid_bytes.tobytes(), self.timeout_s, "init")[0],
+                                     np.uint8)
         self._nvshmem.init(device=dev, uid=uid, rank=self.rank, nranks=self.world_size, initializer_method="uid")
         if self._nvshmem.my_pe() != self.rank:
             raise MoeCommError(f"NVSHMEM PE {self._nvshmem.my_pe()} != rank {self.rank}")
@@ -163,14 +165,16 @@ class NvshmemTransport(Transport):
         if wrong:
             raise MoeCommError(f"check_peers: wrong bytes from ranks {wrong}")
 
-    def new_alltoall(self, cfg, timeout_s):
+    def new_alltoall(self, cfg, timeout_s, ident):
         from .nvshmem_alltoall import NvshmemAllToAll
         return NvshmemAllToAll(self, cfg, timeout_s)
 
-    def finalize(self):
+    def finalize(self, collective):
+        if not collective:  # a peer is gone: NVSHMEM's teardown would wait for it; the process exit frees all
+            return
         with self.context:
             self._cupy.cuda.get_current_stream().synchronize()
-            self.bootstrap.barrier()
+            self.bootstrap.barrier(self.timeout_s, "finalize")
             for a in self._arrays:
                 self._nvshmem.free_array(a)
             self._arrays = []

@@ -128,7 +128,9 @@ class NvshmemAllToAll(AllToAllBackend):
         if do_recv:
             self._combine_recv(stream)
 
-    def destroy(self):
+    def destroy(self, collective):
+        if not collective:  # a peer is gone: freeing symmetric memory would wait for it
+            return
         self._cupy.cuda.get_current_stream().synchronize()
         self.t.barrier()
         self._cupy.cuda.get_current_stream().synchronize()

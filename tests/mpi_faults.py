@@ -1,0 +1,78 @@
+"""Fault injection: the last rank exits (or stalls) at one point of a run; every other rank must raise
+CommTimeout naming it within the timeout + 1 s and then exit within 5 s (no wait at exit).
+
+    mpiexec -disable-auto-cleanup -n 3 python tests/mpi_faults.py --fault dispatch_send --mode exit --result DIR
+
+Points: init, construction, dispatch_send, dispatch_recv, combine_send, combine_recv, destroy, finalize.
+Every surviving rank writes DIR/rank<r>.json: what it raised, naming which peer, how long after the start
+of the step that raised, and when it left main(); the faulty rank writes nothing. (The launcher must not
+end the job when a rank leaves without MPI_Finalize: MPICH's -disable-auto-cleanup.)
+"""
+import argparse
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+POINTS = ("init", "construction", "dispatch_send", "dispatch_recv", "combine_send", "combine_recv", "destroy",
+          "finalize")
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--fault", choices=POINTS, required=True)
+    p.add_argument("--mode", choices=["exit", "stall"], default="exit")
+    p.add_argument("--timeout", type=float, default=1.0)
+    p.add_argument("--transport", default="host")
+    p.add_argument("--result", required=True)
+    args = p.parse_args()
+    from mpi4py import MPI
+    rank, world = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
+    faulty = rank == world - 1
+    step = {"name": "start", "t": time.monotonic()}
+
+    def at(point):
+        """Enter a step; the faulty rank leaves (or stalls, then leaves) here without a word."""
+        step.update(name=point, t=time.monotonic())
+        if faulty and args.fault == point:
+            if args.mode == "stall":
+                time.sleep(4 * args.timeout)
+            os._exit(0)
+
+    import moecomm
+    E, K, H, M = 2 * world, 2, 64, 8
+    rng = np.random.default_rng(rank)
+    record = {"rank": rank, "raised": None, "peer": None, "step": None, "after_s": None}
+    try:
+        at("init")
+        comm = moecomm.init(transport=args.transport, timeout=args.timeout)
+        at("construction")
+        a2a = moecomm.AllToAll(comm, M, E, K, H, None, "float16", "float16")
+        idx = np.argsort(rng.random((M, E)), axis=1)[:, :K].astype(np.int32)
+        x, w, m = rng.standard_normal((M, H)).astype(np.float16), rng.random((M, K), np.float32), np.array([M], np.int32)
+        n, ex, out = np.zeros(E // world, np.int32), np.zeros((E // world, M * world, H), np.float16), np.zeros((M, H), np.float16)
+        at("dispatch_send")
+        a2a.dispatch(n, ex, None, x, None, idx, m, do_recv=False, weights=w)
+        at("dispatch_recv")
+        a2a.dispatch(n, ex, None, x, None, idx, m, do_send=False, weights=w)
+        at("combine_send")
+        a2a.combine(out, idx, None, ex, m, do_recv=False)
+        at("combine_recv")
+        a2a.combine(out, idx, None, ex, m, do_send=False)
+        at("destroy")
+        a2a.destroy()
+        at("finalize")
+        comm.finalize()
+    except moecomm.MoeCommError as e:
+        record.update(raised=type(e).__name__, peer=getattr(e, "peer", None), step=step["name"],
+                      after_s=round(time.monotonic() - step["t"], 3), message=str(e))
+    record["left_main_at"] = time.time()
+    with open(os.path.join(args.result, f"rank{rank}.json"), "w") as f:
+        json.dump(record, f)
+    sys.exit(0)
+
+
+if __name__ == "__main__":
+    main()

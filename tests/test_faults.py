@@ -1,0 +1,57 @@
+"""Fault injection on the host transport (tests/mpi_faults.py does the work): a rank that exits or stalls
+at any point of a run is named in a CommTimeout on every other rank within the timeout + 1 s, and the
+other ranks then exit within 5 s, with no collective left waiting at exit."""
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import ROOT, mpi_launcher
+
+TIMEOUT, RANKS = 1.0, 3
+POINTS = ("init", "construction", "dispatch_send", "dispatch_recv", "combine_send", "combine_recv", "destroy",
+          "finalize")
+
+
+def _run(tmp_path, fault, mode):
+    cmd = mpi_launcher()
+    if "--oversubscribe" in cmd:
+        pytest.skip("needs MPICH's mpiexec (-disable-auto-cleanup keeps the job alive when a rank leaves)")
+    cmd += ["-disable-auto-cleanup", "-n", str(RANKS), sys.executable, str(ROOT / "tests/mpi_faults.py"),
+            "--fault", fault, "--mode", mode, "--timeout", str(TIMEOUT), "--result", str(tmp_path)]
+    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
+    ended = time.time()
+    records = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(RANKS - 1)
+               if (tmp_path / f"rank{r}.json").exists()]
+    return p, records, ended
+
+
+@pytest.mark.parametrize("fault", POINTS)
+def test_a_rank_that_exits_is_named_and_nobody_hangs(tmp_path, fault):
+    p, records, ended = _run(tmp_path, fault, "exit")
+    log = p.stdout[-2000:] + p.stderr[-2000:]
+    assert len(records) == RANKS - 1, log
+    for r in records:
+        assert r["raised"] == "CommTimeout" and r["peer"] == RANKS - 1, (r, log)
+        assert r["after_s"] <= TIMEOUT + 1, (r, log)
+        assert ended - r["left_main_at"] <= 5, (r, ended, log)
+
+
+@pytest.mark.parametrize("fault", ["dispatch_send", "combine_recv"])
+def test_a_rank_that_stalls_is_named(tmp_path, fault):
+    p, records, _ = _run(tmp_path, fault, "stall")
+    log = p.stdout[-2000:] + p.stderr[-2000:]
+    assert len(records) == RANKS - 1, log
+    for r in records:
+        assert r["raised"] == "CommTimeout" and r["peer"] == RANKS - 1 and r["after_s"] <= TIMEOUT + 1, (r, log)
+
+
+def test_short_soak_with_injected_faults():
+    """tools/soak.py for ~10 s on 3 ranks: no mismatch, every injected fault raised on every rank."""
+    from conftest import run_mpi
+    p = run_mpi(RANKS, "tools/soak.py", "--minutes", "0.15", "--inject", "0.2", timeout=120)
+    assert p.returncode == 0 and " 0 mismatches" in p.stdout, p.stdout[-3000:] + p.stderr[-3000:]
