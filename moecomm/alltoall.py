@@ -131,8 +131,10 @@ class AllToAll:
                 on that framework's current stream, DLPack producers are asked to order their stream
                 before this one, and a ``__cuda_array_interface__`` stream is waited for.
 
-        Raises InvalidArgument (bad argument, nothing sent), InvalidRouting (an expert id out of range
-        or repeated within a row, on any rank), CommTimeout (a peer did not answer in time).
+        Raises InvalidArgument (this rank's argument was refused; nothing sent), PeerError (another rank's
+        was: host transport), InvalidRouting (an expert id out of range or repeated within a row, or
+        bound_m out of range, on any rank), CommTimeout (a peer did not answer in time), OutOfStep (calls
+        that do not belong together met), CommBroken (the communicator broke earlier).
         """
         self._dispatch_call(out_expert_num_tokens, out_expert_x, out_expert_x_scale, dp_x, dp_x_scale, indices,
                             bound_m, do_send, do_recv, weights, stream, True)
@@ -218,8 +220,11 @@ class AllToAll:
             weights: [rows, experts_per_token] float32, or None to use the weights sent with dispatch
                 (summed on the expert side).
             expert_y: [num_local_experts, capacity, hidden_dim] out_dtype, laid out like out_expert_x.
-            bound_m: [1] int32 or uint32 holding the same m as the dispatch.
+            bound_m: [1] int32 or uint32 holding the same m as the dispatch (another m is refused on the
+                host transport).
             do_send, do_recv, stream: as in :meth:`dispatch` (stream=None follows ``out_tokens``).
+
+        Raises as :meth:`dispatch`; a combine without a dispatch to combine is refused.
         """
         self._combine_call(out_tokens, indices, weights, expert_y, bound_m, do_send, do_recv, stream)
 
