@@ -143,11 +143,15 @@ class AllToAll:
                        indices, bound_m, do_send, do_recv, weights, stream, same_outputs):
         """dispatch() with positional arguments; ``same_outputs=False`` lets a receive half take other output
         arrays that already hold what the send half wrote (moecomm.jax: XLA may copy between halves)."""
+        self._run(self._dispatch, out_expert_num_tokens, out_expert_x, out_expert_x_scale, dp_x, dp_x_scale,
+                  indices, bound_m, do_send, do_recv, weights, stream, same_outputs)
+
+    def _run(self, call, *args):
+        """Run one call in the rank's CUDA context; a timeout or calls out of step break the communicator."""
         self._live()
         previous = self._context.enter() if self._context else None
         try:
-            self._dispatch(out_expert_num_tokens, out_expert_x, out_expert_x_scale, dp_x, dp_x_scale,
-                           indices, bound_m, do_send, do_recv, weights, stream, same_outputs)
+            call(*args)
         except (CommTimeout, OutOfStep) as e:
             self.comm.fail(e)
             raise
@@ -229,16 +233,8 @@ class AllToAll:
         self._combine_call(out_tokens, indices, weights, expert_y, bound_m, do_send, do_recv, stream)
 
     def _combine_call(self, out_tokens, indices, weights, expert_y, bound_m, do_send, do_recv, stream):
-        self._live()
-        previous = self._context.enter() if self._context else None
-        try:
-            self._combine(out_tokens, indices, weights, expert_y, bound_m, do_send, do_recv, stream)
-        except (CommTimeout, OutOfStep) as e:
-            self.comm.fail(e)
-            raise
-        finally:
-            if previous is not None:
-                self._context.leave(previous)
+        """combine() with positional arguments (moecomm.jax)."""
+        self._run(self._combine, out_tokens, indices, weights, expert_y, bound_m, do_send, do_recv, stream)
 
     def _combine(self, out_tokens, indices, weights, expert_y, bound_m, do_send, do_recv, stream):
         try:
