@@ -256,16 +256,17 @@ class DeviceArrays:
         self.device = device
         self._order, self._pointer_device = stream_order, pointer_device
         self._producers = set()
-        self._stream = 0
+        self._stream, self._implied = 0, None  # _implied: the framework whose stream was taken as ours
 
     def begin(self, stream, first):
         """The launch stream (a handle) for ``stream``: None means the current stream of the framework of
         ``first`` (the call's first array) on this device: PyTorch's for a tensor, else CuPy's."""
         self._producers.clear()
-        if stream is None:
-            self._stream = self._framework_stream(_TORCH if _reader(first) is _read_torch else _CUPY)
+        if stream is None:  # that framework's arrays are then written on the launch stream itself
+            self._implied = _TORCH if _reader(first) is _read_torch else _CUPY
+            self._stream = self._framework_stream(self._implied)
         else:
-            self._stream = stream_handle(stream)
+            self._implied, self._stream = None, stream_handle(stream)
         return self._stream
 
     def _framework_stream(self, which):
@@ -320,6 +321,8 @@ class DeviceArrays:
         """Make the launch stream wait for every producer stream seen since :meth:`begin` (no-op when they
         are the launch stream, the common case)."""
         for p in self._producers:
+            if p is self._implied:
+                continue
             handle = self._framework_stream(p) if isinstance(p, str) else p
             if handle != self._stream:
                 self._order.after(handle, self._stream)

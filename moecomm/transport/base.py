@@ -63,7 +63,6 @@ class Transport(abc.ABC):
     Attributes:
         device: CUDA device ordinal for device transports (-1 for host transports).
         context: the :class:`moecomm._cuda.Context` entry points make current (None for host transports).
-        arrays: the argument reader, :class:`moecomm._arrays.HostArrays` or ``DeviceArrays``.
     """
     name = ""
     memory = ""
