@@ -21,8 +21,12 @@
 namespace moecomm {
 
 constexpr unsigned FULL = 0xffffffffu;
-constexpr uint64_t SIG_BAD = 0x80000000ull;  // the sender's input was invalid: nothing was sent
+// A signal's low 32 bits: a count (records; 1 for combine), or SIG_BAD | reason when the sender's part of
+// the call failed (nothing was sent; reason: see moecomm/_constants.py).
+constexpr uint64_t SIG_BAD = 0x80000000ull;
 constexpr uint64_t SIG_COUNT = 0x7fffffffull;
+// state[MOECOMM_S_M] after a dispatch whose bound_m was out of range (combine then writes nothing).
+constexpr unsigned M_INVALID = 0x80000000u;
 
 // Record metadata after x and scales: int32 token, int32 expert[topk], float weight[topk].
 __device__ __forceinline__ int* meta_of(uint8_t* rec, const Fixed& f) { return (int*)(rec + f.meta_off); }
@@ -153,7 +157,8 @@ __device__ __forceinline__ bool last_block(unsigned* done) {
   return last;
 }
 
-// Wait (bounded) until sig's epoch reaches `epoch`; returns the signal, or 0 after a timeout or abort.
+// Wait (bounded) until sig's epoch reaches `epoch` (the call number); returns the signal, or 0 after a
+// timeout or abort.
 __device__ __forceinline__ uint64_t wait_epoch(const uint64_t* sig, unsigned epoch, uint64_t deadline,
                                                int* err, int peer, int phase) {
   uint64_t v;
@@ -161,11 +166,19 @@ __device__ __forceinline__ uint64_t wait_epoch(const uint64_t* sig, unsigned epo
     if (spin % POLL_CHECK) continue;
     if (load_volatile(err) == MOECOMM_ERR_TIMEOUT) return 0;  // another wait already failed: stop
     if (now_ns() > deadline) {
-      record_error(err, MOECOMM_ERR_TIMEOUT, peer, phase, 0);
+      record_error(err, MOECOMM_ERR_TIMEOUT, peer, phase, 0, (int)epoch);
       return 0;
     }
   }
   return v;
+}
+
+// A peer's signal flagged SIG_BAD: record its reason, unless this rank's own call is a skipped one (it
+// has raised its own error) or the signal is this rank's own (it recorded its error itself).
+__device__ __forceinline__ void peer_failed(const Fixed& f, const Call& c, uint64_t v, int peer, int phase,
+                                            unsigned epoch) {
+  if ((v & SIG_BAD) && !c.skip && peer != f.rank)
+    record_error(f.err, MOECOMM_ERR_PEER, peer, phase, (int)(v & SIG_COUNT), (int)epoch);
 }
 
 __device__ __forceinline__ uint64_t epoch_signal(unsigned epoch, uint64_t payload) {

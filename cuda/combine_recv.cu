@@ -6,14 +6,22 @@ using namespace moecomm;
 // grid: any number of blocks of MOECOMM_BLOCK_THREADS; one block per token (strided) over the group's m.
 // Reads f.comb_buf and f.comb_sig (this rank's copies), c.indices (c.idx64), c.weights [rows, topk]
 // float32 (read when c.partials == 0), c.bound_m, c.rows; writes rows 0..m-1 of c.out_tokens
-// [rows, hidden] out_dtype (a token whose ids are all -1 gets zeros).
+// [rows, hidden] out_dtype (a token whose ids are all -1 gets zeros). Experts of masked ranks add nothing
+// and masked ranks are not waited for. With c.skip, or a bound_m other than the dispatched m (reported by
+// combine_send), nothing is written.
 extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, 2)
     moecomm_combine_recv(const Fixed f, const Call c) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const unsigned epoch = f.state[MOECOMM_S_EPOCH_CR] + 1;
   const uint64_t deadline = now_ns() + f.timeout_ns;
-  int m = *c.bound_m;
-  if (m < 0 || m > c.rows || m > f.max_tokens) m = 0;  // dispatch reported it
+  int m = c.skip ? 0 : *c.bound_m;
+  if (m != (int)f.state[MOECOMM_S_M] || f.state[MOECOMM_S_M] == M_INVALID) {
+    m = 0;  // dispatch_send or combine_send reported it
+  } else if (m > c.rows) {
+    if (blockIdx.x == 0 && threadIdx.x == 0)
+      record_error(f.err, MOECOMM_ERR_BAD_M, f.rank, MOECOMM_PHASE_COMBINE, m, (int)epoch);
+    m = 0;
+  }
   __shared__ const uint8_t* srcs[MOECOMM_MAX_TOPK];  // comb_buf rows to add for the block's token
   __shared__ float wts[MOECOMM_MAX_TOPK];
   __shared__ int n;
@@ -22,7 +30,7 @@ extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, 2)
     if (warp == 0 && t < m) {  // the token's rows (before the first wait: indices do not depend on it)
       int e = -1;
       if (lane < f.topk) e = expert_id(c, (size_t)t * f.topk + lane, f.num_experts);
-      const bool valid = lane < f.topk && e >= 0 && e < f.num_experts;
+      const bool valid = lane < f.topk && e >= 0 && e < f.num_experts && !f.mask[e / f.local_experts];
       const int rank = valid ? e / f.local_experts : -1;
       bool once = valid;
       for (int j = 0; j < f.topk; ++j) {
@@ -44,7 +52,9 @@ extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, 2)
     }
     if (t == (int)blockIdx.x) {  // every block waits for every expert rank once, even with no token of its own
       for (int q = threadIdx.x; q < f.world; q += blockDim.x)
-        wait_epoch(&f.comb_sig[q], epoch, deadline, f.err, q, MOECOMM_PHASE_COMBINE);
+        if (!f.mask[q])
+          peer_failed(f, c, wait_epoch(&f.comb_sig[q], epoch, deadline, f.err, q, MOECOMM_PHASE_COMBINE), q,
+                      MOECOMM_PHASE_COMBINE, epoch);
     }
     __syncthreads();
     if (t >= m) break;

@@ -9,13 +9,21 @@ using namespace moecomm;
 // cap, hidden] out_dtype (expert outputs, laid out like dispatch's out_x) and c.partials:
 //   1: sum a token's local experts weighted by the dispatched weights and send one row to
 //      f.comb_buf[me][token]; 0: send each expert's row to f.comb_buf[token][k].
-// Sets f.comb_sig[me] on every rank to (epoch | 1) when done.
+// Sets f.comb_sig[me] on every unmasked rank to (epoch | 1) when done, or to (epoch | SIG_BAD | reason)
+// when this rank sends nothing: c.skip (a refused call; reason c.reason) or a bound_m that differs from
+// the dispatched m (ERR_M_DIFFERS, recorded here too).
 extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, 2)
     moecomm_combine_send(const Fixed f, const Call c) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int src = blockIdx.x % f.world, part = blockIdx.x / f.world, parts = gridDim.x / f.world;
   const unsigned epoch = f.state[MOECOMM_S_EPOCH_CS] + 1;
-  const unsigned count = f.state[f.s_recv + src];
+  const int m = c.skip ? 0 : *c.bound_m;
+  const unsigned dispatched = f.state[MOECOMM_S_M];
+  const bool differs = !c.skip && dispatched != M_INVALID && m != (int)dispatched;
+  const unsigned reason = c.skip ? (unsigned)c.reason : differs ? (unsigned)MOECOMM_ERR_M_DIFFERS : 0u;
+  if (differs && blockIdx.x == 0 && threadIdx.x == 0)
+    record_error(f.err, MOECOMM_ERR_M_DIFFERS, f.rank, MOECOMM_PHASE_COMBINE, m, (int)epoch);
+  const unsigned count = c.skip || differs ? 0 : f.state[f.s_recv + src];
   const int group0 = src / f.dp * f.dp, group1 = group0 + f.dp;  // the source's DP group
   __shared__ const uint8_t* rows[MOECOMM_MAX_TOPK];
   __shared__ float wts[MOECOMM_MAX_TOPK];
@@ -66,7 +74,7 @@ extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, 2)
   complete_sends(st.used_puts);
   if (last_block(&f.state[MOECOMM_S_DONE_CS])) {
     for (int q = threadIdx.x; q < f.world; q += blockDim.x)
-      signal_set(&f.comb_sig[f.rank], epoch_signal(epoch, 1), q);
+      if (!f.mask[q]) signal_set(&f.comb_sig[f.rank], epoch_signal(epoch, reason ? SIG_BAD | reason : 1), q);
     __syncthreads();
     if (threadIdx.x == 0) {
       f.state[MOECOMM_S_DONE_CS] = 0;

@@ -9,7 +9,8 @@ using namespace moecomm;
 // Reads f.recv_buf and f.sig (this rank's copies); writes c.out_num [local_experts] int32,
 // c.out_x [local_experts, cap, hidden] in_dtype, c.out_scale [local_experts, cap, scales] float32 (or
 // null), and f.slot_of [world, max_tokens, topk]: where record (src, j)'s k-th expert slot is (le*cap+slot,
-// or -1).
+// or -1). A masked source is not waited for and sends nothing; with c.skip (a refused call) the records
+// are not unpacked and nothing is written (the epoch still advances, so the next call pairs up).
 extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, 2)
     moecomm_dispatch_recv(const Fixed f, const Call c) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -20,11 +21,12 @@ extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, 2)
   __shared__ uint8_t* xdst[MOECOMM_MAX_TOPK];
   __shared__ uint8_t* sdst[MOECOMM_MAX_TOPK];
   if (threadIdx.x == 0) {
-    const uint64_t v = wait_epoch(&f.sig[src], epoch, now_ns() + f.timeout_ns, f.err, src, MOECOMM_PHASE_DISPATCH);
-    if (v & SIG_BAD) record_error(f.err, MOECOMM_ERR_BAD_EXPERT, src, MOECOMM_PHASE_DISPATCH, -1);
-    count = (v & SIG_BAD) ? 0 : (unsigned)(v & SIG_COUNT);
+    const uint64_t v = f.mask[src] ? 0
+        : wait_epoch(&f.sig[src], epoch, now_ns() + f.timeout_ns, f.err, src, MOECOMM_PHASE_DISPATCH);
+    peer_failed(f, c, v, src, MOECOMM_PHASE_DISPATCH, epoch);
+    count = (v & SIG_BAD) || c.skip ? 0 : (unsigned)(v & SIG_COUNT);
     if (count > (unsigned)f.max_tokens) {
-      record_error(f.err, MOECOMM_ERR_OVERFLOW, src, MOECOMM_PHASE_DISPATCH, count);
+      record_error(f.err, MOECOMM_ERR_OVERFLOW, src, MOECOMM_PHASE_DISPATCH, count, (int)epoch);
       count = 0;
     }
     if (part == 0) f.state[f.s_recv + src] = count;
@@ -43,7 +45,7 @@ extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, 2)
           if (slot < (unsigned)f.cap) {
             where = le * f.cap + slot;
           } else {
-            record_error(f.err, MOECOMM_ERR_OVERFLOW, src, MOECOMM_PHASE_DISPATCH, le);
+            record_error(f.err, MOECOMM_ERR_OVERFLOW, src, MOECOMM_PHASE_DISPATCH, le, (int)epoch);
           }
         }
         f.slot_of[((size_t)src * f.max_tokens + j) * f.topk + lane] = where;
@@ -64,7 +66,7 @@ extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, 2)
   if (last_block(&f.state[MOECOMM_S_DONE_DR])) {
     for (int le = threadIdx.x; le < f.local_experts; le += blockDim.x) {
       const unsigned cnt = atomicExch(&f.state[f.s_expert + le], 0u);
-      c.out_num[le] = cnt < (unsigned)f.cap ? cnt : f.cap;
+      if (!c.skip) c.out_num[le] = cnt < (unsigned)f.cap ? cnt : f.cap;
     }
     __syncthreads();
     if (threadIdx.x == 0) {

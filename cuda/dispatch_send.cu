@@ -11,7 +11,9 @@ using namespace moecomm;
 // This rank sends the tokens t = dp_rank, dp_rank + dp, ... < m of its DP group, each once per other
 // destination rank as a record (the receiver fans it out to its experts); tokens for this rank's own
 // experts go straight into their expert slots, and only the record's metadata (for combine) is kept.
-// The token row is read once and stored into every destination. Expert id -1 sends nothing.
+// The token row is read once and stored into every destination. Expert id -1 sends nothing, nor does an
+// expert of a masked rank (f.mask; counted in f.counters). With c.skip (a refused call) nothing is sent
+// and every signal carries SIG_BAD | c.reason.
 extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, 2)
     moecomm_dispatch_send(const Fixed f, const Call c) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -25,14 +27,18 @@ extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, 2)
   __shared__ uint8_t* remote[MAX_FANOUT];
   __shared__ int pes[MAX_FANOUT];
   __shared__ int n_direct, n_put, n_local, n_meta;  // n_put < 0: skip the token (invalid)
-  int m = *c.bound_m;
-  if (m < 0 || m > c.rows || m > f.max_tokens) {
-    if (blockIdx.x == 0 && threadIdx.x == 0) {
-      record_error(f.err, MOECOMM_ERR_BAD_M, f.rank, MOECOMM_PHASE_DISPATCH, m);
-      atomicOr(&f.state[MOECOMM_S_BAD], 1u);
+  int m = c.skip ? 0 : *c.bound_m;
+  const bool bad_m = m < 0 || m > c.rows || m > f.max_tokens;
+  if (blockIdx.x == 0 && threadIdx.x == 0) {
+    f.state[MOECOMM_S_M] = bad_m ? M_INVALID : (unsigned)m;  // combine checks its bound_m against it
+    if (c.skip) {
+      if (c.reason) atomicCAS(&f.state[MOECOMM_S_BAD], 0u, (unsigned)c.reason);
+    } else if (bad_m) {
+      record_error(f.err, MOECOMM_ERR_BAD_M, f.rank, MOECOMM_PHASE_DISPATCH, m, (int)epoch);
+      atomicCAS(&f.state[MOECOMM_S_BAD], 0u, (unsigned)MOECOMM_ERR_BAD_M);
     }
-    m = 0;
   }
+  if (bad_m) m = 0;
   const int lo = f.rank * f.local_experts;
   const uint8_t* x = c.x;
   uint8_t* const recv_buf = f.recv_buf;
@@ -51,6 +57,7 @@ extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, 2)
         if (c.weights) w = c.weights[(size_t)t * f.topk + lane];
         ok = e < f.num_experts;
         dest = ok && e >= 0 ? e / f.local_experts : -1;
+        if (dest >= 0 && f.mask[dest]) dest = -2;  // masked: not sent, counted below
         first = dest >= 0;
       }
       for (int j = 0; j < f.topk; ++j) {  // repeated experts are invalid; repeated ranks are sent once
@@ -62,11 +69,13 @@ extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, 2)
       }
       if (__any_sync(FULL, !ok)) {
         if (lane == 0) {
-          record_error(f.err, MOECOMM_ERR_BAD_EXPERT, f.rank, MOECOMM_PHASE_DISPATCH, t);
-          atomicOr(&f.state[MOECOMM_S_BAD], 1u);
+          record_error(f.err, MOECOMM_ERR_BAD_EXPERT, f.rank, MOECOMM_PHASE_DISPATCH, t, (int)epoch);
+          atomicCAS(&f.state[MOECOMM_S_BAD], 0u, (unsigned)MOECOMM_ERR_BAD_EXPERT);
           n_put = -1;
         }
       } else {
+        const unsigned masked = __ballot_sync(FULL, dest == -2);
+        if (masked && lane == 0) atomicAdd(&f.counters[MOECOMM_C_MASKED_PAIRS], (unsigned long long)__popc(masked));
         const bool peer = first && dest != f.rank, local = dest == f.rank;
         uint8_t* sym = nullptr;
         uint8_t* p = peer ? peer_ptr(recv_buf, dest) : nullptr;  // resolved alongside the slot atomic
@@ -83,7 +92,7 @@ extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, 2)
           if (slot < (unsigned)f.cap) {
             where = le * f.cap + slot;
           } else {
-            record_error(f.err, MOECOMM_ERR_OVERFLOW, f.rank, MOECOMM_PHASE_DISPATCH, le);
+            record_error(f.err, MOECOMM_ERR_OVERFLOW, f.rank, MOECOMM_PHASE_DISPATCH, le, (int)epoch);
           }
         }
         if (p) p += rec_off;
@@ -154,10 +163,10 @@ extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, 2)
   }
   complete_sends(st.used_puts);
   if (last_block(&f.state[MOECOMM_S_DONE_DS])) {
-    const uint64_t bad = load_volatile((const int*)&f.state[MOECOMM_S_BAD]) ? SIG_BAD : 0;
+    const unsigned bad = (unsigned)load_volatile((const int*)&f.state[MOECOMM_S_BAD]);
     for (int d = threadIdx.x; d < f.world; d += blockDim.x) {
       const unsigned cnt = atomicExch(&f.state[MOECOMM_S_FIXED + d], 0u);
-      signal_set(&f.sig[f.rank], epoch_signal(epoch, bad | cnt), d);
+      if (!f.mask[d]) signal_set(&f.sig[f.rank], epoch_signal(epoch, bad ? SIG_BAD | bad : cnt), d);
     }
     __syncthreads();
     if (threadIdx.x == 0) {

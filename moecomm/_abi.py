@@ -40,6 +40,8 @@ FIXED_FIELDS = (
     ("sig", "uint64_t*"),           # symmetric [world] dispatch signals
     ("comb_sig", "uint64_t*"),      # symmetric [world] combine signals
     ("slot_of", "int*"),            # [world, max_tokens, topk] expert slot of each received record's k-th id
+    ("mask", "const int*"),         # [world] int32: 1 = rank masked (no data to or from it, no wait for it)
+    ("counters", "unsigned long long*"),  # uint64 cumulative counters, MOECOMM_C_* indices
     ("timeout_ns", "unsigned long long"),
     ("world", "int"), ("rank", "int"), ("dp", "int"), ("num_experts", "int"), ("local_experts", "int"),
     ("topk", "int"), ("max_tokens", "int"), ("hidden", "int"),
@@ -68,6 +70,8 @@ CALL_FIELDS = (
     ("rows", "int"),                # rows of x / out_tokens / indices / weights
     ("idx64", "int"),               # indices are int64
     ("partials", "int"),            # combine: weights came with dispatch (sum on the expert side)
+    ("skip", "int"),                # 1: this rank takes part with no data (its call was refused); arrays 0
+    ("reason", "int"),              # with skip: the reason flagged to the peers (0: none), see _constants
 )
 PEER_CHECK_FIELDS = (
     ("inbox", "uint8_t*"),          # symmetric [2, world, row_bytes]: check c reads half c % 2

@@ -8,26 +8,38 @@ import os
 
 from ._errors import InvalidArgument
 
-# Device error word (int32[4]): code, peer rank, phase, detail. The first error of a call wins.
+# Device error word (int32[5]): code, peer rank, phase, detail, call (the AllToAll's call number, from 1).
+# The first error wins, except that a timeout replaces any other (it breaks the communicator).
 ERR_NONE = 0
 ERR_TIMEOUT = 1       # a bounded wait expired; peer = rank waited for
 ERR_BAD_EXPERT = 2    # an expert id outside [-1, num_experts) or repeated in a token (-1: no expert);
-                      # peer = rank whose input it was, detail = token index (-1 when reported by a receiver)
+                      # peer = this rank, detail = token index
 ERR_BAD_M = 3         # bound_m outside [0, min(rows, max_num_tokens)]; detail = m
 ERR_OVERFLOW = 4      # more records or expert slots than the buffers hold (a peer broke the protocol)
-ERROR_WORDS = 4
+ERR_M_DIFFERS = 5     # combine's bound_m differs from the dispatched m; detail = combine's m
+ERR_PEER = 6          # rank `peer` flagged its part of the call as failed; detail = its reason (below)
+ERR_REFUSED = 7       # (in a reason only) AllToAll refused an argument on that rank
+ERROR_WORDS = 5
+# A rank whose part of a call failed still takes part ("no data") and flags its signals with a reason:
+# an ERR_* code, and for ERR_REFUSED the refused argument's number in ARGUMENTS shifted by REASON_ARG_SHIFT.
+REASON_ARG_SHIFT = 8
+ARGUMENTS = ("the order of calls", "out_expert_num_tokens", "out_expert_x", "out_expert_x_scale", "dp_x",
+             "dp_x_scale", "indices", "bound_m", "weights", "out_tokens", "expert_y", "stream", "do_send",
+             "do_recv")
 
 # dtype codes of expert outputs in device code
 DT_BF16, DT_FP16 = 0, 1
 
 # Device state of one AllToAll (uint32): per-kernel epochs (calls completed) and block counters, the
-# bad-input flag, then arrays: per-destination send counters [world] at FIXED, per-local-expert slot
+# reason this rank's dispatch failed (0: none), the dispatched m, then arrays: per-destination send counters [world] at FIXED, per-local-expert slot
 # counters at EXPERT, records received per source [world] at RECV (offsets depend on the sizes).
 STATE_FIELDS = ("EPOCH_DS", "EPOCH_DR", "EPOCH_CS", "EPOCH_CR", "DONE_DS", "DONE_DR", "DONE_CS", "DONE_CR",
-                "BAD")
+                "BAD", "M")
 STATE_FIXED = len(STATE_FIELDS)
 STAGE_SLOTS = 4       # staging rows per block for puts to peers without a load/store mapping
 BLOCK_THREADS = 256   # threads of every alltoall block: a block handles one token or record at a time
+# Cumulative uint64 counters of one AllToAll, kept on the device (AllToAll.stats()).
+COUNTER_FIELDS = ("MASKED_PAIRS",)    # (token, expert) pairs not sent because the expert's rank is masked
 
 PHASES = ("peer_check", "dispatch", "combine")
 PHASE_PEER_CHECK, PHASE_DISPATCH, PHASE_COMBINE = range(len(PHASES))
@@ -77,10 +89,12 @@ def device_constants():
     values = {
         "FORCE_PUTS": int(os.environ.get(FORCE_PUTS_ENV, "0") == "1"),
         "ERR_NONE": ERR_NONE, "ERR_TIMEOUT": ERR_TIMEOUT, "ERR_BAD_EXPERT": ERR_BAD_EXPERT,
-        "ERR_BAD_M": ERR_BAD_M, "ERR_OVERFLOW": ERR_OVERFLOW, "ERROR_WORDS": ERROR_WORDS,
+        "ERR_BAD_M": ERR_BAD_M, "ERR_OVERFLOW": ERR_OVERFLOW, "ERR_M_DIFFERS": ERR_M_DIFFERS,
+        "ERR_PEER": ERR_PEER, "ERR_REFUSED": ERR_REFUSED, "ERROR_WORDS": ERROR_WORDS,
         "MAX_TOPK": MAX_TOPK, "MAX_EXPERTS": MAX_EXPERTS, "ROW_ALIGN": ROW_ALIGN,
         "PHASE_PEER_CHECK": PHASE_PEER_CHECK, "PHASE_DISPATCH": PHASE_DISPATCH, "PHASE_COMBINE": PHASE_COMBINE,
         "DT_BF16": DT_BF16, "DT_FP16": DT_FP16, "S_FIXED": STATE_FIXED, "BLOCK_THREADS": BLOCK_THREADS,
     }
     values.update({f"S_{name}": i for i, name in enumerate(STATE_FIELDS)})
+    values.update({f"C_{name}": i for i, name in enumerate(COUNTER_FIELDS)})
     return values

@@ -138,6 +138,11 @@ def stream_synchronize(stream):
     check(driver.cuStreamSynchronize(stream), "cuStreamSynchronize")
 
 
+def context_synchronize():
+    """Wait for all work of the current context (for rare calls: the streams a caller used may be gone)."""
+    check(driver.cuCtxSynchronize(), "cuCtxSynchronize")
+
+
 def pointer_device(ptr):
     """CUDA device ordinal of the device (or managed) memory at ``ptr``; None for host or unknown memory."""
     attr = driver.CUpointer_attribute

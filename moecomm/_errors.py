@@ -15,11 +15,11 @@ class InvalidArgument(ValueError):
 
 
 class InvalidRouting(MoeCommError):
-    """Invalid routing input reached dispatch: an expert id outside ``[0, num_experts)`` or repeated within
+    """Invalid routing input reached dispatch: an expert id outside ``[-1, num_experts)`` or repeated within
     one token, or a ``bound_m`` outside ``[0, min(rows, max_num_tokens)]`` (read on the device on GPUs).
 
-    Raised on every rank of the group, so that no rank is left waiting; the buffers of the call are
-    unspecified, the next valid call is correct.
+    Raised on every rank of the group (on GPUs once the call is over, or by synchronize()); the faulty
+    rank's tokens were not sent, the outputs of the call are unspecified, the next valid call is correct.
     """
 
 
@@ -38,9 +38,9 @@ class CommTimeout(MoeCommError):
 
 
 class PeerError(MoeCommError):
-    """Another rank's part of a collective call failed (its reason is in the message): nothing was exchanged
-    and the next call works. Raised on the ranks whose own arguments were fine, while the faulty rank
-    raises InvalidArgument.
+    """Another rank's part of a collective call failed (its reason is in the message): that rank sent
+    nothing, the call is over and the next call works. Raised on the ranks whose own arguments were fine
+    (on GPUs once the call is over, or by synchronize()), while the faulty rank raises InvalidArgument.
 
     Attributes:
         peer: rank whose call failed.

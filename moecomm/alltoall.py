@@ -5,9 +5,9 @@ import numpy as np
 
 from ._arrays import Accepted, accepted
 from ._config import AllToAllConfig
-from ._constants import timeout_seconds
+from ._constants import ARGUMENTS, timeout_seconds
 from ._dtypes import float32
-from ._errors import CommTimeout, InvalidArgument, OutOfStep
+from ._errors import CommTimeout, InvalidArgument, MoeCommError, OutOfStep
 
 # expert ids: uint32 is read as int32, as the kernels read it (0xffffffff is -1: no expert)
 _INDICES = Accepted({np.dtype(np.int32): np.dtype(np.int32), np.dtype(np.uint32): np.dtype(np.int32),
@@ -51,7 +51,7 @@ class AllToAll:
     def __init__(self, comm, max_num_tokens, num_experts, experts_per_token, hidden_dim,
                  hidden_dim_scale=None, in_dtype="bfloat16", out_dtype="bfloat16", scale_dtype=None,
                  dp_size=1, timeout=None):
-        self.comm, self._backend = comm, None
+        self.comm, self._backend, self.masked = comm, None, ()
         error = None
         try:  # checked on every rank, then compared: a bad argument on one rank raises on all of them
             self.cfg = c = AllToAllConfig.create(comm.world_size, comm.rank, max_num_tokens, num_experts,
@@ -74,7 +74,8 @@ class AllToAll:
         transport = comm.transport
         self._context = transport.context
         with self._context or nullcontext(), comm._failing():
-            self._backend = transport.new_alltoall(c, self.timeout_s, comm._new_alltoall_id())
+            self._ident = comm._new_alltoall_id()
+            self._backend = transport.new_alltoall(c, self.timeout_s, self._ident)
             self._arrays = transport.new_arrays()
         self._call = self._backend.call
         self._none = None if transport.memory == "host" else 0  # an absent array in the call record
@@ -87,12 +88,15 @@ class AllToAll:
         self._dispatch_outputs = None   # addresses of the output arrays given to the last dispatch send
         self._combine_due = False       # a dispatch was sent and its combine not yet
         self._combine_weights = None    # whether the posted combine send was given weights
+        self._call_stream = None        # the current call's stream, once read
+        self._serving_since = None      # comm._breaks when mask_ranks last resynchronized this AllToAll
+        self._generation = 0            # restarts of the call sequence (mask_ranks), agreed by the ranks
 
     # ------------------------------------------------------------------------------------------
     def _live(self):
         if self._backend is None:
             raise InvalidArgument("this AllToAll was destroyed")
-        if self.comm.broken is not None:
+        if self.comm.broken is not None and self._serving_since != self.comm._breaks:
             self.comm._live()  # raises CommBroken
 
     def _rows(self, name, shape):
@@ -131,10 +135,13 @@ class AllToAll:
                 on that framework's current stream, DLPack producers are asked to order their stream
                 before this one, and a ``__cuda_array_interface__`` stream is waited for.
 
-        Raises InvalidArgument (this rank's argument was refused; nothing sent), PeerError (another rank's
-        was: host transport), InvalidRouting (an expert id out of range or repeated within a row, or
-        bound_m out of range, on any rank), CommTimeout (a peer did not answer in time), OutOfStep (calls
-        that do not belong together met), CommBroken (the communicator broke earlier).
+        Raises InvalidArgument (this rank's argument was refused: it takes part with no data and the call
+        is over, no combine follows), PeerError (another rank's was), InvalidRouting (an expert id out of
+        range or repeated within a row, or bound_m out of range, on any rank), CommTimeout (a peer did
+        not answer in time), OutOfStep (calls that do not belong together met), CommBroken (the
+        communicator broke earlier). On GPUs the kernels record PeerError and InvalidRouting, which are
+        raised once the call is over (after combine's receive half is issued) or by synchronize(); a
+        dispatch raises only what was refused on this rank and timeouts.
         """
         self._dispatch_call(out_expert_num_tokens, out_expert_x, out_expert_x_scale, dp_x, dp_x_scale, indices,
                             bound_m, do_send, do_recv, weights, stream, True)
@@ -161,6 +168,7 @@ class AllToAll:
 
     def _dispatch(self, out_expert_num_tokens, out_expert_x, out_expert_x_scale, dp_x, dp_x_scale, indices,
                   bound_m, do_send, do_recv, weights, stream, same_outputs):
+        self._call_stream = None
         try:
             s, outputs = self._dispatch_args(out_expert_num_tokens, out_expert_x, out_expert_x_scale, dp_x,
                                              dp_x_scale, indices, bound_m, do_send, do_recv, weights, stream,
@@ -168,18 +176,22 @@ class AllToAll:
         except InvalidArgument as e:
             self._refuse("dispatch", do_send, e)
         self._arrays.order()
-        self._backend.dispatch(bool(do_send), bool(do_recv), s)
         if do_send:
             self._dispatch_weights = weights is not None
             self._dispatch_outputs = outputs
             self._combine_due = True
         self._posted["dispatch"] = (self._posted["dispatch"] or do_send) and not do_recv
+        try:
+            self._backend.dispatch(bool(do_send), bool(do_recv), s)
+        except MoeCommError:  # the call is over on every rank (or the communicator broke)
+            self._combine_due = self._posted["dispatch"] = False
+            raise
 
     def _dispatch_args(self, out_expert_num_tokens, out_expert_x, out_expert_x_scale, dp_x, dp_x_scale,
                        indices, bound_m, do_send, do_recv, weights, stream, same_outputs):
         """Read and check dispatch's arguments into the call record; returns (stream, output addresses)."""
         c, call, read, none = self.cfg, self._call, self._arrays.read, self._none
-        s = self._arrays.begin(stream, dp_x)
+        s = self._call_stream = self._arrays.begin(stream, dp_x)
         unscaled = c.hidden_dim_scale is None
         if (out_expert_x_scale is None) != unscaled or (dp_x_scale is None) != unscaled:
             if unscaled:
@@ -209,7 +221,10 @@ class AllToAll:
         self._split("dispatch", do_send, do_recv)
         if do_send and self._combine_due:
             raise InvalidArgument("dispatch: the previous dispatch has not been combined (each dispatch is "
-                                  "followed by its combine before the next dispatch)")
+                                  "followed by its combine before the next dispatch); this dispatch ends "
+                                  "that call instead, as a refused combine")
+        if do_send and self._posted["combine"]:
+            raise InvalidArgument("dispatch: the previous combine's receive half has not run yet")
         return s, outputs
 
     def combine(self, out_tokens, indices, weights, expert_y, bound_m, do_send=True, do_recv=True,
@@ -224,11 +239,13 @@ class AllToAll:
             weights: [rows, experts_per_token] float32, or None to use the weights sent with dispatch
                 (summed on the expert side).
             expert_y: [num_local_experts, capacity, hidden_dim] out_dtype, laid out like out_expert_x.
-            bound_m: [1] int32 or uint32 holding the same m as the dispatch (another m is refused on the
-                host transport).
+            bound_m: [1] int32 or uint32 holding the same m as the dispatch (another m is refused: read
+                on the device on GPUs, so reported as device errors are).
             do_send, do_recv, stream: as in :meth:`dispatch` (stream=None follows ``out_tokens``).
 
-        Raises as :meth:`dispatch`; a combine without a dispatch to combine is refused.
+        Raises as :meth:`dispatch`, and errors the kernels recorded for this or an earlier call (GPUs;
+        the message names the call). A refused combine ends its call (no retry); a combine without a
+        dispatch to combine is refused.
         """
         self._combine_call(out_tokens, indices, weights, expert_y, bound_m, do_send, do_recv, stream)
 
@@ -237,21 +254,26 @@ class AllToAll:
         self._run(self._combine, out_tokens, indices, weights, expert_y, bound_m, do_send, do_recv, stream)
 
     def _combine(self, out_tokens, indices, weights, expert_y, bound_m, do_send, do_recv, stream):
+        self._call_stream = None
         try:
             s = self._combine_args(out_tokens, indices, weights, expert_y, bound_m, do_send, do_recv, stream)
         except InvalidArgument as e:
             self._refuse("combine", do_send, e)
         self._arrays.order()
-        self._backend.combine(bool(do_send), bool(do_recv), s)
         if do_send:
             self._combine_weights = weights is not None
             self._combine_due = False
         self._posted["combine"] = (self._posted["combine"] or do_send) and not do_recv
+        try:
+            self._backend.combine(bool(do_send), bool(do_recv), s)
+        except MoeCommError:  # the call is over on every rank (or the communicator broke)
+            self._posted["combine"] = False
+            raise
 
     def _combine_args(self, out_tokens, indices, weights, expert_y, bound_m, do_send, do_recv, stream):
         """Read and check combine's arguments into the call record; returns the stream."""
         c, call, read = self.cfg, self._call, self._arrays.read
-        s = self._arrays.begin(stream, out_tokens)
+        s = self._call_stream = self._arrays.begin(stream, out_tokens)
         call.out_tokens, _, shape, _ = read(out_tokens, "out_tokens", self._out, self._token_shape)
         rows = self._rows("out_tokens", shape)
         per_token = (rows, c.experts_per_token)
@@ -275,11 +297,18 @@ class AllToAll:
         return s
 
     def _refuse(self, phase, do_send, error):
-        """Raise ``error``, a refused argument of a call; when the call starts a send half, the ranks are
-        meeting in it: take part as a refusing rank first, so that the peers raise PeerError naming this
-        rank instead of waiting for it (where the transport can)."""
-        if do_send and not self._posted[phase]:
-            self._backend.refuse(phase, str(error))
+        """Raise ``error``, a refused argument of a call. When the call would have opened a send half, the
+        peers are meeting this rank in it: take part with no data first, so that they raise PeerError naming
+        this rank instead of waiting for it, and the calls stay paired. A refused dispatch ends its call
+        (no combine follows); a refused combine, or a dispatch that comes while a combine is due, ends the
+        due call."""
+        if do_send and not any(self._posted.values()):
+            argument = _argument_of(error)
+            if self._combine_due:
+                self._combine_due = False
+                self._backend.refuse("combine", str(error), argument, self._call_stream)
+            elif phase == "dispatch":
+                self._backend.refuse("dispatch", str(error), argument, self._call_stream)
         raise error
 
     def _split(self, phase, do_send, do_recv):
@@ -299,13 +328,76 @@ class AllToAll:
             s = None if self._context is None else self._arrays.begin(stream, None)
             self._backend.synchronize(s)
 
+    def mask_ranks(self, ranks):
+        """Stop exchanging with ``ranks`` (a dead rank, say), or with no rank (``[]``: unmask all). Collective
+        among the ranks not in ``ranks``, bounded by the timeout; every one of them must pass the same set.
+
+        From the next call on, tokens routed to experts of masked ranks are not sent and add nothing in
+        combine (as if their ids were -1), and no wait involves a masked rank; the pairs not sent are counted
+        in :meth:`stats` ("MASKED_PAIRS"). The ranks taking part first finish their work in flight (their
+        kernels are bounded), then restart this AllToAll's call sequence together, so this is also how the
+        survivors recover after a CommTimeout naming a dead rank: this AllToAll serves again although the
+        communicator stays broken. Afterwards the communicator's own collectives (barrier, allgather,
+        check_peers, new AllToAlls) raise CommBroken, since they would wait for every rank, and teardown is
+        local. Unmasking a rank that comes back takes that rank's part too. Needs dp_size == 1 and no call
+        in progress.
+
+        Args:
+            ranks: iterable of ranks to mask (not this rank).
+        """
+        if self._backend is None:
+            raise InvalidArgument("this AllToAll was destroyed")
+        W = self.cfg.world_size
+        error = None
+        try:
+            masked = tuple(sorted({int(q) for q in ranks}))
+            if any(not 0 <= q < W for q in masked) or self.cfg.rank in masked:
+                raise InvalidArgument(f"mask_ranks: ranks must be in [0, {W}) and not this rank "
+                                      f"({self.cfg.rank}), got {list(masked)}")
+            if self.cfg.dp_size != 1:
+                raise InvalidArgument(f"mask_ranks: needs dp_size == 1, this AllToAll has {self.cfg.dp_size}")
+            if self._combine_due or any(self._posted.values()):
+                raise InvalidArgument("mask_ranks: a call is in progress (a dispatch without its combine, or a "
+                                      "send half without its receive half)")
+        except (TypeError, ValueError) as e:
+            error, masked = (e if isinstance(e, InvalidArgument) else
+                             InvalidArgument(f"mask_ranks: expected an iterable of ranks, got {ranks!r}")), None
+        taking_part = [q for q in range(W) if masked is None or q not in masked]
+        wants = self.comm._subset_allgather((str(error) if error else None, masked, self._generation), taking_part,
+                                            f"mask_ranks of AllToAll #{self._ident}")
+        if error is not None:
+            raise error
+        refused = [(q, reason) for q, (reason, _, _) in zip(taking_part, wants) if reason]
+        if refused:
+            raise InvalidArgument(f"mask_ranks: rank {refused[0][0]} refused its arguments: {refused[0][1]}")
+        differ = [q for q, (_, theirs, _) in zip(taking_part, wants) if theirs != masked]
+        if differ:
+            raise InvalidArgument(f"mask_ranks: rank {differ[0]} masks {list(wants[taking_part.index(differ[0])][1])}, "
+                                  f"this rank {list(masked)}: every rank taking part must mask the same ranks")
+        generation = max(g for _, _, g in wants) + 1  # a rank back from the dead may have missed some
+        with self._context or nullcontext(), self.comm._failing():
+            self._backend.set_mask(masked, generation,
+                                   lambda: self.comm._subset_barrier(taking_part, "mask_ranks"))
+        self.masked, self._generation = masked, generation
+        self.comm.fail(MoeCommError(f"mask_ranks({list(masked)}) on AllToAll #{self._ident}: the communicator "
+                                    f"serves only through masked AllToAlls"))
+        self._serving_since = self.comm._breaks
+
+    def stats(self):
+        """Counters of this AllToAll since it was created: {"MASKED_PAIRS": (token, expert) pairs this rank did
+        not send because the expert's rank was masked}. Waits for this rank's work on its GPU. Not
+        collective."""
+        self._live()
+        with self._context or nullcontext():
+            return self._backend.counts()
+
     def destroy(self):
-        """Release the buffers (collective; local only when the communicator is broken). Safe to call twice;
-        later calls raise InvalidArgument."""
+        """Release the buffers (collective; local only when the communicator is broken or ranks are masked).
+        Safe to call twice; later calls raise InvalidArgument."""
         if self._backend is not None:
             backend, self._backend = self._backend, None
             with self._context or nullcontext(), self.comm._failing():
-                backend.destroy(collective=self.comm.broken is None)
+                backend.destroy(collective=self.comm.broken is None and not self.masked)
                 self._arrays.close()
 
 
@@ -315,3 +407,9 @@ class AllToAll:
     def __exit__(self, *exc):
         self.destroy()
 
+
+def _argument_of(error):
+    """The number in ARGUMENTS of the argument an InvalidArgument names ("name: ..."); 0 when it names none
+    (the order of calls)."""
+    name = str(error).split(":", 1)[0]
+    return ARGUMENTS.index(name) if name in ARGUMENTS else 0

@@ -46,6 +46,12 @@ class Bootstrap(abc.ABC):
         """Collective: return once every rank has called it (bounded like :meth:`allgather`)."""
         self.allgather(b"", timeout_s, what)
 
+    def subset_allgather(self, data: bytes, ranks: list, timeout_s: float, what: str) -> list:
+        """Like :meth:`allgather` among ``ranks`` only (sorted, this rank among them); the other ranks may be
+        dead. Needed by ``AllToAll.mask_ranks``; a bootstrap that cannot leaves it out."""
+        raise MoeCommError(f"{what}: the {type(self).__name__} bootstrap cannot gather among a subset of ranks "
+                           f"(mask_ranks needs an MPI bootstrap)")
+
 
 class MpiBootstrap(Bootstrap):
     """An mpi4py communicator (``mpi`` attribute: the communicator itself). Its control collectives are
@@ -58,6 +64,9 @@ class MpiBootstrap(Bootstrap):
 
     def allgather(self, data, timeout_s, what):
         return self._control.allgather(data, what, timeout_s)
+
+    def subset_allgather(self, data, ranks, timeout_s, what):
+        return self._control.allgather(data, what, timeout_s, ranks)
 
 
 class TorchBootstrap(Bootstrap):
@@ -138,6 +147,7 @@ class Communicator:
     def __init__(self, bootstrap, transport_name, timeout_s):
         self.bootstrap, self.timeout_s, self.broken, self.transport = bootstrap, timeout_s, None, None
         self._alltoalls = 0
+        self._breaks = 0  # times fail() was called (an AllToAll resynchronized since the last one may serve)
         self.mpi = getattr(bootstrap, "mpi", None)
         self.rank, self.world_size = bootstrap.rank, bootstrap.world_size
         nodes = self._allgather(_node_id(), "init")
@@ -161,6 +171,17 @@ class Communicator:
     def _allgather(self, obj, what):
         with self._failing():
             return [pickle.loads(b) for b in self.bootstrap.allgather(pickle.dumps(obj), self.timeout_s, what)]
+
+    def _subset_allgather(self, obj, ranks, what):
+        """Gather one picklable object from each of ``ranks`` (bounded; works on a broken communicator)."""
+        if self.transport is None:
+            raise InvalidArgument("this Communicator was finalized")
+        with self._failing():
+            data = self.bootstrap.subset_allgather(pickle.dumps(obj), ranks, self.timeout_s, what)
+        return [pickle.loads(b) for b in data]
+
+    def _subset_barrier(self, ranks, what):
+        self._subset_allgather(None, ranks, what)
 
     def barrier(self):
         """Wait for every rank (collective, bounded by the timeout)."""
@@ -229,6 +250,7 @@ class Communicator:
 
     def fail(self, error):
         """Mark the communicator broken by ``error`` (the first reason is kept)."""
+        self._breaks += 1
         if self.broken is None:
             self.broken = f"{type(error).__name__}: {error}"
             _exit_guard.broken = True

@@ -1,20 +1,31 @@
-"""The control path under MPI on the host transport: a failed call is still collective, calls that do not
+"""The control path under MPI, on either transport: a failed call is still collective, calls that do not
 belong together are refused, equal configurations compare equal. Every rank checks what it raised.
 
-    mpiexec -n 3 python tests/mpi_control.py
+    mpiexec -n 3 python tests/mpi_control.py                       # host transport (numpy)
+    mpirun -n 2 python tests/mpi_control.py --transport nvshmem    # GPUs (CuPy arrays)
+
+A call "raises by its end" when one of its steps (dispatch, then combine) or the ``synchronize()`` after
+them raises: the host transport raises in the step itself, GPU kernels record the error and it is raised
+once the call is over (after combine's receive half is issued) or by synchronize().
 
 * a bad argument on the last rank, at each argument position of dispatch and of combine: the last rank
-  raises InvalidArgument, every other rank PeerError naming it, within the timeout; the next call is
-  correct on every rank;
+  raises InvalidArgument at once, every other rank PeerError naming it by the end of the call, within
+  the timeout; the next call is correct on every rank;
+* bad routing on the last rank (an expert id out of range; bound_m out of range): InvalidRouting on every
+  rank by the end of the call; the next call is correct;
 * AllToAll construction with a bad argument on one rank raises on every rank; dtypes spelled differently
   on different ranks ("fp16", np.float16) are the same configuration;
-* every rank dispatching twice without combining: InvalidArgument on every rank, and the next call works;
-* a combine whose bound_m differs from the dispatched m on one rank: InvalidArgument there, PeerError
+* every rank dispatching twice without combining: InvalidArgument on every rank (the second dispatch ends
+  the call), and the next call works;
+* a combine whose bound_m differs from the dispatched m on the last rank: InvalidArgument there, PeerError
   on the others;
-* two AllToAlls called in different orders on different ranks: OutOfStep on every rank, after which the
-  communicator is broken (CommBroken at once) and finalize() does not wait.
+* two AllToAlls called in different orders on different ranks: OutOfStep (host) or CommTimeout (GPU: each
+  AllToAll has its own buffers and signals, so the calls cannot pair; they wait for each other until the
+  timeout) on every rank, after which the communicator is broken (CommBroken at once) and finalize()
+  does not wait.
 Prints "<n> checks on <w> ranks: <f> failures" on rank 0.
 """
+import argparse
 import sys
 import time
 
@@ -24,10 +35,15 @@ import moecomm
 from moecomm import reference
 
 E_PER_RANK, K, H, M, TIMEOUT = 2, 2, 64, 8, 2.0
+xp = np  # the array module of the transport (CuPy on GPUs), set in main()
+
+
+def host(a):
+    return a.get() if hasattr(a, "get") else a
 
 
 def good(W, r, seed):
-    """Valid dispatch arguments of rank r of W (any rank can draw any rank's)."""
+    """Valid dispatch arguments of rank r of W as numpy arrays (any rank can draw any rank's)."""
     rng = np.random.default_rng([seed, r])
     E = E_PER_RANK * W
     return dict(out_expert_num_tokens=np.full(E_PER_RANK, -1, np.int32),
@@ -38,52 +54,65 @@ def good(W, r, seed):
                 bound_m=np.array([M], np.int32), weights=rng.random((M, K), np.float32))
 
 
+def on_device(args):
+    return {k: None if v is None else xp.asarray(v) for k, v in args.items()}
+
+
 def roundtrip(comm, a2a, seed):
     """A valid dispatch + combine (the expert is the identity), checked against the reference."""
     W, r = comm.world_size, comm.rank
     everyone = [good(W, q, seed) for q in range(W)]
-    args = everyone[r]
+    args = on_device(everyone[r])
     a2a.dispatch(**args)
-    out = np.zeros((M, H), np.float16)
+    out = xp.zeros((M, H), np.float16)
     a2a.combine(out, args["indices"], None, args["out_expert_x"], args["bound_m"])
+    a2a.synchronize()
     ref = reference.dispatch([a["dp_x"] for a in everyone], None, [a["indices"] for a in everyone],
                              E_PER_RANK * W, W, M)
     want = reference.combine([a["indices"] for a in everyone], [a["weights"] for a in everyone],
                              [q["expert_x"] for q in ref], [q["origin"] for q in ref], E_PER_RANK * W, W,
                              np.float16)[r]
-    return (np.array_equal(args["out_expert_num_tokens"], ref[r]["expert_num_tokens"])
-            and np.allclose(out.astype(np.float32), want.astype(np.float32), rtol=2 ** -9, atol=1e-3))
+    return (np.array_equal(host(args["out_expert_num_tokens"]), ref[r]["expert_num_tokens"])
+            and np.allclose(host(out).astype(np.float32), want.astype(np.float32), rtol=2 ** -9, atol=1e-3))
 
 
 BAD_DISPATCH = {  # argument -> a bad value of it (given by the last rank only)
-    "out_expert_num_tokens": lambda a: np.zeros(E_PER_RANK, np.int64),
-    "out_expert_x": lambda a: np.zeros((E_PER_RANK, 1, H), np.float16),
-    "out_expert_x_scale": lambda a: np.zeros((1,), np.float32),
+    "out_expert_num_tokens": lambda a: xp.zeros(E_PER_RANK, np.int64),
+    "out_expert_x": lambda a: xp.zeros((E_PER_RANK, 1, H), np.float16),
+    "out_expert_x_scale": lambda a: xp.zeros((1,), np.float32),
     "dp_x": lambda a: a["dp_x"].astype(np.float32),
-    "dp_x_scale": lambda a: np.zeros((M, 1), np.float32),
+    "dp_x_scale": lambda a: xp.zeros((M, 1), np.float32),
     "indices": lambda a: a["indices"][:, :1].copy(),
-    "bound_m": lambda a: np.array([M], np.int64),
-    "weights": lambda a: np.zeros((M, K + 1), np.float32),
+    "bound_m": lambda a: xp.array([M], np.int64),
+    "weights": lambda a: xp.zeros((M, K + 1), np.float32),
 }
 BAD_COMBINE = {
-    "out_tokens": lambda a: np.zeros((M, H), np.float32),
+    "out_tokens": lambda a: xp.zeros((M, H), np.float32),
     "indices": lambda a: a["indices"].astype(np.int16),
-    "weights": lambda a: np.zeros((M, K), np.float64),
+    "weights": lambda a: xp.zeros((M, K), np.float64),
     "expert_y": lambda a: a["out_expert_x"][:1],
-    "bound_m": lambda a: np.zeros((2,), np.int32),
+    "bound_m": lambda a: xp.zeros((2,), np.int32),
+}
+BAD_ROUTING = {  # dispatch argument -> a value the kernels (or the host transport) reject
+    "indices": lambda a: a["indices"] + E_PER_RANK * 100,
+    "bound_m": lambda a: xp.array([M + 1], np.int32),
 }
 
 
-def expect(fails, label, call, kinds, peer=None):
-    """Run ``call``; record a failure unless it raises one of ``kinds`` (naming ``peer``) in time."""
+def expect(fails, label, steps, a2a, kinds, peer=None, limit=TIMEOUT):
+    """Run the ``steps`` of a call, then ``a2a.synchronize()`` (unless a2a is None); record a failure unless
+    one of them raises one of ``kinds`` (naming ``peer``) within ``limit`` seconds."""
     t0 = time.monotonic()
     try:
-        call()
+        for step in steps:
+            step()
+        if a2a is not None:
+            a2a.synchronize()
     except kinds as e:
         took = time.monotonic() - t0
         if peer is not None and getattr(e, "peer", None) != peer:
-            fails.append(f"{label}: {type(e).__name__} names peer {getattr(e, 'peer', None)}, expected {peer}")
-        if took > TIMEOUT:
+            fails.append(f"{label}: {type(e).__name__} names peer {getattr(e, 'peer', None)}, expected {peer}: {e}")
+        if took > limit:
             fails.append(f"{label}: raised after {took:.2f} s")
         return e
     except Exception as e:  # noqa: BLE001 - any other outcome is the failure being reported
@@ -94,76 +123,104 @@ def expect(fails, label, call, kinds, peer=None):
 
 
 def main():
-    comm = moecomm.init(transport="host", timeout=TIMEOUT)
+    global xp
+    p = argparse.ArgumentParser()
+    p.add_argument("--transport", default="host")
+    transport = p.parse_args().transport
+    comm = moecomm.init(transport=transport, timeout=TIMEOUT)
+    if transport != "host":
+        import cupy
+        xp = cupy
     W, r, last = comm.world_size, comm.rank, comm.world_size - 1
     fails, checks = [], 0
     a2a = moecomm.AllToAll(comm, M, E_PER_RANK * W, K, H, None, "fp16" if r % 2 else np.float16, "float16")
     checks += 1  # the spellings of one configuration were accepted as equal
 
+    def out():
+        return xp.zeros((M, H), np.float16)
+
+    def whole_call(args, cargs=None):
+        """The steps of one call: dispatch with ``args``, then combine (``cargs`` or the defaults)."""
+        c = cargs or dict(out_tokens=out(), indices=args["indices"], weights=None, expert_y=args["out_expert_x"],
+                          bound_m=args["bound_m"])
+        return [lambda: a2a.dispatch(**args), lambda: a2a.combine(**c)]
+
     # a bad argument at each position: collective, and the next call is right
     for i, (name, bad) in enumerate(BAD_DISPATCH.items()):
-        args = good(W, r, i)
+        args = on_device(good(W, r, i))
         if r == last:
             args[name] = bad(args)
-        kinds = moecomm.InvalidArgument if r == last else moecomm.PeerError
-        expect(fails, f"dispatch with a bad {name} on rank {last}", lambda: a2a.dispatch(**args), kinds,
-               None if r == last else last)
+            expect(fails, f"dispatch with a bad {name}", [lambda: a2a.dispatch(**args)], None,
+                   moecomm.InvalidArgument)
+        else:
+            expect(fails, f"dispatch with a bad {name} on rank {last}", whole_call(args), a2a, moecomm.PeerError, last)
         if not roundtrip(comm, a2a, 100 + i):
             fails.append(f"the call after a bad dispatch {name} is wrong")
         checks += 1
     for i, (name, bad) in enumerate(BAD_COMBINE.items()):
-        args = good(W, r, 200 + i)
+        args = on_device(good(W, r, 200 + i))
         a2a.dispatch(**args)
-        cargs = dict(out_tokens=np.zeros((M, H), np.float16), indices=args["indices"], weights=None,
-                     expert_y=args["out_expert_x"], bound_m=args["bound_m"])
+        cargs = dict(out_tokens=out(), indices=args["indices"], weights=None, expert_y=args["out_expert_x"],
+                     bound_m=args["bound_m"])
         if name == "weights":
             cargs["weights"] = args["weights"]
         if r == last:
             cargs[name] = bad(args)
-        kinds = moecomm.InvalidArgument if r == last else moecomm.PeerError
-        expect(fails, f"combine with a bad {name} on rank {last}", lambda: a2a.combine(**cargs), kinds,
-               None if r == last else last)
-        a2a.combine(np.zeros((M, H), np.float16), args["indices"], None, args["out_expert_x"], args["bound_m"])
+            expect(fails, f"combine with a bad {name}", [lambda: a2a.combine(**cargs)], None, moecomm.InvalidArgument)
+        else:
+            expect(fails, f"combine with a bad {name} on rank {last}", [lambda: a2a.combine(**cargs)], a2a,
+                   moecomm.PeerError, last)
         if not roundtrip(comm, a2a, 300 + i):
             fails.append(f"the call after a bad combine {name} is wrong")
         checks += 1
 
+    # bad routing on the last rank: InvalidRouting everywhere by the end of the call
+    for i, (name, bad) in enumerate(BAD_ROUTING.items()):
+        args = on_device(good(W, r, 350 + i))
+        if r == last:
+            args[name] = bad(args)
+        expect(fails, f"dispatch with a bad {name} value on rank {last}", whole_call(args), a2a,
+               moecomm.InvalidRouting)
+        if not roundtrip(comm, a2a, 360 + i):
+            fails.append(f"the call after bad routing ({name}) is wrong")
+        checks += 1
+
     # combine with another m than the dispatch's, on the last rank
-    args = good(W, r, 400)
+    args = on_device(good(W, r, 400))
     a2a.dispatch(**args)
-    m = np.array([M - 1 if r == last else M], np.int32)
-    expect(fails, "combine with another bound_m", lambda: a2a.combine(np.zeros((M, H), np.float16), args["indices"],
-           None, args["out_expert_x"], m), moecomm.InvalidArgument if r == last else moecomm.PeerError,
-           None if r == last else last)
-    a2a.combine(np.zeros((M, H), np.float16), args["indices"], None, args["out_expert_x"], args["bound_m"])
+    m = xp.array([M - 1 if r == last else M], np.int32)
+    expect(fails, "combine with another bound_m",
+           [lambda: a2a.combine(out(), args["indices"], None, args["out_expert_x"], m)], a2a,
+           moecomm.InvalidArgument if r == last else moecomm.PeerError, None if r == last else last)
     if not roundtrip(comm, a2a, 401):
         fails.append("the call after a combine with another bound_m is wrong")
     checks += 1
 
-    # every rank dispatches twice without combining
-    args = good(W, r, 500)
+    # every rank dispatches twice without combining: the second dispatch ends the call
+    args = on_device(good(W, r, 500))
     a2a.dispatch(**args)
-    expect(fails, "a second dispatch before combine", lambda: a2a.dispatch(**args), moecomm.InvalidArgument)
-    a2a.combine(np.zeros((M, H), np.float16), args["indices"], None, args["out_expert_x"], args["bound_m"])
+    expect(fails, "a second dispatch before combine", [lambda: a2a.dispatch(**args)], None, moecomm.InvalidArgument)
     if not roundtrip(comm, a2a, 501):
         fails.append("the call after a refused second dispatch is wrong")
     checks += 1
 
     # construction with a bad argument on the last rank
-    kinds = moecomm.InvalidArgument
     expect(fails, "AllToAll with a bad hidden_dim on one rank",
-           lambda: moecomm.AllToAll(comm, M, E_PER_RANK * W, K, H + (1 if r == last else 0), None, "fp16", "fp16"),
-           kinds)
+           [lambda: moecomm.AllToAll(comm, M, E_PER_RANK * W, K, H + (1 if r == last else 0), None, "fp16", "fp16")],
+           None, moecomm.InvalidArgument)
     checks += 1
 
     # two AllToAlls in different orders on different ranks
     b2b = moecomm.AllToAll(comm, M, E_PER_RANK * W, K, H, None, "fp16", "fp16")
     first = b2b if r == last else a2a
-    args = good(W, r, 600)
-    e = expect(fails, "AllToAlls called in different orders", lambda: first.dispatch(**args), moecomm.OutOfStep)
-    if e is not None and "AllToAll #" not in str(e):
+    args = on_device(good(W, r, 600))
+    steps = [lambda: first.dispatch(**args),
+             lambda: first.combine(out(), args["indices"], None, args["out_expert_x"], args["bound_m"])]
+    e = expect(fails, "AllToAlls called in different orders", steps, first, (moecomm.OutOfStep, moecomm.CommTimeout),
+               limit=TIMEOUT + 1)
+    if isinstance(e, moecomm.OutOfStep) and "AllToAll #" not in str(e):
         fails.append(f"OutOfStep does not say which calls met: {e}")
-    expect(fails, "a call on a broken communicator", lambda: a2a.dispatch(**args), moecomm.CommBroken)
+    expect(fails, "a call on a broken communicator", [lambda: a2a.dispatch(**args)], None, moecomm.CommBroken)
     checks += 2
     t0 = time.monotonic()
     comm.finalize()  # broken: local only, no wait

@@ -2,11 +2,15 @@
 CommTimeout naming it within the timeout + 1 s and then exit within 5 s (no wait at exit).
 
     mpiexec -disable-auto-cleanup -n 3 python tests/mpi_faults.py --fault dispatch_send --mode exit --result DIR
+    mpirun -n 2 python tests/mpi_faults.py --transport nvshmem --fault combine_recv --mode stall --result DIR
 
 Points: init, construction, dispatch_send, dispatch_recv, combine_send, combine_recv, destroy, finalize.
 Every surviving rank writes DIR/rank<r>.json: what it raised, naming which peer, how long after the start
 of the step that raised, and when it left main(); the faulty rank writes nothing. (The launcher must not
-end the job when a rank leaves without MPI_Finalize: MPICH's -disable-auto-cleanup.)
+end the job when a rank leaves without MPI_Finalize: MPICH's -disable-auto-cleanup. Open MPI ends it, so
+on the GPU machine the faulty rank stalls for 4 timeouts: long after the others have written their
+records.) On GPUs a dispatch or combine only launches kernels: a peer that stops answering during one is
+named when the call is over, at the next synchronizing step (here destroy) or the next call.
 """
 import argparse
 import json
@@ -42,6 +46,11 @@ def main():
             os._exit(0)
 
     import moecomm
+    if args.transport != "host":  # imports and CUDA start at different speeds on different ranks (seconds
+        import importlib           # apart on GPUs, more than a 1 s timeout): not part of any step
+        importlib.import_module("nvshmem.core")
+        importlib.import_module("cupy").cuda.runtime.getDeviceCount()
+    MPI.COMM_WORLD.Barrier()
     E, K, H, M = 2 * world, 2, 64, 8
     rng = np.random.default_rng(rank)
     record = {"rank": rank, "raised": None, "peer": None, "step": None, "after_s": None}
@@ -50,9 +59,13 @@ def main():
         comm = moecomm.init(transport=args.transport, timeout=args.timeout)
         at("construction")
         a2a = moecomm.AllToAll(comm, M, E, K, H, None, "float16", "float16")
-        idx = np.argsort(rng.random((M, E)), axis=1)[:, :K].astype(np.int32)
-        x, w, m = rng.standard_normal((M, H)).astype(np.float16), rng.random((M, K), np.float32), np.array([M], np.int32)
-        n, ex, out = np.zeros(E // world, np.int32), np.zeros((E // world, M * world, H), np.float16), np.zeros((M, H), np.float16)
+        xp = np
+        if args.transport != "host":
+            import cupy as xp
+        idx = xp.asarray(np.argsort(rng.random((M, E)), axis=1)[:, :K].astype(np.int32))
+        x, w = xp.asarray(rng.standard_normal((M, H)).astype(np.float16)), xp.asarray(rng.random((M, K), np.float32))
+        m = xp.array([M], np.int32)
+        n, ex, out = xp.zeros(E // world, np.int32), xp.zeros((E // world, M * world, H), np.float16), xp.zeros((M, H), np.float16)
         at("dispatch_send")
         a2a.dispatch(n, ex, None, x, None, idx, m, do_recv=False, weights=w)
         at("dispatch_recv")

@@ -2,6 +2,10 @@
 peer mapping, the peer-check kernel (put with signal + bounded wait), and a timeout that names the peer.
 
     mpirun -np 2 python tests/mpi_peer_check.py
+
+The timeout comes last: it breaks the communicator (the ranks' peer checks are out of step from then on),
+so the ranks report over plain MPI and leave without a collective teardown (moecomm ends such a process
+without MPI's finalization, which Open MPI's launcher reports as an improper exit: read the printed result).
 """
 import sys
 import time
@@ -49,9 +53,11 @@ def main():
             if e.peer not in range(1, comm.world_size) or not 0.9 < took < 5:
                 fails.append(f"timeout named peer {e.peer} after {took:.2f} s")
             print(f"timeout raised after {took:.2f} s: {e}")
-    comm.barrier()
-    everyone = comm.allgather(fails)
-    comm.finalize()
+    else:
+        comm.fail(moecomm.MoeCommError("rank 0 checked its peers alone: the checks are out of step"))
+    from mpi4py import MPI
+    everyone = MPI.COMM_WORLD.allgather(fails)
+    comm.finalize()  # broken on every rank: local
     if comm.rank == 0:
         for f in sum(everyone, []):
             print("FAIL", f)

@@ -121,6 +121,9 @@ def test_combine_needs_weights_and_dispatch(comm):
     a.dispatch(**dict(args, weights=None))
     with pytest.raises(moecomm.InvalidArgument, match="weights=None needs"):
         a.combine(out, args["indices"], None, y, args["bound_m"])
+    with pytest.raises(moecomm.InvalidArgument, match="no dispatch"):  # the refused combine ended the call
+        a.combine(out, args["indices"], args["weights"], y, args["bound_m"])
+    a.dispatch(**dict(args, weights=None))
     a.combine(out, args["indices"], args["weights"], y, args["bound_m"])
     a.destroy()
     a.destroy()  # twice is fine
@@ -151,8 +154,7 @@ def test_each_dispatch_has_one_combine(a2a):
         _combine(a2a, args)
     a2a.dispatch(**args, do_send=False)
     with pytest.raises(moecomm.InvalidArgument, match="previous dispatch has not been combined"):
-        a2a.dispatch(**args)
-    _combine(a2a, args)
+        a2a.dispatch(**args)  # refused: it ends the call whose combine was due
     with pytest.raises(moecomm.InvalidArgument, match="no dispatch to combine"):
         _combine(a2a, args)
     _roundtrip(a2a, _good())

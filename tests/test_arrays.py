@@ -10,6 +10,7 @@ import pytest
 
 import moecomm
 from moecomm import _abi, _arrays
+from moecomm._constants import ARGUMENTS
 from moecomm.transport.base import AllToAllBackend, Transport
 
 LAUNCH = 0x100  # the launch stream of these tests
@@ -200,6 +201,15 @@ class FakeBackend(AllToAllBackend):
     def combine(self, do_send, do_recv, stream):
         self.launches.append(("combine", do_send, do_recv, stream, bytes(self.call)))
 
+    def refuse(self, phase, reason, argument, stream):
+        self.launches.append(("refuse", phase, argument, stream))
+
+    def set_mask(self, masked, generation, barrier):
+        pass
+
+    def counts(self):
+        return {}
+
     def destroy(self, collective):
         pass
 
@@ -258,9 +268,12 @@ BAD = {
 def test_bad_dispatch_argument_is_named_and_nothing_launches(fake, arg):
     with pytest.raises(moecomm.InvalidArgument, match=f"^{arg}: "):
         fake.dispatch(**dict(_buffers(), **{arg: BAD[arg]}), stream=LAUNCH)
-    assert fake.comm.transport.backend.launches == []
+    launches = fake.comm.transport.backend.launches
+    # the refused call is run with no data, the argument named by its number, on the call's stream
+    assert launches == [("refuse", "dispatch", ARGUMENTS.index(arg), LAUNCH)]
     fake.dispatch(**_buffers(), stream=LAUNCH)  # the next good call goes through
-    call = _abi.Call.from_buffer_copy(fake.comm.transport.backend.launches[-1][4])
+    assert launches[-1][3] == LAUNCH
+    call = _abi.Call.from_buffer_copy(launches[-1][4])
     assert (call.x, call.x_scale, call.indices, call.idx64, call.bound_m, call.weights, call.out_num, call.out_x,
             call.out_scale, call.rows) == (0x4000, 0x5000, 0x6000, 1, 0x7000, 0x8000, 0x1000, 0x2000, 0x3000, M)
 
@@ -283,6 +296,8 @@ def test_bad_combine_argument_is_named(fake, arg):
                 bound_m=FakeTensor((1,), "int32", ptr=0x7000))
     with pytest.raises(moecomm.InvalidArgument, match=f"^{arg}: "):
         fake.combine(**dict(good, **{arg: BAD_COMBINE[arg]}), stream=LAUNCH)
+    assert fake.comm.transport.backend.launches[-1] == ("refuse", "combine", ARGUMENTS.index(arg), LAUNCH)
+    fake.dispatch(**_buffers(), stream=LAUNCH)  # the refused combine ended the call
     fake.combine(**good, stream=LAUNCH)
     call = _abi.Call.from_buffer_copy(fake.comm.transport.backend.launches[-1][4])
     assert (call.out_tokens, call.y, call.idx64, call.partials, call.rows) == (0x9000, 0xa000, 0, 0, M)

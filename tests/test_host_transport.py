@@ -24,3 +24,10 @@ def test_failed_calls_are_collective_and_out_of_step_calls_refused():
     right; spellings of one configuration agree; AllToAlls met out of order raise OutOfStep everywhere."""
     p = run_mpi(3, "tests/mpi_control.py", timeout=120)
     assert p.returncode == 0 and ": 0 failures" in p.stdout, p.stdout[-4000:] + p.stderr[-4000:]
+
+
+def test_a_masked_dead_rank_leaves_the_survivors_serving():
+    """tests/mpi_mask.py: the survivors name the stalled rank, mask it, match the reference without its
+    experts (and count the pairs not sent), then take it back."""
+    p = run_mpi(3, "tests/mpi_mask.py", timeout=120)
+    assert p.returncode == 0 and ": 0 failures" in p.stdout, p.stdout[-4000:] + p.stderr[-4000:]

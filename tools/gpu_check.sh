@@ -7,6 +7,8 @@
 #   bash tools/gpu_check.sh bench    build, checks, world size 1, put-only path, R1-sized sweep, benchmark
 #   bash tools/gpu_check.sh profile  build, short benchmark (per-phase graphs), Nsight Compute at world
 #                                    size 1 (all sections) and on every rank (kernel durations), quick sweep
+#   bash tools/gpu_check.sh faults   build, peer check, collective errors, masking, a rank stalled at each
+#                                    point of a run, a soak with injected faults ($SOAK_MINUTES, default 2)
 # Wheels the GPU machine lacks (nvshmem4py) are installed from .whl/ when present. Logs go to $OUT if set.
 set -u -o pipefail
 out=${OUT:-/tmp/moecomm-out}; mkdir -p "$out"
@@ -23,11 +25,29 @@ MPIRUN=(mpirun --allow-run-as-root --oversubscribe -x PYTHONPATH -x PYTHONUNBUFF
   -x NCCL_NVLS_ENABLE -x NVSHMEM_REMOTE_TRANSPORT -x NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME -x MOECOMM_CACHE_DIR)
 status=0
 step() { echo "=== $*"; timeout ${STEP_TIMEOUT:-240} "$@" 2>&1 | tee -a "$out/gpu_check.log"; local rc=${PIPESTATUS[0]}; echo "=== rc=$rc: $*"; [ "$rc" = 0 ] || status=1; }
+# A run that breaks its communicator by design ends without MPI's finalization, which Open MPI's launcher
+# reports as a failure: judge it by its printed result (the first argument, a grep pattern) instead.
+expect() { local want=$1; shift; echo "=== $*"; timeout ${STEP_TIMEOUT:-240} "$@" 2>&1 | tee -a "$out/gpu_check.log" | tee /tmp/step.txt;
+  if grep -q -- "$want" /tmp/step.txt; then echo "=== ok ($want): $*"; else echo "=== FAILED (no '$want'): $*"; status=1; fi; }
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; nvidia-smi topo -m;
   python3 -c "import cupy, cuda.bindings, cuda.core, mpi4py, numpy; import importlib.metadata as m; print({p: m.version(p) for p in ['cupy-cuda13x','cuda-bindings','cuda-core','nvidia-cuda-nvrtc','nvidia-nvjitlink','nvidia-nvshmem-cu13','nvshmem4py-cu13','mpi4py','numpy']})"; } 2>&1 | tee "$out/gpu_env.txt"
 step python3 -m moecomm.build --arch sm_90
-step "${MPIRUN[@]}" -np "$ngpu" python3 tests/mpi_peer_check.py
+expect ": 0 failures" "${MPIRUN[@]}" -np "$ngpu" python3 tests/mpi_peer_check.py
 [ "${1:-}" = peer ] && exit $status
+if [ "${1:-}" = faults ]; then
+  expect ": 0 failures" "${MPIRUN[@]}" -np "$ngpu" python3 tests/mpi_control.py --transport nvshmem
+  expect ": 0 failures" "${MPIRUN[@]}" -np "$ngpu" python3 tests/mpi_mask.py --transport nvshmem
+  for point in init construction dispatch_send dispatch_recv combine_send combine_recv destroy finalize; do
+    rm -rf /tmp/faults && mkdir -p /tmp/faults
+    timeout 60 "${MPIRUN[@]}" -np "$ngpu" python3 tests/mpi_faults.py --transport nvshmem --fault $point \
+      --mode stall --timeout 1 --result /tmp/faults >> "$out/gpu_check.log" 2>&1
+    expect "\"raised\": \"CommTimeout\", \"peer\": $((ngpu - 1))" cat /tmp/faults/rank0.json
+    echo "fault $point: $(cat /tmp/faults/*.json 2>/dev/null)" >> "$out/faults.txt"
+  done
+  STEP_TIMEOUT=$(( ${SOAK_MINUTES:-2} * 60 + 120 )) step "${MPIRUN[@]}" -np "$ngpu" python3 tools/soak.py \
+    --minutes ${SOAK_MINUTES:-2} --transport nvshmem --json "$out/soak-gpu.json"
+  exit $status
+fi
 # CuPy's NCCL binding finds libnccl through the loader path (the nvidia-nccl wheel)
 nccl=$(python3 -c "import nvidia.nccl as m; print(list(m.__path__)[0] + '/lib')" 2>/dev/null)
 export LD_LIBRARY_PATH=${nccl}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
@@ -60,7 +80,7 @@ step "${MPIRUN[@]}" -np "$ngpu" python3 examples/torch_moe.py
 step "${MPIRUN[@]}" -np "$ngpu" python3 examples/jax_moe.py
 step "${MPIRUN[@]}" -np "$ngpu" python3 examples/jax_moe.py --jax-first
 step python3 -m torch.distributed.run --nproc-per-node "$ngpu" tests/torchrun_bootstrap.py
-step "${MPIRUN[@]}" -np "$ngpu" python3 tests/mpi_timeout.py --transport nvshmem
+expect "CommTimeout on $((ngpu - 1)) ranks" "${MPIRUN[@]}" -np "$ngpu" python3 tests/mpi_timeout.py --transport nvshmem
 step "${MPIRUN[@]}" -np "$ngpu" python3 examples/demo.py
 if [ "${1:-}" = quick ]; then
   MOECOMM_FORCE_PUTS=1 step "${MPIRUN[@]}" -x MOECOMM_FORCE_PUTS -np "$ngpu" python3 tests/mpi_alltoall.py --transport nvshmem --quick

@@ -10,6 +10,13 @@ call with the fields of :data:`moecomm._abi.CALL_FIELDS`: ``x``, ``x_scale``, ``
 ``y``, ``out_tokens`` (combine), and the ints ``rows``, ``idx64``, ``partials``. A transport with
 ``memory == "host"`` gets numpy arrays (None where absent); one with ``memory == "device"`` gets device
 addresses (0 where absent) in a :class:`moecomm._abi.Call` structure that it hands to its kernels as is.
+
+The call contract, the same on every transport: each dispatch is followed by exactly one combine; a
+call whose arguments AllToAll refused still takes part with no data (:meth:`AllToAllBackend.refuse`), so
+the ranks' calls always pair up; a call that raises a non-fatal error (refusal, bad routing) is over on
+every rank. A host transport raises the peers' errors in the call itself; a device transport never
+synchronizes, so its kernels record them and the backend raises them once the call is over on this rank
+(after issuing combine's receive half) or in ``synchronize``, and raises a timeout at the next call.
 """
 import abc
 from types import SimpleNamespace
@@ -42,11 +49,24 @@ class AllToAllBackend(abc.ABC):
         """Send expert outputs back and/or receive and sum them (the call record's combine arrays).
         Collective."""
 
-    def refuse(self, phase: str, reason: str) -> None:
-        """Take part in a send half of ``phase`` ("dispatch" or "combine") whose arguments AllToAll refused,
-        sending no data, so that the peers raise :class:`moecomm.PeerError` naming this rank instead of
-        waiting for it (AllToAll then raises its InvalidArgument). A transport that cannot leaves it out:
-        its peers then time out."""
+    @abc.abstractmethod
+    def refuse(self, phase: str, reason: str, argument: int, stream) -> None:
+        """Take part, with no data, in the rest of a call from ``phase`` ("dispatch": the combine too, or
+        "combine") whose arguments AllToAll refused, so that the peers raise :class:`moecomm.PeerError`
+        naming this rank (AllToAll then raises its InvalidArgument). ``reason`` is the error's text,
+        ``argument`` the refused argument's number in ``moecomm._constants.ARGUMENTS``, ``stream`` the
+        call's stream or None (then the last call's)."""
+
+    @abc.abstractmethod
+    def set_mask(self, masked: tuple, generation: int, barrier) -> None:
+        """Mask ``masked`` (ranks: no data to or from them, no wait for them) from the next call on, and
+        restart the call sequence: finish this rank's work in flight, ``barrier()`` (among the unmasked
+        ranks, bounded), reset, ``barrier()``. ``generation`` numbers the restarts of this AllToAll, the same
+        on every rank taking part (a rank that was masked may have missed some): messages may carry it."""
+
+    @abc.abstractmethod
+    def counts(self) -> dict:
+        """The cumulative counters ({name in moecomm._constants.COUNTER_FIELDS: int})."""
 
     def synchronize(self, stream) -> None:
         """Wait for this AllToAll's work on ``stream``; raise errors the device recorded. Not collective."""

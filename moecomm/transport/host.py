@@ -11,7 +11,7 @@ a status and a reason. So a rank whose input is bad (expert ids, ``m``, an argum
 still takes part, every rank raises within one exchange (the faulty rank its own error, the others
 :class:`moecomm.PeerError` or :class:`moecomm.InvalidRouting` naming it) and the next call works; and
 two ranks in different AllToAlls, phases or calls raise :class:`moecomm.OutOfStep` instead of
-exchanging data.
+exchanging data. Masked ranks (``AllToAll.mask_ranks``) get no header and no data and are not waited for.
 """
 import time
 from dataclasses import dataclass
@@ -20,8 +20,9 @@ import numpy as np
 
 from .. import reference
 from .._arrays import HostArrays
+from .._constants import COUNTER_FIELDS
 from .._errors import InvalidArgument, InvalidRouting, MoeCommError, OutOfStep, PeerError
-from .._mpi import TAG_COMBINE, TAG_DISPATCH, TAG_PEER_CHECK, wait_all
+from .._mpi import TAG_PEER_CHECK, exchange_tag, wait_all
 from .base import AllToAllBackend, Transport, host_call_record, peer_pattern
 
 _OK, _BAD_ROUTING, _BAD_M, _BAD_ARG = 0, 1, 2, 3  # statuses in a header
@@ -37,14 +38,28 @@ class _Exchange:
     headers; ``finish`` waits and returns the received rows grouped by source rank and the counts.
     """
 
-    def __init__(self, comm, timeout_s, alltoall, phase, tag):
-        self.comm, self.timeout_s, self.alltoall, self.phase, self.tag = comm, timeout_s, alltoall, phase, tag
+    def __init__(self, comm, timeout_s, alltoall, phase):
+        self.comm, self.timeout_s, self.alltoall, self.phase = comm, timeout_s, alltoall, phase
+        self.tag = exchange_tag(_PHASES.index(phase), 0)
         self.calls = 0
+        self.live = list(range(comm.Get_size()))  # the ranks not masked
+        self._receives = []  # receives of the exchange in progress (cancelled by restart())
+
+    def restart(self, live, generation):
+        """Start over with the ranks ``live`` in ``generation``: receives left open by a failed exchange are
+        cancelled (a stale receive would swallow a later message), messages sent to a rank that was not
+        listening stay behind under the old generation's tags, and calls are counted from zero again."""
+        for r in self._receives:
+            if not r.Test():
+                r.Cancel()
+                r.Wait()
+        self._receives, self.calls, self.live = [], 0, list(live)
+        self.tag = exchange_tag(_PHASES.index(self.phase), generation)
 
     def post(self, rows, dest_counts, status, reason=""):
         """Exchange headers; then, if every rank's status is OK, post the rows. Returns (pending or None,
         statuses [world], reasons [world])."""
-        w, c = self.comm.Get_size(), self.comm
+        w, c, live = self.comm.Get_size(), self.comm, self.live
         self.calls += 1
         me = (self.alltoall, _PHASES.index(self.phase), self.calls)
         deadline = time.monotonic() + self.timeout_s
@@ -53,12 +68,13 @@ class _Exchange:
         fields[:, :3], fields[:, 3], fields[:, 4] = me, status, dest_counts
         text = reason.encode()[:_HEADER - 8 * _FIELDS]
         head[:, 8 * _FIELDS:8 * _FIELDS + len(text)] = np.frombuffer(text, np.uint8)
-        heads = np.empty((w, _HEADER), np.uint8)
-        recvs = [c.Irecv(heads[s], source=s, tag=self.tag) for s in range(w)]
-        sends = [c.Isend(head[d], dest=d, tag=self.tag) for d in range(w)]
-        wait_all(recvs + sends, list(range(w)) * 2, deadline, self.timeout_s, self.phase)
+        heads = np.zeros((w, _HEADER), np.uint8)
+        heads[:, :8 * _FIELDS].view(np.int64)[:, :3] = me  # masked ranks: in step, OK, no rows
+        recvs = self._receives = [c.Irecv(heads[s], source=s, tag=self.tag) for s in live]
+        sends = [c.Isend(head[d], dest=d, tag=self.tag) for d in live]
+        wait_all(recvs + sends, live * 2, deadline, self.timeout_s, self.phase)
         got = heads[:, :8 * _FIELDS].view(np.int64)
-        for s in range(w):
+        for s in live:
             if tuple(got[s, :3]) != me:
                 a, phase, call = (int(v) for v in got[s, :3])
                 theirs = _PHASES[phase] if 0 <= phase < len(_PHASES) else f"phase {phase}"
@@ -77,6 +93,7 @@ class _Exchange:
             if src_counts[s]:
                 reqs.append(c.Irecv(recv[src_off[s]:src_off[s + 1]], source=s, tag=self.tag + 1))
                 peers.append(s)
+        self._receives = list(reqs)
         for d in range(w):
             if dest_counts[d]:
                 reqs.append(c.Isend(rows[dst_off[d]:dst_off[d + 1]], dest=d, tag=self.tag + 1))
@@ -89,7 +106,8 @@ class _Exchange:
         return recv, src_counts
 
     def refuse(self, reason):
-        """Take part in an exchange as a rank whose argument was refused: header only, no data."""
+        """Take part in an exchange as a rank whose argument was refused: header only, no data (the call
+        ends there on every rank)."""
         self.post(np.zeros((0, 0), np.uint8), np.zeros(self.comm.Get_size(), np.int64), _BAD_ARG, reason)
 
 
@@ -133,12 +151,13 @@ class HostAllToAll(AllToAllBackend):
     def __init__(self, comm, cfg, timeout_s, ident):
         self.comm, self.cfg, self.timeout_s = comm, cfg, timeout_s
         self.call = host_call_record()
-        self._exchanges = {phase: _Exchange(comm, timeout_s, ident, phase, tag)
-                           for phase, tag in (("dispatch", TAG_DISPATCH), ("combine", TAG_COMBINE))}
+        self._exchanges = {phase: _Exchange(comm, timeout_s, ident, phase) for phase in _PHASES}
         self._dispatch_pending = None
         self._combine_pending = None
         self._received = None
         self._dispatched_m = None
+        self._masked = np.zeros(cfg.world_size, bool)
+        self._counters = dict.fromkeys(COUNTER_FIELDS, 0)
 
     # dispatch -------------------------------------------------------------------------------
     def dispatch(self, do_send, do_recv, stream=None):
@@ -162,6 +181,9 @@ class HostAllToAll(AllToAllBackend):
         mine = np.arange(cfg.dp_rank, m if status == _OK else 0, cfg.dp_size)
         idx = a.indices[mine].astype(np.int64)
         owner = np.where(idx >= 0, idx // L, -1)  # id -1: no expert, no destination
+        masked = (owner >= 0) & self._masked[np.maximum(owner, 0)]
+        self._counters["MASKED_PAIRS"] += int(masked.sum())
+        owner[masked] = -1
         parts, counts = [], np.zeros(W, np.int64)
         for d in range(W):
             to_d = owner == d
@@ -261,8 +283,21 @@ class HostAllToAll(AllToAllBackend):
             np.add.at(acc, token, a.weights[token, k].astype(np.float32)[:, None] * y)
         a.out_tokens[:m] = acc.astype(cfg.out_dtype)
 
-    def refuse(self, phase, reason):
+    def refuse(self, phase, reason, argument, stream):
         self._exchanges[phase].refuse(reason)
+
+    def set_mask(self, masked, generation, barrier):
+        barrier()
+        self._masked[:] = False
+        self._masked[list(masked)] = True
+        live = [q for q in range(self.cfg.world_size) if not self._masked[q]]
+        for ex in self._exchanges.values():
+            ex.restart(live, generation)
+        self._received = self._dispatch_pending = self._combine_pending = None
+        barrier()
+
+    def counts(self):
+        return dict(self._counters)
 
     def destroy(self, collective):
         self._received = self._dispatch_pending = self._combine_pending = None

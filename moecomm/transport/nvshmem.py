@@ -17,7 +17,7 @@ import numpy as np
 from .. import _abi, _cuda, _jit
 from .. import _constants as C
 from .._arrays import DeviceArrays
-from .._errors import CommTimeout, InvalidArgument, InvalidRouting, MoeCommError
+from .._errors import CommTimeout, InvalidArgument, InvalidRouting, MoeCommError, PeerError
 from .base import Transport, peer_pattern
 
 
@@ -100,8 +100,16 @@ class NvshmemTransport(Transport):
         with self.context:
             self._nvshmem.free_array(array)
 
+    def settle(self, what):
+        """Finish this rank's work on CuPy's current stream, then wait for every rank (bounded by the
+        timeout, over the bootstrap: CommTimeout names a rank that does not come). moecomm's own barriers."""
+        with self.context:
+            self._cupy.cuda.get_current_stream().synchronize()
+        self.bootstrap.barrier(self.timeout_s, what)
+
     def barrier(self, stream=None):
-        """nvshmem barrier_all ordered on ``stream`` (a handle; default CuPy's current stream)."""
+        """nvshmem barrier_all ordered on ``stream`` (a handle; default CuPy's current stream). Unbounded: a
+        dead rank stalls it; for benchmarks, which align the ranks' clocks with it."""
         with self.context:
             s = self._cupy.cuda.get_current_stream().ptr if stream is None else stream
             self._bindings.barrier_all_on_stream(s)
@@ -121,13 +129,11 @@ class NvshmemTransport(Transport):
     def _peer_buffers(self):
         """inbox [2, world, PEER_CHECK_BYTES] (double-buffered by check parity), outbox, signal counters."""
         if self._peer is None:  # allocated (collectively) at init: check_peers itself runs no collective
-            cp, n = self._cupy, C.PEER_CHECK_BYTES
+            n = C.PEER_CHECK_BYTES
             self._peer = (self.symmetric((2, self.world_size, n), np.uint8),
                           self.symmetric((n,), np.uint8), self.symmetric((self.world_size,), np.uint64))
             self._peer[2].fill(0)
-            cp.cuda.get_current_stream().synchronize()
-            self.barrier()
-            cp.cuda.get_current_stream().synchronize()
+            self.settle("init")
         return self._peer
 
     def check_peers(self, nbytes, timeout_s):
@@ -185,20 +191,42 @@ class NvshmemTransport(Transport):
 
 
 def error_from_words(words, what):
-    """The exception for a device error word ``(code, peer, phase, detail)`` recorded by a kernel."""
-    code, peer, phase, detail = (int(v) for v in words)
+    """The exception for a device error word ``(code, peer, phase, detail, call)`` recorded by a kernel; the
+    kinds and classes are those the host transport raises for the same fault."""
+    code, peer, phase, detail, call = (int(v) for v in words)
     phase_name = C.PHASES[phase] if 0 <= phase < len(C.PHASES) else str(phase)
+    where = f"{what} {phase_name} (call {call})"
     if code == C.ERR_TIMEOUT:
-        return CommTimeout(f"{what}: timed out in {phase_name} waiting for rank {peer}", peer=peer,
-                           phase=phase_name)
+        return CommTimeout(f"{where}: timed out waiting for rank {peer}", peer=peer, phase=phase_name)
+    if code == C.ERR_PEER:
+        return _peer_error(where, peer, detail & ((1 << C.REASON_ARG_SHIFT) - 1), detail >> C.REASON_ARG_SHIFT)
     if code == C.ERR_BAD_EXPERT:
-        where = f" (token {detail})" if detail >= 0 else ""
-        return InvalidRouting(f"{what}: rank {peer} dispatched an expert id out of range or repeated in a "
-                              f"row{where}; no rank unpacked its tokens")
+        return InvalidRouting(f"{where}: this rank dispatched an expert id out of range or repeated in a row "
+                              f"(token {detail}); no rank unpacked its tokens")
     if code == C.ERR_BAD_M:
-        return InvalidRouting(f"{what}: rank {peer} passed bound_m={detail}, outside [0, min(rows, "
+        return InvalidRouting(f"{where}: this rank passed bound_m={detail}, outside [0, min(rows, "
                               f"max_num_tokens)]")
+    if code == C.ERR_M_DIFFERS:
+        return InvalidArgument(f"{where}: bound_m={detail} differs from the dispatched m; nothing was sent")
     if code == C.ERR_OVERFLOW:
-        return MoeCommError(f"{what}: rank {peer} sent more than the buffers hold in {phase_name} "
-                            f"(detail {detail}): configurations differ or memory was corrupted")
-    return MoeCommError(f"{what}: device error {code} in {phase_name} (peer {peer}, detail {detail})")
+        return MoeCommError(f"{where}: rank {peer} sent more than the buffers hold (detail {detail}): "
+                            f"configurations differ or memory was corrupted")
+    return MoeCommError(f"{where}: device error {code} (peer {peer}, detail {detail})")
+
+
+def _peer_error(where, peer, reason, argument):
+    """A peer flagged its part of a call as failed with ``reason`` (an ERR_* code)."""
+    if reason == C.ERR_BAD_EXPERT:
+        return InvalidRouting(f"{where}: peers reported bad input (rank {peer}: invalid expert ids); its tokens "
+                              f"were not sent")
+    if reason == C.ERR_BAD_M:
+        return InvalidRouting(f"{where}: peers reported bad input (rank {peer}: bound_m out of range); its "
+                              f"tokens were not sent")
+    if reason == C.ERR_M_DIFFERS:
+        text = "bound_m differs from the dispatched m"
+    elif reason == C.ERR_REFUSED:
+        name = C.ARGUMENTS[argument] if 0 <= argument < len(C.ARGUMENTS) else f"argument {argument}"
+        text = f"refused {name}"
+    else:
+        text = f"error {reason}"
+    return PeerError(f"{where}: rank {peer} refused its call ({text}); it sent nothing", peer=peer, reason=text)

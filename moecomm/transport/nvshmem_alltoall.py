@@ -13,9 +13,14 @@ stored in place by the send kernel, with no record); combine n * r * H * out_siz
 dispatch (one partial per token and expert rank), else n * K * H * out_size.
 
 No host synchronization happens in dispatch or combine: m is read on the device from ``bound_m``, epochs
-and counters live in device memory, errors land in a mapped host word that is checked at the next call
-and by :meth:`synchronize`. Each kernel's parameter block (:class:`moecomm._abi.Fixed` and the call
-record :class:`moecomm._abi.Call`) is built once; a call writes the call record and launches.
+and counters live in device memory, errors land in a mapped host word. Every rank runs every phase of
+every call on the device, so the ranks' kernels always pair up: a rank whose call was refused runs the
+rest of the call with no data (``Call.skip``) and flags its signals with the reason, which the peers'
+kernels record. Errors the kernels record are raised after the call's combine receive half has been
+issued (the call is over on every rank, so raising skips nothing) and by :meth:`synchronize`; a timeout
+is raised at the start of any call (the communicator is then broken). Each kernel's parameter block
+(:class:`moecomm._abi.Fixed` and the call record :class:`moecomm._abi.Call`) is built once; a call writes
+the call record and launches.
 """
 import numpy as np
 
@@ -71,6 +76,8 @@ class NvshmemAllToAll(AllToAllBackend):
         sizes = symmetric_sizes(cfg, transport.num_sms)
         self.state = cupy.zeros(C.STATE_FIXED + 2 * W + L, np.uint32)
         self.slot_of = cupy.empty(W * M * K, np.int32)
+        self.mask = cupy.zeros(W, np.int32)
+        self.counters = cupy.zeros(len(C.COUNTER_FIELDS), np.uint64)
         sym = transport.symmetric
         self.recv_buf = sym((sizes["recv_buf"],), np.uint8)
         self.comb_buf = sym((sizes["comb_buf"],), np.uint8)
@@ -85,7 +92,8 @@ class NvshmemAllToAll(AllToAllBackend):
         self.fixed = _abi.Fixed(
             state=self.state.data.ptr, err=mem.ptr, recv_buf=self.recv_buf.data.ptr,
             comb_buf=self.comb_buf.data.ptr, stage=self.stage.data.ptr, sig=self.sig[0].data.ptr,
-            comb_sig=self.sig[1].data.ptr, slot_of=self.slot_of.data.ptr, timeout_ns=int(timeout_s * 1e9),
+            comb_sig=self.sig[1].data.ptr, slot_of=self.slot_of.data.ptr, mask=self.mask.data.ptr,
+            counters=self.counters.data.ptr, timeout_ns=int(timeout_s * 1e9),
             world=W, rank=cfg.rank, dp=cfg.dp_size, num_experts=cfg.num_experts, local_experts=L, topk=K,
             max_tokens=M, hidden=cfg.hidden_dim, x_bytes=cfg.hidden_dim * cfg.in_dtype.itemsize,
             scale_bytes=0 if cfg.hidden_dim_scale is None else 4 * cfg.hidden_dim_scale,
@@ -95,17 +103,21 @@ class NvshmemAllToAll(AllToAllBackend):
             stage_slots=C.STAGE_SLOTS, stage_bytes=sizes["stage_row"],
             s_expert=C.STATE_FIXED + W, s_recv=C.STATE_FIXED + W + L)
         self.call = _abi.Call()
+        self._skipped = _abi.Call(skip=1)  # the call record of a refused call: no arrays
         grid = blocks(cfg, transport.num_sms)
         (self._dispatch_send, self._dispatch_recv, self._combine_send, self._combine_recv) = (
             transport.launch(n, grid[n], self.fixed, self.call) for n in _abi.ALLTOALL_KERNELS)
-        cupy.cuda.get_current_stream().synchronize()
-        transport.barrier()
-        cupy.cuda.get_current_stream().synchronize()
+        self._skip = dict(zip(("dispatch_send", "dispatch_recv", "combine_send", "combine_recv"), (
+            transport.launch(n, grid[n], self.fixed, self._skipped) for n in _abi.ALLTOALL_KERNELS)))
+        self._stream = cupy.cuda.get_current_stream().ptr  # of the last call (a refusal's default)
+        transport.settle("AllToAll(...)")
 
     # ------------------------------------------------------------------------------------------
-    def check_error(self):
-        """Raise the first error a kernel recorded (no synchronization), and clear it."""
-        if self.err[0] != C.ERR_NONE:
+    def check_error(self, timeout_only=False):
+        """Raise the error a kernel recorded (no synchronization) and clear it; with ``timeout_only``, only
+        a timeout (other errors wait for the end of a call)."""
+        code = self.err[0]
+        if code != C.ERR_NONE and (code == C.ERR_TIMEOUT or not timeout_only):
             words = self.err.copy()
             self.err[:] = 0
             raise error_from_words(words, "AllToAll")
@@ -115,25 +127,62 @@ class NvshmemAllToAll(AllToAllBackend):
         self.check_error()
 
     def dispatch(self, do_send, do_recv, stream):
-        self.check_error()
+        self.check_error(timeout_only=True)
+        self._stream = stream
         if do_send:
             self._dispatch_send(stream)
         if do_recv:
             self._dispatch_recv(stream)
 
     def combine(self, do_send, do_recv, stream):
-        self.check_error()
+        self.check_error(timeout_only=True)
+        self._stream = stream
         if do_send:
             self._combine_send(stream)
         if do_recv:
             self._combine_recv(stream)
+            self.check_error()
+
+    def refuse(self, phase, reason, argument, stream):
+        """Run the rest of the call with no data: from the dispatch (then the combine too) or the combine,
+        flagging the refused phase's signals with (ERR_REFUSED, argument)."""
+        s = self._stream if stream is None else stream
+        flagged = C.ERR_REFUSED | argument << C.REASON_ARG_SHIFT
+        halves = ("combine_send", "combine_recv")
+        if phase == "dispatch":
+            halves = ("dispatch_send", "dispatch_recv") + halves
+        for half in halves:
+            self._skipped.reason = flagged if half.startswith(phase) else 0
+            self._skip[half](s)
+        self._stream = s
+
+    def set_mask(self, masked, generation, barrier):
+        """Mask ``masked`` (ranks) from the next call on, after a resynchronization among the ranks outside
+        it: every such rank finishes its work, then they all restart their epochs and signals from zero.
+        ``barrier()`` waits for those ranks (bounded)."""
+        mask = np.zeros(self.cfg.world_size, np.int32)
+        mask[list(masked)] = 1
+        _cuda.context_synchronize()  # this rank's kernels are bounded: this ends
+        barrier()  # no unmasked rank has work in flight: nothing writes our signals any more
+        stream = self._cupy.cuda.get_current_stream()
+        self.state.fill(0)
+        self.sig.fill(0)
+        self.mask.set(mask)
+        stream.synchronize()
+        self.err[:] = 0
+        barrier()
+
+    def counts(self):
+        """The device counters, after this rank's work on the GPU: {name: int}."""
+        _cuda.context_synchronize()
+        return dict(zip(C.COUNTER_FIELDS, (int(v) for v in self.counters.get())))
 
     def destroy(self, collective):
         if not collective:  # a peer is gone: freeing symmetric memory would wait for it
             return
-        self._cupy.cuda.get_current_stream().synchronize()
-        self.t.barrier()
-        self._cupy.cuda.get_current_stream().synchronize()
+        _cuda.context_synchronize()
+        self.check_error(timeout_only=True)  # a peer that died during the last call is named here
+        self.t.settle("destroy")
         for a in self._owned:
             self.t.free(a)
         self._owned = []
