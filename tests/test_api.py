@@ -204,3 +204,21 @@ def test_bootstrap_of_each_kind():
 def test_host_transport_needs_mpi():
     with pytest.raises(moecomm.InvalidArgument, match="host transport moves data over MPI"):
         moecomm.init(comm=Loopback(), transport="host")
+
+
+def test_device_error_words_map_to_the_host_transports_errors():
+    """The GPU error word (code, peer, phase, detail, call) becomes the exception the host transport raises
+    for the same fault, naming the rank, the refused argument and the call."""
+    from moecomm import _constants as C
+    from moecomm.transport.nvshmem import error_from_words
+    refused = C.ERR_REFUSED | C.ARGUMENTS.index("indices") << C.REASON_ARG_SHIFT
+    e = error_from_words([C.ERR_PEER, 1, C.PHASE_DISPATCH, refused, 12], "AllToAll")
+    assert isinstance(e, moecomm.PeerError) and e.peer == 1 and "refused indices" in str(e) and "call 12" in str(e)
+    e = error_from_words([C.ERR_PEER, 2, C.PHASE_DISPATCH, C.ERR_BAD_EXPERT, 3], "AllToAll")
+    assert isinstance(e, moecomm.InvalidRouting) and "rank 2: invalid expert ids" in str(e)
+    e = error_from_words([C.ERR_PEER, 0, C.PHASE_COMBINE, C.ERR_M_DIFFERS, 3], "AllToAll")
+    assert isinstance(e, moecomm.PeerError) and "differs" in e.reason
+    e = error_from_words([C.ERR_M_DIFFERS, 0, C.PHASE_COMBINE, 7, 3], "AllToAll")
+    assert isinstance(e, moecomm.InvalidArgument) and "bound_m=7" in str(e)
+    e = error_from_words([C.ERR_TIMEOUT, 1, C.PHASE_COMBINE, 0, 4], "AllToAll")
+    assert isinstance(e, moecomm.CommTimeout) and e.peer == 1 and e.phase == "combine"

@@ -214,13 +214,13 @@ def error_from_words(words, what):
     return MoeCommError(f"{where}: device error {code} (peer {peer}, detail {detail})")
 
 
+_PEER_ROUTING = {C.ERR_BAD_EXPERT: "invalid expert ids", C.ERR_BAD_M: "bound_m out of range"}
+
+
 def _peer_error(where, peer, reason, argument):
     """A peer flagged its part of a call as failed with ``reason`` (an ERR_* code)."""
-    if reason == C.ERR_BAD_EXPERT:
-        return InvalidRouting(f"{where}: peers reported bad input (rank {peer}: invalid expert ids); its tokens "
-                              f"were not sent")
-    if reason == C.ERR_BAD_M:
-        return InvalidRouting(f"{where}: peers reported bad input (rank {peer}: bound_m out of range); its "
+    if reason in _PEER_ROUTING:
+        return InvalidRouting(f"{where}: peers reported bad input (rank {peer}: {_PEER_ROUTING[reason]}); its "
                               f"tokens were not sent")
     if reason == C.ERR_M_DIFFERS:
         text = "bound_m differs from the dispatched m"
