@@ -2,7 +2,7 @@
 // Their parameters (struct Fixed: the AllToAll's layout, device state and buffers; struct Call: the call's
 // arrays) are declared in moecomm_abi.h, generated from moecomm/_abi.py.
 //
-// Wire plan (bytes per phase are in moecomm/transport/nvshmem_alltoall.py):
+// Wire plan (bytes per phase are in moecomm/transport/gpu_alltoall.py):
 //   dispatch  each token goes once to every other *rank* owning one of its experts, as one record
 //             [x | scales | token, expert ids[k], weights[k]] in the receiver's slot recv_buf[src][slot];
 //             the receiver fans it out to its local experts. Rows for the sender's own experts are
@@ -99,7 +99,7 @@ struct Stage {
         bytes(f.stage_bytes), n(0), puts_pending(false), used_puts(false) {}
   __device__ uint8_t* next() {
     if (puts_pending && n % slots == 0) {
-      nvshmem_quiet();
+      quiet();
       puts_pending = false;
     }
     puts_pending = used_puts = true;

@@ -58,7 +58,7 @@ def main():
         import jax
         jax.devices()
     import moecomm
-    comm = moecomm.init(transport="nvshmem")
+    comm = moecomm.init()
     import jax
     import jax.numpy as jnp
 

@@ -38,7 +38,7 @@ def main():
     p.add_argument("--steps", type=int, default=8)
     args = p.parse_args()
 
-    comm = moecomm.init(transport="nvshmem")
+    comm = moecomm.init()
     W, rank, M, H, K = comm.world_size, comm.rank, args.tokens, args.hidden, args.topk
     E, L = args.experts_per_rank * W, args.experts_per_rank
     dev = torch.device("cuda", comm.device)

@@ -80,6 +80,7 @@ PEER_CHECK_FIELDS = (
     ("err", "int*"),
     ("expected", "unsigned long long"), ("nbytes", "unsigned long long"),
     ("row_bytes", "unsigned long long"), ("timeout_ns", "unsigned long long"),
+    ("rank", "int"), ("world", "int"),
 )
 DELAY_FIELDS = (("ns", "unsigned long long"),)
 

@@ -52,6 +52,12 @@ TIMEOUT_ENV = "MOECOMM_TIMEOUT_S"
 MAX_TOPK = 16
 MAX_EXPERTS = 512
 
+# Most ranks of the ipc transport (one node; the size of its device heap table).
+IPC_MAX_RANKS = 16
+# Bytes of the ipc transport's symmetric heap per rank, unless $MOECOMM_IPC_HEAP_MB says otherwise.
+IPC_HEAP_BYTES = 4 << 30
+IPC_HEAP_ENV = "MOECOMM_IPC_HEAP_MB"
+
 # Largest peer check (Communicator.check_peers); its buffers are allocated at init.
 PEER_CHECK_BYTES = 1 << 16
 
@@ -91,7 +97,7 @@ def device_constants():
         "ERR_NONE": ERR_NONE, "ERR_TIMEOUT": ERR_TIMEOUT, "ERR_BAD_EXPERT": ERR_BAD_EXPERT,
         "ERR_BAD_M": ERR_BAD_M, "ERR_OVERFLOW": ERR_OVERFLOW, "ERR_M_DIFFERS": ERR_M_DIFFERS,
         "ERR_PEER": ERR_PEER, "ERR_REFUSED": ERR_REFUSED, "ERROR_WORDS": ERROR_WORDS,
-        "MAX_TOPK": MAX_TOPK, "MAX_EXPERTS": MAX_EXPERTS, "ROW_ALIGN": ROW_ALIGN,
+        "MAX_TOPK": MAX_TOPK, "MAX_EXPERTS": MAX_EXPERTS, "ROW_ALIGN": ROW_ALIGN, "IPC_MAX_RANKS": IPC_MAX_RANKS,
         "PHASE_PEER_CHECK": PHASE_PEER_CHECK, "PHASE_DISPATCH": PHASE_DISPATCH, "PHASE_COMBINE": PHASE_COMBINE,
         "DT_BF16": DT_BF16, "DT_FP16": DT_FP16, "S_FIXED": STATE_FIXED, "BLOCK_THREADS": BLOCK_THREADS,
     }

@@ -1,8 +1,12 @@
-"""Build the CUDA sources in ``cuda/`` into one cubin with NVRTC and nvJitLink.
+"""Build the CUDA sources in ``cuda/`` into cubins with NVRTC and nvJitLink, one per module variant.
 
-Compile path (chosen on purpose): every ``.cu`` file is compiled by NVRTC to LTO-IR with relocatable
-device code (``-rdc=true -dlto``) and linked by nvJitLink together with NVSHMEM's static device library
-``libnvshmem_device.a``. Linking the real device library, rather than NVSHMEM's header-only mode, keeps the
+Variants (:data:`VARIANTS`): ``nvshmem`` and ``ipc`` hold the same dispatch/combine and peer-check kernels
+over two device transports (``cuda/transport_nvshmem.cuh``, ``cuda/transport_ipc.cuh``, chosen by a
+define); ``bench`` holds the benchmark's delay kernel alone, so it is never part of a transport's module.
+
+Compile path (chosen on purpose): every ``.cu`` file of a variant is compiled by NVRTC to LTO-IR with
+relocatable device code (``-rdc=true -dlto``) and linked by nvJitLink; the ``nvshmem`` variant links
+NVSHMEM's static device library ``libnvshmem_device.a``. Linking the real device library, rather than NVSHMEM's header-only mode, keeps the
 IBGDA (GPU-initiated InfiniBand) and proxy code paths in the kernels, so a peer reachable only over the
 network goes through the same kernels as an NVLink peer. The header-only mode has no IBGDA code.
 
@@ -32,7 +36,24 @@ from pathlib import Path
 from . import _abi, _cache
 from ._errors import CompileError
 
-FORMAT = "moecomm-build-v2"  # bump when the payload layout or the build recipe changes
+FORMAT = "moecomm-build-v3"  # bump when the payload layout or the build recipe changes
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One module: its ``.cu`` files, the defines that select its device transport, and whether NVSHMEM's
+    headers and device library are part of it."""
+    sources: tuple
+    defines: tuple
+    nvshmem: bool
+
+
+_KERNELS = ("dispatch_send.cu", "dispatch_recv.cu", "combine_send.cu", "combine_recv.cu", "peer_check.cu")
+VARIANTS = {
+    "nvshmem": Variant(_KERNELS, ("MOECOMM_TRANSPORT_IPC=0",), True),
+    "ipc": Variant(_KERNELS + ("ipc_heap.cu",), ("MOECOMM_TRANSPORT_IPC=1",), False),
+    "bench": Variant(("delay.cu",), (), False),
+}
 
 
 def source_dir():
@@ -59,9 +80,10 @@ def _dist_version(module):
 
 @dataclass(frozen=True)
 class Toolchain:
-    """Where the headers and the NVSHMEM device library are, and the versions that go into the cache key."""
-    nvshmem_include: Path
-    nvshmem_device_lib: Path
+    """Where the headers and the NVSHMEM device library are (None when the NVSHMEM wheel is missing: only
+    the variants without NVSHMEM build then), and the versions that go into the cache key."""
+    nvshmem_include: object
+    nvshmem_device_lib: object
     cccl_include: Path
     cuda_include: Path
     versions: dict
@@ -79,26 +101,36 @@ class Toolchain:
         cuda_candidates += [Path(os.environ.get("CUDA_HOME", "/usr/local/cuda")) / "include"]
         cuda_inc = next((p for p in cuda_candidates if (p / "cuda_fp16.h").is_file()), None)
         missing = [what for what, p in (
-            ("NVSHMEM headers (nvidia-nvshmem-cu13)", nvshmem / "include" / "nvshmem.h"),
-            ("NVSHMEM device library", nvshmem / "lib" / "libnvshmem_device.a"),
             ("CCCL headers (cupy)", cccl / "cuda" / "std" / "cstdint" if cccl else None),
             ("CUDA headers (nvidia-cuda-runtime)", cuda_inc / "cuda_fp16.h" if cuda_inc else None),
         ) if p is None or not p.is_file()]
         if missing:
             raise CompileError("cannot build kernels, missing: " + "; ".join(missing))
         _, major, minor = nvrtc.nvrtcVersion()
-        ver = _header_defines(nvshmem / "include" / "non_abi" / "nvshmem_version.h")
         versions = {
             "nvrtc": f"{major}.{minor}",
             "nvjitlink": ".".join(map(str, nvjitlink.version())),
-            "nvshmem": "{}.{}.{}".format(ver["NVSHMEM_VENDOR_MAJOR_VERSION"],
-                                         ver["NVSHMEM_VENDOR_MINOR_VERSION"],
-                                         ver["NVSHMEM_VENDOR_PATCH_VERSION"]),
-            "nvshmem_device_lib_sha256": _file_digest(nvshmem / "lib" / "libnvshmem_device.a"),
             "cccl": _dist_version("cupy"),
             "cuda_headers": _header_defines(cuda_inc / "cuda.h").get("CUDA_VERSION", "unknown"),
         }
-        return cls(nvshmem / "include", nvshmem / "lib" / "libnvshmem_device.a", cccl, cuda_inc, versions)
+        lib = nvshmem / "lib" / "libnvshmem_device.a"
+        if not ((nvshmem / "include" / "nvshmem.h").is_file() and lib.is_file()):
+            return cls(None, None, cccl, cuda_inc, versions)
+        ver = _header_defines(nvshmem / "include" / "non_abi" / "nvshmem_version.h")
+        versions["nvshmem"] = "{}.{}.{}".format(ver["NVSHMEM_VENDOR_MAJOR_VERSION"], ver["NVSHMEM_VENDOR_MINOR_VERSION"],
+                                                ver["NVSHMEM_VENDOR_PATCH_VERSION"])
+        versions["nvshmem_device_lib_sha256"] = _file_digest(lib)
+        return cls(nvshmem / "include", lib, cccl, cuda_inc, versions)
+
+    def for_variant(self, name):
+        """The versions that matter to variant ``name``; raises CompileError when it needs NVSHMEM and the
+        NVSHMEM wheel is missing."""
+        if not VARIANTS[name].nvshmem:
+            return {k: v for k, v in self.versions.items() if not k.startswith("nvshmem")}
+        if self.nvshmem_include is None:
+            raise CompileError(f"cannot build the {name} kernels, missing: NVSHMEM headers and device library "
+                               f"(nvidia-nvshmem-cu13)")
+        return self.versions
 
     def rtc_headers(self):
         """In-memory headers that NVRTC sees before any include path: (name, contents) pairs."""
@@ -130,38 +162,42 @@ def _header_defines(path):
 
 @dataclass(frozen=True)
 class Build:
-    """A linked cubin for one arch and the resource use of each kernel in it.
+    """A linked cubin for one arch and variant, and the resource use of each kernel in it.
 
     ``resources`` maps kernel name -> {registers, stack, smem, spill_stores, spill_loads} (bytes).
     """
     arch: str
+    variant: str
     cubin: bytes
     resources: dict
     key: str
     cached: bool
 
 
-def _compile_flags(arch):
+def _compile_flags(arch, variant):
     cc = arch.split("_")[1]
-    return [f"-arch=compute_{cc}", "-rdc=true", "-dlto", "-std=c++17", "-default-device", "-lineinfo"]
+    return ([f"-arch=compute_{cc}", "-rdc=true", "-dlto", "-std=c++17", "-default-device", "-lineinfo"]
+            + [f"-D{d}" for d in VARIANTS[variant].defines])
 
 
-def _nvrtc_options(toolchain, src, arch):
-    return _compile_flags(arch) + [f"-I{src}", f"-I{toolchain.nvshmem_include}", f"-I{toolchain.cccl_include}",
-                                   f"-I{toolchain.cuda_include}"]
+def _nvrtc_options(toolchain, src, arch, variant):
+    includes = [src] + ([toolchain.nvshmem_include] if VARIANTS[variant].nvshmem else [])
+    return _compile_flags(arch, variant) + [f"-I{p}" for p in includes + [toolchain.cccl_include,
+                                                                          toolchain.cuda_include]]
 
 
-def build_key(arch, toolchain=None, src=None):
-    """The cache key: every input that changes the cubin, by version and content (no paths), so two
-    environments with the same toolchain versions share cache entries."""
+def build_key(arch, variant="nvshmem", toolchain=None, src=None):
+    """The cache key of one variant: every input that changes its cubin, by version and content (no paths),
+    so two environments with the same toolchain versions share cache entries."""
     toolchain = toolchain or Toolchain.find()
     src = Path(src or source_dir())
     h = hashlib.sha256(FORMAT.encode())
-    h.update(json.dumps([arch, toolchain.versions, _compile_flags(arch)], sort_keys=True).encode())
+    h.update(json.dumps([arch, variant, toolchain.for_variant(variant), _compile_flags(arch, variant)],
+                        sort_keys=True).encode())
     for name, text in toolchain.rtc_headers():
         h.update(name.encode() + b"\0" + text.encode())
     for f in sorted(src.iterdir()):
-        if f.suffix in (".cu", ".cuh"):
+        if f.suffix == ".cuh" or f.name in VARIANTS[variant].sources:
             h.update(f.name.encode() + b"\0" + f.read_bytes())
     return h.hexdigest()[:32]
 
@@ -195,6 +231,7 @@ def _check_nvrtc(err, what):
 
 
 def _nvjitlink(ltoirs, device_lib, arch):
+    """Link LTO-IR modules (and ``device_lib`` unless None) into a cubin; returns (cubin, info log)."""
     from cuda.bindings import nvjitlink
     handle = nvjitlink.create(4, [f"-arch={arch}", "-lto", "-verbose", "-O3"])
 
@@ -207,7 +244,8 @@ def _nvjitlink(ltoirs, device_lib, arch):
     try:
         for name, data in ltoirs:
             nvjitlink.add_data(handle, nvjitlink.InputType.LTOIR, data, len(data), name)
-        nvjitlink.add_file(handle, nvjitlink.InputType.LIBRARY, str(device_lib))
+        if device_lib is not None:
+            nvjitlink.add_file(handle, nvjitlink.InputType.LIBRARY, str(device_lib))
         try:
             nvjitlink.complete(handle)
         except nvjitlink.nvJitLinkError as e:
@@ -228,50 +266,76 @@ _SPILLS = re.compile(r"Function properties for (\w+)\s*\n\S*\s*\.\s*(\d+) bytes 
 
 
 def parse_resources(info_log):
-    """Per-kernel registers, stack, shared memory and spills from nvJitLink's verbose log."""
+    """Per-kernel registers, stack, shared memory and spills from nvJitLink's verbose log: its per-function
+    summary when it prints one (a link with a device library), else ptxas's lines."""
     spills = {m[0]: (int(m[2]), int(m[3])) for m in _SPILLS.findall(info_log)}
     out = {}
     for name, regs, stack, smem in _PROPS.findall(info_log):
         st, ld = spills.get(name, (0, 0))
         out[name] = dict(registers=int(regs), stack=int(stack), smem=int(smem),
                          spill_stores=st, spill_loads=ld)
+    for name, r in _ptxas_resources(info_log).items():
+        out.setdefault(name, r)
     return out
 
 
-def _build_uncached(arch, toolchain, src):
-    sources = sorted(src.glob("*.cu"))
-    options = _nvrtc_options(toolchain, src, arch)
+def _ptxas_resources(info_log):
+    """ptxas's lines for each entry function: "Compiling entry function 'k'", its stack frame and spills,
+    then "Used N registers[, used B barriers][, S bytes smem]"."""
+    out, current = {}, None
+    for line in info_log.splitlines():
+        m = re.search(r"Compiling entry function '(\w+)'", line)
+        if m:
+            current = m[1]
+            out[current] = dict(registers=0, stack=0, smem=0, spill_stores=0, spill_loads=0)
+        elif current and (m := re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, "
+                                         r"(\d+) bytes spill loads", line)):
+            out[current].update(stack=int(m[1]), spill_stores=int(m[2]), spill_loads=int(m[3]))
+        elif current and (m := re.search(r"Used (\d+) registers(?:, used \d+ barriers)?(?:, (\d+) bytes smem)?",
+                                         line)):
+            out[current].update(registers=int(m[1]), smem=int(m[2] or 0))
+            current = None
+    return out
+
+
+def _build_uncached(arch, variant, toolchain, src):
+    v = VARIANTS[variant]
+    sources = [src / name for name in v.sources]
+    options = _nvrtc_options(toolchain, src, arch, variant)
     headers = toolchain.rtc_headers()
     workers = max(1, min(len(sources), os.cpu_count() or 1))
     with concurrent.futures.ThreadPoolExecutor(workers) as pool:
         ltoirs = list(zip((s.name for s in sources),
                           pool.map(lambda s: _nvrtc_compile(s, options, headers), sources)))
-    cubin, info = _nvjitlink(ltoirs, toolchain.nvshmem_device_lib, arch)
-    meta = json.dumps({"resources": parse_resources(info), "versions": toolchain.versions}).encode()
+    cubin, info = _nvjitlink(ltoirs, toolchain.nvshmem_device_lib if v.nvshmem else None, arch)
+    meta = json.dumps({"resources": parse_resources(info), "versions": toolchain.for_variant(variant)}).encode()
     return struct.pack("<Q", len(meta)) + meta + cubin
 
 
 _memo = {}
 
 
-def build(arch="sm_90", use_cache=True):
-    """Compile and link every kernel in ``cuda/`` for ``arch`` (e.g. ``"sm_90"``); no GPU needed.
+def build(arch="sm_90", variant="nvshmem", use_cache=True):
+    """Compile and link the kernels of ``variant`` (a key of :data:`VARIANTS`) for ``arch`` (e.g.
+    ``"sm_90"``); no GPU needed.
 
     Served from memory, then from the disk cache (see :mod:`moecomm._cache`); a warm process compiles
     nothing. Raises CompileError carrying the NVRTC / nvJitLink log on failure.
     """
     if not re.fullmatch(r"sm_\d+a?", arch):
         raise ValueError(f"arch must look like 'sm_90', got {arch!r}")
+    if variant not in VARIANTS:
+        raise ValueError(f"variant must be one of {sorted(VARIANTS)}, got {variant!r}")
     toolchain, src = Toolchain.find(), source_dir()
-    key = build_key(arch, toolchain, src)
+    key = build_key(arch, variant, toolchain, src)
     if use_cache and key in _memo:
         return _memo[key]
     if use_cache:
-        payload, hit = _cache.get_or_build(key, lambda: _build_uncached(arch, toolchain, src))
+        payload, hit = _cache.get_or_build(key, lambda: _build_uncached(arch, variant, toolchain, src))
     else:
-        payload, hit = _build_uncached(arch, toolchain, src), False
+        payload, hit = _build_uncached(arch, variant, toolchain, src), False
     (n,) = struct.unpack_from("<Q", payload)
     meta = json.loads(payload[8:8 + n])
-    result = Build(arch, payload[8 + n:], meta["resources"], key, hit)
+    result = Build(arch, variant, payload[8 + n:], meta["resources"], key, hit)
     _memo[key] = result
     return result

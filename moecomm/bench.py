@@ -36,9 +36,9 @@ from contextlib import nullcontext
 import numpy as np
 
 import moecomm
-from moecomm import _abi, reference
+from moecomm import _abi, _cuda, _jit, reference
 from moecomm.comm import gpu_count
-from moecomm.transport.nvshmem_alltoall import record_bytes
+from moecomm.transport.gpu_alltoall import record_bytes
 
 CONFIGS = {  # name: (tokens per rank, experts, top-k, hidden, scales per token)
     "r1-decode": (128, 256, 8, 7168, 56),
@@ -68,14 +68,22 @@ def stats(samples_us):
             "mean_us": float(a.mean()), "n": int(a.size)}
 
 
+def delay_kernel(transport):
+    """(its moecomm._abi.Delay parameters, its launch) of the device-delay kernel, from the benchmark's own
+    module (never part of a transport's), loaded in ``transport``'s context."""
+    args, kernel = _abi.Delay(), _abi.KERNELS["moecomm_delay"]
+    with transport.context:
+        module = _cuda.Module(_jit.build(transport.build.arch, "bench").cubin)
+        return args, _cuda.Launch(module.function(kernel), kernel, 1, args)
+
+
 class Bench:
     def __init__(self, comm, args):
         import cupy
         self.comm, self.args, self.cp = comm, args, cupy
         self.stream = cupy.cuda.Stream(non_blocking=True)
         self.nccl = self._nccl()
-        self._delay_args = _abi.Delay()
-        self._delay_launch = comm.transport.launch("moecomm_delay", 1, self._delay_args)
+        self._delay_args, self._delay_launch = delay_kernel(comm.transport)
 
     def delay(self, us):
         """A device-side delay of ``us`` microseconds on the bench stream."""
@@ -359,59 +367,71 @@ def environment():
     return info
 
 
+def _label(r):
+    return f"{r.get('transport', 'nvshmem')} {r['config']}"
+
+
 def table(results):
-    head = (f"{'config':<12} {'tok':>5} {'eager d-send':>12} {'d-recv':>8} {'c-send':>8} {'c-recv':>8} "
+    head = (f"{'transport, config':<20} {'tok':>5} {'eager d-send':>12} {'d-recv':>8} {'c-send':>8} {'c-recv':>8} "
             f"{'eager tot':>10} {'p99':>8} {'graph tot':>10} {'p99':>8} {'GB/s':>7} {'NCCL exact':>11} "
             f"{'padded':>8} {'x NCCL':>7}")
     lines = [head, "-" * len(head)]
     for r in results:
         e, g, n = r["eager"], r.get("graph", {}).get("total"), r.get("nccl")
         lines.append(
-            f"{r['config']:<12} {r['tokens']:>5} " + " ".join(f"{e[p]['median_us']:>{8 if i else 12}.1f}" for i, p in enumerate(PHASES))
+            f"{_label(r):<20} {r['tokens']:>5} " + " ".join(f"{e[p]['median_us']:>{8 if i else 12}.1f}" for i, p in enumerate(PHASES))
             + f" {e['total']['median_us']:>10.1f} {e['total']['p99_us']:>8.1f}"
             + (f" {g['median_us']:>10.1f} {g['p99_us']:>8.1f}" if g else f" {'-':>10} {'-':>8}")
             + f" {r['GBps_per_rank']:>7.1f}"
             + (f" {n['exact']['median_us']:>11.1f} {n['padded']['median_us']:>8.1f} {r['speedup_vs_nccl_exact']:>7.2f}"
                if n else f" {'n/a':>11} {'n/a':>8} {'-':>7}"))
     if any("graph" in r for r in results):
-        head = f"{'graph, each phase alone':<24} {'tok':>5} " + " ".join(f"{p:>14}" for p in PHASES) + f" {'sum':>8}"
+        head = f"{'graph, each phase alone':<28} {'tok':>5} " + " ".join(f"{p:>14}" for p in PHASES) + f" {'sum':>8}"
         lines += ["", head, "-" * len(head)]
         for r in (r for r in results if "graph" in r):
             g = r["graph"]
-            lines.append(f"{r['config']:<24} {r['tokens']:>5} " + " ".join(f"{g[p]['median_us']:>14.1f}" for p in PHASES)
+            lines.append(f"{_label(r):<28} {r['tokens']:>5} " + " ".join(f"{g[p]['median_us']:>14.1f}" for p in PHASES)
                          + f" {sum(g[p]['median_us'] for p in PHASES):>8.1f}")
     hosts = [r for r in results if "host_us" in r]
     if hosts:
         kinds = sorted({k for r in hosts for k in r["host_us"]})
-        head = (f"{'host us per call (median)':<26} {'tok':>5} "
+        head = (f"{'host us per call (median)':<28} {'tok':>5} "
                 + " ".join(f"{k + ' d/c':>14}" for k in kinds) + f" {'eager layer':>12} {'graph':>8}")
         lines += ["", head, "-" * len(head)]
         for r in hosts:
             h, g = r["host_us"], r.get("graph", {}).get("total")
-            lines.append(f"{r['config']:<26} {r['tokens']:>5} " + " ".join(
+            lines.append(f"{_label(r):<28} {r['tokens']:>5} " + " ".join(
                 f"{h[k]['dispatch']['median_us']:>6.1f}/{h[k]['combine']['median_us']:<7.1f}" if k in h else f"{'-':>14}"
                 for k in kinds) + f" {r['eager_layer']['median_us']:>12.1f}" + (f" {g['median_us']:>8.1f}" if g else ""))
     return "\n".join(lines)
 
 
 def plot(results, path):
+    """The token sweep: per transport moecomm eager and CUDA-graph medians; NCCL's from the first."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    sweep = sorted((r for r in results if r["config"] == "sweep"), key=lambda r: r["tokens"])
-    if not sweep:
+    transports = list(dict.fromkeys(r.get("transport", "nvshmem") for r in results if r["config"] == "sweep"))
+    if not transports:
         return False
-    t = [r["tokens"] for r in sweep]
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    ax.plot(t, [r["eager"]["total"]["median_us"] for r in sweep], "o-", label="moecomm eager, each half its own call")
-    if "eager_layer" in sweep[0]:
-        ax.plot(t, [r["eager_layer"]["median_us"] for r in sweep], "o-", label="moecomm eager, dispatch() + combine()")
-
-    if "graph" in sweep[0]:
-        ax.plot(t, [r["graph"]["total"]["median_us"] for r in sweep], "o-", label="moecomm CUDA graph")
+    for name in transports:
+        sweep = sorted((r for r in results if r["config"] == "sweep" and r.get("transport", "nvshmem") == name),
+                       key=lambda r: r["tokens"])
+        t = [r["tokens"] for r in sweep]
+        ax.plot(t, [r["eager"]["total"]["median_us"] for r in sweep], "o-",
+                label=f"moecomm {name} eager, each half its own call")
+        if "eager_layer" in sweep[0]:
+            ax.plot(t, [r["eager_layer"]["median_us"] for r in sweep], "o-",
+                    label=f"moecomm {name} eager, dispatch() + combine()")
+        if "graph" in sweep[0]:
+            ax.plot(t, [r["graph"]["total"]["median_us"] for r in sweep], "o-", label=f"moecomm {name} CUDA graph")
+    sweep = sorted((r for r in results if r["config"] == "sweep" and r.get("transport", "nvshmem") == transports[0]),
+                   key=lambda r: r["tokens"])
+    t = [r["tokens"] for r in sweep]
     if "nccl" in sweep[0]:
         ax.plot(t, [r["nccl"]["exact"]["median_us"] for r in sweep], "s--", label="NCCL all-to-all, exact")
         ax.plot(t, [r["nccl"]["padded"]["median_us"] for r in sweep], "s:", label="NCCL all-to-all, padded")
@@ -441,7 +461,12 @@ def main(argv=None):
     p.add_argument("--sweep-tokens", default=",".join(map(str, SWEEP_TOKENS)))
     p.add_argument("--json", default="bench.json", help="output JSON (rank 0)")
     p.add_argument("--plot", default="bench.png", help="output PNG of the sweep (rank 0, needs matplotlib)")
+    p.add_argument("--transport", default="nvshmem", choices=["nvshmem", "ipc"], help="GPU transport (default nvshmem)")
+    p.add_argument("--merge", nargs="+", metavar="JSON",
+                   help="no measurement: join these result files (e.g. one per transport) into --json and --plot")
     args = p.parse_args(argv)
+    if args.merge:
+        return merge(args.merge, args.json, args.plot, p)
     jobs = []
     for name in args.configs.split(","):
         if name == "sweep":
@@ -465,12 +490,12 @@ def main(argv=None):
 
 def measure(args, jobs, argv):
     """Every configuration in ``jobs`` (collective); rank 0 prints the tables and writes the files."""
-    comm = moecomm.init(transport="nvshmem")
+    comm = moecomm.init(transport=args.transport)
     bench = Bench(comm, args)
     floor = None if args.no_graph else bench.launch_floor()
     results, t0 = [], time.time()
     for i, (name, c) in enumerate(jobs):
-        results.append(bench.run(name, *c))
+        results.append(dict(bench.run(name, *c), transport=args.transport))
         if comm.rank == 0:
             done = (i + 1) / len(jobs)
             print(f"\r[{'#' * int(30 * done):<30}] {i + 1}/{len(jobs)} {name} {c[0]} tokens "
@@ -483,7 +508,7 @@ def measure(args, jobs, argv):
         doc = {"command": "mpirun -np {} python -m moecomm.bench {}".format(comm.world_size, " ".join(
             argv if argv is not None else sys.argv[1:])), "environment": environment(),
             "nccl_baseline": bench.nccl is not None, "iters": args.iters, "warmup": args.warmup,
-            "delay_us": args.delay_us, "graph_launch_floor": floor,
+            "delay_us": args.delay_us, "graph_launch_floor": floor, "transport": args.transport,
             "results": results}
         with open(args.json, "w") as f:
             json.dump(doc, f, indent=1)
@@ -492,6 +517,25 @@ def measure(args, jobs, argv):
         else:
             print(f"wrote {args.json} (no plot: needs the sweep and matplotlib)")
     comm.finalize()
+
+
+def merge(paths, out_json, out_plot, parser):
+    """Join result files of one machine (one per transport, say) into one document: every run's command,
+    environment and settings under "runs", every result (each naming its transport) under "results"."""
+    docs = []
+    for path in paths:
+        try:
+            with open(path) as f:
+                docs.append(json.load(f))
+        except (OSError, ValueError) as e:
+            parser.exit(2, f"{parser.prog}: --merge: cannot read {path}: {e}\n")
+    runs = [{k: v for k, v in d.items() if k != "results"} for d in docs]
+    results = [dict(r, transport=r.get("transport", d.get("transport", "nvshmem"))) for d in docs for r in d["results"]]
+    with open(out_json, "w") as f:
+        json.dump({"runs": runs, "results": results}, f, indent=1)
+    print(table(results))
+    print(f"wrote {out_json}" + (f" and {out_plot}" if plot(results, out_plot) else " (no plot)"))
+    return 0
 
 
 if __name__ == "__main__":

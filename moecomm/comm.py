@@ -9,6 +9,7 @@ so needs an mpi4py communicator.
 import abc
 import atexit
 import contextlib
+import importlib
 import logging
 import os
 import pickle
@@ -21,7 +22,9 @@ from ._errors import CommBroken, CommTimeout, InvalidArgument, MoeCommError, Out
 
 log = logging.getLogger("moecomm")
 
-TRANSPORTS = ("auto", "host", "nvshmem")
+TRANSPORTS = ("auto", "host", "nvshmem", "ipc")
+GPU_TRANSPORTS = {"nvshmem": ("nvshmem", "NvshmemTransport"), "ipc": ("ipc", "IpcTransport")}
+TRANSPORT_ENV = "MOECOMM_TRANSPORT"  # what "auto" means when set
 
 
 class Bootstrap(abc.ABC):
@@ -138,7 +141,7 @@ class Communicator:
         mpi: the mpi4py communicator, or None when started from another runtime.
         rank, world_size: this process's rank and the number of ranks.
         local_rank, local_size: rank and count among the ranks sharing this node.
-        transport: the :class:`moecomm.transport.Transport` in use (``.name`` is "host" or "nvshmem").
+        transport: the :class:`moecomm.transport.Transport` in use (``.name``: "host", "nvshmem" or "ipc").
         device: CUDA device ordinal bound to this rank, or -1 on the host transport.
         timeout_s: seconds any wait may last (the default for every AllToAll).
         broken: why the communicator can no longer be used, or None.
@@ -153,13 +156,18 @@ class Communicator:
         nodes = self._allgather(_node_id(), "init")
         here = [r for r, n in enumerate(nodes) if n == nodes[self.rank]]
         self.local_rank, self.local_size = here.index(self.rank), len(here)
+        if transport_name == "gpu":  # "auto" on GPUs: ipc when every rank is on this node, else nvshmem
+            transport_name = "ipc" if self.local_size == self.world_size else "nvshmem"
+        log.info("moecomm rank %d/%d: transport %s, timeout %.3g s", self.rank, self.world_size, transport_name,
+                 timeout_s)
         with self._failing():
             if transport_name == "host":
                 from .transport.host import HostTransport
                 self.transport = HostTransport(self.mpi)
             else:
-                from .transport.nvshmem import NvshmemTransport
-                self.transport = NvshmemTransport(bootstrap, self.local_rank, self.local_size, timeout_s)
+                module, cls = GPU_TRANSPORTS[transport_name]
+                transport = getattr(importlib.import_module(f".transport.{module}", __package__), cls)
+                self.transport = transport(bootstrap, self.local_rank, self.local_size, timeout_s)
         self.device = self.transport.device
         _exit_guard.watch(self)
 
@@ -203,10 +211,11 @@ class Communicator:
             self.transport.check_peers(int(nbytes), t)
 
     def symmetric(self, shape, dtype):
-        """A CuPy array on the NVSHMEM symmetric heap (collective: same shapes, same order on all ranks).
+        """A CuPy array in the GPU transport's symmetric memory (the NVSHMEM heap, or the ipc heap):
+        collective, same shapes, same order on all ranks.
 
         Contents are undefined. ``dtype`` must be one CuPy supports (uint8/uint16 for fp8/bf16 data).
-        GPU transport only; free with :meth:`free` (collective) or at :meth:`finalize`.
+        GPU transports only; free with :meth:`free` (collective) or at :meth:`finalize`.
         """
         return self._gpu("symmetric").symmetric(shape, dtype)
 
@@ -222,8 +231,8 @@ class Communicator:
     def _gpu(self, what):
         self._live()
         if self.transport.memory != "device":
-            raise InvalidArgument(f"{what}: symmetric memory needs the nvshmem transport, this communicator "
-                                  f"uses {self.transport.name!r}")
+            raise InvalidArgument(f"{what}: symmetric memory needs a GPU transport (nvshmem or ipc), this "
+                                  f"communicator uses {self.transport.name!r}")
         return self.transport
 
     def _new_alltoall_id(self):
@@ -329,9 +338,10 @@ def init(comm=None, transport="auto", timeout=None):
             ``torch.distributed`` process group (e.g. ``torch.distributed.group.WORLD`` under torchrun),
             or any :class:`Bootstrap`.
         transport: "nvshmem" (GPUs: binds GPU ``local_rank`` and starts NVSHMEM by a unique id gathered
-            through ``comm``), "host" (CPU ranks, numpy arrays; needs an mpi4py communicator), or "auto":
-            nvshmem when this process sees a GPU, else host. Every rank must make the same choice
-            (checked).
+            through ``comm``; any number of nodes), "ipc" (GPUs of one node: CUDA IPC, no NVSHMEM), "host"
+            (CPU ranks, numpy arrays; needs an mpi4py communicator), or "auto": ``$MOECOMM_TRANSPORT`` when
+            set, else on GPUs ipc when every rank is on one node and nvshmem otherwise, host when this
+            process sees no GPU. Every rank must make the same choice (checked).
         timeout: seconds any wait may last (else ``$MOECOMM_TIMEOUT_S``, else 10); a rank silent for longer
             is named in a CommTimeout.
     """
@@ -341,10 +351,14 @@ def init(comm=None, transport="auto", timeout=None):
     boot = bootstrap_of(comm)
     _exit_guard.install()
     gpus = gpu_count()
+    if transport == "auto" and os.environ.get(TRANSPORT_ENV):
+        transport = os.environ[TRANSPORT_ENV]
+        if transport not in TRANSPORTS:
+            raise InvalidArgument(f"${TRANSPORT_ENV} must be one of {TRANSPORTS}, got {transport!r}")
     if transport == "auto":
-        transport = "nvshmem" if gpus > 0 else "host"
-    if transport == "nvshmem" and gpus == 0:
-        raise MoeCommError("transport 'nvshmem' needs a GPU and this process sees none")
+        transport = "gpu" if gpus > 0 else "host"  # which GPU transport: once the nodes are known
+    if transport in GPU_TRANSPORTS and gpus == 0:
+        raise MoeCommError(f"transport {transport!r} needs a GPU and this process sees none")
     try:
         chosen = [b.decode() for b in boot.allgather(transport.encode(), timeout_s, "init")]
     except (CommTimeout, OutOfStep):
@@ -354,6 +368,5 @@ def init(comm=None, transport="auto", timeout=None):
         raise InvalidArgument(f"ranks chose different transports: {chosen}")
     if transport == "host" and getattr(boot, "mpi", None) is None:
         raise InvalidArgument("the host transport moves data over MPI: pass an mpi4py communicator")
-    log.info("moecomm rank %d/%d: transport %s, timeout %.3g s (from %s)", boot.rank, boot.world_size,
-             transport, timeout_s, source)
+    log.info("moecomm rank %d/%d: timeout %.3g s (from %s)", boot.rank, boot.world_size, timeout_s, source)
     return Communicator(boot, transport, timeout_s)

@@ -91,7 +91,7 @@ def current_device():
 
 def main():
     import torch
-    comm = moecomm.init(transport="nvshmem")
+    comm = moecomm.init()
     W, r, dev = comm.world_size, comm.rank, comm.device
     a2a = moecomm.AllToAll(comm, M, 4 * W, K, H, None, "bfloat16", "bfloat16")
     tdev = torch.device("cuda", dev)

@@ -48,7 +48,8 @@ def main():
     import moecomm
     if args.transport != "host":  # imports and CUDA start at different speeds on different ranks (seconds
         import importlib           # apart on GPUs, more than a 1 s timeout): not part of any step
-        importlib.import_module("nvshmem.core")
+        if args.transport == "nvshmem":
+            importlib.import_module("nvshmem.core")
         importlib.import_module("cupy").cuda.runtime.getDeviceCount()
     MPI.COMM_WORLD.Barrier()
     E, K, H, M = 2 * world, 2, 64, 8

@@ -1,7 +1,7 @@
 """GPU bring-up check, run under MPI on GPUs: NVSHMEM init through moecomm.init(), symmetric CuPy arrays,
 peer mapping, the peer-check kernel (put with signal + bounded wait), and a timeout that names the peer.
 
-    mpirun -np 2 python tests/mpi_peer_check.py
+    mpirun -np 2 python tests/mpi_peer_check.py      # GPU transport: "auto" ($MOECOMM_TRANSPORT picks one)
 
 The timeout comes last: it breaks the communicator (the ranks' peer checks are out of step from then on),
 so the ranks report over plain MPI and leave without a collective teardown (moecomm ends such a process
@@ -17,7 +17,7 @@ import moecomm
 
 
 def main():
-    comm = moecomm.init(transport="nvshmem")
+    comm = moecomm.init()
     t = comm.transport
     fails = []
     # symmetric memory: write through the peer mapping, read locally

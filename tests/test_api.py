@@ -166,7 +166,7 @@ def test_dtype_names(comm):
 
 
 def test_symmetric_memory_needs_gpu_transport(comm):
-    with pytest.raises(moecomm.InvalidArgument, match="needs the nvshmem transport"):
+    with pytest.raises(moecomm.InvalidArgument, match="needs a GPU transport"):
         comm.symmetric((4,), np.float32)
 
 
@@ -178,7 +178,7 @@ def test_unknown_transport():
 def test_symmetric_memory_formula_r1():
     """DeepSeek-R1 sizes: the symmetric memory per rank stays under 1 GiB at 128 tokens (EP2 and EP8)."""
     from moecomm._config import AllToAllConfig
-    from moecomm.transport.nvshmem_alltoall import record_bytes, symmetric_bytes
+    from moecomm.transport.gpu_alltoall import record_bytes, symmetric_bytes
     for world in (2, 8):
         c = AllToAllConfig.create(world, 0, 128, 256, 8, 7168, 56, "float8_e4m3fn", "bfloat16", None, 1)
         assert record_bytes(c) == 7168 + 224 + 80
@@ -210,7 +210,7 @@ def test_device_error_words_map_to_the_host_transports_errors():
     """The GPU error word (code, peer, phase, detail, call) becomes the exception the host transport raises
     for the same fault, naming the rank, the refused argument and the call."""
     from moecomm import _constants as C
-    from moecomm.transport.nvshmem import error_from_words
+    from moecomm.transport.gpu import error_from_words
     refused = C.ERR_REFUSED | C.ARGUMENTS.index("indices") << C.REASON_ARG_SHIFT
     e = error_from_words([C.ERR_PEER, 1, C.PHASE_DISPATCH, refused, 12], "AllToAll")
     assert isinstance(e, moecomm.PeerError) and e.peer == 1 and "refused indices" in str(e) and "call 12" in str(e)

@@ -45,16 +45,16 @@ def _result(tokens, graph=True, nccl=True):
 def test_table_lists_totals_and_phases_alone():
     text = bench.table([_result(128), _result(1, graph=False, nccl=False)])
     lines = text.splitlines()
-    assert lines[2].split()[:2] == ["r1-decode", "128"] and "2.00" in lines[2]
+    assert lines[2].split()[:3] == ["nvshmem", "r1-decode", "128"] and "2.00" in lines[2]
     assert "n/a" in lines[3]
     alone = lines[lines.index(next(l for l in lines if l.startswith("graph, each phase alone"))) + 2]
-    assert alone.split() == ["r1-decode", "128", "1.0", "2.0", "3.0", "4.0", "10.0"]
+    assert alone.split() == ["nvshmem", "r1-decode", "128", "1.0", "2.0", "3.0", "4.0", "10.0"]
 
 
 def test_table_lists_host_time_per_call():
     lines = bench.table([_result(128)]).splitlines()
     row = lines[lines.index(next(l for l in lines if l.startswith("host us per call"))) + 2]
-    assert row.split() == ["r1-decode", "128", "9.5/8.2", "7.0", "4.0"]
+    assert row.split() == ["nvshmem", "r1-decode", "128", "9.5/8.2", "7.0", "4.0"]
 
 
 def _cli(*args):
@@ -77,3 +77,18 @@ def test_cli_without_a_gpu_says_so():
         pytest.skip("this machine has a GPU")
     p = _cli()
     assert p.returncode == 2 and "needs GPUs" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_merge_joins_runs_of_two_transports(tmp_path):
+    """--merge (no GPU): results of one run per transport side by side, each naming its transport."""
+    import json
+    for name in ("nvshmem", "ipc"):
+        doc = {"command": f"bench --transport {name}", "transport": name, "results": [_result(128)]}
+        (tmp_path / f"{name}.json").write_text(json.dumps(doc))
+    p = _cli("--merge", str(tmp_path / "nvshmem.json"), str(tmp_path / "ipc.json"), "--json", str(tmp_path / "both.json"),
+             "--plot", str(tmp_path / "both.png"))
+    assert p.returncode == 0, p.stderr
+    both = json.loads((tmp_path / "both.json").read_text())
+    assert [r["transport"] for r in both["results"]] == ["nvshmem", "ipc"]
+    assert [r["transport"] for r in both["runs"]] == ["nvshmem", "ipc"]
+    assert "ipc r1-decode" in p.stdout

@@ -1,5 +1,6 @@
-"""The kernel build pipeline on a CPU-only machine: every kernel compiles and links for sm_90, the disk
-cache is keyed, checked and safe under concurrency, and compile errors carry the log with file and line."""
+"""The kernel build pipeline on a CPU-only machine: every variant's kernels compile and link for sm_90 (the
+nvshmem and ipc transports, the benchmark's module), the disk cache is keyed, checked and safe under
+concurrency, and compile errors carry the log with file and line."""
 import ctypes
 import os
 import subprocess
@@ -21,17 +22,46 @@ def _cli(cache, *args):
                           env=env, timeout=600)
 
 
-def test_cli_builds_every_kernel_then_hits_cache(tmp_path):
-    first = _cli(tmp_path, "--arch", "sm_90")
+def _variant_kernels(stdout):
+    """{variant: [kernel, ...]} from the CLI's report."""
+    out, current = {}, None
+    for line in stdout.splitlines():
+        if not line.startswith(" "):
+            current = line.split(":")[0]
+            out[current] = []
+        elif line.split()[0].startswith("moecomm_"):
+            out[current].append(line.split()[0])
+    return out
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """One build of every variant into a fresh cache, shared by the tests below: (cache dir, CLI result)."""
+    cache = tmp_path_factory.mktemp("cache")
+    return cache, _cli(cache, "--arch", "sm_90")
+
+
+def test_cli_builds_every_variant_then_hits_cache(built):
+    cache, first = built
     assert first.returncode == 0, first.stderr
-    assert " built in " in first.stdout
-    kernels = [line.split()[0] for line in first.stdout.splitlines()[2:]]
+    assert first.stdout.count(" built in ") == len(_jit.VARIANTS)
+    kernels = _variant_kernels(first.stdout)
+    alltoall = set(_abi.ALLTOALL_KERNELS) | {"moecomm_peer_check"}
+    assert set(kernels["nvshmem"]) == set(kernels["ipc"]) == alltoall, kernels
+    assert kernels["bench"] == ["moecomm_delay"]  # the benchmark's kernel is in no transport's module
     sources = (ROOT / "cuda").glob("*.cu")
     declared = {w.split("(")[0] for f in sources for w in f.read_text().split()
                 if w.startswith("moecomm_") and "(" in w}
-    assert set(kernels) == declared == set(_abi.KERNELS), (kernels, declared)
-    second = _cli(tmp_path, "--arch", "sm_90")
-    assert "from cache" in second.stdout
+    assert alltoall | {"moecomm_delay"} == declared == set(_abi.KERNELS), declared
+    second = _cli(cache, "--arch", "sm_90")
+    assert second.stdout.count("from cache") == len(_jit.VARIANTS)
+
+
+def test_ipc_module_has_no_nvshmem(built, monkeypatch):
+    monkeypatch.setenv("MOECOMM_CACHE_DIR", str(built[0]))
+    cubin = _jit.build("sm_90", "ipc").cubin
+    assert b"moecomm_ipc_heap" in cubin and b"nvshmem" not in cubin.lower()
+    assert b"nvshmem" in _jit.build("sm_90", "nvshmem").cubin.lower()
 
 
 def test_cli_refuses_a_bad_arch_in_one_line(tmp_path):
@@ -42,11 +72,11 @@ def test_cli_refuses_a_bad_arch_in_one_line(tmp_path):
 def test_concurrent_builds_share_one_compile(tmp_path):
 
     env = dict(os.environ, MOECOMM_CACHE_DIR=str(tmp_path), PYTHONPATH=str(ROOT))
-    cmd = [sys.executable, "-m", "moecomm.build", "--arch", "sm_90"]
+    cmd = [sys.executable, "-m", "moecomm.build", "--arch", "sm_90", "--variants", "ipc,bench"]  # the quick ones
     procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env) for _ in range(3)]
     outs = [p.communicate(timeout=600)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs)
-    assert sum(" built in " in o for o in outs) == 1, outs
+    assert sum(o.count(" built in ") for o in outs) == 2, outs  # each variant built by one process
 
 
 def test_key_covers_abi_and_sources_not_paths(monkeypatch, tmp_path):
@@ -58,7 +88,11 @@ def test_key_covers_abi_and_sources_not_paths(monkeypatch, tmp_path):
     elsewhere = dataclasses.replace(_jit.Toolchain.find(), nvshmem_include=Path("/elsewhere/include"),
                                     nvshmem_device_lib=Path("/elsewhere/lib/libnvshmem_device.a"),
                                     cuda_include=Path("/elsewhere/cuda/include"))
-    assert _jit.build_key("sm_90", elsewhere) == base  # another environment with the same versions
+    assert _jit.build_key("sm_90", toolchain=elsewhere) == base  # another environment, the same versions
+    assert _jit.build_key("sm_90", "ipc") != base
+    newer = dataclasses.replace(_jit.Toolchain.find(), versions=dict(elsewhere.versions, nvshmem="9.9.9"))
+    assert _jit.build_key("sm_90", toolchain=newer) != base
+    assert _jit.build_key("sm_90", "ipc", toolchain=newer) == _jit.build_key("sm_90", "ipc")  # no NVSHMEM in it
     src = tmp_path / "src"
     src.mkdir()
     for f in (ROOT / "cuda").iterdir():
@@ -84,7 +118,7 @@ def test_compile_error_has_file_and_line(tmp_path):
     bad.write_text('#include "transport.cuh"\n\nextern "C" __global__ void k() { undeclared_name(); }\n')
     tc = _jit.Toolchain.find()
     with pytest.raises(CompileError) as e:
-        _jit._nvrtc_compile(bad, _jit._nvrtc_options(tc, ROOT / "cuda", "sm_90"), tc.rtc_headers())
+        _jit._nvrtc_compile(bad, _jit._nvrtc_options(tc, ROOT / "cuda", "sm_90", "nvshmem"), tc.rtc_headers())
     assert "broken.cu(3)" in str(e.value) and "undeclared_name" in str(e.value)
 
 
@@ -103,7 +137,7 @@ def test_kernel_signature_must_match_the_abi_table(tmp_path):
     bad.write_text('#include "transport.cuh"\nextern "C" __global__ void moecomm_delay(unsigned long long ns) {}\n')
     tc = _jit.Toolchain.find()
     with pytest.raises(CompileError, match="moecomm_delay"):
-        _jit._nvrtc_compile(bad, _jit._nvrtc_options(tc, ROOT / "cuda", "sm_90"), tc.rtc_headers())
+        _jit._nvrtc_compile(bad, _jit._nvrtc_options(tc, ROOT / "cuda", "sm_90", "nvshmem"), tc.rtc_headers())
 
 
 def test_abi_header_states_every_struct_field():

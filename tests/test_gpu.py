@@ -1,22 +1,26 @@
 """GPU tests: skipped without GPUs; on the GPU machine run with `python -m pytest tests/test_gpu.py`
-(or `bash tools/gpu_check.sh`, which runs the same scripts and keeps their logs)."""
+(or `bash tools/gpu_check.sh`, which runs the same scripts and keeps their logs). The transport-level
+tests run on both GPU transports (nvshmem, ipc)."""
 import pytest
 
 from conftest import gpu_count, run_mpi
 
 GPUS = gpu_count()
 needs_gpu = pytest.mark.skipif(GPUS < 1, reason="no GPU")
+each_transport = pytest.mark.parametrize("transport", ["nvshmem", "ipc"])
 
 
 @needs_gpu
-def test_peer_check():
-    p = run_mpi(GPUS, "tests/mpi_peer_check.py", timeout=300)  # ends broken by design: read its result
+@each_transport
+def test_peer_check(transport):
+    p = run_mpi(GPUS, "tests/mpi_peer_check.py", timeout=300, env={"MOECOMM_TRANSPORT": transport})  # ends broken
     assert ": 0 failures" in p.stdout, p.stdout[-4000:] + p.stderr[-4000:]
 
 
 @needs_gpu
-def test_alltoall_matches_reference():
-    p = run_mpi(GPUS, "tests/mpi_alltoall.py", "--transport", "nvshmem", timeout=600)
+@each_transport
+def test_alltoall_matches_reference(transport):
+    p = run_mpi(GPUS, "tests/mpi_alltoall.py", "--transport", transport, timeout=600)
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
     assert ": 0 failures" in p.stdout
 
@@ -38,22 +42,25 @@ def test_network_path_with_puts_only():
 
 
 @pytest.mark.skipif(GPUS < 2, reason="needs 2 GPUs")
-def test_skipped_rank_times_out():
-    p = run_mpi(GPUS, "tests/mpi_timeout.py", "--transport", "nvshmem", timeout=120)
+@each_transport
+def test_skipped_rank_times_out(transport):
+    p = run_mpi(GPUS, "tests/mpi_timeout.py", "--transport", transport, timeout=120)
     assert f"CommTimeout on {GPUS - 1} ranks" in p.stdout, p.stdout[-4000:] + p.stderr[-4000:]
 
 
 @pytest.mark.skipif(GPUS < 2, reason="needs 2 GPUs")
-def test_failed_calls_are_collective():
+@each_transport
+def test_failed_calls_are_collective(transport):
     """tests/mpi_control.py on GPUs: refusals at each argument position, bad routing, a bound_m that differs,
     a second dispatch: every rank raises by the end of the call and the next call is right."""
-    p = run_mpi(GPUS, "tests/mpi_control.py", "--transport", "nvshmem", timeout=300)  # ends broken by design
+    p = run_mpi(GPUS, "tests/mpi_control.py", "--transport", transport, timeout=300)  # ends broken by design
     assert ": 0 failures" in p.stdout, p.stdout[-4000:] + p.stderr[-4000:]
 
 
 @pytest.mark.skipif(GPUS < 2, reason="needs 2 GPUs")
-def test_a_masked_dead_rank_leaves_the_survivors_serving():
-    p = run_mpi(GPUS, "tests/mpi_mask.py", "--transport", "nvshmem", timeout=300)  # ends broken by design
+@each_transport
+def test_a_masked_dead_rank_leaves_the_survivors_serving(transport):
+    p = run_mpi(GPUS, "tests/mpi_mask.py", "--transport", transport, timeout=300)  # ends broken by design
     assert ": 0 failures" in p.stdout, p.stdout[-4000:] + p.stderr[-4000:]
 
 
@@ -63,13 +70,14 @@ FAULT_POINTS = ("init", "construction", "dispatch_send", "dispatch_recv", "combi
 
 @pytest.mark.skipif(GPUS < 2, reason="needs 2 GPUs")
 @pytest.mark.parametrize("fault", FAULT_POINTS)
-def test_a_rank_that_stalls_is_named(tmp_path, fault):
+@each_transport
+def test_a_rank_that_stalls_is_named(tmp_path, fault, transport):
     """tests/mpi_faults.py on GPUs: the last rank stalls at ``fault``; the others raise CommTimeout naming it
     within the timeout + 1 s of the step that noticed (Open MPI ends the job when a rank leaves, so the
     faulty rank stalls instead of exiting)."""
     import json
     timeout = 1.0
-    p = run_mpi(GPUS, "tests/mpi_faults.py", "--transport", "nvshmem", "--fault", fault, "--mode", "stall",
+    p = run_mpi(GPUS, "tests/mpi_faults.py", "--transport", transport, "--fault", fault, "--mode", "stall",
                 "--timeout", str(timeout), "--result", str(tmp_path), timeout=180)
     records = [json.loads(f.read_text()) for f in sorted(tmp_path.glob("rank*.json"))]
     log = p.stdout[-3000:] + p.stderr[-3000:]
@@ -79,8 +87,9 @@ def test_a_rank_that_stalls_is_named(tmp_path, fault):
 
 
 @needs_gpu
-def test_demo_on_gpus():
-    p = run_mpi(GPUS, "examples/demo.py", "--transport", "nvshmem", timeout=300)
+@each_transport
+def test_demo_on_gpus(transport):
+    p = run_mpi(GPUS, "examples/demo.py", "--transport", transport, timeout=300)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
 
 

@@ -9,7 +9,11 @@
 #                                    size 1 (all sections) and on every rank (kernel durations), quick sweep
 #   bash tools/gpu_check.sh faults   build, peer check, collective errors, masking, a rank stalled at each
 #                                    point of a run, a soak with injected faults ($SOAK_MINUTES, default 2)
-# Wheels the GPU machine lacks (nvshmem4py) are installed from .whl/ when present. Logs go to $OUT if set.
+#   bash tools/gpu_check.sh transports  both GPU transports: the ipc transport through the quick sweep,
+#                                    control, masking, timeout, embedding, examples and demo; the nvshmem
+#                                    quick sweep; the benchmark on each and the two joined (bench-both.json)
+# GPU transport: $MOECOMM_TRANSPORT (nvshmem by default here; ipc for the CUDA-IPC transport). Wheels the GPU
+# machine lacks (nvshmem4py) are installed from .whl/ when present. Logs go to $OUT if set.
 set -u -o pipefail
 out=${OUT:-/tmp/moecomm-out}; mkdir -p "$out"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -19,10 +23,11 @@ fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 # NVLink multicast stays off on shared machines; one node: no network transport, bootstrap over loopback.
 export NVSHMEM_DISABLE_NVLS=1 NCCL_NVLS_ENABLE=0 NVSHMEM_REMOTE_TRANSPORT=none NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME=lo
-export MOECOMM_CACHE_DIR=/tmp/moecomm-cache
+export MOECOMM_CACHE_DIR=/tmp/moecomm-cache MOECOMM_TRANSPORT=${MOECOMM_TRANSPORT:-nvshmem}
+T=$MOECOMM_TRANSPORT
 ngpu=$(nvidia-smi -L | wc -l)
 MPIRUN=(mpirun --allow-run-as-root --oversubscribe -x PYTHONPATH -x PYTHONUNBUFFERED -x NVSHMEM_DISABLE_NVLS
-  -x NCCL_NVLS_ENABLE -x NVSHMEM_REMOTE_TRANSPORT -x NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME -x MOECOMM_CACHE_DIR)
+  -x NCCL_NVLS_ENABLE -x NVSHMEM_REMOTE_TRANSPORT -x NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME -x MOECOMM_CACHE_DIR -x MOECOMM_TRANSPORT)
 status=0
 step() { echo "=== $*"; timeout ${STEP_TIMEOUT:-240} "$@" 2>&1 | tee -a "$out/gpu_check.log"; local rc=${PIPESTATUS[0]}; echo "=== rc=$rc: $*"; [ "$rc" = 0 ] || status=1; }
 # A run that breaks its communicator by design ends without MPI's finalization, which Open MPI's launcher
@@ -35,22 +40,43 @@ step python3 -m moecomm.build --arch sm_90
 expect ": 0 failures" "${MPIRUN[@]}" -np "$ngpu" python3 tests/mpi_peer_check.py
 [ "${1:-}" = peer ] && exit $status
 if [ "${1:-}" = faults ]; then
-  expect ": 0 failures" "${MPIRUN[@]}" -np "$ngpu" python3 tests/mpi_control.py --transport nvshmem
-  expect ": 0 failures" "${MPIRUN[@]}" -np "$ngpu" python3 tests/mpi_mask.py --transport nvshmem
+  expect ": 0 failures" "${MPIRUN[@]}" -np "$ngpu" python3 tests/mpi_control.py --transport $T
+  expect ": 0 failures" "${MPIRUN[@]}" -np "$ngpu" python3 tests/mpi_mask.py --transport $T
   for point in init construction dispatch_send dispatch_recv combine_send combine_recv destroy finalize; do
     rm -rf /tmp/faults && mkdir -p /tmp/faults
-    timeout 60 "${MPIRUN[@]}" -np "$ngpu" python3 tests/mpi_faults.py --transport nvshmem --fault $point \
+    timeout 60 "${MPIRUN[@]}" -np "$ngpu" python3 tests/mpi_faults.py --transport $T --fault $point \
       --mode stall --timeout 1 --result /tmp/faults >> "$out/gpu_check.log" 2>&1
     expect "\"raised\": \"CommTimeout\", \"peer\": $((ngpu - 1))" cat /tmp/faults/rank0.json
     echo "fault $point: $(cat /tmp/faults/*.json 2>/dev/null)" >> "$out/faults.txt"
   done
   STEP_TIMEOUT=$(( ${SOAK_MINUTES:-2} * 60 + 120 )) step "${MPIRUN[@]}" -np "$ngpu" python3 tools/soak.py \
-    --minutes ${SOAK_MINUTES:-2} --transport nvshmem --json "$out/soak-gpu.json"
+    --minutes ${SOAK_MINUTES:-2} --transport $T --json "$out/soak-gpu.json"
   exit $status
 fi
 # CuPy's NCCL binding finds libnccl through the loader path (the nvidia-nccl wheel)
 nccl=$(python3 -c "import nvidia.nccl as m; print(list(m.__path__)[0] + '/lib')" 2>/dev/null)
 export LD_LIBRARY_PATH=${nccl}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+if [ "${1:-}" = transports ]; then
+  export MOECOMM_TRANSPORT=ipc
+  expect ": 0 failures" "${MPIRUN[@]}" -np "$ngpu" python3 tests/mpi_peer_check.py
+  step "${MPIRUN[@]}" -np "$ngpu" python3 tests/mpi_alltoall.py --transport ipc --quick
+  step "${MPIRUN[@]}" -np "$ngpu" python3 tests/mpi_alltoall.py --transport nvshmem --quick
+  expect ": 0 failures" "${MPIRUN[@]}" -np "$ngpu" python3 tests/mpi_control.py --transport ipc
+  expect ": 0 failures" "${MPIRUN[@]}" -np "$ngpu" python3 tests/mpi_mask.py --transport ipc
+  expect "CommTimeout on $((ngpu - 1)) ranks" "${MPIRUN[@]}" -np "$ngpu" python3 tests/mpi_timeout.py --transport ipc
+  step "${MPIRUN[@]}" -np "$ngpu" python3 tests/mpi_embedding.py
+  step "${MPIRUN[@]}" -np "$ngpu" python3 examples/torch_moe.py
+  step "${MPIRUN[@]}" -np "$ngpu" python3 examples/jax_moe.py
+  step "${MPIRUN[@]}" -np "$ngpu" python3 examples/demo.py --transport ipc
+  for t in nvshmem ipc; do
+    STEP_TIMEOUT=${BENCH_TIMEOUT:-200} step "${MPIRUN[@]}" -x LD_LIBRARY_PATH -np "$ngpu" python3 -m moecomm.bench \
+      --transport $t --configs ${BENCH_CONFIGS:-r1-decode,r1-prefill,sweep} --sweep-tokens ${SWEEP_TOKENS:-1,16,128,1024,4096} \
+      --iters ${BENCH_ITERS:-300} --json "$out/bench-$t.json" --plot "$out/bench-$t.png"
+  done
+  step python3 -m moecomm.bench --merge "$out/bench-nvshmem.json" "$out/bench-ipc.json" --json "$out/bench-both.json" \
+    --plot "$out/bench-both.png"
+  exit $status
+fi
 if [ "${1:-}" = profile ]; then
   STEP_TIMEOUT=${BENCH_TIMEOUT:-300} step "${MPIRUN[@]}" -x LD_LIBRARY_PATH -np "$ngpu" python3 -m moecomm.bench \
     --configs ${BENCH_CONFIGS:-r1-decode,r1-prefill,sweep} --sweep-tokens ${SWEEP_TOKENS:-1,16,512} \
@@ -68,35 +94,35 @@ if [ "${1:-}" = profile ]; then
     step "${MPIRUN[@]}" -x LD_LIBRARY_PATH -np "$ngpu" "${ncu[@]}" --launch-skip 4 --launch-count 4 \
       --metrics gpu__time_duration.sum "${one[@]}" --sweep-tokens $tok > "$out/ncu-ws$ngpu-$tok.txt"
   done
-  step "${MPIRUN[@]}" -np "$ngpu" python3 tests/mpi_alltoall.py --transport nvshmem --quick
+  step "${MPIRUN[@]}" -np "$ngpu" python3 tests/mpi_alltoall.py --transport $T --quick
   exit $status
 fi
-step "${MPIRUN[@]}" -np "$ngpu" python3 tests/mpi_alltoall.py --transport nvshmem --quick
+step "${MPIRUN[@]}" -np "$ngpu" python3 tests/mpi_alltoall.py --transport $T --quick
 # embedding: torch tensors and raw buffers through the sweep, devices and streams, the examples, torchrun
-step "${MPIRUN[@]}" -np "$ngpu" python3 tests/mpi_alltoall.py --transport nvshmem --quick --arrays torch
-step "${MPIRUN[@]}" -np "$ngpu" python3 tests/mpi_alltoall.py --transport nvshmem --quick --arrays buffer
+step "${MPIRUN[@]}" -np "$ngpu" python3 tests/mpi_alltoall.py --transport $T --quick --arrays torch
+step "${MPIRUN[@]}" -np "$ngpu" python3 tests/mpi_alltoall.py --transport $T --quick --arrays buffer
 step "${MPIRUN[@]}" -np "$ngpu" python3 tests/mpi_embedding.py
 step "${MPIRUN[@]}" -np "$ngpu" python3 examples/torch_moe.py
 step "${MPIRUN[@]}" -np "$ngpu" python3 examples/jax_moe.py
 step "${MPIRUN[@]}" -np "$ngpu" python3 examples/jax_moe.py --jax-first
 step python3 -m torch.distributed.run --nproc-per-node "$ngpu" tests/torchrun_bootstrap.py
-expect "CommTimeout on $((ngpu - 1)) ranks" "${MPIRUN[@]}" -np "$ngpu" python3 tests/mpi_timeout.py --transport nvshmem
+expect "CommTimeout on $((ngpu - 1)) ranks" "${MPIRUN[@]}" -np "$ngpu" python3 tests/mpi_timeout.py --transport $T
 step "${MPIRUN[@]}" -np "$ngpu" python3 examples/demo.py
 if [ "${1:-}" = quick ]; then
   MOECOMM_FORCE_PUTS=1 step "${MPIRUN[@]}" -x MOECOMM_FORCE_PUTS -np "$ngpu" python3 tests/mpi_alltoall.py --transport nvshmem --quick
-  STEP_TIMEOUT=${BENCH_TIMEOUT:-300} step "${MPIRUN[@]}" -x LD_LIBRARY_PATH -np "$ngpu" python3 -m moecomm.bench \
-    --configs ${BENCH_CONFIGS:-r1-decode} --iters ${BENCH_ITERS:-300} --json "$out/bench.json" --plot "$out/bench.png"
+  STEP_TIMEOUT=${BENCH_TIMEOUT:-300} step "${MPIRUN[@]}" -x LD_LIBRARY_PATH -np "$ngpu" python3 -m moecomm.bench --transport $T \
+    --configs ${BENCH_CONFIGS:-r1-decode} --iters ${BENCH_ITERS:-300} --json "$out/bench-$T.json" --plot "$out/bench-$T.png"
   exit $status
 fi
-[ "${1:-}" = bench ] || { [ $status = 0 ] && STEP_TIMEOUT=${FULL_TIMEOUT:-400} step "${MPIRUN[@]}" -np "$ngpu" python3 tests/mpi_alltoall.py --transport nvshmem --full; }
+[ "${1:-}" = bench ] || { [ $status = 0 ] && STEP_TIMEOUT=${FULL_TIMEOUT:-400} step "${MPIRUN[@]}" -np "$ngpu" python3 tests/mpi_alltoall.py --transport $T --full; }
 if [ "${1:-}" = bench ] && [ $status = 0 ]; then
-  step "${MPIRUN[@]}" -np 1 python3 tests/mpi_alltoall.py --transport nvshmem --quick        # world size 1
+  step "${MPIRUN[@]}" -np 1 python3 tests/mpi_alltoall.py --transport $T --quick        # world size 1
   MOECOMM_FORCE_PUTS=1 step "${MPIRUN[@]}" -x MOECOMM_FORCE_PUTS -np "$ngpu" python3 tests/mpi_alltoall.py --transport nvshmem --quick
-  step "${MPIRUN[@]}" -np "$ngpu" python3 tests/mpi_alltoall.py --transport nvshmem --quick --full  # R1-sized cases
-  step "${MPIRUN[@]}" -np "$ngpu" python3 tools/host_profile.py  # where an eager call's host time goes
+  step "${MPIRUN[@]}" -np "$ngpu" python3 tests/mpi_alltoall.py --transport $T --quick --full  # R1-sized cases
+  step "${MPIRUN[@]}" -np "$ngpu" python3 tools/host_profile.py --transport $T  # where an eager call's host time goes
 
   STEP_TIMEOUT=${BENCH_TIMEOUT:-300} step "${MPIRUN[@]}" -x LD_LIBRARY_PATH -np "$ngpu" python3 -m moecomm.bench \
-    --configs ${BENCH_CONFIGS:-r1-decode,r1-prefill,v2-lite,sweep} ${SWEEP_TOKENS:+--sweep-tokens $SWEEP_TOKENS} \
-    --iters ${BENCH_ITERS:-1000} --json "$out/bench.json" --plot "$out/bench.png"
+    --transport $T --configs ${BENCH_CONFIGS:-r1-decode,r1-prefill,v2-lite,sweep} ${SWEEP_TOKENS:+--sweep-tokens $SWEEP_TOKENS} \
+    --iters ${BENCH_ITERS:-1000} --json "$out/bench-$T.json" --plot "$out/bench-$T.png"
 fi
 exit $status

@@ -1,6 +1,6 @@
 """Where the host time of an eager dispatch + combine goes (cProfile), R1-decode shapes, CuPy inputs.
 
-    mpirun -np 2 python tools/host_profile.py [--calls 200]
+    mpirun -np 2 python tools/host_profile.py [--calls 200] [--transport nvshmem|ipc]
 
 The device is kept busy by a delay kernel queued first, so launches never wait for the launch queue;
 rank 0 prints the functions by their own time per call pair (profiling inflates every Python frame, so
@@ -14,14 +14,15 @@ import cupy
 import numpy as np
 
 import moecomm
-from moecomm import _abi
+from moecomm.bench import delay_kernel
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--calls", type=int, default=200)
+    p.add_argument("--transport", default="nvshmem", choices=["nvshmem", "ipc"])
     args = p.parse_args()
-    comm = moecomm.init(transport="nvshmem")
+    comm = moecomm.init(transport=args.transport)
     W, M, E, K, H, S = comm.world_size, 128, 256, 8, 7168, 56
     L = E // W
     a2a = moecomm.AllToAll(comm, M, E, K, H, S, "float8_e4m3fn", "bfloat16")
@@ -33,8 +34,8 @@ def main():
     n, ex = cupy.zeros(L, np.int32), cupy.zeros((L, M * W, H), np.uint8)
     es, out = cupy.zeros((L, M * W, S), np.float32), cupy.zeros((M, H), np.uint16)
     y = cupy.full((L, M * W, H), 0x3C00, np.uint16)
-    delay_args = _abi.Delay(ns=int(2e9))
-    delay = comm.transport.launch("moecomm_delay", 1, delay_args)
+    delay_args, delay = delay_kernel(comm.transport)
+    delay_args.ns = int(2e9)
     stream = cupy.cuda.get_current_stream().ptr
 
     def pair():

@@ -2,7 +2,7 @@
 
     python tools/memory_report.py
 
-Uses the formulas of moecomm/transport/nvshmem_alltoall.py (132 SMs, an H100/H200). Bytes on the wire are
+Uses the formulas of moecomm/transport/gpu_alltoall.py (132 SMs, an H100/H200). Bytes on the wire are
 expectations for uniform top-k routing: a token reaches r = W * (1 - C(E - E/W, k) / C(E, k)) ranks.
 Dispatch sends a record to each of the r * (W - 1) / W other ranks (rows for the rank's own experts are
 stored in place); combine sends one partial row to each of the r ranks (the own one is a local copy);
@@ -11,7 +11,7 @@ without router weights at dispatch, one row per (token, k).
 from math import comb
 
 from moecomm._config import AllToAllConfig
-from moecomm.transport.nvshmem_alltoall import record_bytes, symmetric_bytes
+from moecomm.transport.gpu_alltoall import record_bytes, symmetric_bytes
 
 
 def r1(world, tokens):

@@ -159,7 +159,7 @@ def run_step(comm, a2as, A, plan):
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--minutes", type=float, default=1.0)
-    p.add_argument("--transport", default="host", choices=["host", "nvshmem"])
+    p.add_argument("--transport", default="host", choices=["host", "nvshmem", "ipc"])
     p.add_argument("--inject", type=float, default=0.1, help="probability of a fault per step (default 0.1)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", help="write the summary here (rank 0)")

@@ -11,6 +11,24 @@ call with the fields of :data:`moecomm._abi.CALL_FIELDS`: ``x``, ``x_scale``, ``
 ``memory == "host"`` gets numpy arrays (None where absent); one with ``memory == "device"`` gets device
 addresses (0 where absent) in a :class:`moecomm._abi.Call` structure that it hands to its kernels as is.
 
+A GPU transport is three pieces (the ``ipc`` transport is the example to copy, ~150 lines in all):
+
+1. a device header ``cuda/transport_<name>.cuh`` with the operations the kernels use to reach peers
+   (``peer_ptr``, ``signal_set``, ``put_block``, ``put_signal_warp``, ``quiet``, ``complete_sends``:
+   ``cuda/transport.cuh`` states their meaning) and a define selecting it in ``cuda/transport.cuh``;
+2. a module variant in :data:`moecomm._jit.VARIANTS` (its sources, defines, libraries);
+3. a subclass of :class:`moecomm.transport.gpu.GpuTransport` (``moecomm/transport/<name>.py``) providing the
+   device runtime: bring-up over the bootstrap (``_start_runtime``, bounded), what the runtime must know
+   of the loaded module (``_load_module``), symmetric allocation at the same offset on every rank
+   (``symmetric``/``free``, collective), a peer's copy (``peer_array``), teardown (``_stop_runtime``);
+   and its name in ``moecomm.comm.GPU_TRANSPORTS``.
+
+Everything else is shared (moecomm/transport/gpu.py, gpu_alltoall.py): device arrays arrive as addresses
+in the call record; work is ordered on the caller's stream and the host never synchronizes in dispatch or
+combine; kernels report errors (timeouts naming the peer, refusals, routing) in an error word read
+without synchronizing; a send half may already write this rank's own outputs; moecomm's barriers are
+bounded host barriers over the bootstrap, the benchmark's device barrier is the peer-check kernel.
+
 The call contract, the same on every transport: each dispatch is followed by exactly one combine; a
 call whose arguments AllToAll refused still takes part with no data (:meth:`AllToAllBackend.refuse`), so
 the ranks' calls always pair up; a call that raises a non-fatal error (refusal, bad routing) is over on

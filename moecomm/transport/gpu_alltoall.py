@@ -1,4 +1,5 @@
-"""AllToAll on GPUs: the four kernels of ``cuda/`` over NVSHMEM symmetric buffers sized once.
+"""AllToAll on GPUs, for every GPU transport: the four kernels of ``cuda/`` over symmetric buffers sized
+once (``transport.symmetric``), launched through ``transport.launch`` (see moecomm/transport/gpu.py).
 
 Symmetric memory per rank (bytes), W ranks, M = max_num_tokens, K = top-k, H = hidden_dim:
 
@@ -28,7 +29,7 @@ from .. import _abi, _cuda
 from .. import _constants as C
 from .._dtypes import float16
 from .base import AllToAllBackend
-from .nvshmem import error_from_words
+from .gpu import error_from_words
 
 
 def _align16(n):
@@ -65,7 +66,7 @@ def symmetric_bytes(cfg, num_sms=132):
     return sum(v for k, v in sizes.items() if k != "stage_row")
 
 
-class NvshmemAllToAll(AllToAllBackend):
+class GpuAllToAll(AllToAllBackend):
     """Created and used inside the transport's context (moecomm.AllToAll enters it)."""
 
     def __init__(self, transport, cfg, timeout_s):

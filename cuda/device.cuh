@@ -1,0 +1,56 @@
+// Device primitives every moecomm kernel may use, whatever the transport: the clock, ordered loads, the
+// error word and bounded waits on local signals. Constants (MOECOMM_*) and parameter structs come from the
+// generated moecomm_abi.h (moecomm/_abi.py).
+#pragma once
+#include "moecomm_abi.h"
+
+namespace moecomm {
+
+__device__ __forceinline__ uint64_t now_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+__device__ __forceinline__ uint64_t load_acquire(const uint64_t* p) {
+  uint64_t v;
+  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ int load_volatile(const int* p) { return *(const volatile int*)p; }
+
+// Error word: int32[MOECOMM_ERROR_WORDS] = {code, peer, phase, detail, call}. The first error recorded
+// wins, except that a timeout replaces an error of another kind (it is the one that breaks the
+// communicator, so the host must see it).
+__device__ __forceinline__ void record_error(int* err, int code, int peer, int phase, int detail, int call) {
+  int old = atomicCAS(err, MOECOMM_ERR_NONE, code);
+  if (old != MOECOMM_ERR_NONE && code == MOECOMM_ERR_TIMEOUT && old != MOECOMM_ERR_TIMEOUT)
+    old = atomicCAS(err, old, code) == old ? MOECOMM_ERR_NONE : old;
+  if (old == MOECOMM_ERR_NONE) {
+    err[1] = peer;
+    err[2] = phase;
+    err[3] = detail;
+    err[4] = call;
+    __threadfence_system();
+  }
+}
+
+// Spin until *sig >= expected. Returns false when the deadline passes (a timeout naming `peer` is
+// recorded) or when another thread has recorded a timeout (so one failure stops every waiter). The clock
+// and the error word (possibly in mapped host memory) are read once per POLL_CHECK spins.
+constexpr unsigned POLL_CHECK = 256;
+__device__ __forceinline__ bool wait_geq(const uint64_t* sig, uint64_t expected, uint64_t deadline_ns,
+                                         int* err, int peer, int phase, int call) {
+  for (unsigned spin = 1; load_acquire(sig) < expected; ++spin) {
+    if (spin % POLL_CHECK) continue;
+    if (load_volatile(err) == MOECOMM_ERR_TIMEOUT) return false;
+    if (now_ns() > deadline_ns) {
+      record_error(err, MOECOMM_ERR_TIMEOUT, peer, phase, 0, call);
+      return false;
+    }
+  }
+  return true;
+}
+
+}  // namespace moecomm

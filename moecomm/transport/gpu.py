@@ -1,0 +1,208 @@
+"""What every GPU transport shares: the rank's GPU and context, its kernel module, launches, bounded
+barriers, the peer check, device error words. A GPU transport subclasses :class:`GpuTransport` and
+provides its device runtime (moecomm/transport/base.py lists the pieces; ipc.py is the small example):
+``variant`` (its module in :data:`moecomm._jit.VARIANTS`), ``_start_runtime``, ``_load_module``,
+``symmetric``, ``free``, ``peer_array`` and ``_stop_runtime``. Everything runs in the primary context of
+the rank's GPU (``self.context``), entered by moecomm's entry points.
+"""
+import numpy as np
+
+from .. import _abi, _cuda, _jit
+from .. import _constants as C
+from .._arrays import DeviceArrays
+from .._errors import CommTimeout, InvalidArgument, InvalidRouting, MoeCommError, PeerError
+from .base import Transport, peer_pattern
+
+
+class GpuTransport(Transport):
+    memory = "device"
+    variant = ""
+
+    def __init__(self, bootstrap, local_rank, local_size, timeout_s):
+        import cupy
+        self._cupy = cupy
+        self.rank, self.world_size, self.bootstrap = bootstrap.rank, bootstrap.world_size, bootstrap
+        self.timeout_s = timeout_s
+        ndev = cupy.cuda.runtime.getDeviceCount()
+        if ndev == 1:  # the launcher gave each rank its own GPU (srun --gpus-per-task=1, CUDA_VISIBLE_DEVICES)
+            self.device = 0
+        elif local_size <= ndev:
+            self.device = local_rank
+        else:
+            raise MoeCommError(f"{local_size} ranks share this node but they see {ndev} GPUs: "
+                               f"run at most one rank per GPU")
+        self.context = _cuda.Context(self.device)
+        previous = self.context.enter()  # the runtime, the module and every CuPy array of ours live in it
+        try:
+            self._start()
+        finally:  # a thread that had no current device keeps this one (CuPy code after init uses it)
+            if previous is not _cuda.NO_CONTEXT:
+                self.context.leave(previous)
+
+    def _start(self):
+        from cuda.core import Device
+        dev = Device(self.device)
+        dev.set_current()
+        self._start_runtime(dev)
+        major, minor = dev.compute_capability
+        self.num_sms = dev.properties.multiprocessor_count
+        self.build = _jit.build(f"sm_{major}{minor}", self.variant)
+        self.module = _cuda.Module(self.build.cubin)
+        self._load_module(self.module)
+        self.error = self._cupy.zeros(C.ERROR_WORDS, np.int32)  # device error word of eager checks
+        self._checks = {"peer_check": 0, "barrier": 0}  # peer checks and device barriers so far
+        self._peer_args = _abi.PeerCheck(err=self.error.data.ptr, rank=self.rank, world=self.world_size)
+        self._peer_launch = self.launch("moecomm_peer_check", self.world_size, self._peer_args)
+        n = C.PEER_CHECK_BYTES  # inbox [2, world, n] (double-buffered by check parity), outbox, signals
+        self._peer = (self.symmetric((2, self.world_size, n), np.uint8), self.symmetric((n,), np.uint8),
+                      self.symmetric((self.world_size,), np.uint64))
+        self._barrier_signals = self.symmetric((self.world_size,), np.uint64)
+        self._barrier_args = _abi.PeerCheck(err=self.error.data.ptr, rank=self.rank, world=self.world_size,
+                                            signals=self._barrier_signals.data.ptr, inbox=self._peer[0].data.ptr,
+                                            outbox=self._peer[1].data.ptr, timeout_ns=int(self.timeout_s * 1e9))
+        self._barrier_launch = self.launch("moecomm_peer_check", self.world_size, self._barrier_args)
+        self._peer[2].fill(0)
+        self._barrier_signals.fill(0)
+        self.settle("init")
+
+    # the runtime a subclass provides -------------------------------------------------------------
+    def _start_runtime(self, dev):
+        raise NotImplementedError
+
+    def _load_module(self, module):
+        raise NotImplementedError
+
+    def _stop_runtime(self):
+        raise NotImplementedError
+
+    def symmetric(self, shape, dtype):
+        """A CuPy array at the same offset of every rank's symmetric memory (collective: same shapes, same
+        order on all ranks). Contents are undefined. ``dtype`` must be one CuPy supports; use uint8 /
+        uint16 for bfloat16 and float8 data."""
+        raise NotImplementedError
+
+    def free(self, array):
+        """Free a symmetric array from :meth:`symmetric` (collective, same order on every rank)."""
+        raise NotImplementedError
+
+    def peer_array(self, array, pe):
+        """``array`` of rank ``pe`` mapped for loads/stores, or None when not addressable."""
+        raise NotImplementedError
+
+    # shared -------------------------------------------------------------------------------------
+    def settle(self, what):
+        """Finish this rank's work on CuPy's current stream, then wait for every rank (bounded by the
+        timeout, over the bootstrap: CommTimeout names a rank that does not come). moecomm's own barriers."""
+        with self.context:
+            self._cupy.cuda.get_current_stream().synchronize()
+        self.bootstrap.barrier(self.timeout_s, what)
+
+    def barrier(self, stream=None):
+        """A device barrier of every rank ordered on ``stream`` (a handle; default CuPy's current stream):
+        the peer-check kernel with no bytes, each rank signalling every rank and waiting, bounded by the
+        timeout (a timeout lands in the transport's error word). For benchmarks, which align the ranks'
+        clocks with it; the host does not wait."""
+        self._checks["barrier"] += 1
+        self._barrier_args.expected = self._checks["barrier"]
+        with self.context:
+            self._barrier_launch(self._cupy.cuda.get_current_stream().ptr if stream is None else stream)
+
+    def launch(self, name, blocks, *params):
+        """A :class:`moecomm._cuda.Launch` of kernel ``name`` (see moecomm._abi.KERNELS) with ``params``."""
+        kernel = _abi.KERNELS[name]
+        with self.context:
+            return _cuda.Launch(self.module.function(kernel), kernel, blocks, *params)
+
+    def new_arrays(self):
+        with self.context:
+            return DeviceArrays(self.device, _cuda.StreamOrder(), _cuda.pointer_device)
+
+    def new_alltoall(self, cfg, timeout_s, ident):
+        from .gpu_alltoall import GpuAllToAll
+        return GpuAllToAll(self, cfg, timeout_s)
+
+    def check_peers(self, nbytes, timeout_s):
+        """Peer-check kernel: no host collective and no barrier, so a silent peer can only time out.
+
+        Check number c (1, 2, ...) sends pattern ^ c into inbox[c % 2] of every rank and adds 1 to the
+        receiver's signal; a peer can reach check c + 2 (reusing inbox[c % 2]) only after this rank's
+        signal for c + 1, i.e. after this rank has read check c.
+        """
+        if nbytes > C.PEER_CHECK_BYTES:
+            raise InvalidArgument(f"check_peers: nbytes={nbytes} exceeds {C.PEER_CHECK_BYTES}")
+        with self.context:
+            self._check_peers(nbytes, timeout_s)
+
+    def _check_peers(self, nbytes, timeout_s):
+        cp = self._cupy
+        inbox, outbox, signals = self._peer
+        self._checks["peer_check"] += 1
+        c = self._checks["peer_check"]
+        outbox[:nbytes] = cp.asarray(peer_pattern(self.rank, 0, nbytes) ^ (c & 0xFF))
+        box = inbox[c % 2]
+        p = self._peer_args
+        p.inbox, p.outbox, p.signals = box.data.ptr, outbox.data.ptr, signals.data.ptr
+        p.expected, p.nbytes, p.row_bytes, p.timeout_ns = c, nbytes, box.shape[1], int(timeout_s * 1e9)
+        stream = cp.cuda.get_current_stream()
+        self._peer_launch(stream.ptr)
+        stream.synchronize()
+        words = self.error.get()
+        if words[0] != C.ERR_NONE:
+            self.error.fill(0)
+            raise error_from_words(words, "check_peers")
+        got = box[:, :nbytes].get()
+        expect = peer_pattern(np.arange(self.world_size), 0, nbytes) ^ (c & 0xFF)
+        wrong = [int(p) for p in np.nonzero((got != expect).any(axis=1))[0]]
+        if wrong:
+            raise MoeCommError(f"check_peers: wrong bytes from ranks {wrong}")
+
+    def finalize(self, collective):
+        if not collective:  # a peer is gone: a collective teardown would wait for it; the process exit frees all
+            return
+        with self.context:
+            self._cupy.cuda.get_current_stream().synchronize()
+            self.bootstrap.barrier(self.timeout_s, "finalize")
+            self._stop_runtime()
+        self.context.release()
+
+
+def error_from_words(words, what):
+    """The exception for a device error word ``(code, peer, phase, detail, call)`` recorded by a kernel; the
+    kinds and classes are those the host transport raises for the same fault."""
+    code, peer, phase, detail, call = (int(v) for v in words)
+    phase_name = C.PHASES[phase] if 0 <= phase < len(C.PHASES) else str(phase)
+    where = f"{what} {phase_name} (call {call})"
+    if code == C.ERR_TIMEOUT:
+        return CommTimeout(f"{where}: timed out waiting for rank {peer}", peer=peer, phase=phase_name)
+    if code == C.ERR_PEER:
+        return _peer_error(where, peer, detail & ((1 << C.REASON_ARG_SHIFT) - 1), detail >> C.REASON_ARG_SHIFT)
+    if code == C.ERR_BAD_EXPERT:
+        return InvalidRouting(f"{where}: this rank dispatched an expert id out of range or repeated in a row "
+                              f"(token {detail}); no rank unpacked its tokens")
+    if code == C.ERR_BAD_M:
+        return InvalidRouting(f"{where}: this rank passed bound_m={detail}, outside [0, min(rows, "
+                              f"max_num_tokens)]")
+    if code == C.ERR_M_DIFFERS:
+        return InvalidArgument(f"{where}: bound_m={detail} differs from the dispatched m; nothing was sent")
+    if code == C.ERR_OVERFLOW:
+        return MoeCommError(f"{where}: rank {peer} sent more than the buffers hold (detail {detail}): "
+                            f"configurations differ or memory was corrupted")
+    return MoeCommError(f"{where}: device error {code} (peer {peer}, detail {detail})")
+
+
+_PEER_ROUTING = {C.ERR_BAD_EXPERT: "invalid expert ids", C.ERR_BAD_M: "bound_m out of range"}
+
+
+def _peer_error(where, peer, reason, argument):
+    """A peer flagged its part of a call as failed with ``reason`` (an ERR_* code)."""
+    if reason in _PEER_ROUTING:
+        return InvalidRouting(f"{where}: peers reported bad input (rank {peer}: {_PEER_ROUTING[reason]}); its "
+                              f"tokens were not sent")
+    if reason == C.ERR_M_DIFFERS:
+        text = "bound_m differs from the dispatched m"
+    elif reason == C.ERR_REFUSED:
+        name = C.ARGUMENTS[argument] if 0 <= argument < len(C.ARGUMENTS) else f"argument {argument}"
+        text = f"refused {name}"
+    else:
+        text = f"error {reason}"
+    return PeerError(f"{where}: rank {peer} refused its call ({text}); it sent nothing", peer=peer, reason=text)
