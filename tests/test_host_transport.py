@@ -31,3 +31,12 @@ def test_a_masked_dead_rank_leaves_the_survivors_serving():
     experts (and count the pairs not sent), then take it back."""
     p = run_mpi(3, "tests/mpi_mask.py", timeout=120)
     assert p.returncode == 0 and ": 0 failures" in p.stdout, p.stdout[-4000:] + p.stderr[-4000:]
+
+
+def test_routing_telemetry_example(tmp_path):
+    """examples/routing_telemetry.py on 2 host ranks: metrics printed, Prometheus text written, a plan."""
+    prom = tmp_path / "routing.prom"
+    p = run_mpi(2, "examples/routing_telemetry.py", "--steps", "30", "--prom", str(prom), timeout=120)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert "imbalance max/mean rank load per step" in p.stdout and "planned" in p.stdout
+    assert prom.exists() and "moecomm_imbalance" in prom.read_text() or "no Prometheus text" in p.stdout
