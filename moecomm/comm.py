@@ -147,7 +147,7 @@ class Communicator:
         broken: why the communicator can no longer be used, or None.
     """
 
-    def __init__(self, bootstrap, transport_name, timeout_s):
+    def __init__(self, bootstrap, transport_name, timeout_s, device=None):
         self.bootstrap, self.timeout_s, self.broken, self.transport = bootstrap, timeout_s, None, None
         self._alltoalls = 0
         self._breaks = 0  # times fail() was called (an AllToAll resynchronized since the last one may serve)
@@ -167,7 +167,7 @@ class Communicator:
             else:
                 module, cls = GPU_TRANSPORTS[transport_name]
                 transport = getattr(importlib.import_module(f".transport.{module}", __package__), cls)
-                self.transport = transport(bootstrap, self.local_rank, self.local_size, timeout_s)
+                self.transport = transport(bootstrap, self.local_rank, self.local_size, timeout_s, device)
         self.device = self.transport.device
         _exit_guard.watch(self)
 
@@ -330,7 +330,7 @@ def _mpi():
     return MPI
 
 
-def init(comm=None, transport="auto", timeout=None):
+def init(comm=None, transport="auto", timeout=None, device=None):
     """Create a :class:`Communicator` (collective over ``comm``, bounded by the timeout).
 
     Args:
@@ -342,11 +342,16 @@ def init(comm=None, transport="auto", timeout=None):
             (CPU ranks, numpy arrays; needs an mpi4py communicator), or "auto": ``$MOECOMM_TRANSPORT`` when
             set, else on GPUs ipc when every rank is on one node and nvshmem otherwise, host when this
             process sees no GPU. Every rank must make the same choice (checked).
+        device: the CUDA device of this rank (GPU transports), or None: the rank's index among the ranks of
+            ``comm`` on its node (GPU 0 when the process sees one GPU). Give it when ``comm`` is a part of
+            the job, e.g. data-parallel replicas each with its own communicator.
         timeout: seconds any wait may last (else ``$MOECOMM_TIMEOUT_S``, else 10); a rank silent for longer
             is named in a CommTimeout.
     """
     if transport not in TRANSPORTS:
         raise InvalidArgument(f"transport must be one of {TRANSPORTS}, got {transport!r}")
+    if device is not None and (isinstance(device, bool) or not isinstance(device, int) or device < 0):
+        raise InvalidArgument(f"device must be a CUDA device ordinal >= 0 or None, got {device!r}")
     timeout_s, source = timeout_seconds(timeout)
     boot = bootstrap_of(comm)
     _exit_guard.install()
@@ -369,4 +374,4 @@ def init(comm=None, transport="auto", timeout=None):
     if transport == "host" and getattr(boot, "mpi", None) is None:
         raise InvalidArgument("the host transport moves data over MPI: pass an mpi4py communicator")
     log.info("moecomm rank %d/%d: timeout %.3g s (from %s)", boot.rank, boot.world_size, timeout_s, source)
-    return Communicator(boot, transport, timeout_s)
+    return Communicator(boot, transport, timeout_s, device)

@@ -18,13 +18,17 @@ class GpuTransport(Transport):
     memory = "device"
     variant = ""
 
-    def __init__(self, bootstrap, local_rank, local_size, timeout_s):
+    def __init__(self, bootstrap, local_rank, local_size, timeout_s, device=None):
         import cupy
         self._cupy = cupy
         self.rank, self.world_size, self.bootstrap = bootstrap.rank, bootstrap.world_size, bootstrap
         self.timeout_s = timeout_s
         ndev = cupy.cuda.runtime.getDeviceCount()
-        if ndev == 1:  # the launcher gave each rank its own GPU (srun --gpus-per-task=1, CUDA_VISIBLE_DEVICES)
+        if device is not None:
+            if not 0 <= device < ndev:
+                raise InvalidArgument(f"device={device}: this process sees {ndev} GPUs")
+            self.device = device
+        elif ndev == 1:  # the launcher gave each rank its own GPU (srun --gpus-per-task=1, CUDA_VISIBLE_DEVICES)
             self.device = 0
         elif local_size <= ndev:
             self.device = local_rank
