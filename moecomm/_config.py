@@ -27,6 +27,9 @@ class AllToAllConfig:
         hidden_dim_scale: scale values per token, or None when tokens carry no scales.
         in_dtype / out_dtype / scale_dtype: numpy dtypes (bf16/fp16/fp8 e4m3; bf16/fp16; float32 or None).
         dp_size: ranks per data-parallel group (they hold the same tokens); divides world_size.
+        slots_per_rank: physical expert slots per rank when experts are replicated through an
+            :class:`moecomm.balance.ExpertMap` (indices are then logical ids), or None: rank r owns
+            experts r*E/W ... (r+1)*E/W - 1.
     """
     world_size: int
     rank: int
@@ -39,10 +42,11 @@ class AllToAllConfig:
     out_dtype: np.dtype
     scale_dtype: object
     dp_size: int
+    slots_per_rank: object = None
 
     @classmethod
     def create(cls, world_size, rank, max_num_tokens, num_experts, experts_per_token, hidden_dim,
-               hidden_dim_scale, in_dtype, out_dtype, scale_dtype, dp_size):
+               hidden_dim_scale, in_dtype, out_dtype, scale_dtype, dp_size, slots_per_rank=None):
         """Validate the arguments of :class:`moecomm.AllToAll`; raise InvalidArgument on the first bad one."""
         max_num_tokens = _positive_int("max_num_tokens", max_num_tokens)
         num_experts = _positive_int("num_experts", num_experts)
@@ -73,13 +77,19 @@ class AllToAllConfig:
             hidden_dim_scale = _positive_int("hidden_dim_scale", hidden_dim_scale)
             scale_dtype = as_dtype(float32 if scale_dtype is None else scale_dtype,
                                    SCALE_DTYPES, "scale_dtype")
+        if slots_per_rank is not None:
+            slots_per_rank = _positive_int("slots_per_rank", slots_per_rank)
+            if slots_per_rank < num_experts // world_size:
+                raise InvalidArgument(f"slots_per_rank={slots_per_rank} must be >= num_experts / world_size = "
+                                      f"{num_experts // world_size} (every expert needs a slot)")
         return cls(world_size, rank, max_num_tokens, num_experts, k, hidden_dim, hidden_dim_scale,
-                   in_dtype, out_dtype, scale_dtype, dp_size)
+                   in_dtype, out_dtype, scale_dtype, dp_size, slots_per_rank)
 
     # Derived layout -------------------------------------------------------------------------
     @property
     def num_local_experts(self):
-        return self.num_experts // self.world_size
+        """Experts (physical slots with replicas) on each rank."""
+        return self.num_experts // self.world_size if self.slots_per_rank is None else self.slots_per_rank
 
     @property
     def num_dp_groups(self):
@@ -108,4 +118,4 @@ class AllToAllConfig:
         """A tuple that must be equal on every rank (rank excluded)."""
         return (self.world_size, self.max_num_tokens, self.num_experts, self.experts_per_token,
                 self.hidden_dim, self.hidden_dim_scale, str(self.in_dtype), str(self.out_dtype),
-                str(self.scale_dtype), self.dp_size)
+                str(self.scale_dtype), self.dp_size, self.slots_per_rank)

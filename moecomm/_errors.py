@@ -58,6 +58,12 @@ class OutOfStep(MoeCommError):
     number, another control operation): raised on every rank involved instead of exchanging data."""
 
 
+class ExpertMapMismatch(MoeCommError):
+    """The ranks' calls carried different expert-map generations (``AllToAll.set_expert_map``): raised on
+    every rank instead of routing a token to the wrong expert; nothing was exchanged and the next call with
+    matching maps works."""
+
+
 class CommBroken(MoeCommError):
 
     """The communicator can no longer be used: an earlier wait for a peer expired (or the ranks' calls went

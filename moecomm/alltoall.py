@@ -4,6 +4,7 @@ from contextlib import nullcontext
 import numpy as np
 
 from ._arrays import Accepted, accepted
+from .balance import ExpertMap
 from ._config import AllToAllConfig
 from ._constants import ARGUMENTS, timeout_seconds
 from ._dtypes import float32
@@ -46,17 +47,26 @@ class AllToAll:
         dp_size: ranks per data-parallel group; a group's ranks hold the same tokens, share the sending
             and each receives the whole combined result.
         timeout: seconds any wait may last (default: the communicator's).
+        slots_per_rank: replicated experts: each rank holds this many physical expert slots, ``indices``
+            are logical expert ids, and an :class:`moecomm.balance.ExpertMap` (``expert_map``; at first
+            :meth:`ExpertMap.static <moecomm.balance.ExpertMap.static>`, changed by :meth:`set_expert_map`)
+            says which logical expert each slot holds. Each (token, logical expert) goes to one replica by
+            the map's rule; the outputs are per local slot (``num_local_experts`` = slots_per_rank). Host
+            transport only so far. None (default): rank r owns experts r*E/W ... (r+1)*E/W - 1.
     """
 
     def __init__(self, comm, max_num_tokens, num_experts, experts_per_token, hidden_dim,
                  hidden_dim_scale=None, in_dtype="bfloat16", out_dtype="bfloat16", scale_dtype=None,
-                 dp_size=1, timeout=None):
-        self.comm, self._backend, self.masked = comm, None, ()
+                 dp_size=1, timeout=None, slots_per_rank=None):
+        self.comm, self._backend, self.masked, self.expert_map = comm, None, (), None
         error = None
         try:  # checked on every rank, then compared: a bad argument on one rank raises on all of them
             self.cfg = c = AllToAllConfig.create(comm.world_size, comm.rank, max_num_tokens, num_experts,
                                                  experts_per_token, hidden_dim, hidden_dim_scale, in_dtype,
-                                                 out_dtype, scale_dtype, dp_size)
+                                                 out_dtype, scale_dtype, dp_size, slots_per_rank)
+            if c.slots_per_rank is not None and comm.transport.memory != "host":
+                raise InvalidArgument("slots_per_rank: replicated experts run on the host transport so far (the GPU "
+                                      "kernels do not take an expert map yet)")
             self.timeout_s = comm.timeout_s if timeout is None else timeout_seconds(timeout)[0]
             mine = (None, c.key())
         except InvalidArgument as e:
@@ -77,6 +87,9 @@ class AllToAll:
             self._ident = comm._new_alltoall_id()
             self._backend = transport.new_alltoall(c, self.timeout_s, self._ident)
             self._arrays = transport.new_arrays()
+        if c.slots_per_rank is not None:
+            self.expert_map = ExpertMap.static(c.num_experts, c.world_size, c.slots_per_rank)
+            self._backend.set_expert_map(self.expert_map)
         self._call = self._backend.call
         self._none = None if transport.memory == "host" else 0  # an absent array in the call record
         self._in, self._out = accepted(c.in_dtype), accepted(c.out_dtype)
@@ -382,6 +395,48 @@ class AllToAll:
         self.comm.fail(MoeCommError(f"mask_ranks({list(masked)}) on AllToAll #{self._ident}: the communicator "
                                     f"serves only through masked AllToAlls"))
         self._serving_since = self.comm._breaks
+
+    def set_expert_map(self, expert_map):
+        """Switch to another :class:`moecomm.balance.ExpertMap` (collective: every rank passes an equal map,
+        checked, bounded by the timeout). It takes effect at the next dispatch on every rank together; no
+        buffer is reallocated (they are sized for slots_per_rank). Every call carries the map's generation,
+        and a call whose ranks carry different generations raises ExpertMapMismatch on every rank instead of
+        routing. The map's generation must differ from the current one. Moving expert weights into their
+        new slots is the caller's: the switch is safe once every rank has finished the previous combine
+        (which this call requires) and holds the new weights before its next dispatch."""
+        self._live()
+        if self.expert_map is None:
+            raise InvalidArgument("set_expert_map: this AllToAll has no expert slots (construct it with "
+                                  "slots_per_rank=...)")
+        c, error = self.cfg, None
+        try:
+            if not isinstance(expert_map, ExpertMap):
+                raise InvalidArgument(f"set_expert_map: expected a moecomm.balance.ExpertMap, got "
+                                      f"{type(expert_map).__name__}")
+            if (expert_map.num_experts, expert_map.slots.shape) != (c.num_experts, (c.world_size, c.slots_per_rank)):
+                raise InvalidArgument(f"set_expert_map: a map of {expert_map.num_experts} experts on "
+                                      f"{expert_map.slots.shape} slots; this AllToAll has {c.num_experts} experts on "
+                                      f"{(c.world_size, c.slots_per_rank)}")
+            if expert_map.generation == self.expert_map.generation:
+                raise InvalidArgument(f"set_expert_map: generation {expert_map.generation} is the current map's; "
+                                      f"give the new map another")
+            if self._combine_due or any(self._posted.values()):
+                raise InvalidArgument("set_expert_map: a call is in progress (a dispatch without its combine)")
+            mine = (None, expert_map.generation, expert_map.slots.tobytes())
+        except InvalidArgument as e:
+            error, mine = e, (str(e), None, None)
+        everyone = self.comm.allgather(mine, f"set_expert_map of AllToAll #{self._ident}")
+        if error is not None:
+            raise error
+        refused = [(q, reason) for q, (reason, _, _) in enumerate(everyone) if reason]
+        if refused:
+            raise InvalidArgument(f"set_expert_map: rank {refused[0][0]} refused its map: {refused[0][1]}")
+        differ = [q for q, (_, g, slots) in enumerate(everyone) if (g, slots) != mine[1:]]
+        if differ:
+            raise InvalidArgument(f"set_expert_map: rank {differ[0]} passed another map (generation "
+                                  f"{everyone[differ[0]][1]}); every rank must pass the same")
+        self.expert_map = expert_map
+        self._backend.set_expert_map(expert_map)
 
     def stats(self):
         """Counters of this AllToAll since it was created: {"MASKED_PAIRS": (token, expert) pairs this rank did

@@ -70,6 +70,33 @@ class ExpertMap:
         """[E] replica count of each logical expert."""
         return np.bincount(self.slots[self.slots >= 0], minlength=self.num_experts)
 
+    def table(self):
+        """[E, max replicas] physical slot ids (rank * slots_per_rank + slot) of each logical expert's replicas
+        in (rank, slot) order, -1 past its count."""
+        flat = self.slots.ravel()
+        order = np.flatnonzero(flat >= 0)
+        order = order[np.argsort(flat[order], kind="stable")]
+        counts = self.replicas()
+        out = np.full((self.num_experts, counts.max()), -1, np.int64)
+        starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+        for e in range(self.num_experts):
+            out[e, :counts[e]] = order[starts[e]:starts[e] + counts[e]]
+        return out
+
+    def physical(self, indices, tokens, group):
+        """Physical slot ids (rank * slots_per_rank + slot) for logical ``indices`` [n, k] (-1 stays -1) of
+        tokens ``tokens`` [n] (their index in the DP group's batch) sent by DP group ``group``.
+
+        The replica rule: replica j = (token * 2654435761 + group * 40503) mod 2**32 mod replicas, so every
+        token picks on its own, consecutive tokens spread over the replicas, and every rank can compute it.
+        """
+        ids = np.asarray(indices, np.int64)
+        table, counts = self.table(), self.replicas()
+        h = (np.asarray(tokens, np.uint64) * np.uint64(2654435761) + np.uint64(group * 40503)) % np.uint64(2 ** 32)
+        safe = np.maximum(ids, 0)
+        j = (h[:, None] % counts[safe].astype(np.uint64)).astype(np.int64)
+        return np.where(ids >= 0, table[safe, j], -1)
+
     def rank_load(self, load):
         """[num_ranks] expected load of each rank when each expert's ``load`` ([E]) splits evenly over its
         replicas."""

@@ -23,7 +23,10 @@ Per step: dispatch + combine time (host wall time on CPU ranks, CUDA events on G
 each with every expert: run once at full width and once narrower to compare EP width against replicas at
 the same GPU count (the figures are those of the group of world rank 0). Output: a table, ``--json`` (command, environment, per-step records, summaries) and
 ``--plot`` (imbalance and step time over the steps of each scenario; time against tokens for ``ramp``).
-Replicated experts (``moecomm.balance``) and capacity settings join the comparison once dispatch takes them.
+With ``--spare-slots``, each routing scenario runs a second time with replicated experts: the first
+``--replan`` steps on the static map, then replicas planned from the last ``--replan`` steps' load
+(:func:`moecomm.balance.plan`, kept close to the map in use) and switched every ``--replan`` steps (host
+transport so far). Capacity settings join the comparison once dispatch takes them.
 """
 import argparse
 import json
@@ -112,10 +115,11 @@ def tokens_per_step(rng, args):
 
 # Running steps -------------------------------------------------------------------------------------
 class Layer:
-    """One AllToAll and its arrays for a top-k; ``step(ids, m)`` runs dispatch + combine (the expert is the
-    identity) and returns (seconds, counts [num_local_experts])."""
+    """One AllToAll and its arrays for a top-k (with ``slots`` expert slots per rank: replicas through an
+    expert map); ``step(ids, m)`` runs dispatch + combine (the expert is the identity) and returns (seconds,
+    counts [num_local_experts])."""
 
-    def __init__(self, comm, args, k):
+    def __init__(self, comm, args, k, slots=None):
         import moecomm
         self.comm, self.k = comm, k
         self.gpu = comm.transport.memory == "device"
@@ -125,8 +129,8 @@ class Layer:
         else:
             self.xp, dt = np, moecomm.bfloat16
         W, M, H = comm.world_size, args.tokens, args.hidden
-        self.a2a = moecomm.AllToAll(comm, M, args.experts, k, H, None, "bfloat16", "bfloat16")
-        L = args.experts // W
+        self.a2a = moecomm.AllToAll(comm, M, args.experts, k, H, None, "bfloat16", "bfloat16", slots_per_rank=slots)
+        L = self.a2a.cfg.num_local_experts
         xp = self.xp
         self.n, self.ex = xp.zeros(L, np.int32), xp.zeros((L, M * W, H), dt)
         self.x, self.out = xp.zeros((M, H), dt), xp.zeros((M, H), dt)
@@ -158,10 +162,19 @@ class Layer:
         self.a2a.destroy()
 
 
-def run_steps(comm, layer, routing, steps, args, first_step=0):
-    """``steps`` steps of ``routing``; returns this rank's (seconds [steps], counts [steps, L])."""
+def run_steps(comm, layer, routing, steps, args, first_step=0, replan=0):
+    """``steps`` steps of ``routing``; returns this rank's (seconds [steps], counts [steps, L]). With
+    ``replan`` (and a layer with expert slots), every ``replan`` steps the replicas are planned again from
+    the load of the last ``replan`` steps (moecomm.balance.plan, kept close to the map in use) and switched."""
+    from moecomm import balance
     times, counts = [], []
     for s in range(first_step, first_step + steps):
+        if replan and s > first_step and (s - first_step) % replan == 0:
+            window = np.concatenate(comm.allgather(np.array(counts[-replan:]), "loadtest replan"), axis=1)
+            emap = layer.a2a.expert_map
+            held = emap.slots.ravel()
+            load = np.bincount(held[held >= 0], weights=window.sum(axis=0)[held >= 0], minlength=emap.num_experts)
+            layer.a2a.set_expert_map(balance.plan(load, emap.num_ranks, emap.slots_per_rank, previous=emap).map)
         rng = np.random.default_rng([args.seed, comm.rank, s])
         m = tokens_per_step(rng, args)
         t, n = layer.step(routing.ids(rng, s, m), m)
@@ -231,6 +244,10 @@ def main(argv=None):
     p.add_argument("--period", type=int, default=20, help="steps a hot expert stays hot (moving-hot)")
     p.add_argument("--domains", type=int, default=4, help="popularity profiles mixed per step (mixture)")
     p.add_argument("--ep-size", type=int, default=0, help="ranks per expert-parallel group (default: all)")
+    p.add_argument("--spare-slots", type=int, default=0,
+                   help="expert slots per rank beyond experts/ranks: each routing scenario also runs with replicas "
+                        "planned from the load and re-planned every --replan steps (host transport so far)")
+    p.add_argument("--replan", type=int, default=20, help="steps between replica plans (default 20)")
     p.add_argument("--transport", default="auto")
     p.add_argument("--timeout", type=float, default=None, help="seconds any wait may last (mask: time to detect)")
     p.add_argument("--seed", type=int, default=0)
@@ -243,6 +260,7 @@ def main(argv=None):
         p.error(f"unknown scenario(s) {unknown}; expected some of {','.join(SCENARIOS)}")
     names.sort(key=lambda s: s == "mask")  # last: it leaves the communicator serving through one AllToAll
     import moecomm
+    from moecomm import balance
     from mpi4py import MPI
     world = MPI.COMM_WORLD
     ep = args.ep_size or world.Get_size()
@@ -259,10 +277,12 @@ def main(argv=None):
     results, first = [], world.Get_rank() == 0
     layers = {}
 
-    def layer(k):
-        if k not in layers:
-            layers[k] = Layer(comm, args, k)
-        return layers[k]
+    def layer(k, slots=None):
+        if (k, slots) not in layers:
+            layers[(k, slots)] = Layer(comm, args, k, slots)
+        return layers[(k, slots)]
+
+    slots = args.experts // comm.world_size + args.spare_slots if args.spare_slots else None
 
     for name in names:
         t0 = time.time()
@@ -272,6 +292,17 @@ def main(argv=None):
             r = summarize_steps(name, times, counts, comm.world_size)
             if name == "adversarial":
                 r["target"] = {"expert": routing.target, "push": routing.alpha, "hit_rate": routing.hit}
+            if slots:  # the same steps with planned replicas, re-planned every --replan steps
+                lay = layer(args.topk, slots)
+                emap = lay.a2a.expert_map
+                if emap.generation:  # start from the static map again (a previous scenario planned this one)
+                    lay.a2a.set_expert_map(balance.ExpertMap.static(args.experts, comm.world_size, slots,
+                                                                    generation=emap.generation + 1))
+                before = lay.a2a.expert_map.generation
+                times, counts = gather_steps(comm, *run_steps(comm, lay, routing, args.steps, args, replan=args.replan))
+                r["replicas"] = dict(summarize_steps(f"{name} + replicas", times, counts, comm.world_size),
+                                     slots_per_rank=slots, replan=args.replan,
+                                     switches=lay.a2a.expert_map.generation - before)
         elif name == "ramp":
             routing, r = Routing("zipf", args.experts, args.topk, args), {"scenario": "ramp", "points": []}
             lay, saved, size = layer(args.topk), args.tokens, 1  # the layer keeps the full capacity
@@ -309,6 +340,13 @@ def main(argv=None):
 
 
 def _line(r):
+    if "replicas" in r:
+        rr = r["replicas"]
+        return (_line({k: v for k, v in r.items() if k != "replicas"}) + f"\n{'  replicas':<12} p50 "
+                f"{rr['time_us']['p50']:.0f} us  p99 {rr['time_us']['p99']:.0f} us  rank tokens max "
+                f"{rr['rank_tokens_max']:.0f}  imbalance mean {rr['imbalance']['mean']:.2f} max "
+                f"{rr['imbalance']['max']:.2f} ({rr['slots_per_rank']} slots per rank, re-planned every "
+                f"{rr['replan']} steps)")
     if "points" in r:
         return f"{r['scenario']:<12} " + "  ".join(
             f"{pt.get('tokens', pt.get('topk'))}: {pt['time_us']['p50']:.0f} us" for pt in r["points"])
@@ -335,8 +373,10 @@ def plot(results, path):
     ramp = next((r for r in results if r["scenario"] == "ramp"), None)
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     for r in routed:
-        axes[0].plot(r["per_step"]["imbalance"], label=r["scenario"])
-        axes[1].plot(r["per_step"]["time_us"], label=r["scenario"])
+        for x in (r, r.get("replicas")):
+            if x:
+                axes[0].plot(x["per_step"]["imbalance"], label=x["scenario"], ls="--" if x is not r else "-")
+                axes[1].plot(x["per_step"]["time_us"], label=x["scenario"], ls="--" if x is not r else "-")
     axes[0].set(xlabel="step", ylabel="max / mean rank load", title="imbalance per step")
     axes[1].set(xlabel="step", ylabel="dispatch + combine (us, max over ranks)", title="step time")
     if ramp:

@@ -49,7 +49,8 @@ def test_load_tool_runs_every_scenario(tmp_path):
     out = tmp_path / "load.json"
     p = run_mpi(2, "moecomm/loadtest.py", "--scenarios", "uniform,zipf,moving-hot,mixture,adversarial,ramp,topk,mask",
                 "--steps", "12", "--tokens", "16", "--experts", "16", "--topk", "4", "--hidden", "128", "--lengths",
-                "mixture", "--timeout", "1", "--json", str(out), "--plot", str(tmp_path / "load.png"), timeout=180)
+                "mixture", "--timeout", "1", "--spare-slots", "1", "--replan", "4", "--json", str(out), "--plot",
+                str(tmp_path / "load.png"), timeout=180)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     doc = json.loads(out.read_text())
     got = [r["scenario"] for r in doc["results"]]
@@ -59,3 +60,13 @@ def test_load_tool_runs_every_scenario(tmp_path):
     assert [pt["tokens"] for pt in doc["results"][5]["points"]] == [1, 2, 4, 8, 16]
     assert "CommTimeout naming rank 1" in doc["results"][7]["detected"]
     assert doc["results"][4]["target"]["hit_rate"] >= 0.95
+    replicas = zipf["replicas"]  # the same steps with planned replicas, switched every 4 steps
+    assert replicas["slots_per_rank"] == 9 and replicas["switches"] == 2 and len(replicas["per_step"]["time_us"]) == 12
+
+
+@pytest.mark.parametrize("ranks", [2, 3], ids=lambda n: f"ranks{n}")
+def test_replicated_experts_through_an_expert_map(ranks):
+    """tests/mpi_replicas.py: one replica per pair, counts and combine equal the reference, a planned map
+    switched between calls, a generation mismatch raised everywhere, differing maps refused."""
+    p = run_mpi(ranks, "tests/mpi_replicas.py", timeout=120)
+    assert p.returncode == 0 and ": 0 failures" in p.stdout, p.stdout[-3000:] + p.stderr[-3000:]

@@ -86,6 +86,13 @@ class AllToAllBackend(abc.ABC):
     def counts(self) -> dict:
         """The cumulative counters ({name in moecomm._constants.COUNTER_FIELDS: int})."""
 
+    def set_expert_map(self, expert_map) -> None:
+        """Route logical expert ids through ``expert_map`` (a :class:`moecomm.balance.ExpertMap`) from the next
+        dispatch on, and carry its generation in every call (AllToAll with ``slots_per_rank``; AllToAll has
+        checked that every rank passes the same map). A transport that cannot says so."""
+        from .._errors import InvalidArgument
+        raise InvalidArgument(f"{type(self).__name__} does not take expert maps")
+
     def synchronize(self, stream) -> None:
         """Wait for this AllToAll's work on ``stream``; raise errors the device recorded. Not collective."""
 

@@ -21,13 +21,14 @@ import numpy as np
 from .. import reference
 from .._arrays import HostArrays
 from .._constants import COUNTER_FIELDS
-from .._errors import InvalidArgument, InvalidRouting, MoeCommError, OutOfStep, PeerError
+from .._errors import ExpertMapMismatch, InvalidArgument, InvalidRouting, MoeCommError, OutOfStep, PeerError
 from .._mpi import TAG_PEER_CHECK, exchange_tag, wait_all
 from .base import AllToAllBackend, Transport, host_call_record, peer_pattern
 
 _OK, _BAD_ROUTING, _BAD_M, _BAD_ARG = 0, 1, 2, 3  # statuses in a header
 _PHASES = ("dispatch", "combine")
-_FIELDS, _HEADER = 5, 256  # header: int64 [alltoall, phase, call, status, count], then the reason (UTF-8)
+_FIELDS, _HEADER = 6, 256  # header: int64 [alltoall, phase, call, status, count, map generation], then the
+                           # reason (UTF-8)
 
 
 class _Exchange:
@@ -40,6 +41,7 @@ class _Exchange:
 
     def __init__(self, comm, timeout_s, alltoall, phase):
         self.comm, self.timeout_s, self.alltoall, self.phase = comm, timeout_s, alltoall, phase
+        self.map_generation = 0  # of the expert map in use (AllToAll.set_expert_map), carried by every header
         self.tag = exchange_tag(_PHASES.index(phase), 0)
         self.calls = 0
         self.live = list(range(comm.Get_size()))  # the ranks not masked
@@ -65,11 +67,12 @@ class _Exchange:
         deadline = time.monotonic() + self.timeout_s
         head = np.zeros((w, _HEADER), np.uint8)
         fields = head[:, :8 * _FIELDS].view(np.int64)
-        fields[:, :3], fields[:, 3], fields[:, 4] = me, status, dest_counts
+        fields[:, :3], fields[:, 3], fields[:, 4], fields[:, 5] = me, status, dest_counts, self.map_generation
         text = reason.encode()[:_HEADER - 8 * _FIELDS]
         head[:, 8 * _FIELDS:8 * _FIELDS + len(text)] = np.frombuffer(text, np.uint8)
         heads = np.zeros((w, _HEADER), np.uint8)
-        heads[:, :8 * _FIELDS].view(np.int64)[:, :3] = me  # masked ranks: in step, OK, no rows
+        heads[:, :8 * _FIELDS].view(np.int64)[:, :3] = me  # masked ranks: in step, OK, no rows, same map
+        heads[:, :8 * _FIELDS].view(np.int64)[:, 5] = self.map_generation
         recvs = self._receives = [c.Irecv(heads[s], source=s, tag=self.tag) for s in live]
         sends = [c.Isend(head[d], dest=d, tag=self.tag) for d in live]
         wait_all(recvs + sends, live * 2, deadline, self.timeout_s, self.phase)
@@ -80,6 +83,11 @@ class _Exchange:
                 theirs = _PHASES[phase] if 0 <= phase < len(_PHASES) else f"phase {phase}"
                 raise OutOfStep(f"{self.phase}: rank {s} is in AllToAll #{a} {theirs} call {call} while this "
                                 f"rank is in AllToAll #{self.alltoall} {self.phase} call {self.calls}")
+        other = [s for s in live if got[s, 5] != self.map_generation]
+        if other:
+            raise ExpertMapMismatch(f"{self.phase}: rank {other[0]} routes with expert map generation "
+                                    f"{int(got[other[0], 5])}, this rank with {self.map_generation}: nothing was "
+                                    f"exchanged (set_expert_map is collective)")
         statuses = got[:, 3].copy()
         reasons = [bytes(heads[s, 8 * _FIELDS:]).rstrip(b"\0").decode(errors="replace") for s in range(w)]
         if statuses.any():
@@ -157,6 +165,7 @@ class HostAllToAll(AllToAllBackend):
         self._received = None
         self._dispatched_m = None
         self._masked = np.zeros(cfg.world_size, bool)
+        self.expert_map = None
         self._counters = dict.fromkeys(COUNTER_FIELDS, 0)
 
     # dispatch -------------------------------------------------------------------------------
@@ -180,6 +189,8 @@ class HostAllToAll(AllToAllBackend):
             status = _BAD_ROUTING if message else _OK
         mine = np.arange(cfg.dp_rank, m if status == _OK else 0, cfg.dp_size)
         idx = a.indices[mine].astype(np.int64)
+        if self.expert_map is not None:  # logical ids -> physical slots, by the map's replica rule
+            idx = self.expert_map.physical(idx, mine, cfg.dp_group)
         owner = np.where(idx >= 0, idx // L, -1)  # id -1: no expert, no destination
         masked = (owner >= 0) & self._masked[np.maximum(owner, 0)]
         self._counters["MASKED_PAIRS"] += int(masked.sum())
@@ -298,6 +309,11 @@ class HostAllToAll(AllToAllBackend):
 
     def counts(self):
         return dict(self._counters)
+
+    def set_expert_map(self, expert_map):
+        self.expert_map = expert_map
+        for ex in self._exchanges.values():
+            ex.map_generation = expert_map.generation
 
     def destroy(self, collective):
         self._received = self._dispatch_pending = self._combine_pending = None
