@@ -33,6 +33,7 @@ import numpy as np
 
 import moecomm
 from moecomm import reference
+from report import report
 
 E_PER_RANK, K, H, M, TIMEOUT = 2, 2, 64, 8, 2.0
 xp = np  # the array module of the transport (CuPy on GPUs), set in main()
@@ -229,12 +230,7 @@ def main():
 
     # report over plain MPI (the communicator is broken by design here)
     from mpi4py import MPI
-    everyone = MPI.COMM_WORLD.gather(fails, root=0)
-    if r == 0:
-        for f in sum(everyone, []):
-            print("FAIL", f)
-        print(f"{checks} checks on {W} ranks: {len(sum(everyone, []))} failures", flush=True)
-    sys.exit(1 if r == 0 and any(everyone) else 0)
+    sys.exit(report(MPI.COMM_WORLD.allgather(fails), checks, W, r))
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ the current device as it works, which is the point. Prints "<n> checks on <w> ra
 """
 import contextlib
 import os
-import sys
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # JAX sees both GPUs in both ranks
 
@@ -24,6 +23,7 @@ import numpy as np  # noqa: E402
 
 import moecomm  # noqa: E402
 from moecomm import reference  # noqa: E402
+from report import finish  # noqa: E402
 
 M, H, K, SPIN_CYCLES = 64, 512, 2, 40_000_000  # ~20 ms of spinning before a late producer writes
 _spin = cupy.RawKernel(r'''
@@ -174,13 +174,7 @@ def main():
     cupy.cuda.runtime.setDevice(dev)
 
     a2a.destroy()
-    everyone = comm.allgather(fails)
-    comm.finalize()
-    if r == 0:
-        for f in sum(everyone, []):
-            print("FAIL", f)
-        print(f"{checks} checks on {W} ranks: {len(sum(everyone, []))} failures")
-    sys.exit(1 if any(everyone) else 0)
+    finish(comm, fails, checks)
 
 
 if __name__ == "__main__":

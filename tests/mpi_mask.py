@@ -20,6 +20,7 @@ import numpy as np
 
 import moecomm
 from moecomm import reference
+from report import report
 
 E_PER_RANK, K, H, M, TIMEOUT, CALLS = 2, 3, 64, 16, 2.0, 10
 TAG_RETURN = 77  # the plain MPI message that wakes the stalled rank
@@ -115,13 +116,9 @@ def main():
             fails.append(f"call {call} after unmasking is wrong")
     checks += 1
 
-    everyone = MPI.COMM_WORLD.gather(fails, root=0)
-    if r == 0:
-        for f in sum(everyone, []):
-            print("FAIL", f)
-        print(f"{checks} checks on {W} ranks: {len(sum(everyone, []))} failures", flush=True)
+    everyone = MPI.COMM_WORLD.allgather(fails)
     comm.finalize()  # broken (masking leaves the communicator serving only through this AllToAll): local
-    sys.exit(1 if r == 0 and any(everyone) else 0)
+    sys.exit(report(everyone, checks, W, r))
 
 
 if __name__ == "__main__":

@@ -6,12 +6,12 @@ before and after, a generation mismatch raises on every rank and the next matchi
 
 Prints "<n> checks on <w> ranks: <f> failures" on rank 0.
 """
-import sys
 
 import numpy as np
 
 import moecomm
 from moecomm import balance, reference
+from report import finish
 
 E_PER_RANK, SLOTS, K, H, M = 2, 4, 3, 64, 24
 
@@ -95,13 +95,7 @@ def main():
     fails += call(a2a, comm, 101, hot=1)
     checks += 1
     a2a.destroy()
-    everyone = comm.allgather(fails)
-    comm.finalize()
-    if r == 0:
-        for f in sum(everyone, []):
-            print("FAIL", f)
-        print(f"{checks} checks on {W} ranks: {len(sum(everyone, []))} failures", flush=True)
-    sys.exit(1 if any(everyone) else 0)
+    finish(comm, fails, checks)
 
 
 if __name__ == "__main__":
