@@ -7,13 +7,13 @@
 """
 from ._arrays import DeviceBuffer
 from ._dtypes import bfloat16, float8_e4m3fn, float16, float32
-from ._errors import (CommBroken, CommTimeout, CompileError, ExpertMapMismatch, InvalidArgument, InvalidRouting,
-                      MoeCommError, OutOfStep, PeerError)
+from ._errors import (CapacityExceeded, CommBroken, CommTimeout, CompileError, ExpertMapMismatch, InvalidArgument,
+                      InvalidRouting, MoeCommError, OutOfStep, PeerError)
 from .alltoall import AllToAll
 from .comm import Bootstrap, Communicator, init
 
 __version__ = "0.1.0"
 
-__all__ = ["AllToAll", "Bootstrap", "CommBroken", "CommTimeout", "Communicator", "CompileError", "DeviceBuffer",
+__all__ = ["AllToAll", "Bootstrap", "CapacityExceeded", "CommBroken", "CommTimeout", "Communicator", "CompileError", "DeviceBuffer",
            "ExpertMapMismatch", "InvalidArgument", "InvalidRouting", "MoeCommError", "OutOfStep", "PeerError", "bfloat16", "float16",
            "float8_e4m3fn", "float32", "init"]

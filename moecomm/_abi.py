@@ -67,6 +67,7 @@ CALL_FIELDS = (
     ("out_scale", "float*"),        # dispatch: [local_experts, cap, scales] float32
     ("y", "const uint8_t*"),        # combine: [local_experts, cap, hidden] out_dtype
     ("out_tokens", "uint8_t*"),     # combine: [rows, hidden] out_dtype
+    ("out_dropped", "uint8_t*"),    # combine: [rows, topk] uint8, 1: the pair was dropped for capacity
     ("rows", "int"),                # rows of x / out_tokens / indices / weights
     ("idx64", "int"),               # indices are int64
     ("partials", "int"),            # combine: weights came with dispatch (sum on the expert side)

@@ -30,6 +30,10 @@ class AllToAllConfig:
         slots_per_rank: physical expert slots per rank when experts are replicated through an
             :class:`moecomm.balance.ExpertMap` (indices are then logical ids), or None: rank r owns
             experts r*E/W ... (r+1)*E/W - 1.
+        capacity: slots per local expert, or None: the worst case (max_num_tokens * DP groups: never
+            overflows).
+        overflow: what a (token, expert) pair past the capacity does: "error" (the call raises
+            CapacityExceeded on every rank) or "drop" (it is not sent and adds nothing; counted).
     """
     world_size: int
     rank: int
@@ -43,10 +47,13 @@ class AllToAllConfig:
     scale_dtype: object
     dp_size: int
     slots_per_rank: object = None
+    capacity: object = None
+    overflow: str = "error"
 
     @classmethod
     def create(cls, world_size, rank, max_num_tokens, num_experts, experts_per_token, hidden_dim,
-               hidden_dim_scale, in_dtype, out_dtype, scale_dtype, dp_size, slots_per_rank=None):
+               hidden_dim_scale, in_dtype, out_dtype, scale_dtype, dp_size, slots_per_rank=None, capacity=None,
+               overflow="error"):
         """Validate the arguments of :class:`moecomm.AllToAll`; raise InvalidArgument on the first bad one."""
         max_num_tokens = _positive_int("max_num_tokens", max_num_tokens)
         num_experts = _positive_int("num_experts", num_experts)
@@ -82,8 +89,18 @@ class AllToAllConfig:
             if slots_per_rank < num_experts // world_size:
                 raise InvalidArgument(f"slots_per_rank={slots_per_rank} must be >= num_experts / world_size = "
                                       f"{num_experts // world_size} (every expert needs a slot)")
+        if overflow not in ("error", "drop"):
+            raise InvalidArgument(f"overflow must be 'error' or 'drop', got {overflow!r}")
+        if capacity is not None:
+            worst = max_num_tokens * (world_size // dp_size)
+            capacity = _positive_int("capacity", capacity)
+            if capacity > worst:
+                raise InvalidArgument(f"capacity={capacity} exceeds the worst case max_num_tokens * DP groups = "
+                                      f"{worst} (leave it None for that)")
+            if dp_size != 1:
+                raise InvalidArgument("capacity: needs dp_size == 1 so far")
         return cls(world_size, rank, max_num_tokens, num_experts, k, hidden_dim, hidden_dim_scale,
-                   in_dtype, out_dtype, scale_dtype, dp_size, slots_per_rank)
+                   in_dtype, out_dtype, scale_dtype, dp_size, slots_per_rank, capacity, overflow)
 
     # Derived layout -------------------------------------------------------------------------
     @property
@@ -105,8 +122,9 @@ class AllToAllConfig:
 
     @property
     def expert_capacity(self):
-        """Slots per local expert: every token of every DP group can reach one expert once."""
-        return self.max_num_tokens * self.num_dp_groups
+        """Slots per local expert: ``capacity``, else the worst case, every token of every DP group
+        reaching one expert once."""
+        return self.max_num_tokens * self.num_dp_groups if self.capacity is None else self.capacity
 
     def expert_x_shape(self):
         return (self.num_local_experts, self.expert_capacity, self.hidden_dim)
@@ -118,4 +136,4 @@ class AllToAllConfig:
         """A tuple that must be equal on every rank (rank excluded)."""
         return (self.world_size, self.max_num_tokens, self.num_experts, self.experts_per_token,
                 self.hidden_dim, self.hidden_dim_scale, str(self.in_dtype), str(self.out_dtype),
-                str(self.scale_dtype), self.dp_size, self.slots_per_rank)
+                str(self.scale_dtype), self.dp_size, self.slots_per_rank, self.capacity, self.overflow)

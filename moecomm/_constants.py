@@ -25,7 +25,7 @@ ERROR_WORDS = 5
 REASON_ARG_SHIFT = 8
 ARGUMENTS = ("the order of calls", "out_expert_num_tokens", "out_expert_x", "out_expert_x_scale", "dp_x",
              "dp_x_scale", "indices", "bound_m", "weights", "out_tokens", "expert_y", "stream", "do_send",
-             "do_recv")
+             "do_recv", "out_dropped")
 
 # dtype codes of expert outputs in device code
 DT_BF16, DT_FP16 = 0, 1
@@ -39,7 +39,8 @@ STATE_FIXED = len(STATE_FIELDS)
 STAGE_SLOTS = 4       # staging rows per block for puts to peers without a load/store mapping
 BLOCK_THREADS = 256   # threads of every alltoall block: a block handles one token or record at a time
 # Cumulative uint64 counters of one AllToAll, kept on the device (AllToAll.stats()).
-COUNTER_FIELDS = ("MASKED_PAIRS",)    # (token, expert) pairs not sent because the expert's rank is masked
+COUNTER_FIELDS = ("MASKED_PAIRS",     # (token, expert) pairs not sent because the expert's rank is masked
+                  "DROPPED_PAIRS")    # pairs routed to this rank's experts past their capacity (overflow="drop")
 
 PHASES = ("peer_check", "dispatch", "combine")
 PHASE_PEER_CHECK, PHASE_DISPATCH, PHASE_COMBINE = range(len(PHASES))

@@ -58,6 +58,20 @@ class OutOfStep(MoeCommError):
     number, another control operation): raised on every rank involved instead of exchanging data."""
 
 
+class CapacityExceeded(MoeCommError):
+    """More (token, expert) pairs went to an expert than its capacity (``AllToAll(capacity=..., overflow=
+    "error")``): raised on every rank, naming the expert and its demand; nothing was exchanged and the next
+    call works.
+
+    Attributes:
+        expert: the (physical) expert id, demand: pairs routed to it, capacity: its slots.
+    """
+
+    def __init__(self, message, expert=-1, demand=0, capacity=0):
+        super().__init__(message)
+        self.expert, self.demand, self.capacity = expert, demand, capacity
+
+
 class ExpertMapMismatch(MoeCommError):
     """The ranks' calls carried different expert-map generations (``AllToAll.set_expert_map``): raised on
     every rank instead of routing a token to the wrong expert; nothing was exchanged and the next call with

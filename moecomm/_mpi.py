@@ -9,15 +9,15 @@ from ._errors import CommTimeout, OutOfStep
 
 TAG_CONTROL, TAG_SUBSET = 0x6C00, 0x6C01            # control collectives of the bootstrap: all ranks, a subset
 TAG_PEER_CHECK = 0x6D20                              # host transport's peer check
-TAG_EXCHANGE, GENERATIONS = 0x4000, 1024             # host transport's dispatch/combine: 4 tags per generation
+TAG_EXCHANGE, GENERATIONS = 0x4000, 1024             # host transport's exchanges: 6 tags per generation
 POLL_S = 50e-6
 
 
 def exchange_tag(phase, generation):
     """The tag of a host-transport exchange's headers (its rows use tag + 1) for ``phase`` (0: dispatch,
-    1: combine) in ``generation`` (AllToAll.mask_ranks starts a new one): messages left behind by a failed
-    call of an earlier generation can never be received by a later one."""
-    return TAG_EXCHANGE + 4 * (generation % GENERATIONS) + 2 * phase
+    1: combine, 2: dispatch demand) in ``generation`` (AllToAll.mask_ranks starts a new one): messages left
+    behind by a failed call of an earlier generation can never be received by a later one."""
+    return TAG_EXCHANGE + 6 * (generation % GENERATIONS) + 2 * phase
 
 
 def wait_all(requests, peers, deadline, timeout_s, what):

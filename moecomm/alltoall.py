@@ -15,6 +15,7 @@ _INDICES = Accepted({np.dtype(np.int32): np.dtype(np.int32), np.dtype(np.uint32)
                      np.dtype(np.int64): np.dtype(np.int64)}, "int32, uint32 or int64")
 _BOUND_M = accepted(np.int32, np.uint32)
 _COUNTS = accepted(np.int32)
+_FLAGS = accepted(np.uint8)
 _FLOAT32 = accepted(float32)
 _ONE = (1,)
 
@@ -53,20 +54,30 @@ class AllToAll:
             says which logical expert each slot holds. Each (token, logical expert) goes to one replica by
             the map's rule; the outputs are per local slot (``num_local_experts`` = slots_per_rank). Host
             transport only so far. None (default): rank r owns experts r*E/W ... (r+1)*E/W - 1.
+        capacity: slots per local expert (the second dimension of out_expert_x), or None: the worst case,
+            max_num_tokens * (world_size // dp_size), which never overflows. Needs dp_size == 1.
+        overflow: when a local expert is routed more (token, expert) pairs than ``capacity``: "error" (the
+            call raises CapacityExceeded on every rank, naming the expert and its demand; nothing is
+            exchanged, the next call works) or "drop" (pairs past the capacity are not sent and add nothing
+            in combine; slots go in (source rank, token) order; counted in ``stats()["DROPPED_PAIRS"]`` on
+            the expert's rank and reported per pair by combine's ``out_dropped``). Host transport so far.
     """
 
     def __init__(self, comm, max_num_tokens, num_experts, experts_per_token, hidden_dim,
                  hidden_dim_scale=None, in_dtype="bfloat16", out_dtype="bfloat16", scale_dtype=None,
-                 dp_size=1, timeout=None, slots_per_rank=None):
+                 dp_size=1, timeout=None, slots_per_rank=None, capacity=None, overflow="error"):
         self.comm, self._backend, self.masked, self.expert_map = comm, None, (), None
         error = None
         try:  # checked on every rank, then compared: a bad argument on one rank raises on all of them
             self.cfg = c = AllToAllConfig.create(comm.world_size, comm.rank, max_num_tokens, num_experts,
                                                  experts_per_token, hidden_dim, hidden_dim_scale, in_dtype,
-                                                 out_dtype, scale_dtype, dp_size, slots_per_rank)
+                                                 out_dtype, scale_dtype, dp_size, slots_per_rank, capacity, overflow)
             if c.slots_per_rank is not None and comm.transport.memory != "host":
                 raise InvalidArgument("slots_per_rank: replicated experts run on the host transport so far (the GPU "
                                       "kernels do not take an expert map yet)")
+            if c.capacity is not None and comm.transport.memory != "host":
+                raise InvalidArgument("capacity: overflow policies run on the host transport so far (the GPU "
+                                      "kernels take the worst case)")
             self.timeout_s = comm.timeout_s if timeout is None else timeout_seconds(timeout)[0]
             mine = (None, c.key())
         except InvalidArgument as e:
@@ -241,7 +252,7 @@ class AllToAll:
         return s, outputs
 
     def combine(self, out_tokens, indices, weights, expert_y, bound_m, do_send=True, do_recv=True,
-                stream=None):
+                stream=None, out_dropped=None):
         """Send expert outputs back and form each token's router-weighted sum. Collective.
 
         Args:
@@ -255,21 +266,27 @@ class AllToAll:
             bound_m: [1] int32 or uint32 holding the same m as the dispatch (another m is refused: read
                 on the device on GPUs, so reported as device errors are).
             do_send, do_recv, stream: as in :meth:`dispatch` (stream=None follows ``out_tokens``).
+            out_dropped: [rows, experts_per_token] uint8, or None; written by the receive half: 1 where the
+                (token, expert) pair was dropped for capacity (``overflow="drop"``) and added nothing, else 0.
+                Host transport so far.
 
         Raises as :meth:`dispatch`, and errors the kernels recorded for this or an earlier call (GPUs;
         the message names the call). A refused combine ends its call (no retry); a combine without a
         dispatch to combine is refused.
         """
-        self._combine_call(out_tokens, indices, weights, expert_y, bound_m, do_send, do_recv, stream)
+        self._combine_call(out_tokens, indices, weights, expert_y, bound_m, do_send, do_recv, stream, out_dropped)
 
-    def _combine_call(self, out_tokens, indices, weights, expert_y, bound_m, do_send, do_recv, stream):
+    def _combine_call(self, out_tokens, indices, weights, expert_y, bound_m, do_send, do_recv, stream,
+                      out_dropped=None):
         """combine() with positional arguments (moecomm.jax)."""
-        self._run(self._combine, out_tokens, indices, weights, expert_y, bound_m, do_send, do_recv, stream)
+        self._run(self._combine, out_tokens, indices, weights, expert_y, bound_m, do_send, do_recv, stream,
+                  out_dropped)
 
-    def _combine(self, out_tokens, indices, weights, expert_y, bound_m, do_send, do_recv, stream):
+    def _combine(self, out_tokens, indices, weights, expert_y, bound_m, do_send, do_recv, stream, out_dropped):
         self._call_stream = None
         try:
-            s = self._combine_args(out_tokens, indices, weights, expert_y, bound_m, do_send, do_recv, stream)
+            s = self._combine_args(out_tokens, indices, weights, expert_y, bound_m, do_send, do_recv, stream,
+                                   out_dropped)
         except InvalidArgument as e:
             self._refuse("combine", do_send, e)
         self._arrays.order()
@@ -283,7 +300,7 @@ class AllToAll:
             self._posted["combine"] = False
             raise
 
-    def _combine_args(self, out_tokens, indices, weights, expert_y, bound_m, do_send, do_recv, stream):
+    def _combine_args(self, out_tokens, indices, weights, expert_y, bound_m, do_send, do_recv, stream, out_dropped):
         """Read and check combine's arguments into the call record; returns the stream."""
         c, call, read = self.cfg, self._call, self._arrays.read
         s = self._call_stream = self._arrays.begin(stream, out_tokens)
@@ -296,6 +313,11 @@ class AllToAll:
         call.y = read(expert_y, "expert_y", self._out, self._expert_shape)[0]
         call.bound_m = read(bound_m, "bound_m", _BOUND_M, _ONE)[0]
         call.rows, call.partials = rows, weights is None
+        call.out_dropped = self._none
+        if out_dropped is not None:
+            if self._none is not None:
+                raise InvalidArgument("out_dropped: the GPU transports do not report dropped pairs yet (pass None)")
+            call.out_dropped = read(out_dropped, "out_dropped", _FLAGS, per_token)[0]
         if do_send and not self._combine_due:
             raise InvalidArgument("combine: no dispatch to combine (each dispatch is followed by exactly one "
                                   "combine)")
@@ -440,8 +462,8 @@ class AllToAll:
 
     def stats(self):
         """Counters of this AllToAll since it was created: {"MASKED_PAIRS": (token, expert) pairs this rank did
-        not send because the expert's rank was masked}. Waits for this rank's work on its GPU. Not
-        collective."""
+        not send because the expert's rank was masked, "DROPPED_PAIRS": pairs routed to this rank's experts
+        past their capacity}. Waits for this rank's work on its GPU. Not collective."""
         self._live()
         with self._context or nullcontext():
             return self._backend.counts()

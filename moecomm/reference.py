@@ -33,6 +33,27 @@ def routing_error(indices, num_experts):
     return None
 
 
+def dropped(indices, num_experts, world_size, capacity, dp_size=1):
+    """The (token, expert) pairs past ``capacity`` slots per expert: list over groups of [m_g, k] bool.
+
+    Slots go to pairs in (group, token index) order, the order moecomm's host transport uses; a GPU may
+    pick other pairs (arrival order) but drops as many per expert. Dispatch and combine with the dropped
+    pairs' ids set to -1 give what a call with that capacity and ``overflow="drop"`` returns.
+    """
+    used = np.zeros(num_experts, np.int64)
+    out = []
+    for idx in indices:
+        idx = np.asarray(idx).astype(np.int64)
+        d = np.zeros(idx.shape, bool)
+        for t, row in enumerate(idx):
+            for j, e in enumerate(row):
+                if e >= 0:
+                    d[t, j] = used[e] >= capacity
+                    used[e] += 1
+        out.append(d)
+    return out
+
+
 def dispatch(x, x_scale, indices, num_experts, world_size, max_num_tokens, dp_size=1):
     """Dispatch every group's tokens to the experts' ranks.
 

@@ -222,3 +222,14 @@ def test_device_error_words_map_to_the_host_transports_errors():
     assert isinstance(e, moecomm.InvalidArgument) and "bound_m=7" in str(e)
     e = error_from_words([C.ERR_TIMEOUT, 1, C.PHASE_COMBINE, 0, 4], "AllToAll")
     assert isinstance(e, moecomm.CommTimeout) and e.peer == 1 and e.phase == "combine"
+
+
+@pytest.mark.parametrize("kwargs, why", [
+    (dict(capacity=M + 1), "exceeds the worst case"),
+    (dict(capacity=0), "capacity must be an integer >= 1"),
+    (dict(capacity=4, overflow="spill"), "overflow must be 'error' or 'drop'"),
+    (dict(capacity=4, dp_size=1, slots_per_rank=E - 1), "slots_per_rank=7 must be >="),
+])
+def test_capacity_and_slots_are_checked(comm, kwargs, why):
+    with pytest.raises(moecomm.InvalidArgument, match=why):
+        moecomm.AllToAll(comm, M, E, K, H, S, "float8_e4m3fn", "bfloat16", **kwargs)

@@ -306,3 +306,20 @@ def test_bad_combine_argument_is_named(fake, arg):
 def test_stream_none_follows_the_first_array(fake):
     fake.dispatch(**_buffers())  # dp_x is a tensor: torch's current stream
     assert fake.comm.transport.backend.launches[-1][3] == 0x700
+
+
+def test_host_only_options_are_refused_on_device_transports(fake):
+    """Capacity policies, expert slots and out_dropped run on the host transport so far: a device transport
+    refuses them with a clear error instead of ignoring them."""
+    comm = fake.comm
+    for kwargs, why in ((dict(capacity=4), "capacity: overflow policies"),
+                        (dict(slots_per_rank=E + 1), "slots_per_rank: replicated experts")):
+        with pytest.raises(moecomm.InvalidArgument, match=why):
+            moecomm.AllToAll(comm, M, E, K, H, S, "float8_e4m3fn", "bfloat16", **kwargs)
+    fake.dispatch(**_buffers(), stream=LAUNCH)
+    good = dict(out_tokens=FakeTensor((M, H), "bfloat16", ptr=0x9000), indices=FakeTensor((M, K), "int32", ptr=0x6000),
+                weights=FakeTensor((M, K), "float32", ptr=0x8000),
+                expert_y=moecomm.DeviceBuffer(0xa000, (E, M, H), moecomm.bfloat16, 0),
+                bound_m=FakeTensor((1,), "int32", ptr=0x7000))
+    with pytest.raises(moecomm.InvalidArgument, match="out_dropped: the GPU transports"):
+        fake.combine(**good, stream=LAUNCH, out_dropped=moecomm.DeviceBuffer(0xb000, (M, K), np.uint8, 0))

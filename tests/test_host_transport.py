@@ -70,3 +70,11 @@ def test_replicated_experts_through_an_expert_map(ranks):
     switched between calls, a generation mismatch raised everywhere, differing maps refused."""
     p = run_mpi(ranks, "tests/mpi_replicas.py", timeout=120)
     assert p.returncode == 0 and ": 0 failures" in p.stdout, p.stdout[-3000:] + p.stderr[-3000:]
+
+
+@pytest.mark.parametrize("ranks", [2, 3], ids=lambda n: f"ranks{n}")
+def test_capacity_policies(ranks):
+    """tests/mpi_capacity.py: 'drop' counts and reports the dropped pairs exactly and combine equals the
+    reference without them; 'error' raises CapacityExceeded on every rank and the next call is right."""
+    p = run_mpi(ranks, "tests/mpi_capacity.py", timeout=120)
+    assert p.returncode == 0 and ": 0 failures" in p.stdout, p.stdout[-3000:] + p.stderr[-3000:]

@@ -1,6 +1,13 @@
-"""Symmetric memory per rank and bytes per phase for the DeepSeek-R1 configurations (no GPU needed).
+"""Memory per rank and bytes per phase for the DeepSeek-R1 configurations (no GPU needed).
 
-    python tools/memory_report.py
+    python tools/memory_report.py [--capacity-factor 2.0]
+
+First table: symmetric memory and bytes on the wire at EP2 and EP8. Second table, EP2-EP64: the expert
+input buffer out_expert_x (with its scales) each rank holds, sized for the worst case (every token of
+every rank to one expert: max_num_tokens * ranks slots per local expert) against a capacity of
+``--capacity-factor`` times the mean demand per expert (tokens * ranks * top-k / experts), the setting
+of ``AllToAll(capacity=..., overflow=...)``; a packed layout would follow the real load instead (not
+built yet).
 
 Uses the formulas of moecomm/transport/gpu_alltoall.py (132 SMs, an H100/H200). Bytes on the wire are
 expectations for uniform top-k routing: a token reaches r = W * (1 - C(E - E/W, k) / C(E, k)) ranks.
@@ -8,7 +15,8 @@ Dispatch sends a record to each of the r * (W - 1) / W other ranks (rows for the
 stored in place); combine sends one partial row to each of the r ranks (the own one is a local copy);
 without router weights at dispatch, one row per (token, k).
 """
-from math import comb
+import argparse
+from math import ceil, comb
 
 from moecomm._config import AllToAllConfig
 from moecomm.transport.gpu_alltoall import record_bytes, symmetric_bytes
@@ -19,6 +27,9 @@ def r1(world, tokens):
 
 
 def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--capacity-factor", type=float, default=2.0)
+    args = p.parse_args()
     print(f"{'config':<22} {'symmetric/rank':>15} {'ranks/token':>12} {'dispatch B/rank':>16} "
           f"{'combine B/rank':>15} {'combine B (no w)':>17}")
     for world in (2, 8):
@@ -30,6 +41,16 @@ def main():
             print(f"R1 EP{world} {tokens:>5} tok     {symmetric_bytes(c) / 2**20:>11.1f} MiB {ranks:>12.2f} "
                   f"{tokens * ranks * (world - 1) / world * record_bytes(c) / 2**20:>12.2f} MiB {tokens * ranks * out_row / 2**20:>11.2f} MiB"
                   f" {tokens * k * out_row / 2**20:>13.2f} MiB")
+    print(f"\n{'out_expert_x + scales':<22} {'worst-case slots':>17} {'worst case':>11} "
+          f"{f'capacity {args.capacity_factor:g}x mean':>21} {'memory':>10}")
+    for tokens in (128, 4096):
+        for world in (2, 8, 16, 32, 64):
+            c = r1(world, tokens)
+            row = c.hidden_dim * c.in_dtype.itemsize + 4 * c.hidden_dim_scale
+            cap = min(c.expert_capacity, ceil(args.capacity_factor * tokens * world * c.experts_per_token / c.num_experts))
+            worst = c.num_local_experts * c.expert_capacity * row
+            print(f"R1 EP{world:<3} {tokens:>5} tok    {c.expert_capacity:>17} {worst / 2**30:>8.2f} GiB "
+                  f"{cap:>15} slots {c.num_local_experts * cap * row / 2**30:>6.2f} GiB")
 
 
 if __name__ == "__main__":

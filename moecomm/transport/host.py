@@ -21,12 +21,13 @@ import numpy as np
 from .. import reference
 from .._arrays import HostArrays
 from .._constants import COUNTER_FIELDS
-from .._errors import ExpertMapMismatch, InvalidArgument, InvalidRouting, MoeCommError, OutOfStep, PeerError
+from .._errors import (CapacityExceeded, ExpertMapMismatch, InvalidArgument, InvalidRouting, MoeCommError, OutOfStep,
+                       PeerError)
 from .._mpi import TAG_PEER_CHECK, exchange_tag, wait_all
 from .base import AllToAllBackend, Transport, host_call_record, peer_pattern
 
 _OK, _BAD_ROUTING, _BAD_M, _BAD_ARG = 0, 1, 2, 3  # statuses in a header
-_PHASES = ("dispatch", "combine")
+_PHASES = ("dispatch", "combine", "demand")  # demand: pairs per expert, exchanged first when capacity is set
 _FIELDS, _HEADER = 6, 256  # header: int64 [alltoall, phase, call, status, count, map generation], then the
                            # reason (UTF-8)
 
@@ -166,6 +167,7 @@ class HostAllToAll(AllToAllBackend):
         self._dispatched_m = None
         self._masked = np.zeros(cfg.world_size, bool)
         self.expert_map = None
+        self._dropped = None  # [n, k] this rank's pairs of the last dispatch dropped for capacity
         self._counters = dict.fromkeys(COUNTER_FIELDS, 0)
 
     # dispatch -------------------------------------------------------------------------------
@@ -195,6 +197,11 @@ class HostAllToAll(AllToAllBackend):
         masked = (owner >= 0) & self._masked[np.maximum(owner, 0)]
         self._counters["MASKED_PAIRS"] += int(masked.sum())
         owner[masked] = -1
+        idx[masked] = -1
+        self._dropped = np.zeros(idx.shape, bool)
+        if cfg.capacity is not None:
+            self._dropped = self._capacity(idx, status, message)
+            owner[self._dropped] = -1
         parts, counts = [], np.zeros(W, np.int64)
         for d in range(W):
             to_d = owner == d
@@ -215,6 +222,42 @@ class HostAllToAll(AllToAllBackend):
             _raise_status(statuses, reasons, (status, message) if status else None, "dispatch")
         self._dispatched_m = m
         return ex, pending, a.weights is not None
+
+    def _capacity(self, idx, status, message):
+        """Exchange every rank's demand per expert (the call's first exchange when a capacity is set: bad
+        input is reported here); raise CapacityExceeded on every rank ("error"), or return the pairs of
+        ``idx`` [n, k] (physical ids, -1: none) past the capacity ("drop"): slots go in (source rank,
+        token) order, so every rank knows which of its own pairs get none."""
+        cfg, W = self.cfg, self.cfg.world_size
+        E, cap = W * cfg.num_local_experts, cfg.capacity
+        valid = idx >= 0
+        mine = np.bincount(idx[valid], minlength=E).astype(np.int64)
+        ex = self._exchanges["demand"]
+        live = np.array([not m for m in self._masked], np.int64)
+        rows = np.repeat(mine.view(np.uint8)[None], int(live.sum()), axis=0)
+        pending, statuses, reasons = ex.post(rows, live, status, message or "")
+        if pending is None:
+            _raise_status(statuses, reasons, (status, message) if status else None, "dispatch")
+        got, src = ex.finish(pending)
+        demand = np.zeros((W, E), np.int64)
+        demand[np.repeat(np.arange(W), src)] = np.ascontiguousarray(got).view(np.int64).reshape(-1, E)
+        total = demand.sum(axis=0)
+        lo = cfg.rank * cfg.num_local_experts
+        self._counters["DROPPED_PAIRS"] += int(np.maximum(total[lo:lo + cfg.num_local_experts] - cap, 0).sum())
+        if (total > cap).any():
+            e = int(np.argmax(total > cap))
+            if cfg.overflow == "error":
+                raise CapacityExceeded(f"dispatch: expert {e} (rank {e // cfg.num_local_experts}) got {int(total[e])} "
+                                       f"(token, expert) pairs, capacity {cap} ({int((total > cap).sum())} experts "
+                                       f"over); nothing was exchanged", expert=e, demand=int(total[e]), capacity=cap)
+        before = demand[:cfg.rank].sum(axis=0)  # slots taken by lower source ranks
+        flat = np.where(valid, idx, E).ravel()  # token order, then top-k order
+        order = np.argsort(flat, kind="stable")
+        seen = np.empty_like(order)
+        starts = np.concatenate([[0], np.cumsum(np.bincount(flat, minlength=E + 1))[:-1]])
+        seen[order] = np.arange(flat.size) - starts[flat[order]]
+        position = np.append(before, 0)[flat] + seen
+        return (valid.ravel() & (position >= cap)).reshape(idx.shape)
 
     def _dispatch_recv(self, a, pending):
         cfg = self.cfg
@@ -293,9 +336,14 @@ class HostAllToAll(AllToAllBackend):
             y = np.ascontiguousarray(recv[:, 8:]).view(cfg.out_dtype).astype(np.float32)
             np.add.at(acc, token, a.weights[token, k].astype(np.float32)[:, None] * y)
         a.out_tokens[:m] = acc.astype(cfg.out_dtype)
+        if a.out_dropped is not None:  # this rank's own pairs (dp_size 1 when a capacity is set)
+            a.out_dropped[:] = 0
+            if self._dropped is not None and cfg.dp_size == 1:
+                a.out_dropped[:m] = self._dropped
 
     def refuse(self, phase, reason, argument, stream):
-        self._exchanges[phase].refuse(reason)
+        first = "demand" if phase == "dispatch" and self.cfg.capacity is not None else phase  # the call's first
+        self._exchanges[first].refuse(reason)
 
     def set_mask(self, masked, generation, barrier):
         barrier()
