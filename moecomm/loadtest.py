@@ -14,6 +14,8 @@ Scenarios (every rank draws the same popularity, each rank its own tokens):
   ``--tokens``).
 * ``ramp``: Zipf routing at 1, 2, 4, ... ``--tokens`` tokens per rank.
 * ``topk``: Zipf routing with top-k 1, 2, 4, 8 (up to ``--topk``).
+* ``capacity``: Zipf routing with a capacity of ``--capacity-factors`` times the mean demand per expert
+  and ``overflow="drop"``: the share of (token, expert) pairs dropped, and the time (host transport so far).
 * ``mask``: Zipf steps; the last rank stops answering mid-run; the others name it in a CommTimeout, mask it
   (``AllToAll.mask_ranks``) and keep serving; then it returns and is unmasked.
 
@@ -37,7 +39,7 @@ import time
 import numpy as np
 
 ROUTINGS = ("uniform", "zipf", "moving-hot", "mixture", "adversarial")
-SCENARIOS = ROUTINGS + ("ramp", "topk", "mask")
+SCENARIOS = ROUTINGS + ("ramp", "topk", "capacity", "mask")
 TAG_RETURN = 0x6E00  # plain MPI message that wakes the stalled rank of the mask scenario
 
 
@@ -119,7 +121,7 @@ class Layer:
     expert map); ``step(ids, m)`` runs dispatch + combine (the expert is the identity) and returns (seconds,
     counts [num_local_experts])."""
 
-    def __init__(self, comm, args, k, slots=None):
+    def __init__(self, comm, args, k, slots=None, capacity=None):
         import moecomm
         self.comm, self.k = comm, k
         self.gpu = comm.transport.memory == "device"
@@ -128,11 +130,12 @@ class Layer:
             self.xp, dt = xp, np.uint16  # bf16 as raw 16-bit words
         else:
             self.xp, dt = np, moecomm.bfloat16
-        W, M, H = comm.world_size, args.tokens, args.hidden
-        self.a2a = moecomm.AllToAll(comm, M, args.experts, k, H, None, "bfloat16", "bfloat16", slots_per_rank=slots)
-        L = self.a2a.cfg.num_local_experts
+        M, H = args.tokens, args.hidden
+        self.a2a = moecomm.AllToAll(comm, M, args.experts, k, H, None, "bfloat16", "bfloat16", slots_per_rank=slots,
+                                    capacity=capacity, overflow="drop")
+        c = self.a2a.cfg
         xp = self.xp
-        self.n, self.ex = xp.zeros(L, np.int32), xp.zeros((L, M * W, H), dt)
+        self.n, self.ex = xp.zeros(c.num_local_experts, np.int32), xp.zeros(c.expert_x_shape(), dt)
         self.x, self.out = xp.zeros((M, H), dt), xp.zeros((M, H), dt)
         self.w = xp.ones((M, k), np.float32)
         if self.gpu:
@@ -248,6 +251,8 @@ def main(argv=None):
                    help="expert slots per rank beyond experts/ranks: each routing scenario also runs with replicas "
                         "planned from the load and re-planned every --replan steps (host transport so far)")
     p.add_argument("--replan", type=int, default=20, help="steps between replica plans (default 20)")
+    p.add_argument("--capacity-factors", default="1,1.5,2,4",
+                   help="capacities, in multiples of the mean demand per expert (capacity scenario)")
     p.add_argument("--transport", default="auto")
     p.add_argument("--timeout", type=float, default=None, help="seconds any wait may last (mask: time to detect)")
     p.add_argument("--seed", type=int, default=0)
@@ -277,12 +282,16 @@ def main(argv=None):
     results, first = [], world.Get_rank() == 0
     layers = {}
 
-    def layer(k, slots=None):
-        if (k, slots) not in layers:
-            layers[(k, slots)] = Layer(comm, args, k, slots)
-        return layers[(k, slots)]
+    def layer(k, slots=None, capacity=None):
+        if (k, slots, capacity) not in layers:
+            layers[(k, slots, capacity)] = Layer(comm, args, k, slots, capacity)
+        return layers[(k, slots, capacity)]
 
     slots = args.experts // comm.world_size + args.spare_slots if args.spare_slots else None
+    if slots and comm.transport.memory == "device":
+        slots = None  # replicas run on the host transport so far
+        if first:
+            print("--spare-slots: replicated experts run on the host transport so far; static placement only")
 
     for name in names:
         t0 = time.time()
@@ -318,6 +327,21 @@ def main(argv=None):
                 routing = Routing("zipf", args.experts, k, args)
                 times, counts = gather_steps(comm, *run_steps(comm, layer(k), routing, args.steps, args))
                 r["points"].append(dict(summarize_steps(f"topk {k}", times, counts, comm.world_size), topk=k))
+        elif name == "capacity" and comm.transport.memory == "device":
+            r = {"scenario": "capacity", "skipped": "capacity policies run on the host transport so far"}
+        elif name == "capacity":
+            r, routing = {"scenario": "capacity", "points": []}, Routing("zipf", args.experts, args.topk, args)
+            mean = args.tokens * comm.world_size * args.topk / args.experts  # pairs per expert per step, at most
+            for factor in (float(f) for f in args.capacity_factors.split(",")):
+                cap = max(1, min(args.tokens * comm.world_size, int(np.ceil(factor * mean))))
+                lay = layer(args.topk, capacity=cap)
+                before = lay.a2a.stats()["DROPPED_PAIRS"]
+                times, counts = gather_steps(comm, *run_steps(comm, lay, routing, args.steps, args))
+                dropped = sum(comm.allgather(lay.a2a.stats()["DROPPED_PAIRS"] - before, "loadtest"))
+                point = dict(summarize_steps(f"capacity {factor:g}x", times, counts, comm.world_size), factor=factor,
+                             capacity=cap, dropped_pairs=dropped)
+                point["dropped_share"] = dropped / max(1, dropped + int(counts.sum()))
+                r["points"].append(point)
         else:
             r = scenario_mask(comm, layer(args.topk), Routing("zipf", args.experts, args.topk, args), args)
         r["seconds"] = round(time.time() - t0, 1)
@@ -340,6 +364,11 @@ def main(argv=None):
 
 
 def _line(r):
+    if "skipped" in r:
+        return f"{r['scenario']:<12} skipped: {r['skipped']}"
+    if r["scenario"] == "capacity":
+        return f"{'capacity':<12} " + "  ".join(f"{pt['factor']:g}x ({pt['capacity']} slots): {pt['dropped_share']:.1%} "
+                                                 f"dropped, {pt['time_us']['p50']:.0f} us" for pt in r["points"])
     if "replicas" in r:
         rr = r["replicas"]
         return (_line({k: v for k, v in r.items() if k != "replicas"}) + f"\n{'  replicas':<12} p50 "

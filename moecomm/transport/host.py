@@ -242,14 +242,13 @@ class HostAllToAll(AllToAllBackend):
         demand = np.zeros((W, E), np.int64)
         demand[np.repeat(np.arange(W), src)] = np.ascontiguousarray(got).view(np.int64).reshape(-1, E)
         total = demand.sum(axis=0)
+        if (total > cap).any() and cfg.overflow == "error":
+            e = int(np.argmax(total > cap))
+            raise CapacityExceeded(f"dispatch: expert {e} (rank {e // cfg.num_local_experts}) got {int(total[e])} "
+                                   f"(token, expert) pairs, capacity {cap} ({int((total > cap).sum())} experts "
+                                   f"over); nothing was exchanged", expert=e, demand=int(total[e]), capacity=cap)
         lo = cfg.rank * cfg.num_local_experts
         self._counters["DROPPED_PAIRS"] += int(np.maximum(total[lo:lo + cfg.num_local_experts] - cap, 0).sum())
-        if (total > cap).any():
-            e = int(np.argmax(total > cap))
-            if cfg.overflow == "error":
-                raise CapacityExceeded(f"dispatch: expert {e} (rank {e // cfg.num_local_experts}) got {int(total[e])} "
-                                       f"(token, expert) pairs, capacity {cap} ({int((total > cap).sum())} experts "
-                                       f"over); nothing was exchanged", expert=e, demand=int(total[e]), capacity=cap)
         before = demand[:cfg.rank].sum(axis=0)  # slots taken by lower source ranks
         flat = np.where(valid, idx, E).ravel()  # token order, then top-k order
         order = np.argsort(flat, kind="stable")
