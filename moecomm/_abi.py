@@ -65,6 +65,7 @@ CALL_FIELDS = (
     ("out_num", "int*"),            # dispatch: [local_experts] int32
     ("out_x", "uint8_t*"),          # dispatch: [local_experts, cap, hidden] in_dtype
     ("out_scale", "float*"),        # dispatch: [local_experts, cap, scales] float32
+    ("out_offsets", "int*"),        # dispatch, packed layout: [local_experts + 1] int32
     ("y", "const uint8_t*"),        # combine: [local_experts, cap, hidden] out_dtype
     ("out_tokens", "uint8_t*"),     # combine: [rows, hidden] out_dtype
     ("out_dropped", "uint8_t*"),    # combine: [rows, topk] uint8, 1: the pair was dropped for capacity

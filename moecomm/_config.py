@@ -34,6 +34,9 @@ class AllToAllConfig:
             overflows).
         overflow: what a (token, expert) pair past the capacity does: "error" (the call raises
             CapacityExceeded on every rank) or "drop" (it is not sent and adds nothing; counted).
+        layout: "padded" (out_expert_x [L, capacity, hidden]: capacity slots per local expert) or "packed"
+            (out_expert_x [capacity, hidden]: the rank's rows back to back, expert by expert, capacity rows
+            per rank; offsets in out_expert_offsets).
     """
     world_size: int
     rank: int
@@ -49,11 +52,12 @@ class AllToAllConfig:
     slots_per_rank: object = None
     capacity: object = None
     overflow: str = "error"
+    layout: str = "padded"
 
     @classmethod
     def create(cls, world_size, rank, max_num_tokens, num_experts, experts_per_token, hidden_dim,
                hidden_dim_scale, in_dtype, out_dtype, scale_dtype, dp_size, slots_per_rank=None, capacity=None,
-               overflow="error"):
+               overflow="error", layout="padded"):
         """Validate the arguments of :class:`moecomm.AllToAll`; raise InvalidArgument on the first bad one."""
         max_num_tokens = _positive_int("max_num_tokens", max_num_tokens)
         num_experts = _positive_int("num_experts", num_experts)
@@ -91,8 +95,11 @@ class AllToAllConfig:
                                       f"{num_experts // world_size} (every expert needs a slot)")
         if overflow not in ("error", "drop"):
             raise InvalidArgument(f"overflow must be 'error' or 'drop', got {overflow!r}")
+        if layout not in ("padded", "packed"):
+            raise InvalidArgument(f"layout must be 'padded' or 'packed', got {layout!r}")
+        local = num_experts // world_size if slots_per_rank is None else slots_per_rank
         if capacity is not None:
-            worst = max_num_tokens * (world_size // dp_size)
+            worst = max_num_tokens * (world_size // dp_size) * (min(k, local) if layout == "packed" else 1)
             capacity = _positive_int("capacity", capacity)
             if capacity > worst:
                 raise InvalidArgument(f"capacity={capacity} exceeds the worst case max_num_tokens * DP groups = "
@@ -100,7 +107,7 @@ class AllToAllConfig:
             if dp_size != 1:
                 raise InvalidArgument("capacity: needs dp_size == 1 so far")
         return cls(world_size, rank, max_num_tokens, num_experts, k, hidden_dim, hidden_dim_scale,
-                   in_dtype, out_dtype, scale_dtype, dp_size, slots_per_rank, capacity, overflow)
+                   in_dtype, out_dtype, scale_dtype, dp_size, slots_per_rank, capacity, overflow, layout)
 
     # Derived layout -------------------------------------------------------------------------
     @property
@@ -122,18 +129,26 @@ class AllToAllConfig:
 
     @property
     def expert_capacity(self):
-        """Slots per local expert: ``capacity``, else the worst case, every token of every DP group
-        reaching one expert once."""
-        return self.max_num_tokens * self.num_dp_groups if self.capacity is None else self.capacity
+        """Padded layout: slots per local expert (``capacity``, else the worst case, every token of every DP
+        group reaching one expert once). Packed layout: rows per rank (``capacity``, else the worst case,
+        every token of every DP group reaching min(top-k, local experts) of the rank's experts)."""
+        if self.capacity is not None:
+            return self.capacity
+        worst = self.max_num_tokens * self.num_dp_groups
+        return worst * min(self.experts_per_token, self.num_local_experts) if self.layout == "packed" else worst
 
     def expert_x_shape(self):
+        if self.layout == "packed":
+            return (self.expert_capacity, self.hidden_dim)
         return (self.num_local_experts, self.expert_capacity, self.hidden_dim)
 
     def expert_x_scale_shape(self):
+        if self.layout == "packed":
+            return (self.expert_capacity, self.hidden_dim_scale)
         return (self.num_local_experts, self.expert_capacity, self.hidden_dim_scale)
 
     def key(self):
         """A tuple that must be equal on every rank (rank excluded)."""
         return (self.world_size, self.max_num_tokens, self.num_experts, self.experts_per_token,
                 self.hidden_dim, self.hidden_dim_scale, str(self.in_dtype), str(self.out_dtype),
-                str(self.scale_dtype), self.dp_size, self.slots_per_rank, self.capacity, self.overflow)
+                str(self.scale_dtype), self.dp_size, self.slots_per_rank, self.capacity, self.overflow, self.layout)

@@ -25,7 +25,7 @@ ERROR_WORDS = 5
 REASON_ARG_SHIFT = 8
 ARGUMENTS = ("the order of calls", "out_expert_num_tokens", "out_expert_x", "out_expert_x_scale", "dp_x",
              "dp_x_scale", "indices", "bound_m", "weights", "out_tokens", "expert_y", "stream", "do_send",
-             "do_recv", "out_dropped")
+             "do_recv", "out_dropped", "out_expert_offsets")
 
 # dtype codes of expert outputs in device code
 DT_BF16, DT_FP16 = 0, 1

@@ -61,23 +61,32 @@ class AllToAll:
             exchanged, the next call works) or "drop" (pairs past the capacity are not sent and add nothing
             in combine; slots go in (source rank, token) order; counted in ``stats()["DROPPED_PAIRS"]`` on
             the expert's rank and reported per pair by combine's ``out_dropped``). Host transport so far.
+        layout: "padded" (default: out_expert_x [num_local_experts, capacity, hidden_dim]) or "packed": the
+            rank's received rows back to back, expert by expert (out_expert_x [capacity, hidden_dim] with
+            capacity rows per rank, default the worst case max_num_tokens * DP groups * min(top-k, local
+            experts); dispatch writes out_expert_offsets [num_local_experts + 1]; expert_y likewise), the
+            layout a contiguous grouped GEMM takes. With a capacity the policy applies to the rank's rows.
+            Host transport so far.
     """
 
     def __init__(self, comm, max_num_tokens, num_experts, experts_per_token, hidden_dim,
                  hidden_dim_scale=None, in_dtype="bfloat16", out_dtype="bfloat16", scale_dtype=None,
-                 dp_size=1, timeout=None, slots_per_rank=None, capacity=None, overflow="error"):
+                 dp_size=1, timeout=None, slots_per_rank=None, capacity=None, overflow="error", layout="padded"):
         self.comm, self._backend, self.masked, self.expert_map = comm, None, (), None
         error = None
         try:  # checked on every rank, then compared: a bad argument on one rank raises on all of them
             self.cfg = c = AllToAllConfig.create(comm.world_size, comm.rank, max_num_tokens, num_experts,
                                                  experts_per_token, hidden_dim, hidden_dim_scale, in_dtype,
-                                                 out_dtype, scale_dtype, dp_size, slots_per_rank, capacity, overflow)
+                                                 out_dtype, scale_dtype, dp_size, slots_per_rank, capacity, overflow,
+                                                 layout)
             if c.slots_per_rank is not None and comm.transport.memory != "host":
                 raise InvalidArgument("slots_per_rank: replicated experts run on the host transport so far (the GPU "
                                       "kernels do not take an expert map yet)")
             if c.capacity is not None and comm.transport.memory != "host":
                 raise InvalidArgument("capacity: overflow policies run on the host transport so far (the GPU "
                                       "kernels take the worst case)")
+            if c.layout == "packed" and comm.transport.memory != "host":
+                raise InvalidArgument("layout: the packed layout runs on the host transport so far")
             self.timeout_s = comm.timeout_s if timeout is None else timeout_seconds(timeout)[0]
             mine = (None, c.key())
         except InvalidArgument as e:
@@ -131,13 +140,15 @@ class AllToAll:
         return shape[0]
 
     def dispatch(self, out_expert_num_tokens, out_expert_x, out_expert_x_scale, dp_x, dp_x_scale,
-                 indices, bound_m, do_send=True, do_recv=True, weights=None, stream=None):
+                 indices, bound_m, do_send=True, do_recv=True, weights=None, stream=None, out_expert_offsets=None):
         """Send each token to the ranks of its experts and lay it out per local expert. Collective.
 
         Args (``m`` = tokens this call, read from ``bound_m``; rows = dp_x.shape[0] >= m):
             out_expert_num_tokens: [num_local_experts] int32, written: tokens received per local expert.
-            out_expert_x: [num_local_experts, max_num_tokens * (world_size // dp_size), hidden_dim]
-                in_dtype, written: slots 0..count-1 of each expert hold its tokens (order unspecified).
+            out_expert_x: [num_local_experts, capacity, hidden_dim] in_dtype (capacity: max_num_tokens *
+                (world_size // dp_size) unless set), written: slots 0..count-1 of each expert hold its
+                tokens (order unspecified); packed layout: [capacity, hidden_dim], expert e's tokens in
+                rows out_expert_offsets[e] .. out_expert_offsets[e + 1] - 1.
             out_expert_x_scale: [num_local_experts, same capacity, hidden_dim_scale] float32, written
                 like out_expert_x; None when the AllToAll has no scales.
             dp_x: [rows, hidden_dim] in_dtype, the tokens (identical on every rank of a DP group).
@@ -153,6 +164,8 @@ class AllToAll:
             weights: [rows, experts_per_token] float32 router weights, or None. When given, combine may
                 be called with weights=None and then sums each token's local expert outputs on the
                 expert side, sending fewer bytes back.
+            out_expert_offsets: packed layout only (required there): [num_local_experts + 1] int32, written:
+                the first row of each local expert's tokens in out_expert_x, and the rows used at the end.
             stream: CUDA stream for device transports: an int handle, a CuPy, PyTorch or cuda.core stream,
                 or None for the current stream of the framework of ``dp_x`` on the communicator's device
                 (PyTorch's for a tensor, else CuPy's). Arrays from PyTorch or CuPy are taken to be written
@@ -168,14 +181,14 @@ class AllToAll:
         dispatch raises only what was refused on this rank and timeouts.
         """
         self._dispatch_call(out_expert_num_tokens, out_expert_x, out_expert_x_scale, dp_x, dp_x_scale, indices,
-                            bound_m, do_send, do_recv, weights, stream, True)
+                            bound_m, do_send, do_recv, weights, stream, True, out_expert_offsets)
 
     def _dispatch_call(self, out_expert_num_tokens, out_expert_x, out_expert_x_scale, dp_x, dp_x_scale,
-                       indices, bound_m, do_send, do_recv, weights, stream, same_outputs):
+                       indices, bound_m, do_send, do_recv, weights, stream, same_outputs, out_expert_offsets=None):
         """dispatch() with positional arguments; ``same_outputs=False`` lets a receive half take other output
         arrays that already hold what the send half wrote (moecomm.jax: XLA may copy between halves)."""
         self._run(self._dispatch, out_expert_num_tokens, out_expert_x, out_expert_x_scale, dp_x, dp_x_scale,
-                  indices, bound_m, do_send, do_recv, weights, stream, same_outputs)
+                  indices, bound_m, do_send, do_recv, weights, stream, same_outputs, out_expert_offsets)
 
     def _run(self, call, *args):
         """Run one call in the rank's CUDA context; a timeout or calls out of step break the communicator."""
@@ -191,12 +204,12 @@ class AllToAll:
                 self._context.leave(previous)
 
     def _dispatch(self, out_expert_num_tokens, out_expert_x, out_expert_x_scale, dp_x, dp_x_scale, indices,
-                  bound_m, do_send, do_recv, weights, stream, same_outputs):
+                  bound_m, do_send, do_recv, weights, stream, same_outputs, out_expert_offsets):
         self._call_stream = None
         try:
             s, outputs = self._dispatch_args(out_expert_num_tokens, out_expert_x, out_expert_x_scale, dp_x,
                                              dp_x_scale, indices, bound_m, do_send, do_recv, weights, stream,
-                                             same_outputs)
+                                             same_outputs, out_expert_offsets)
         except InvalidArgument as e:
             self._refuse("dispatch", do_send, e)
         self._arrays.order()
@@ -212,7 +225,7 @@ class AllToAll:
             raise
 
     def _dispatch_args(self, out_expert_num_tokens, out_expert_x, out_expert_x_scale, dp_x, dp_x_scale,
-                       indices, bound_m, do_send, do_recv, weights, stream, same_outputs):
+                       indices, bound_m, do_send, do_recv, weights, stream, same_outputs, out_expert_offsets):
         """Read and check dispatch's arguments into the call record; returns (stream, output addresses)."""
         c, call, read, none = self.cfg, self._call, self._arrays.read, self._none
         s = self._call_stream = self._arrays.begin(stream, dp_x)
@@ -236,6 +249,12 @@ class AllToAll:
         call.out_x, a_x, _, _ = read(out_expert_x, "out_expert_x", self._in, self._expert_shape)
         call.out_scale, a_scale = (none, 0) if unscaled else read(
             out_expert_x_scale, "out_expert_x_scale", _FLOAT32, self._expert_scale_shape)[:2]
+        call.out_offsets = none
+        if (out_expert_offsets is None) != (c.layout == "padded"):
+            raise InvalidArgument("out_expert_offsets: " + ("required by the packed layout" if c.layout == "packed"
+                                                            else "only for the packed layout, pass None"))
+        if out_expert_offsets is not None:
+            call.out_offsets = read(out_expert_offsets, "out_expert_offsets", _COUNTS, (c.num_local_experts + 1,))[0]
         call.rows = rows
         outputs = (a_num, a_x, a_scale)
         if (same_outputs and do_recv and not do_send and self._posted["dispatch"]

@@ -33,14 +33,16 @@ def routing_error(indices, num_experts):
     return None
 
 
-def dropped(indices, num_experts, world_size, capacity, dp_size=1):
-    """The (token, expert) pairs past ``capacity`` slots per expert: list over groups of [m_g, k] bool.
+def dropped(indices, num_experts, world_size, capacity, per_rank=False):
+    """The (token, expert) pairs past ``capacity`` slots per expert (or rows per rank with ``per_rank``,
+    the packed layout): list over groups of [m_g, k] bool.
 
-    Slots go to pairs in (group, token index) order, the order moecomm's host transport uses; a GPU may
-    pick other pairs (arrival order) but drops as many per expert. Dispatch and combine with the dropped
-    pairs' ids set to -1 give what a call with that capacity and ``overflow="drop"`` returns.
+    Slots go to pairs in (group, token index, top-k position) order, the order moecomm's host transport
+    uses; a GPU may pick other pairs (arrival order) but drops as many. Dispatch and combine with the
+    dropped pairs' ids set to -1 give what a call with that capacity and ``overflow="drop"`` returns.
     """
-    used = np.zeros(num_experts, np.int64)
+    local = num_experts // world_size
+    used = np.zeros(world_size if per_rank else num_experts, np.int64)
     out = []
     for idx in indices:
         idx = np.asarray(idx).astype(np.int64)
@@ -48,10 +50,22 @@ def dropped(indices, num_experts, world_size, capacity, dp_size=1):
         for t, row in enumerate(idx):
             for j, e in enumerate(row):
                 if e >= 0:
-                    d[t, j] = used[e] >= capacity
-                    used[e] += 1
+                    key = e // local if per_rank else e
+                    d[t, j] = used[key] >= capacity
+                    used[key] += 1
         out.append(d)
     return out
+
+
+def packed(rank_out):
+    """One rank's :func:`dispatch` result in the packed layout: (rows [sum of counts, hidden], offsets
+    [L + 1] int32, scale rows or None): each expert's slots 0..count-1, expert by expert."""
+    counts = rank_out["expert_num_tokens"]
+    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    rows = np.concatenate([rank_out["expert_x"][e, :c] for e, c in enumerate(counts)])
+    scales = (None if rank_out["expert_x_scale"] is None else
+              np.concatenate([rank_out["expert_x_scale"][e, :c] for e, c in enumerate(counts)]))
+    return rows, offsets, scales
 
 
 def dispatch(x, x_scale, indices, num_experts, world_size, max_num_tokens, dp_size=1):

@@ -229,7 +229,29 @@ def test_device_error_words_map_to_the_host_transports_errors():
     (dict(capacity=0), "capacity must be an integer >= 1"),
     (dict(capacity=4, overflow="spill"), "overflow must be 'error' or 'drop'"),
     (dict(capacity=4, dp_size=1, slots_per_rank=E - 1), "slots_per_rank=7 must be >="),
+    (dict(layout="ragged"), "layout must be 'padded' or 'packed'"),
+    (dict(layout="packed", capacity=M * K + 1), "exceeds the worst case"),
 ])
 def test_capacity_and_slots_are_checked(comm, kwargs, why):
     with pytest.raises(moecomm.InvalidArgument, match=why):
         moecomm.AllToAll(comm, M, E, K, H, S, "float8_e4m3fn", "bfloat16", **kwargs)
+
+
+def test_offsets_go_with_the_packed_layout(comm):
+    args = _good()
+    padded = moecomm.AllToAll(comm, M, E, K, H, S, "float8_e4m3fn", "bfloat16")
+    with pytest.raises(moecomm.InvalidArgument, match="out_expert_offsets: only for the packed layout"):
+        padded.dispatch(**args, out_expert_offsets=np.zeros(E + 1, np.int32))
+    padded.destroy()
+    packed = moecomm.AllToAll(comm, M, E, K, H, S, "float8_e4m3fn", "bfloat16", layout="packed")
+    rows = packed.cfg.expert_capacity
+    assert rows == M * K and packed.cfg.expert_x_shape() == (M * K, H)
+    args.update(out_expert_x=np.zeros((rows, H), moecomm.float8_e4m3fn), out_expert_x_scale=np.zeros((rows, S), np.float32))
+    with pytest.raises(moecomm.InvalidArgument, match="out_expert_offsets: required by the packed layout"):
+        packed.dispatch(**args)
+    offsets = np.zeros(E + 1, np.int32)
+    packed.dispatch(**args, out_expert_offsets=offsets)
+    assert offsets[-1] == int((args["indices"] >= 0).sum()) == args["out_expert_num_tokens"].sum()
+    packed.combine(np.zeros((M, H), moecomm.bfloat16), args["indices"], None,
+                   args["out_expert_x"].astype(np.float32).astype(moecomm.bfloat16), args["bound_m"])
+    packed.destroy()

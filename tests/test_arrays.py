@@ -313,7 +313,8 @@ def test_host_only_options_are_refused_on_device_transports(fake):
     refuses them with a clear error instead of ignoring them."""
     comm = fake.comm
     for kwargs, why in ((dict(capacity=4), "capacity: overflow policies"),
-                        (dict(slots_per_rank=E + 1), "slots_per_rank: replicated experts")):
+                        (dict(slots_per_rank=E + 1), "slots_per_rank: replicated experts"),
+                        (dict(layout="packed"), "layout: the packed layout")):
         with pytest.raises(moecomm.InvalidArgument, match=why):
             moecomm.AllToAll(comm, M, E, K, H, S, "float8_e4m3fn", "bfloat16", **kwargs)
     fake.dispatch(**_buffers(), stream=LAUNCH)

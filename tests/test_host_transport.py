@@ -76,6 +76,14 @@ def test_replicated_experts_through_an_expert_map(ranks):
 
 
 @pytest.mark.parametrize("ranks", [2, 3], ids=lambda n: f"ranks{n}")
+def test_packed_layout(ranks):
+    """tests/mpi_packed.py: packed rows equal the padded layout's for every dtype, combine through them is
+    right, a per-rank capacity drops the reference's pairs."""
+    p = run_mpi(ranks, "tests/mpi_packed.py", timeout=120)
+    assert p.returncode == 0 and ": 0 failures" in p.stdout, p.stdout[-3000:] + p.stderr[-3000:]
+
+
+@pytest.mark.parametrize("ranks", [2, 3], ids=lambda n: f"ranks{n}")
 def test_capacity_policies(ranks):
     """tests/mpi_capacity.py: 'drop' counts and reports the dropped pairs exactly and combine equals the
     reference without them; 'error' raises CapacityExceeded on every rank and the next call is right."""

@@ -151,8 +151,8 @@ class _Received:
     token: np.ndarray       # [n] token index on the source group
     pair_j: np.ndarray      # [p] received token of each (token, local expert) pair
     pair_k: np.ndarray      # [p] top-k position of the pair
-    pair_le: np.ndarray     # [p] local expert
-    pair_slot: np.ndarray   # [p] slot in that expert
+    where: tuple            # index of each (token, local expert) pair in out_expert_x / expert_y:
+                            # (local expert [p], slot [p]) padded, (row [p],) packed
     weights: object         # [n, k] float32 router weights sent with dispatch, or None
 
 
@@ -226,10 +226,11 @@ class HostAllToAll(AllToAllBackend):
     def _capacity(self, idx, status, message):
         """Exchange every rank's demand per expert (the call's first exchange when a capacity is set: bad
         input is reported here); raise CapacityExceeded on every rank ("error"), or return the pairs of
-        ``idx`` [n, k] (physical ids, -1: none) past the capacity ("drop"): slots go in (source rank,
-        token) order, so every rank knows which of its own pairs get none."""
-        cfg, W = self.cfg, self.cfg.world_size
-        E, cap = W * cfg.num_local_experts, cfg.capacity
+        ``idx`` [n, k] (physical ids, -1: none) past the capacity ("drop"). The capacity holds per expert
+        (padded layout) or per rank (packed layout); slots go in (source rank, token, top-k) order, so every
+        rank knows which of its own pairs get none."""
+        cfg, W, L = self.cfg, self.cfg.world_size, self.cfg.num_local_experts
+        E, cap, packed = W * L, cfg.capacity, cfg.layout == "packed"
         valid = idx >= 0
         mine = np.bincount(idx[valid], minlength=E).astype(np.int64)
         ex = self._exchanges["demand"]
@@ -241,19 +242,24 @@ class HostAllToAll(AllToAllBackend):
         got, src = ex.finish(pending)
         demand = np.zeros((W, E), np.int64)
         demand[np.repeat(np.arange(W), src)] = np.ascontiguousarray(got).view(np.int64).reshape(-1, E)
+        if packed:  # one budget per destination rank
+            demand, key = demand.reshape(W, W, L).sum(axis=2), np.where(valid, idx // L, W)
+        else:
+            key = np.where(valid, idx, E)
         total = demand.sum(axis=0)
         if (total > cap).any() and cfg.overflow == "error":
-            e = int(np.argmax(total > cap))
-            raise CapacityExceeded(f"dispatch: expert {e} (rank {e // cfg.num_local_experts}) got {int(total[e])} "
-                                   f"(token, expert) pairs, capacity {cap} ({int((total > cap).sum())} experts "
-                                   f"over); nothing was exchanged", expert=e, demand=int(total[e]), capacity=cap)
-        lo = cfg.rank * cfg.num_local_experts
-        self._counters["DROPPED_PAIRS"] += int(np.maximum(total[lo:lo + cfg.num_local_experts] - cap, 0).sum())
+            q = int(np.argmax(total > cap))
+            what = f"rank {q}" if packed else f"expert {q} (rank {q // L})"
+            raise CapacityExceeded(f"dispatch: {what} got {int(total[q])} (token, expert) pairs, capacity {cap} "
+                                   f"({int((total > cap).sum())} over); nothing was exchanged",
+                                   expert=-1 if packed else q, demand=int(total[q]), capacity=cap)
+        mine_total = total[cfg.rank] if packed else total[cfg.rank * L:(cfg.rank + 1) * L]
+        self._counters["DROPPED_PAIRS"] += int(np.maximum(mine_total - cap, 0).sum())
         before = demand[:cfg.rank].sum(axis=0)  # slots taken by lower source ranks
-        flat = np.where(valid, idx, E).ravel()  # token order, then top-k order
+        flat = key.ravel()  # token order, then top-k order; the sentinel len(before) marks no pair
         order = np.argsort(flat, kind="stable")
         seen = np.empty_like(order)
-        starts = np.concatenate([[0], np.cumsum(np.bincount(flat, minlength=E + 1))[:-1]])
+        starts = np.concatenate([[0], np.cumsum(np.bincount(flat, minlength=before.size + 1))[:-1]])
         seen[order] = np.arange(flat.size) - starts[flat[order]]
         position = np.append(before, 0)[flat] + seen
         return (valid.ravel() & (position >= cap)).reshape(idx.shape)
@@ -277,13 +283,17 @@ class HostAllToAll(AllToAllBackend):
         starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
         pair_slot = np.empty_like(pair_le)
         pair_slot[order] = np.arange(pair_le.size) - starts[pair_le[order]]
-        a.out_x[pair_le, pair_slot] = x[pair_j]
+        where = (pair_le, pair_slot)
+        if cfg.layout == "packed":  # expert by expert, back to back
+            where = (starts[pair_le] + pair_slot,)
+            a.out_offsets[:] = np.concatenate([starts, [pair_le.size]])
+        a.out_x[where] = x[pair_j]
         if sb:
             scale = np.ascontiguousarray(recv[:, xb:xb + sb]).view(np.float32)
-            a.out_scale[pair_le, pair_slot] = scale[pair_j]
+            a.out_scale[where] = scale[pair_j]
         a.out_num[:] = counts
         src_rank = np.repeat(np.arange(cfg.world_size), src_counts)
-        self._received = _Received(src_rank, token, pair_j, pair_k, pair_le, pair_slot, weights)
+        self._received = _Received(src_rank, token, pair_j, pair_k, where, weights)
 
     # combine --------------------------------------------------------------------------------
     def combine(self, do_send, do_recv, stream=None):
@@ -301,7 +311,7 @@ class HostAllToAll(AllToAllBackend):
             _, statuses, reasons = ex.post(np.zeros((0, 0), np.uint8), np.zeros(cfg.world_size, np.int64),
                                            _BAD_ARG, message)
             _raise_status(statuses, reasons, (_BAD_ARG, message), "combine")
-        y = a.y[rv.pair_le, rv.pair_slot].astype(np.float32)  # [p, H]
+        y = a.y[rv.where].astype(np.float32)  # [p, H]
         if a.partials:  # sum this rank's experts per token, weighted, on the expert side
             part = np.zeros((rv.token.size, cfg.hidden_dim), np.float32)
             np.add.at(part, rv.pair_j, rv.weights[rv.pair_j, rv.pair_k][:, None] * y)
@@ -309,7 +319,7 @@ class HostAllToAll(AllToAllBackend):
         else:  # one row per (token, expert): the token side weights and sums
             row_src = rv.src_rank[rv.pair_j]
             fields = [rv.token[rv.pair_j][:, None], rv.pair_k.astype(np.int32)[:, None],
-                      a.y[rv.pair_le, rv.pair_slot]]
+                      a.y[rv.where]]
         group = row_src // cfg.dp_size
         parts, counts = [], np.zeros(cfg.world_size, np.int64)
         for d in range(cfg.world_size):  # every rank of the token's DP group gets the result
