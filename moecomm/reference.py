@@ -149,7 +149,7 @@ def canonical_rows(count, *arrays):
     Returns a uint8 [count, bytes per slot] array: two slot layouts hold the same tokens (with the same
     scales) exactly when their canonical rows are equal, whatever the slot order.
     """
-    parts = [np.ascontiguousarray(a[:count]).view(np.uint8).reshape(count, a[0].nbytes)
+    parts = [np.ascontiguousarray(a[:count]).view(np.uint8).reshape(count, int(np.prod(a.shape[1:])) * a.itemsize)
              for a in arrays if a is not None]
     keys = np.concatenate(parts, axis=1)
     return keys[np.lexsort(keys.T[::-1])] if count else keys

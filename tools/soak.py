@@ -4,11 +4,14 @@ every result is checked against moecomm.reference and every injected fault must 
     mpiexec -n 3 python tools/soak.py --minutes 5 [--transport host] [--json soak.json]
     mpirun -np 2 python tools/soak.py --minutes 5 --transport nvshmem
 
-Each step draws, identically on every rank: one of four live AllToAlls (dtypes, scales, top-k differ),
+Each step draws, identically on every rank: one of four live AllToAlls (dtypes, scales, top-k differ;
+on the host transport three more: the packed layout and a padded one with capacities below the demand of
+hot steps and overflow="drop", and replicated experts whose map is switched at random, 1 step in 10),
 a token count per rank, skewed or uniform routing with some -1 ids, split halves or not, router weights at
 dispatch or at combine, and with probability --inject an injected fault on one rank: a refused argument
 (a wrong dtype; InvalidArgument on that rank, PeerError on the others) or an expert id out of range
-(InvalidRouting on every rank). After a fault the next valid call must be right again. Rank 0 prints
+(InvalidRouting on every rank). Results are checked against the reference with the dropped pairs (and
+combine's out_dropped) and the map's replicas. After a fault the next valid call must be right again. Rank 0 prints
 calls, mismatches (must be 0), faults injected against faults raised collectively, and resident / GPU
 memory at the first and the last step. On GPUs the peers' errors are recorded by the kernels and raised by
 synchronize() (here right after dispatch); the call is then still open there and is closed by its combine.
@@ -29,6 +32,14 @@ CONFIGS = (  # (experts per rank, top-k, hidden, scales, in dtype, out dtype, ma
     (2, 1, 128, None, "float16", "float16", 16),
     (8, 4, 512, 4, "float8_e4m3fn", "bfloat16", 24),
     (4, 3, 256, None, "bfloat16", "float16", 8),
+)
+# Host transport only so far (the GPU kernels do not take these options yet): AllToAll keyword arguments
+# per extra configuration, ranks' capacities in units of max tokens (a capacity below the demand of hot
+# steps, so that pairs are dropped), and replicated experts whose map the soak switches at random.
+HOST_CONFIGS = (
+    ((4, 2, 256, None, "bfloat16", "bfloat16", 32), dict(layout="packed", overflow="drop"), 1),
+    ((4, 3, 128, 2, "float8_e4m3fn", "float16", 16), dict(overflow="drop"), 0.5),
+    ((2, 2, 128, None, "float16", "float16", 16), dict(slots_per_rank=3), None),
 )
 
 
@@ -64,11 +75,11 @@ class Arrays:
         return (total - free) / 2 ** 20
 
 
-def draw(step, world, args):
+def draw(step, world, args, configs):
     """The plan of one step, the same on every rank."""
     rng = np.random.default_rng([args.seed, step])
-    c = int(rng.integers(len(CONFIGS)))
-    per_rank, k, hidden, scales, in_dt, out_dt, max_m = CONFIGS[c]
+    c = int(rng.integers(len(configs)))
+    per_rank, k, hidden, scales, in_dt, out_dt, max_m = configs[c]
     experts = per_rank * world
     ms = [int(v) for v in rng.integers(0, max_m + 1, world)]
     hot = rng.random() < 0.5
@@ -88,7 +99,33 @@ def draw(step, world, args):
         kinds = ["routing", "argument"]
         fault = (kinds[int(rng.integers(len(kinds)))], int(rng.integers(world)))
     return dict(config=c, ms=ms, idx=idx, x=x, xs=xs, w=w, split=bool(rng.random() < 0.3),
-                weights_at_dispatch=bool(rng.random() < 0.7), fault=fault)
+                weights_at_dispatch=bool(rng.random() < 0.7), fault=fault, switch=bool(rng.random() < 0.1),
+                switch_seed=int(rng.integers(1 << 30)))
+
+
+def switch_map(a2a, seed):
+    """Replicas planned for a random load (the same on every rank), switched in (collective)."""
+    from moecomm import balance
+    emap = a2a.expert_map
+    load = np.random.default_rng(seed).zipf(1.3, emap.num_experts).astype(float)
+    a2a.set_expert_map(balance.plan(load, emap.num_ranks, emap.slots_per_rank, previous=emap).map)
+
+
+def expected(a2a, plan, W):
+    """The reference for this call on every rank: (ids as the reference sees them, reference dispatch,
+    dropped pairs per rank, experts as the reference counts them)."""
+    c = a2a.cfg
+    ids = plan["idx"]
+    E = c.num_experts
+    if a2a.expert_map is not None:  # logical -> physical slots, by the map's rule
+        ids = [a2a.expert_map.physical(i, np.arange(len(i)), q) for q, i in enumerate(ids)]
+        E = W * c.num_local_experts
+    drops = [np.zeros(i.shape, bool) for i in ids]
+    if c.capacity is not None:
+        drops = reference.dropped(ids, E, W, c.capacity, per_rank=c.layout == "packed")
+    kept = [np.where(d, -1, i) for d, i in zip(drops, ids)]
+    ref = reference.dispatch(plan["x"], plan["xs"] if c.hidden_dim_scale else None, kept, E, W, c.max_num_tokens)
+    return kept, ref, drops, E
 
 
 def run_step(comm, a2as, A, plan):
@@ -96,7 +133,10 @@ def run_step(comm, a2as, A, plan):
     W, r = comm.world_size, comm.rank
     a2a = a2as[plan["config"]]
     c = a2a.cfg
-    L, cap, m = c.num_local_experts, c.expert_capacity, plan["ms"][r]
+    if a2a.expert_map is not None and plan["switch"]:
+        switch_map(a2a, plan["switch_seed"])
+    L, m = c.num_local_experts, plan["ms"][r]
+    packed = c.layout == "packed"
     idx = plan["idx"][r].copy()
     fault = plan["fault"]
     dp_x = A.put(plan["x"][r])
@@ -106,8 +146,9 @@ def run_step(comm, a2as, A, plan):
         elif fault[0] == "argument":
             dp_x = A.put(plan["x"][r].astype(np.float32) if m else np.zeros((0, c.hidden_dim), np.float32))
     scaled = c.hidden_dim_scale is not None
-    n, ex = A.put(np.full(L, -1, np.int32)), A.put(np.zeros((L, cap, c.hidden_dim), c.in_dtype))
-    es = A.put(np.zeros((L, cap, c.hidden_dim_scale), np.float32)) if scaled else None
+    n, ex = A.put(np.full(L, -1, np.int32)), A.put(np.zeros(c.expert_x_shape(), c.in_dtype))
+    es = A.put(np.zeros(c.expert_x_scale_shape(), np.float32)) if scaled else None
+    off = A.put(np.full(L + 1, -1, np.int32)) if packed else None
     bound_m, idx_d, w_d = A.put(np.array([m], np.int32)), A.put(idx), A.put(plan["w"][r])
     dw = w_d if plan["weights_at_dispatch"] else None
     halves = ((True, False), (False, True)) if plan["split"] else ((True, True),)
@@ -116,7 +157,7 @@ def run_step(comm, a2as, A, plan):
     try:
         for send, recv in halves:
             a2a.dispatch(n, ex, es, dp_x, A.put(plan["xs"][r]) if scaled else None, idx_d, bound_m,
-                         do_send=send, do_recv=recv, weights=dw)
+                         do_send=send, do_recv=recv, weights=dw, out_expert_offsets=off)
         dispatched = True
         a2a.synchronize()
     except failed as e:
@@ -128,28 +169,35 @@ def run_step(comm, a2as, A, plan):
                 pass
         return None, type(e).__name__
     counts = A.get(n, np.int32)
-    ref = reference.dispatch(plan["x"], plan["xs"] if scaled else None, plan["idx"], c.num_experts, W,
-                             c.max_num_tokens)
+    kept, ref, drops, E = expected(a2a, plan, W)
     if not np.array_equal(counts, ref[r]["expert_num_tokens"]):
         return f"counts {counts.tolist()} != {ref[r]['expert_num_tokens'].tolist()}", None
     got = A.get(ex, c.in_dtype)
     got_s = A.get(es, np.float32) if scaled else None
+    if packed:
+        rows = np.concatenate([[0], np.cumsum(counts)])
+        if not np.array_equal(A.get(off, np.int32), rows):
+            return f"offsets {A.get(off, np.int32).tolist()} != {rows.tolist()}", None
     for le in range(L):
-        mine = (got[le], got_s[le] if scaled else None)
+        seg = slice(rows[le], rows[le + 1]) if packed else le
+        mine = (got[seg], got_s[seg] if scaled else None)
         want = (ref[r]["expert_x"][le], ref[r]["expert_x_scale"][le] if scaled else None)
         if not np.array_equal(reference.canonical_rows(int(counts[le]), *mine),
                               reference.canonical_rows(int(counts[le]), *want)):
             return f"expert {le} holds other tokens than the reference", None
     out = A.put(np.zeros((m, c.hidden_dim), c.out_dtype))
     y = A.put(got.astype(np.float32).astype(c.out_dtype))  # the expert: identity in the output dtype
+    dropped = A.put(np.zeros((m, c.experts_per_token), np.uint8)) if not A.device else None
     for send, recv in halves:
-        a2a.combine(out, idx_d, None if dw is not None else w_d, y, bound_m, do_send=send, do_recv=recv)
+        a2a.combine(out, idx_d, None if dw is not None else w_d, y, bound_m, do_send=send, do_recv=recv,
+                    out_dropped=dropped)
     a2a.synchronize()
+    if dropped is not None and not np.array_equal(dropped.astype(bool), drops[r]):
+        return "out_dropped differs from the reference's dropped pairs", None
     ref_y = [q["expert_x"].astype(np.float32).astype(c.out_dtype) for q in ref]
-    want = reference.combine(plan["idx"], plan["w"], ref_y, [q["origin"] for q in ref], c.num_experts, W,
-                             np.float32)[r]
-    mag = reference.combine(plan["idx"], [np.abs(v) for v in plan["w"]], [np.abs(v.astype(np.float32)) for v in ref_y],
-                            [q["origin"] for q in ref], c.num_experts, W, np.float32)[r]
+    want = reference.combine(kept, plan["w"], ref_y, [q["origin"] for q in ref], E, W, np.float32)[r]
+    mag = reference.combine(kept, [np.abs(v) for v in plan["w"]], [np.abs(v.astype(np.float32)) for v in ref_y],
+                            [q["origin"] for q in ref], E, W, np.float32)[r]
     diff = np.abs(A.get(out, c.out_dtype).astype(np.float32) - want)
     if (diff > 2 ** -6 * mag + 1e-6).any():
         return f"combined tokens differ (max diff {diff.max():.3g})", None
@@ -167,14 +215,20 @@ def main():
     comm = moecomm.init(transport=args.transport)
     A = Arrays(comm.transport.memory == "device")
     W = comm.world_size
-    a2as = [moecomm.AllToAll(comm, max_m, per_rank * W, k, hidden, scales, in_dt, out_dt)
-            for per_rank, k, hidden, scales, in_dt, out_dt, max_m in CONFIGS]
+    configs, options = list(CONFIGS), [{}] * len(CONFIGS)
+    if comm.transport.memory == "host":
+        for config, kwargs, capacity in HOST_CONFIGS:
+            configs.append(config)
+            options.append(dict(kwargs, **({"capacity": max(1, int(capacity * config[6] * (
+                config[1] if kwargs.get("layout") == "packed" else 1)))} if capacity else {})))
+    a2as = [moecomm.AllToAll(comm, max_m, per_rank * W, k, hidden, scales, in_dt, out_dt, **kw)
+            for (per_rank, k, hidden, scales, in_dt, out_dt, max_m), kw in zip(configs, options)]
     t0, step, stats = time.monotonic(), 0, dict(calls=0, mismatches=0, injected=0, raised_everywhere=0)
     first, examples = None, []
     while True:
         if step % 20 == 0 and not all(comm.allgather(time.monotonic() - t0 < args.minutes * 60)):
             break
-        plan = draw(step, W, args)
+        plan = draw(step, W, args, configs)
         mismatch, raised = run_step(comm, a2as, A, plan)
         expected = None
         if plan["fault"]:
