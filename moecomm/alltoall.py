@@ -1,4 +1,5 @@
 """The public dispatch/combine API, after pplx-kernels' ``AllToAll`` (framework-neutral)."""
+import hashlib
 from contextlib import nullcontext
 
 import numpy as np
@@ -92,15 +93,7 @@ class AllToAll:
         except InvalidArgument as e:
             error, mine = e, (str(e), None)
         everyone = comm.allgather(mine, "AllToAll(...)")
-        if error is not None:
-            raise error
-        refused = [(r, reason) for r, (reason, _) in enumerate(everyone) if reason]
-        if refused:
-            raise InvalidArgument(f"AllToAll: rank {refused[0][0]} refused its arguments: {refused[0][1]}")
-        differ = [r for r, (_, key) in enumerate(everyone) if key != everyone[0][1]]
-        if differ:
-            raise InvalidArgument(f"AllToAll arguments differ across ranks: rank {differ[0]} has "
-                                  f"{everyone[differ[0]][1]}, rank 0 has {everyone[0][1]}")
+        _agree("AllToAll", error, mine[1], everyone, range(comm.world_size))
         transport = comm.transport
         self._context = transport.context
         with self._context or nullcontext(), comm._failing():
@@ -419,15 +412,7 @@ class AllToAll:
         taking_part = [q for q in range(W) if masked is None or q not in masked]
         wants = self.comm._subset_allgather((str(error) if error else None, masked, self._generation), taking_part,
                                             f"mask_ranks of AllToAll #{self._ident}")
-        if error is not None:
-            raise error
-        refused = [(q, reason) for q, (reason, _, _) in zip(taking_part, wants) if reason]
-        if refused:
-            raise InvalidArgument(f"mask_ranks: rank {refused[0][0]} refused its arguments: {refused[0][1]}")
-        differ = [q for q, (_, theirs, _) in zip(taking_part, wants) if theirs != masked]
-        if differ:
-            raise InvalidArgument(f"mask_ranks: rank {differ[0]} masks {list(wants[taking_part.index(differ[0])][1])}, "
-                                  f"this rank {list(masked)}: every rank taking part must mask the same ranks")
+        _agree("mask_ranks", error, masked, [(reason, theirs) for reason, theirs, _ in wants], taking_part)
         generation = max(g for _, _, g in wants) + 1  # a rank back from the dead may have missed some
         with self._context or nullcontext(), self.comm._failing():
             self._backend.set_mask(masked, generation,
@@ -463,19 +448,12 @@ class AllToAll:
                                       f"give the new map another")
             if self._combine_due or any(self._posted.values()):
                 raise InvalidArgument("set_expert_map: a call is in progress (a dispatch without its combine)")
-            mine = (None, expert_map.generation, expert_map.slots.tobytes())
+            mine = (None, f"map generation {expert_map.generation}, slots digest "
+                          f"{hashlib.sha256(expert_map.slots.tobytes()).hexdigest()[:16]}")
         except InvalidArgument as e:
-            error, mine = e, (str(e), None, None)
+            error, mine = e, (str(e), None)
         everyone = self.comm.allgather(mine, f"set_expert_map of AllToAll #{self._ident}")
-        if error is not None:
-            raise error
-        refused = [(q, reason) for q, (reason, _, _) in enumerate(everyone) if reason]
-        if refused:
-            raise InvalidArgument(f"set_expert_map: rank {refused[0][0]} refused its map: {refused[0][1]}")
-        differ = [q for q, (_, g, slots) in enumerate(everyone) if (g, slots) != mine[1:]]
-        if differ:
-            raise InvalidArgument(f"set_expert_map: rank {differ[0]} passed another map (generation "
-                                  f"{everyone[differ[0]][1]}); every rank must pass the same")
+        _agree("set_expert_map", error, mine[1], everyone, range(self.comm.world_size))
         self.expert_map = expert_map
         self._backend.set_expert_map(expert_map)
 
@@ -509,3 +487,18 @@ def _argument_of(error):
     (the order of calls)."""
     name = str(error).split(":", 1)[0]
     return ARGUMENTS.index(name) if name in ARGUMENTS else 0
+
+
+def _agree(what, error, value, gathered, ranks):
+    """The end of a collective check: ``gathered`` holds every taking-part rank's (its refusal's text or
+    None, its value), in the order of ``ranks``. Raise this rank's own ``error``, else InvalidArgument
+    naming the first rank that refused or whose value differs from this rank's ``value``: every rank raises."""
+    if error is not None:
+        raise error
+    for q, (reason, _) in zip(ranks, gathered):
+        if reason:
+            raise InvalidArgument(f"{what}: rank {q} refused its arguments: {reason}")
+    for q, (_, theirs) in zip(ranks, gathered):
+        if theirs != value:
+            raise InvalidArgument(f"{what}: rank {q} has {theirs}, this rank {value}: every rank taking part "
+                                  f"must pass the same")
