@@ -21,10 +21,13 @@
 namespace moecomm {
 
 constexpr unsigned FULL = 0xffffffffu;
-// A signal's low 32 bits: a count (records; 1 for combine), or SIG_BAD | reason when the sender's part of
-// the call failed (nothing was sent; reason: see moecomm/_constants.py).
+// A signal's low 32 bits: a count (records, with the expert-map generation above it; 1 for combine), or
+// SIG_BAD | reason when the sender's part of the call failed (nothing was sent; reason: see
+// moecomm/_constants.py).
 constexpr uint64_t SIG_BAD = 0x80000000ull;
-constexpr uint64_t SIG_COUNT = 0x7fffffffull;
+constexpr uint64_t SIG_REASON = 0x7fffffffull;
+constexpr unsigned SIG_COUNT = (1u << MOECOMM_SIG_COUNT_BITS) - 1;
+constexpr unsigned SIG_GEN = (1u << MOECOMM_SIG_GEN_BITS) - 1;
 // state[MOECOMM_S_M] after a dispatch whose bound_m was out of range (combine then writes nothing).
 constexpr unsigned M_INVALID = 0x80000000u;
 
@@ -40,6 +43,24 @@ __device__ __forceinline__ const int* meta_of(const uint8_t* rec, const Fixed& f
 __device__ __forceinline__ int expert_id(const Call& c, size_t i, int num_experts) {
   const long long v = c.idx64 ? ((const long long*)c.indices)[i] : ((const int*)c.indices)[i];
   return v >= -1 && v < num_experts ? (int)v : num_experts;
+}
+
+// The expert slot a valid logical id e of token t goes to: e itself without an expert map; with one, replica
+// (t * REPLICA_TOKEN + dp_group * REPLICA_GROUP) mod 2^32 mod replicas of e (moecomm.balance.ExpertMap.physical).
+__device__ __forceinline__ int physical(const Fixed& f, int e, int t) {
+  if (!f.map) return e;
+  const int* row = f.map + (size_t)e * (1 + f.world);
+  const unsigned h = (unsigned)t * MOECOMM_REPLICA_TOKEN + (unsigned)(f.rank / f.dp) * MOECOMM_REPLICA_GROUP;
+  return row[1 + h % (unsigned)row[0]];
+}
+
+// Telemetry: add to counter i (relaxed; read by the host after the work ends).
+__device__ __forceinline__ void tally(const Fixed& f, int i, unsigned long long n) {
+  if (n) atomicAdd(&f.counters[i], n);
+}
+// Telemetry (f.window > 0): add n to the bytes counter `kind` (MOECOMM_B_*) of peer q.
+__device__ __forceinline__ void tally_bytes(const Fixed& f, int kind, int q, unsigned long long n) {
+  if (f.window) tally(f, f.c_bytes + kind * f.world + q, n);
 }
 
 // Work is handed out a token (or record) per block: the block's THREADS threads share each row, so a row
@@ -173,16 +194,25 @@ __device__ __forceinline__ uint64_t wait_epoch(const uint64_t* sig, unsigned epo
   return v;
 }
 
-// A peer's signal flagged SIG_BAD: record its reason, unless this rank's own call is a skipped one (it
-// has raised its own error) or the signal is this rank's own (it recorded its error itself).
+// A peer's signal flagged SIG_BAD: record its reason (and the detail it wrote to why[peer] before the
+// signal), unless this rank's own call is a skipped one (it has raised its own error) or the signal is
+// this rank's own (it recorded its error itself).
 __device__ __forceinline__ void peer_failed(const Fixed& f, const Call& c, uint64_t v, int peer, int phase,
                                             unsigned epoch) {
-  if ((v & SIG_BAD) && !c.skip && peer != f.rank)
-    record_error(f.err, MOECOMM_ERR_PEER, peer, phase, (int)(v & SIG_COUNT), (int)epoch);
+  if ((v & SIG_BAD) && !c.skip && peer != f.rank) {
+    const int reason = (int)(v & SIG_REASON);
+    const int amount = (reason & 0xff) == MOECOMM_ERR_CAPACITY ? (int)load_acquire(&f.why[peer]) : 0;
+    record_error(f.err, MOECOMM_ERR_PEER, peer, phase, reason, (int)epoch, amount);
+  }
 }
 
 __device__ __forceinline__ uint64_t epoch_signal(unsigned epoch, uint64_t payload) {
   return ((uint64_t)epoch << 32) | payload;
+}
+
+// A dispatch signal: the call, the expert-map generation, the record count.
+__device__ __forceinline__ uint64_t count_signal(unsigned epoch, unsigned count, unsigned generation) {
+  return epoch_signal(epoch, ((generation & SIG_GEN) << MOECOMM_SIG_COUNT_BITS) | count);
 }
 
 // 8 values of the output dtype in 16 bytes <-> float.

@@ -6,9 +6,10 @@ using namespace moecomm;
 // grid: any number of blocks of MOECOMM_BLOCK_THREADS; one block per token (strided) over the group's m.
 // Reads f.comb_buf and f.comb_sig (this rank's copies), c.indices (c.idx64), c.weights [rows, topk]
 // float32 (read when c.partials == 0), c.bound_m, c.rows; writes rows 0..m-1 of c.out_tokens
-// [rows, hidden] out_dtype (a token whose ids are all -1 gets zeros). Experts of masked ranks add nothing
-// and masked ranks are not waited for. With c.skip, or a bound_m other than the dispatched m (reported by
-// combine_send), nothing is written.
+// [rows, hidden] out_dtype (a token whose ids are all -1 gets zeros) and, when given, of c.out_dropped
+// [rows, topk] uint8 (1: the pair was dropped for capacity, from f.drop_buf; it adds nothing). Experts of
+// masked ranks add nothing and masked ranks are not waited for. With c.skip, or a bound_m other than the
+// dispatched m (reported by combine_send), nothing is written. Telemetry: bytes received per peer.
 extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, 2)
     moecomm_combine_recv(const Fixed f, const Call c) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -27,34 +28,50 @@ extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, 2)
   __shared__ int n;
   __shared__ uint8_t* dst;
   for (int t = blockIdx.x;; t += gridDim.x) {
-    if (warp == 0 && t < m) {  // the token's rows (before the first wait: indices do not depend on it)
+    // warp 0: the token's rows, in lane registers (before the first wait: indices do not depend on it)
+    bool use = false, valid = false;
+    int rank = -1;
+    if (warp == 0 && t < m) {
       int e = -1;
       if (lane < f.topk) e = expert_id(c, (size_t)t * f.topk + lane, f.num_experts);
-      const bool valid = lane < f.topk && e >= 0 && e < f.num_experts && !f.mask[e / f.local_experts];
-      const int rank = valid ? e / f.local_experts : -1;
+      valid = lane < f.topk && e >= 0 && e < f.num_experts;
+      rank = valid ? physical(f, e, t) / f.local_experts : -1;
+      valid = valid && !f.mask[rank];
+      if (!valid) rank = -1;
       bool once = valid;
       for (int j = 0; j < f.topk; ++j) {
         const int rj = __shfl_sync(FULL, rank, j);
         if (j < lane) once = once && rj != rank;
       }
-      const bool use = c.partials ? once : valid;
-      const unsigned mask = __ballot_sync(FULL, use);
-      if (use) {
-        const int pos = __popc(mask & ((1u << lane) - 1));
-        const size_t row = c.partials ? (size_t)rank * f.max_tokens + t : (size_t)t * f.topk + lane;
-        srcs[pos] = f.comb_buf + row * f.out_row_bytes;
-        wts[pos] = c.partials ? 1.0f : c.weights[(size_t)t * f.topk + lane];
-      }
-      if (lane == 0) {
-        n = __popc(mask);
-        dst = c.out_tokens + (size_t)t * f.out_row_bytes;
-      }
+      use = c.partials ? once : valid;
     }
     if (t == (int)blockIdx.x) {  // every block waits for every expert rank once, even with no token of its own
       for (int q = threadIdx.x; q < f.world; q += blockDim.x)
         if (!f.mask[q])
           peer_failed(f, c, wait_epoch(&f.comb_sig[q], epoch, deadline, f.err, q, MOECOMM_PHASE_COMBINE), q,
                       MOECOMM_PHASE_COMBINE, epoch);
+      if (f.drop_buf) __syncthreads();  // warp 0 reads drop words of ranks other warps waited for
+    }
+    if (warp == 0 && t < m) {
+      bool dropped = false;  // written by the expert's rank before its combine signal
+      if (f.drop_buf && valid) {
+        const uint64_t d = load_acquire(&f.drop_buf[(size_t)rank * f.max_tokens + t]);
+        dropped = (unsigned)(d >> 32) == epoch && ((d >> lane) & 1);
+      }
+      if (c.out_dropped && lane < f.topk) c.out_dropped[(size_t)t * f.topk + lane] = dropped;
+      if (!c.partials && dropped) use = false;
+      const unsigned mask = __ballot_sync(FULL, use);
+      if (use) {
+        const int pos = __popc(mask & ((1u << lane) - 1));
+        const size_t row = c.partials ? (size_t)rank * f.max_tokens + t : (size_t)t * f.topk + lane;
+        srcs[pos] = f.comb_buf + row * f.out_row_bytes;
+        wts[pos] = c.partials ? 1.0f : c.weights[(size_t)t * f.topk + lane];
+        if (rank != f.rank) tally_bytes(f, MOECOMM_B_COMBINE_RECEIVED, rank, f.out_row_bytes);
+      }
+      if (lane == 0) {
+        n = __popc(mask);
+        dst = c.out_tokens + (size_t)t * f.out_row_bytes;
+      }
     }
     __syncthreads();
     if (t >= m) break;

@@ -10,8 +10,10 @@ using namespace moecomm;
 //   1: sum a token's local experts weighted by the dispatched weights and send one row to
 //      f.comb_buf[me][token]; 0: send each expert's row to f.comb_buf[token][k].
 // Sets f.comb_sig[me] on every unmasked rank to (epoch | 1) when done, or to (epoch | SIG_BAD | reason)
-// when this rank sends nothing: c.skip (a refused call; reason c.reason) or a bound_m that differs from
-// the dispatched m (ERR_M_DIFFERS, recorded here too).
+// when this rank sends nothing: c.skip (a refused call; reason c.reason), a bound_m that differs from
+// the dispatched m (ERR_M_DIFFERS, recorded here too), or a dispatch whose receive half failed
+// (state[BAD_RECV]: capacity exceeded, the demand written to every peer's f.why[me] first).
+// Telemetry: bytes sent per peer.
 extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, 2)
     moecomm_combine_send(const Fixed f, const Call c) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -20,10 +22,12 @@ extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, 2)
   const int m = c.skip ? 0 : *c.bound_m;
   const unsigned dispatched = f.state[MOECOMM_S_M];
   const bool differs = !c.skip && dispatched != M_INVALID && m != (int)dispatched;
-  const unsigned reason = c.skip ? (unsigned)c.reason : differs ? (unsigned)MOECOMM_ERR_M_DIFFERS : 0u;
+  const unsigned bad_recv = f.state[MOECOMM_S_BAD_RECV];
+  const unsigned reason = c.skip ? (unsigned)c.reason : differs ? (unsigned)MOECOMM_ERR_M_DIFFERS : bad_recv;
   if (differs && blockIdx.x == 0 && threadIdx.x == 0)
     record_error(f.err, MOECOMM_ERR_M_DIFFERS, f.rank, MOECOMM_PHASE_COMBINE, m, (int)epoch);
-  const unsigned count = c.skip || differs ? 0 : f.state[f.s_recv + src];
+  const unsigned count = reason ? 0 : f.state[f.s_recv + src];
+  unsigned long long rows_sent = 0;  // per rank of the source's DP group (thread 0's tally)
   const int group0 = src / f.dp * f.dp, group1 = group0 + f.dp;  // the source's DP group
   __shared__ const uint8_t* rows[MOECOMM_MAX_TOPK];
   __shared__ float wts[MOECOMM_MAX_TOPK];
@@ -54,6 +58,7 @@ extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, 2)
     }
     __syncthreads();
     const int t = token;
+    rows_sent += c.partials ? 1 : n;
     // peers in batches of MOECOMM_MAX_TOPK (a DP group can be larger than the fan-out arrays)
     for (int q0 = group0; q0 < group1; q0 += MOECOMM_MAX_TOPK) {
       const int q1 = min(group1, q0 + MOECOMM_MAX_TOPK);
@@ -72,11 +77,18 @@ extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, 2)
     __syncthreads();  // rows, wts, n and token are rewritten for the next record
   }
   complete_sends(st.used_puts);
+  if (threadIdx.x == 0)
+    for (int q = group0; q < group1; ++q)
+      if (q != f.rank) tally_bytes(f, MOECOMM_B_COMBINE_SENT, q, rows_sent * f.out_row_bytes);
   if (last_block(&f.state[MOECOMM_S_DONE_CS])) {
-    for (int q = threadIdx.x; q < f.world; q += blockDim.x)
-      if (!f.mask[q]) signal_set(&f.comb_sig[f.rank], epoch_signal(epoch, reason ? SIG_BAD | reason : 1), q);
+    for (int q = threadIdx.x; q < f.world; q += blockDim.x) {
+      if (f.mask[q]) continue;
+      if (reason == bad_recv && bad_recv) signal_set(&f.why[f.rank], f.state[MOECOMM_S_WHY], q);
+      signal_set(&f.comb_sig[f.rank], epoch_signal(epoch, reason ? SIG_BAD | reason : 1), q);
+    }
     __syncthreads();
     if (threadIdx.x == 0) {
+      f.state[MOECOMM_S_BAD_RECV] = 0;
       f.state[MOECOMM_S_DONE_CS] = 0;
       f.state[MOECOMM_S_EPOCH_CS] = epoch;
     }

@@ -20,18 +20,23 @@ __device__ __forceinline__ uint64_t load_acquire(const uint64_t* p) {
 
 __device__ __forceinline__ int load_volatile(const int* p) { return *(const volatile int*)p; }
 
-// Error word: int32[MOECOMM_ERROR_WORDS] = {code, peer, phase, detail, call}. The first error recorded
-// wins, except that a timeout replaces an error of another kind (it is the one that breaks the
-// communicator, so the host must see it).
-__device__ __forceinline__ void record_error(int* err, int code, int peer, int phase, int detail, int call) {
+// Error word: int32[MOECOMM_ERROR_WORDS] = {code, peer, phase, detail, call, amount}. The first error
+// recorded wins, except that a timeout replaces an error of another kind (it is the one that breaks the
+// communicator, so the host must see it) and an error of a later call replaces one of an earlier call (the
+// host raises a call's first error as soon as it sees it, while the call's last kernel may still record a
+// consequence of it: such a leftover must not hide the next call's error).
+__device__ __forceinline__ void record_error(int* err, int code, int peer, int phase, int detail, int call,
+                                             int amount = 0) {
   int old = atomicCAS(err, MOECOMM_ERR_NONE, code);
-  if (old != MOECOMM_ERR_NONE && code == MOECOMM_ERR_TIMEOUT && old != MOECOMM_ERR_TIMEOUT)
+  if (old != MOECOMM_ERR_NONE && old != MOECOMM_ERR_TIMEOUT &&
+      (code == MOECOMM_ERR_TIMEOUT || load_volatile(&err[4]) < call))
     old = atomicCAS(err, old, code) == old ? MOECOMM_ERR_NONE : old;
   if (old == MOECOMM_ERR_NONE) {
     err[1] = peer;
     err[2] = phase;
     err[3] = detail;
     err[4] = call;
+    err[5] = amount;
     __threadfence_system();
   }
 }

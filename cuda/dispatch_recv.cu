@@ -10,7 +10,13 @@ using namespace moecomm;
 // c.out_x [local_experts, cap, hidden] in_dtype, c.out_scale [local_experts, cap, scales] float32 (or
 // null), and f.slot_of [world, max_tokens, topk]: where record (src, j)'s k-th expert slot is (le*cap+slot,
 // or -1). A masked source is not waited for and sends nothing; with c.skip (a refused call) the records
-// are not unpacked and nothing is written (the epoch still advances, so the next call pairs up).
+// are not unpacked and nothing is written (the epoch still advances, so the next call pairs up). A source
+// whose signal carries another expert-map generation is not unpacked (ERR_GENERATION).
+// Capacity: a pair past its expert's f.cap slots is not stored. f.drop: it is dropped and flagged to the
+// token's rank in its f.drop_buf[me][token]; else the last block records ERR_CAPACITY with the expert's
+// demand and state[BAD_RECV] makes combine_send flag the call to every peer. Telemetry (last block): the
+// call's demand per local expert into f.ring, tokens received and pairs dropped per expert, bytes received
+// per source.
 extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, 2)
     moecomm_dispatch_recv(const Fixed f, const Call c) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -24,31 +30,46 @@ extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, 2)
     const uint64_t v = f.mask[src] ? 0
         : wait_epoch(&f.sig[src], epoch, now_ns() + f.timeout_ns, f.err, src, MOECOMM_PHASE_DISPATCH);
     peer_failed(f, c, v, src, MOECOMM_PHASE_DISPATCH, epoch);
-    count = (v & SIG_BAD) || c.skip ? 0 : (unsigned)(v & SIG_COUNT);
+    count = (v & SIG_BAD) || c.skip ? 0 : (unsigned)v & SIG_COUNT;
+    const unsigned theirs = ((unsigned)v >> MOECOMM_SIG_COUNT_BITS) & SIG_GEN;
+    if (v && !(v & SIG_BAD) && !c.skip && theirs != (f.state[MOECOMM_S_GEN] & SIG_GEN)) {
+      record_error(f.err, MOECOMM_ERR_GENERATION, src, MOECOMM_PHASE_DISPATCH, (int)theirs, (int)epoch,
+                   (int)(f.state[MOECOMM_S_GEN] & SIG_GEN));
+      count = 0;
+    }
     if (count > (unsigned)f.max_tokens) {
       record_error(f.err, MOECOMM_ERR_OVERFLOW, src, MOECOMM_PHASE_DISPATCH, count, (int)epoch);
       count = 0;
     }
-    if (part == 0) f.state[f.s_recv + src] = count;
+    if (part == 0) {
+      f.state[f.s_recv + src] = count;
+      if (src != f.rank)
+        tally_bytes(f, MOECOMM_B_DISPATCH_RECEIVED, src, (unsigned long long)count * f.rec_bytes);
+    }
   }
   __syncthreads();
   const int lo = f.rank * f.local_experts;
   const int records = src == f.rank ? 0 : (int)count;
+  bool flagged = false;  // this thread set drop words (completed before the block ends)
   for (int j = part; j < records; j += parts) {
     const uint8_t* rec = f.recv_buf + ((size_t)src * f.max_tokens + j) * f.rec_bytes;
     if (warp == 0) {  // a slot in each local expert of the record (in parallel lanes; id -1 is none)
       int where = -1;
+      bool dropped = false;
       if (lane < f.topk) {
         const int le = meta_of(rec, f)[1 + lane] - lo;
         if (le >= 0 && le < f.local_experts) {
           const unsigned slot = atomicAdd(&f.state[f.s_expert + le], 1u);
-          if (slot < (unsigned)f.cap) {
-            where = le * f.cap + slot;
-          } else {
-            record_error(f.err, MOECOMM_ERR_OVERFLOW, src, MOECOMM_PHASE_DISPATCH, le, (int)epoch);
-          }
+          if (slot < (unsigned)f.cap) where = le * f.cap + slot;
+          else dropped = f.drop;
         }
         f.slot_of[((size_t)src * f.max_tokens + j) * f.topk + lane] = where;
+      }
+      const unsigned drops = __ballot_sync(FULL, dropped);
+      if (drops && lane == 0) {  // tell the token's rank (read by its combine_recv after our combine signal)
+        const int t = meta_of(rec, f)[0];
+        signal_set(&f.drop_buf[(size_t)f.rank * f.max_tokens + t], epoch_signal(epoch, drops), src);
+        flagged = true;
       }
       const unsigned mask = __ballot_sync(FULL, where >= 0);
       if (where >= 0) {
@@ -63,13 +84,30 @@ extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, 2)
     if (f.scale_bytes) fanout4(sdst, n, rec + f.x_bytes, f.scale_bytes, 0);
     __syncthreads();
   }
+  if (flagged) complete_sends(true);
   if (last_block(&f.state[MOECOMM_S_DONE_DR])) {
+    const size_t row = f.window ? (size_t)(f.counters[MOECOMM_C_CALLS] % f.window) * f.local_experts : 0;
     for (int le = threadIdx.x; le < f.local_experts; le += blockDim.x) {
-      const unsigned cnt = atomicExch(&f.state[f.s_expert + le], 0u);
-      if (!c.skip) c.out_num[le] = cnt < (unsigned)f.cap ? cnt : f.cap;
+      const unsigned demand = atomicExch(&f.state[f.s_expert + le], 0u);
+      const unsigned kept = demand < (unsigned)f.cap ? demand : f.cap, over = demand - kept;
+      if (c.skip) continue;
+      c.out_num[le] = kept;
+      if (f.window) {
+        f.ring[row + le] = demand;
+        tally(f, f.c_received + le, kept);
+      }
+      if (over && f.drop) {
+        tally(f, f.c_dropped + le, over);
+        tally(f, MOECOMM_C_DROPPED_PAIRS, over);
+      } else if (over && atomicCAS(&f.state[MOECOMM_S_BAD_RECV], 0u,
+                                   MOECOMM_ERR_CAPACITY | (lo + le + 1) << MOECOMM_REASON_ARG_SHIFT) == 0u) {
+        f.state[MOECOMM_S_WHY] = demand;
+        record_error(f.err, MOECOMM_ERR_CAPACITY, f.rank, MOECOMM_PHASE_DISPATCH, lo + le, (int)epoch, (int)demand);
+      }
     }
     __syncthreads();
     if (threadIdx.x == 0) {
+      if (!c.skip) ++f.counters[MOECOMM_C_CALLS];
       f.state[MOECOMM_S_DONE_DR] = 0;
       f.state[MOECOMM_S_EPOCH_DR] = epoch;
     }

@@ -12,8 +12,12 @@ using namespace moecomm;
 // destination rank as a record (the receiver fans it out to its experts); tokens for this rank's own
 // experts go straight into their expert slots, and only the record's metadata (for combine) is kept.
 // The token row is read once and stored into every destination. Expert id -1 sends nothing, nor does an
-// expert of a masked rank (f.mask; counted in f.counters). With c.skip (a refused call) nothing is sent
-// and every signal carries SIG_BAD | c.reason.
+// expert of a masked rank (f.mask; counted in f.counters). With an expert map (f.map) ids are logical and
+// each pair goes to one replica (physical()); records carry physical ids. A pair for this rank's own expert
+// past its capacity is not stored: dropped (f.drop: flagged in f.drop_buf[me][t] for combine) or, with
+// overflow="error", reported by dispatch_recv, which sees the expert's whole demand. With c.skip (a refused
+// call) nothing is sent and every signal carries SIG_BAD | c.reason; otherwise a signal carries the count
+// and the expert-map generation (state[GEN]).
 extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, 2)
     moecomm_dispatch_send(const Fixed f, const Call c) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -50,13 +54,14 @@ extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, 2)
     int e = -1;
     float w = 0.0f;
     if (warp == 0) {
-      int dest = -1;
+      int dest = -1, slot_id = -1;  // the pair's physical expert slot and its rank
       bool ok = true, first = false;
       if (lane < f.topk) {
         e = expert_id(c, (size_t)t * f.topk + lane, f.num_experts);
         if (c.weights) w = c.weights[(size_t)t * f.topk + lane];
         ok = e < f.num_experts;
-        dest = ok && e >= 0 ? e / f.local_experts : -1;
+        slot_id = ok && e >= 0 ? physical(f, e, t) : -1;
+        dest = slot_id >= 0 ? slot_id / f.local_experts : -1;
         if (dest >= 0 && f.mask[dest]) dest = -2;  // masked: not sent, counted below
         first = dest >= 0;
       }
@@ -75,7 +80,8 @@ extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, 2)
         }
       } else {
         const unsigned masked = __ballot_sync(FULL, dest == -2);
-        if (masked && lane == 0) atomicAdd(&f.counters[MOECOMM_C_MASKED_PAIRS], (unsigned long long)__popc(masked));
+        if (lane == 0) tally(f, MOECOMM_C_MASKED_PAIRS, __popc(masked));
+        e = dest >= 0 ? slot_id : -1;  // from here on: physical slots, -1 for pairs not sent
         const bool peer = first && dest != f.rank, local = dest == f.rank;
         uint8_t* sym = nullptr;
         uint8_t* p = peer ? peer_ptr(recv_buf, dest) : nullptr;  // resolved alongside the slot atomic
@@ -86,15 +92,16 @@ extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, 2)
           sym = recv_buf + rec_off;
         }
         int where = -1;  // this rank's expert slot of the lane's expert
+        bool dropped = false;
         if (local) {
           const int le = e - lo;
           const unsigned slot = atomicAdd(&f.state[f.s_expert + le], 1u);
-          if (slot < (unsigned)f.cap) {
-            where = le * f.cap + slot;
-          } else {
-            record_error(f.err, MOECOMM_ERR_OVERFLOW, f.rank, MOECOMM_PHASE_DISPATCH, le, (int)epoch);
-          }
+          if (slot < (unsigned)f.cap) where = le * f.cap + slot;
+          else dropped = f.drop;
         }
+        const unsigned drops = __ballot_sync(FULL, dropped);
+        if (drops && lane == 0)  // read by this rank's combine_recv after the call's combine signals
+          f.drop_buf[(size_t)f.rank * f.max_tokens + t] = epoch_signal(epoch, drops);
         if (p) p += rec_off;
         const unsigned direct = __ballot_sync(FULL, p != nullptr), put = __ballot_sync(FULL, peer && !p);
         const unsigned rows_here = __ballot_sync(FULL, where >= 0), own = __ballot_sync(FULL, first && local);
@@ -164,9 +171,12 @@ extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, 2)
   complete_sends(st.used_puts);
   if (last_block(&f.state[MOECOMM_S_DONE_DS])) {
     const unsigned bad = (unsigned)load_volatile((const int*)&f.state[MOECOMM_S_BAD]);
+    const unsigned generation = f.state[MOECOMM_S_GEN];
     for (int d = threadIdx.x; d < f.world; d += blockDim.x) {
       const unsigned cnt = atomicExch(&f.state[MOECOMM_S_FIXED + d], 0u);
-      if (!f.mask[d]) signal_set(&f.sig[f.rank], epoch_signal(epoch, bad ? SIG_BAD | bad : cnt), d);
+      if (!f.mask[d])
+        signal_set(&f.sig[f.rank], bad ? epoch_signal(epoch, SIG_BAD | bad) : count_signal(epoch, cnt, generation), d);
+      if (d != f.rank) tally_bytes(f, MOECOMM_B_DISPATCH_SENT, d, (unsigned long long)cnt * f.rec_bytes);
     }
     __syncthreads();
     if (threadIdx.x == 0) {

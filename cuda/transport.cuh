@@ -5,7 +5,8 @@
 //   put_block        copy bytes to a peer's symmetric buffer, all threads of a block together
 //                    (non-blocking; complete with quiet)
 //   quiet            complete this thread's puts
-//   signal_set       set a signal on a peer, ordered after this thread's data to it
+//   signal_set       set a 64-bit word (a signal, or a word read after one) on a peer, ordered after
+//                    this thread's data to it
 //   complete_sends   finish a thread's puts and stores before it (or its block) signals
 //   peer_ptr         a load/store pointer to a peer's symmetric buffer, or nullptr when it is not
 //                    directly addressable (another node): callers must then put (put_block, put_signal_warp)

@@ -41,7 +41,15 @@ FIXED_FIELDS = (
     ("comb_sig", "uint64_t*"),      # symmetric [world] combine signals
     ("slot_of", "int*"),            # [world, max_tokens, topk] expert slot of each received record's k-th id
     ("mask", "const int*"),         # [world] int32: 1 = rank masked (no data to or from it, no wait for it)
-    ("counters", "unsigned long long*"),  # uint64 cumulative counters, MOECOMM_C_* indices
+    ("counters", "unsigned long long*"),  # uint64 cumulative counters, MOECOMM_C_* indices, then arrays at c_*
+    ("ring", "unsigned*"),          # [window, local_experts] (token, expert) pairs routed per local expert, per
+                                    # call (the telemetry window; row CALLS % window)
+    ("drop_buf", "uint64_t*"),      # symmetric [world, max_tokens] (overflow="drop"): (call << 32 | top-k bits
+                                    # of the token's pairs that rank dropped), else null
+    ("why", "uint64_t*"),           # symmetric [world]: what a rank's failed call was (capacity: expert + 1
+                                    # << 32 | demand), written before the signal that flags it
+    ("map", "const int*"),          # [num_experts, 1 + world] replicas of each logical expert: count, then
+                                    # physical slots (rank * local_experts + slot); null without an expert map
     ("timeout_ns", "unsigned long long"),
     ("world", "int"), ("rank", "int"), ("dp", "int"), ("num_experts", "int"), ("local_experts", "int"),
     ("topk", "int"), ("max_tokens", "int"), ("hidden", "int"),
@@ -51,7 +59,10 @@ FIXED_FIELDS = (
     ("rec_bytes", "int"),           # bytes of one dispatch record
     ("out_code", "int"),            # MOECOMM_DT_BF16 / MOECOMM_DT_FP16
     ("out_row_bytes", "int"),       # hidden * out_dtype size
-    ("cap", "int"),                 # slots per local expert
+    ("cap", "int"),                 # slots per local expert (packed layout: rows of the rank)
+    ("drop", "int"),                # 1: overflow="drop", 0: "error"
+    ("window", "int"),              # rows of ring
+    ("c_received", "int"), ("c_dropped", "int"), ("c_bytes", "int"),  # counters[] offsets of the arrays
     ("stage_slots", "int"), ("stage_bytes", "int"),  # staging rows per block and their size
     ("s_expert", "int"), ("s_recv", "int"),          # state[] offsets of per-expert and per-source counters
 )

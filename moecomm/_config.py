@@ -8,7 +8,7 @@ from ._dtypes import IN_DTYPES, OUT_DTYPES, SCALE_DTYPES, as_dtype, float32
 from ._errors import InvalidArgument
 
 
-def _positive_int(name, value, minimum=1):
+def positive_int(name, value, minimum=1):
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
         raise InvalidArgument(f"{name} must be an integer >= {minimum}, got {value!r}")
     return int(value)
@@ -59,11 +59,13 @@ class AllToAllConfig:
                hidden_dim_scale, in_dtype, out_dtype, scale_dtype, dp_size, slots_per_rank=None, capacity=None,
                overflow="error", layout="padded"):
         """Validate the arguments of :class:`moecomm.AllToAll`; raise InvalidArgument on the first bad one."""
-        max_num_tokens = _positive_int("max_num_tokens", max_num_tokens)
-        num_experts = _positive_int("num_experts", num_experts)
-        k = _positive_int("experts_per_token", experts_per_token)
-        hidden_dim = _positive_int("hidden_dim", hidden_dim)
-        dp_size = _positive_int("dp_size", dp_size)
+        max_num_tokens = positive_int("max_num_tokens", max_num_tokens)
+        if max_num_tokens >= 1 << C.SIG_COUNT_BITS:
+            raise InvalidArgument(f"max_num_tokens={max_num_tokens} must be < {1 << C.SIG_COUNT_BITS}")
+        num_experts = positive_int("num_experts", num_experts)
+        k = positive_int("experts_per_token", experts_per_token)
+        hidden_dim = positive_int("hidden_dim", hidden_dim)
+        dp_size = positive_int("dp_size", dp_size)
         if num_experts > C.MAX_EXPERTS:
             raise InvalidArgument(f"num_experts={num_experts} exceeds the supported {C.MAX_EXPERTS}")
         if num_experts % world_size:
@@ -85,11 +87,11 @@ class AllToAllConfig:
             if scale_dtype is not None:
                 raise InvalidArgument("scale_dtype given but hidden_dim_scale is None")
         else:
-            hidden_dim_scale = _positive_int("hidden_dim_scale", hidden_dim_scale)
+            hidden_dim_scale = positive_int("hidden_dim_scale", hidden_dim_scale)
             scale_dtype = as_dtype(float32 if scale_dtype is None else scale_dtype,
                                    SCALE_DTYPES, "scale_dtype")
         if slots_per_rank is not None:
-            slots_per_rank = _positive_int("slots_per_rank", slots_per_rank)
+            slots_per_rank = positive_int("slots_per_rank", slots_per_rank)
             if slots_per_rank < num_experts // world_size:
                 raise InvalidArgument(f"slots_per_rank={slots_per_rank} must be >= num_experts / world_size = "
                                       f"{num_experts // world_size} (every expert needs a slot)")
@@ -100,7 +102,7 @@ class AllToAllConfig:
         local = num_experts // world_size if slots_per_rank is None else slots_per_rank
         if capacity is not None:
             worst = max_num_tokens * (world_size // dp_size) * (min(k, local) if layout == "packed" else 1)
-            capacity = _positive_int("capacity", capacity)
+            capacity = positive_int("capacity", capacity)
             if capacity > worst:
                 raise InvalidArgument(f"capacity={capacity} exceeds the worst case max_num_tokens * DP groups = "
                                       f"{worst} (leave it None for that)")

@@ -8,7 +8,8 @@ import os
 
 from ._errors import InvalidArgument
 
-# Device error word (int32[5]): code, peer rank, phase, detail, call (the AllToAll's call number, from 1).
+# Device error word (int32[6]): code, peer rank, phase, detail, call (the AllToAll's call number, from 1),
+# amount (a count that goes with detail: a demand).
 # The first error wins, except that a timeout replaces any other (it breaks the communicator).
 ERR_NONE = 0
 ERR_TIMEOUT = 1       # a bounded wait expired; peer = rank waited for
@@ -19,9 +20,13 @@ ERR_OVERFLOW = 4      # more records or expert slots than the buffers hold (a pe
 ERR_M_DIFFERS = 5     # combine's bound_m differs from the dispatched m; detail = combine's m
 ERR_PEER = 6          # rank `peer` flagged its part of the call as failed; detail = its reason (below)
 ERR_REFUSED = 7       # (in a reason only) AllToAll refused an argument on that rank
-ERROR_WORDS = 5
+ERR_CAPACITY = 8      # overflow="error": a local expert (detail: its id) got more pairs (amount) than its
+                      # capacity; packed layout: detail -1, the rank's rows
+ERR_GENERATION = 9    # a peer's dispatch carried another expert-map generation; detail = its generation
+ERROR_WORDS = 6
 # A rank whose part of a call failed still takes part ("no data") and flags its signals with a reason:
-# an ERR_* code, and for ERR_REFUSED the refused argument's number in ARGUMENTS shifted by REASON_ARG_SHIFT.
+# an ERR_* code, and for ERR_REFUSED the refused argument's number in ARGUMENTS shifted by REASON_ARG_SHIFT
+# (for ERR_CAPACITY the expert id + 1, 0 for the packed layout's rank budget; the demand travels beside it).
 REASON_ARG_SHIFT = 8
 ARGUMENTS = ("the order of calls", "out_expert_num_tokens", "out_expert_x", "out_expert_x_scale", "dp_x",
              "dp_x_scale", "indices", "bound_m", "weights", "out_tokens", "expert_y", "stream", "do_send",
@@ -31,16 +36,31 @@ ARGUMENTS = ("the order of calls", "out_expert_num_tokens", "out_expert_x", "out
 DT_BF16, DT_FP16 = 0, 1
 
 # Device state of one AllToAll (uint32): per-kernel epochs (calls completed) and block counters, the
-# reason this rank's dispatch failed (0: none), the dispatched m, then arrays: per-destination send counters [world] at FIXED, per-local-expert slot
-# counters at EXPERT, records received per source [world] at RECV (offsets depend on the sizes).
+# reason this rank's dispatch send failed (0: none), the dispatched m, the reason its receive half failed
+# (capacity: the combine flags it to the peers) and its detail (the demand), the expert-map generation (set
+# by set_expert_map, carried by every dispatch signal), then arrays: per-destination send counters
+# [world] at FIXED, per-local-expert slot counters at EXPERT, records received per source [world] at RECV
+# (offsets depend on the sizes).
 STATE_FIELDS = ("EPOCH_DS", "EPOCH_DR", "EPOCH_CS", "EPOCH_CR", "DONE_DS", "DONE_DR", "DONE_CS", "DONE_CR",
-                "BAD", "M")
+                "BAD", "M", "BAD_RECV", "WHY", "GEN")
 STATE_FIXED = len(STATE_FIELDS)
 STAGE_SLOTS = 4       # staging rows per block for puts to peers without a load/store mapping
 BLOCK_THREADS = 256   # threads of every alltoall block: a block handles one token or record at a time
-# Cumulative uint64 counters of one AllToAll, kept on the device (AllToAll.stats()).
+# Cumulative uint64 counters of one AllToAll, kept on the device (AllToAll.stats()), then arrays (offsets
+# in moecomm/transport/gpu_alltoall.py): tokens received and pairs dropped per local expert [L], bytes per
+# peer [BYTE_FIELDS, world].
 COUNTER_FIELDS = ("MASKED_PAIRS",     # (token, expert) pairs not sent because the expert's rank is masked
-                  "DROPPED_PAIRS")    # pairs routed to this rank's experts past their capacity (overflow="drop")
+                  "DROPPED_PAIRS",    # pairs routed to this rank's experts past their capacity (overflow="drop")
+                  "CALLS")            # dispatches whose receive half ran with data (the telemetry window's clock)
+BYTE_FIELDS = ("dispatch_sent", "dispatch_received", "combine_sent", "combine_received")
+# The replica rule of expert maps (moecomm.balance.ExpertMap.physical, and the kernels): replica
+# (token * REPLICA_TOKEN + dp_group * REPLICA_GROUP) mod 2**32 mod replicas.
+REPLICA_TOKEN, REPLICA_GROUP = 2654435761, 40503
+# Per-call routing counts kept for the telemetry window (AllToAll(telemetry_window=...)).
+DEFAULT_WINDOW = 64
+# A dispatch signal's low 32 bits: the record count in the low COUNT_BITS, the expert-map generation
+# modulo 2**GEN_BITS above them (bit 31 flags a failed call, whose reason replaces both).
+SIG_COUNT_BITS, SIG_GEN_BITS = 24, 7
 
 PHASES = ("peer_check", "dispatch", "combine")
 PHASE_PEER_CHECK, PHASE_DISPATCH, PHASE_COMBINE = range(len(PHASES))
@@ -97,11 +117,15 @@ def device_constants():
         "FORCE_PUTS": int(os.environ.get(FORCE_PUTS_ENV, "0") == "1"),
         "ERR_NONE": ERR_NONE, "ERR_TIMEOUT": ERR_TIMEOUT, "ERR_BAD_EXPERT": ERR_BAD_EXPERT,
         "ERR_BAD_M": ERR_BAD_M, "ERR_OVERFLOW": ERR_OVERFLOW, "ERR_M_DIFFERS": ERR_M_DIFFERS,
-        "ERR_PEER": ERR_PEER, "ERR_REFUSED": ERR_REFUSED, "ERROR_WORDS": ERROR_WORDS,
+        "ERR_PEER": ERR_PEER, "ERR_REFUSED": ERR_REFUSED, "ERR_CAPACITY": ERR_CAPACITY,
+        "ERR_GENERATION": ERR_GENERATION, "ERROR_WORDS": ERROR_WORDS, "REASON_ARG_SHIFT": REASON_ARG_SHIFT,
+        "SIG_COUNT_BITS": SIG_COUNT_BITS, "SIG_GEN_BITS": SIG_GEN_BITS,
+        "REPLICA_TOKEN": f"{REPLICA_TOKEN}u", "REPLICA_GROUP": f"{REPLICA_GROUP}u",
         "MAX_TOPK": MAX_TOPK, "MAX_EXPERTS": MAX_EXPERTS, "ROW_ALIGN": ROW_ALIGN, "IPC_MAX_RANKS": IPC_MAX_RANKS,
         "PHASE_PEER_CHECK": PHASE_PEER_CHECK, "PHASE_DISPATCH": PHASE_DISPATCH, "PHASE_COMBINE": PHASE_COMBINE,
         "DT_BF16": DT_BF16, "DT_FP16": DT_FP16, "S_FIXED": STATE_FIXED, "BLOCK_THREADS": BLOCK_THREADS,
     }
     values.update({f"S_{name}": i for i, name in enumerate(STATE_FIELDS)})
     values.update({f"C_{name}": i for i, name in enumerate(COUNTER_FIELDS)})
+    values.update({f"B_{name.upper()}": i for i, name in enumerate(BYTE_FIELDS)})
     return values

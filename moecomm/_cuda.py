@@ -139,6 +139,29 @@ class StreamOrder:
             self.event = None
 
 
+def new_event():
+    """A CUDA event that records timing (moecomm's timing=True)."""
+    return check(driver.cuEventCreate(0), "cuEventCreate")
+
+
+def record(event, stream):
+    check(driver.cuEventRecord(event, stream), "cuEventRecord")
+
+
+def elapsed_ms(start, end):
+    return check(driver.cuEventElapsedTime(start, end), "cuEventElapsedTime")
+
+
+def destroy_event(event):
+    check(driver.cuEventDestroy(event), "cuEventDestroy")
+
+
+def is_capturing(stream):
+    """Whether ``stream`` is being captured into a CUDA graph."""
+    status = check(driver.cuStreamIsCapturing(stream), "cuStreamIsCapturing")
+    return status != driver.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE
+
+
 def stream_synchronize(stream):
     check(driver.cuStreamSynchronize(stream), "cuStreamSynchronize")
 

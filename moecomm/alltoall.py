@@ -6,7 +6,7 @@ import numpy as np
 
 from ._arrays import Accepted, accepted
 from .balance import ExpertMap
-from ._config import AllToAllConfig
+from ._config import AllToAllConfig, positive_int
 from ._constants import ARGUMENTS, timeout_seconds
 from ._dtypes import float32
 from ._errors import CommTimeout, InvalidArgument, MoeCommError, OutOfStep
@@ -53,26 +53,36 @@ class AllToAll:
             are logical expert ids, and an :class:`moecomm.balance.ExpertMap` (``expert_map``; at first
             :meth:`ExpertMap.static <moecomm.balance.ExpertMap.static>`, changed by :meth:`set_expert_map`)
             says which logical expert each slot holds. Each (token, logical expert) goes to one replica by
-            the map's rule; the outputs are per local slot (``num_local_experts`` = slots_per_rank). Host
-            transport only so far. None (default): rank r owns experts r*E/W ... (r+1)*E/W - 1.
+            the map's rule; the outputs are per local slot (``num_local_experts`` = slots_per_rank). None
+            (default): rank r owns experts r*E/W ... (r+1)*E/W - 1.
         capacity: slots per local expert (the second dimension of out_expert_x), or None: the worst case,
             max_num_tokens * (world_size // dp_size), which never overflows. Needs dp_size == 1.
         overflow: when a local expert is routed more (token, expert) pairs than ``capacity``: "error" (the
             call raises CapacityExceeded on every rank, naming the expert and its demand; nothing is
-            exchanged, the next call works) or "drop" (pairs past the capacity are not sent and add nothing
-            in combine; slots go in (source rank, token) order; counted in ``stats()["DROPPED_PAIRS"]`` on
-            the expert's rank and reported per pair by combine's ``out_dropped``). Host transport so far.
+            exchanged, the next call works; on GPUs the dispatch's other pairs were delivered and the error
+            is raised once the call is over, as other kernel errors are) or "drop" (pairs past the capacity
+            are not stored and add nothing in combine; counted in ``stats()`` on the expert's rank and
+            reported per pair by combine's ``out_dropped``). Which pairs drop: on the host transport those
+            last in (source rank, token, top-k) order; on GPUs those whose slots were taken last (the
+            order of arrival, unspecified). On GPUs a dropped pair's token still crosses the link when
+            it goes to that rank at all (the receiver drops).
         layout: "padded" (default: out_expert_x [num_local_experts, capacity, hidden_dim]) or "packed": the
             rank's received rows back to back, expert by expert (out_expert_x [capacity, hidden_dim] with
             capacity rows per rank, default the worst case max_num_tokens * DP groups * min(top-k, local
             experts); dispatch writes out_expert_offsets [num_local_experts + 1]; expert_y likewise), the
             layout a contiguous grouped GEMM takes. With a capacity the policy applies to the rank's rows.
             Host transport so far.
+        telemetry_window: calls whose per-expert routing counts :meth:`stats` keeps (kept on the device
+            by the kernels; default 64). 0 turns the telemetry off (the window, tokens received per expert
+            and bytes per peer); the MASKED/DROPPED/CALLS counters and per-expert drops are always kept.
+        timing: also time each phase of the last ``telemetry_window`` calls (CUDA events on the call's
+            stream, eager calls only; host time on the host transport): ``stats()["times_us"]``.
     """
 
     def __init__(self, comm, max_num_tokens, num_experts, experts_per_token, hidden_dim,
                  hidden_dim_scale=None, in_dtype="bfloat16", out_dtype="bfloat16", scale_dtype=None,
-                 dp_size=1, timeout=None, slots_per_rank=None, capacity=None, overflow="error", layout="padded"):
+                 dp_size=1, timeout=None, slots_per_rank=None, capacity=None, overflow="error", layout="padded",
+                 telemetry_window=64, timing=False):
         self.comm, self._backend, self.masked, self.expert_map = comm, None, (), None
         error = None
         try:  # checked on every rank, then compared: a bad argument on one rank raises on all of them
@@ -80,16 +90,11 @@ class AllToAll:
                                                  experts_per_token, hidden_dim, hidden_dim_scale, in_dtype,
                                                  out_dtype, scale_dtype, dp_size, slots_per_rank, capacity, overflow,
                                                  layout)
-            if c.slots_per_rank is not None and comm.transport.memory != "host":
-                raise InvalidArgument("slots_per_rank: replicated experts run on the host transport so far (the GPU "
-                                      "kernels do not take an expert map yet)")
-            if c.capacity is not None and comm.transport.memory != "host":
-                raise InvalidArgument("capacity: overflow policies run on the host transport so far (the GPU "
-                                      "kernels take the worst case)")
+            window = positive_int("telemetry_window", telemetry_window, minimum=0)
             if c.layout == "packed" and comm.transport.memory != "host":
                 raise InvalidArgument("layout: the packed layout runs on the host transport so far")
             self.timeout_s = comm.timeout_s if timeout is None else timeout_seconds(timeout)[0]
-            mine = (None, c.key())
+            mine = (None, c.key() + (window, bool(timing)))
         except InvalidArgument as e:
             error, mine = e, (str(e), None)
         everyone = comm.allgather(mine, "AllToAll(...)")
@@ -98,11 +103,12 @@ class AllToAll:
         self._context = transport.context
         with self._context or nullcontext(), comm._failing():
             self._ident = comm._new_alltoall_id()
-            self._backend = transport.new_alltoall(c, self.timeout_s, self._ident)
+            self._backend = transport.new_alltoall(c, self.timeout_s, self._ident, window, bool(timing))
             self._arrays = transport.new_arrays()
         if c.slots_per_rank is not None:
             self.expert_map = ExpertMap.static(c.num_experts, c.world_size, c.slots_per_rank)
-            self._backend.set_expert_map(self.expert_map)
+            with self._context or nullcontext():
+                self._backend.set_expert_map(self.expert_map)
         self._call = self._backend.call
         self._none = None if transport.memory == "host" else 0  # an absent array in the call record
         self._in, self._out = accepted(c.in_dtype), accepted(c.out_dtype)
@@ -278,9 +284,9 @@ class AllToAll:
             bound_m: [1] int32 or uint32 holding the same m as the dispatch (another m is refused: read
                 on the device on GPUs, so reported as device errors are).
             do_send, do_recv, stream: as in :meth:`dispatch` (stream=None follows ``out_tokens``).
-            out_dropped: [rows, experts_per_token] uint8, or None; written by the receive half: 1 where the
-                (token, expert) pair was dropped for capacity (``overflow="drop"``) and added nothing, else 0.
-                Host transport so far.
+            out_dropped: [rows, experts_per_token] uint8, or None; rows 0..m-1 written by the receive half: 1
+                where the (token, expert) pair was dropped for capacity (``overflow="drop"``) and added
+                nothing, else 0.
 
         Raises as :meth:`dispatch`, and errors the kernels recorded for this or an earlier call (GPUs;
         the message names the call). A refused combine ends its call (no retry); a combine without a
@@ -325,11 +331,8 @@ class AllToAll:
         call.y = read(expert_y, "expert_y", self._out, self._expert_shape)[0]
         call.bound_m = read(bound_m, "bound_m", _BOUND_M, _ONE)[0]
         call.rows, call.partials = rows, weights is None
-        call.out_dropped = self._none
-        if out_dropped is not None:
-            if self._none is not None:
-                raise InvalidArgument("out_dropped: the GPU transports do not report dropped pairs yet (pass None)")
-            call.out_dropped = read(out_dropped, "out_dropped", _FLAGS, per_token)[0]
+        call.out_dropped = self._none if out_dropped is None else read(out_dropped, "out_dropped", _FLAGS,
+                                                                           per_token)[0]
         if do_send and not self._combine_due:
             raise InvalidArgument("combine: no dispatch to combine (each dispatch is followed by exactly one "
                                   "combine)")
@@ -455,15 +458,31 @@ class AllToAll:
         everyone = self.comm.allgather(mine, f"set_expert_map of AllToAll #{self._ident}")
         _agree("set_expert_map", error, mine[1], everyone, range(self.comm.world_size))
         self.expert_map = expert_map
-        self._backend.set_expert_map(expert_map)
+        with self._context or nullcontext():
+            self._backend.set_expert_map(expert_map)
 
     def stats(self):
-        """Counters of this AllToAll since it was created: {"MASKED_PAIRS": (token, expert) pairs this rank did
-        not send because the expert's rank was masked, "DROPPED_PAIRS": pairs routed to this rank's experts
-        past their capacity}. Waits for this rank's work on its GPU. Not collective."""
+        """This rank's telemetry since the AllToAll was created, kept by the kernels in device memory and
+        copied here (this call waits for the rank's work on its GPU: the one synchronizing call). Not
+        collective; gather it from every rank for the whole picture (:func:`moecomm.telemetry.from_stats`).
+
+        Returns a dict (L = num_local_experts, W = world size):
+            MASKED_PAIRS: (token, expert) pairs this rank did not send because the expert's rank was masked.
+            DROPPED_PAIRS: pairs routed to this rank's experts past their capacity (overflow="drop").
+            CALLS: dispatches this rank received with data.
+            received: [L] int64 tokens received per local expert (slot), dropped: [L] pairs dropped per one.
+            window: [min(CALLS, telemetry_window), L] int64 pairs routed to each local expert (its demand,
+                dropped pairs included) in each of the last calls, oldest first.
+            bytes: {"dispatch_sent", "dispatch_received", "combine_sent", "combine_received": [W] int64}
+                bytes exchanged with each peer (0 for this rank).
+            times_us: {"dispatch", "combine": [microseconds per call]} with timing=True, else None.
+            rank: this rank; generation: the expert map's generation (None without slots_per_rank).
+        """
         self._live()
         with self._context or nullcontext():
-            return self._backend.counts()
+            out = self._backend.snapshot()
+        out.update(rank=self.cfg.rank, generation=None if self.expert_map is None else self.expert_map.generation)
+        return out
 
     def destroy(self):
         """Release the buffers (collective; local only when the communicator is broken or ranks are masked).

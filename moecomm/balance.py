@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from . import _constants as C
 from ._errors import InvalidArgument
 
 
@@ -87,12 +88,14 @@ class ExpertMap:
         """Physical slot ids (rank * slots_per_rank + slot) for logical ``indices`` [n, k] (-1 stays -1) of
         tokens ``tokens`` [n] (their index in the DP group's batch) sent by DP group ``group``.
 
-        The replica rule: replica j = (token * 2654435761 + group * 40503) mod 2**32 mod replicas, so every
-        token picks on its own, consecutive tokens spread over the replicas, and every rank can compute it.
+        The replica rule (the kernels' too): replica j = (token * REPLICA_TOKEN + group * REPLICA_GROUP)
+        mod 2**32 mod replicas (moecomm._constants), so every token picks on its own, consecutive tokens spread
+        over the replicas, and every rank can compute it.
         """
         ids = np.asarray(indices, np.int64)
         table, counts = self.table(), self.replicas()
-        h = (np.asarray(tokens, np.uint64) * np.uint64(2654435761) + np.uint64(group * 40503)) % np.uint64(2 ** 32)
+        h = ((np.asarray(tokens, np.uint64) * np.uint64(C.REPLICA_TOKEN) + np.uint64(group * C.REPLICA_GROUP))
+             % np.uint64(2 ** 32))
         safe = np.maximum(ids, 0)
         j = (h[:, None] % counts[safe].astype(np.uint64)).astype(np.int64)
         return np.where(ids >= 0, table[safe, j], -1)

@@ -153,7 +153,8 @@ class Bench:
         cp, comm, s = self.cp, self.comm, self.stream
         W, rank = comm.world_size, comm.rank
         L = experts // W
-        a2a = moecomm.AllToAll(comm, tokens, experts, k, hidden, scales, "float8_e4m3fn", "bfloat16")
+        a2a = moecomm.AllToAll(comm, tokens, experts, k, hidden, scales, "float8_e4m3fn", "bfloat16",
+                               telemetry_window=self.args.telemetry_window, timing=self.args.timing)
         rng = np.random.default_rng([self.args.seed, tokens])
         idx = [routing(rng, tokens, k, experts, self.args.routing) for _ in range(W)]
         x = [rng.integers(0, 255, (tokens, hidden), np.uint8) & 0x77 for _ in range(W)]  # finite fp8 bytes
@@ -367,8 +368,16 @@ def environment():
     return info
 
 
+def _variant(r):
+    """A result's transport, and its telemetry settings when they are not the defaults."""
+    name = r.get("transport", "nvshmem")
+    if r.get("telemetry_window", 64) != 64:
+        name += f" w{r['telemetry_window']}"
+    return name + (" timing" if r.get("timing") else "")
+
+
 def _label(r):
-    return f"{r.get('transport', 'nvshmem')} {r['config']}"
+    return f"{_variant(r)} {r['config']}"
 
 
 def table(results):
@@ -414,12 +423,12 @@ def plot(results, path):
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    transports = list(dict.fromkeys(r.get("transport", "nvshmem") for r in results if r["config"] == "sweep"))
+    transports = list(dict.fromkeys(_variant(r) for r in results if r["config"] == "sweep"))
     if not transports:
         return False
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for name in transports:
-        sweep = sorted((r for r in results if r["config"] == "sweep" and r.get("transport", "nvshmem") == name),
+        sweep = sorted((r for r in results if r["config"] == "sweep" and _variant(r) == name),
                        key=lambda r: r["tokens"])
         t = [r["tokens"] for r in sweep]
         ax.plot(t, [r["eager"]["total"]["median_us"] for r in sweep], "o-",
@@ -429,7 +438,7 @@ def plot(results, path):
                     label=f"moecomm {name} eager, dispatch() + combine()")
         if "graph" in sweep[0]:
             ax.plot(t, [r["graph"]["total"]["median_us"] for r in sweep], "o-", label=f"moecomm {name} CUDA graph")
-    sweep = sorted((r for r in results if r["config"] == "sweep" and r.get("transport", "nvshmem") == transports[0]),
+    sweep = sorted((r for r in results if r["config"] == "sweep" and _variant(r) == transports[0]),
                    key=lambda r: r["tokens"])
     t = [r["tokens"] for r in sweep]
     if "nccl" in sweep[0]:
@@ -462,6 +471,8 @@ def main(argv=None):
     p.add_argument("--json", default="bench.json", help="output JSON (rank 0)")
     p.add_argument("--plot", default="bench.png", help="output PNG of the sweep (rank 0, needs matplotlib)")
     p.add_argument("--transport", default="nvshmem", choices=["nvshmem", "ipc"], help="GPU transport (default nvshmem)")
+    p.add_argument("--telemetry-window", type=int, default=64, help="AllToAll(telemetry_window=...); 0: off")
+    p.add_argument("--timing", action="store_true", help="AllToAll(timing=True): CUDA events per phase")
     p.add_argument("--merge", nargs="+", metavar="JSON",
                    help="no measurement: join these result files (e.g. one per transport) into --json and --plot")
     args = p.parse_args(argv)
@@ -495,7 +506,8 @@ def measure(args, jobs, argv):
     floor = None if args.no_graph else bench.launch_floor()
     results, t0 = [], time.time()
     for i, (name, c) in enumerate(jobs):
-        results.append(dict(bench.run(name, *c), transport=args.transport))
+        results.append(dict(bench.run(name, *c), transport=args.transport, telemetry_window=args.telemetry_window,
+                            timing=args.timing))
         if comm.rank == 0:
             done = (i + 1) / len(jobs)
             print(f"\r[{'#' * int(30 * done):<30}] {i + 1}/{len(jobs)} {name} {c[0]} tokens "

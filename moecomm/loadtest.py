@@ -15,11 +15,12 @@ Scenarios (every rank draws the same popularity, each rank its own tokens):
 * ``ramp``: Zipf routing at 1, 2, 4, ... ``--tokens`` tokens per rank.
 * ``topk``: Zipf routing with top-k 1, 2, 4, 8 (up to ``--topk``).
 * ``capacity``: Zipf routing with a capacity of ``--capacity-factors`` times the mean demand per expert
-  and ``overflow="drop"``: the share of (token, expert) pairs dropped, and the time (host transport so far).
+  and ``overflow="drop"``: the share of (token, expert) pairs dropped, and the time.
 * ``mask``: Zipf steps; the last rank stops answering mid-run; the others name it in a CommTimeout, mask it
   (``AllToAll.mask_ranks``) and keep serving; then it returns and is unmasked.
 
-Per step: dispatch + combine time (host wall time on CPU ranks, CUDA events on GPUs; max over ranks), the
+Per step: dispatch + combine time (host wall time on CPU ranks; on GPUs CUDA events around the eager calls,
+each step starting at a device barrier so that the ranks' host skew is not counted; max over ranks), the
 (token, expert) pairs per rank (max and mean over ranks), the imbalance max/mean, and the hot experts
 (:mod:`moecomm.telemetry`). ``--ep-size`` splits the job into data-parallel replicas of ``ep-size`` ranks,
 each with every expert: run once at full width and once narrower to compare EP width against replicas at
@@ -27,8 +28,7 @@ the same GPU count (the figures are those of the group of world rank 0). Output:
 ``--plot`` (imbalance and step time over the steps of each scenario; time against tokens for ``ramp``).
 With ``--spare-slots``, each routing scenario runs a second time with replicated experts: the first
 ``--replan`` steps on the static map, then replicas planned from the last ``--replan`` steps' load
-(:func:`moecomm.balance.plan`, kept close to the map in use) and switched every ``--replan`` steps (host
-transport so far). Capacity settings join the comparison once dispatch takes them.
+(:func:`moecomm.balance.plan`, kept close to the map in use) and switched every ``--replan`` steps.
 """
 import argparse
 import json
@@ -37,6 +37,8 @@ import sys
 import time
 
 import numpy as np
+
+from moecomm._mpi import wait_all
 
 ROUTINGS = ("uniform", "zipf", "moving-hot", "mixture", "adversarial")
 SCENARIOS = ROUTINGS + ("ramp", "topk", "capacity", "mask")
@@ -140,6 +142,7 @@ class Layer:
         self.w = xp.ones((M, k), np.float32)
         if self.gpu:
             self.events = (xp.cuda.Event(), xp.cuda.Event())
+        self.align = True  # GPUs: start each timed step at a device barrier (not while a rank may stall)
 
     def step(self, ids, m):
         xp, a2a = self.xp, self.a2a
@@ -148,6 +151,8 @@ class Layer:
         idx[:m] = ids
         d_idx, bound = xp.asarray(idx), xp.array([m], np.int32)
         if self.gpu:
+            if self.align:  # the ranks' host skew (routing draws, the per-step gather) is not the step's time
+                self.comm.transport.barrier()
             self.events[0].record()
         t0 = time.perf_counter()
         a2a.dispatch(self.n, self.ex, None, self.x, None, d_idx, bound, weights=self.w)
@@ -211,6 +216,7 @@ def scenario_mask(comm, layer, routing, args):
     import moecomm
     world, last, third = comm.bootstrap.mpi, comm.world_size - 1, max(1, args.steps // 3)
     record = {"scenario": "mask", "ranks": comm.world_size}
+    layer.align = False  # a device barrier would wait for the stalled rank too
     times, counts = run_steps(comm, layer, routing, third, args)
     if comm.rank == last:
         world.recv(source=0, tag=TAG_RETURN)  # stalled until called back
@@ -249,7 +255,7 @@ def main(argv=None):
     p.add_argument("--ep-size", type=int, default=0, help="ranks per expert-parallel group (default: all)")
     p.add_argument("--spare-slots", type=int, default=0,
                    help="expert slots per rank beyond experts/ranks: each routing scenario also runs with replicas "
-                        "planned from the load and re-planned every --replan steps (host transport so far)")
+                        "planned from the load and re-planned every --replan steps")
     p.add_argument("--replan", type=int, default=20, help="steps between replica plans (default 20)")
     p.add_argument("--capacity-factors", default="1,1.5,2,4",
                    help="capacities, in multiples of the mean demand per expert (capacity scenario)")
@@ -288,10 +294,6 @@ def main(argv=None):
         return layers[(k, slots, capacity)]
 
     slots = args.experts // comm.world_size + args.spare_slots if args.spare_slots else None
-    if slots and comm.transport.memory == "device":
-        slots = None  # replicas run on the host transport so far
-        if first:
-            print("--spare-slots: replicated experts run on the host transport so far; static placement only")
 
     for name in names:
         t0 = time.time()
@@ -327,8 +329,6 @@ def main(argv=None):
                 routing = Routing("zipf", args.experts, k, args)
                 times, counts = gather_steps(comm, *run_steps(comm, layer(k), routing, args.steps, args))
                 r["points"].append(dict(summarize_steps(f"topk {k}", times, counts, comm.world_size), topk=k))
-        elif name == "capacity" and comm.transport.memory == "device":
-            r = {"scenario": "capacity", "skipped": "capacity policies run on the host transport so far"}
         elif name == "capacity":
             r, routing = {"scenario": "capacity", "points": []}, Routing("zipf", args.experts, args.topk, args)
             mean = args.tokens * comm.world_size * args.topk / args.experts  # pairs per expert per step, at most
@@ -359,6 +359,9 @@ def main(argv=None):
     if comm.broken is None:  # the mask scenario leaves it serving only through its AllToAll
         for lay in layers.values():
             lay.close()
+    # every rank waits (bounded) for rank 0's files: a rank that ends a broken communicator exits at once, and
+    # the launcher may then stop the others
+    wait_all([world.Ibarrier()], [0], time.monotonic() + 120, 120, "loadtest: waiting for rank 0's output")
     comm.finalize()
     return 0
 

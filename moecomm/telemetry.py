@@ -13,6 +13,9 @@ gives, over that window:
   expert of that step; for each expert the longest run of consecutive hot steps and the run it is in now;
 * optional per-expert drop counts and per-phase bytes and times, passed through with their totals.
 
+:func:`from_stats` does it from what every rank's ``AllToAll.stats()`` returned (the kernels keep the
+per-call counts of a window of calls in device memory; no host sync until stats() is called).
+
 :func:`to_json` and :func:`to_prometheus` (``prometheus_client``, the optional extra ``moecomm[prometheus]``)
 export the result. Pure numpy: no GPU and no communicator needed.
 """
@@ -73,6 +76,42 @@ def summarize(counts, num_ranks, hot_factor=2.0, dropped=None, bytes_by_phase=No
     if times_us is not None:
         out["time_us"] = {k: {"median": float(np.median(v)), "p99": float(np.percentile(v, 99)), "n": len(v)}
                           for k, v in times_us.items()}
+    return out
+
+
+def from_stats(snapshots, hot_factor=2.0, expert_map=None):
+    """:func:`summarize` over what every rank's :meth:`moecomm.AllToAll.stats` returned (gathered in rank
+    order, e.g. ``comm.allgather(a2a.stats())``): the last steps all ranks' windows hold, their drops
+    per expert, bytes per phase (sent, summed over ranks and peers) and, with timing, each phase's time per
+    call (the slowest rank's; it is the one every rank waits for).
+
+    With replicated experts the columns are physical slots; pass the ``expert_map`` in use to add
+    ``"logical"``: per logical expert, share and mean / max / p95 per step of its replicas' pairs together.
+    """
+    if not snapshots:
+        raise InvalidArgument("from_stats: expected one stats() dict per rank, got none")
+    steps = min(len(s["window"]) for s in snapshots)
+    if steps == 0:
+        raise InvalidArgument("from_stats: no step in the window (telemetry_window=0, or no call yet)")
+    counts = np.concatenate([np.asarray(s["window"])[-steps:] for s in snapshots], axis=1)
+    dropped = np.concatenate([np.asarray(s["dropped"]) for s in snapshots])
+    sent = {k: int(sum(np.sum(s["bytes"][k]) for s in snapshots)) for k in ("dispatch_sent", "combine_sent")}
+    times = None
+    if all(s.get("times_us") for s in snapshots):
+        times = {}
+        for phase in snapshots[0]["times_us"]:
+            n = min(len(s["times_us"][phase]) for s in snapshots)
+            if n:
+                times[phase] = np.max([s["times_us"][phase][-n:] for s in snapshots], axis=0).tolist()
+    out = summarize(counts, len(snapshots), hot_factor, dropped, sent, times or None)
+    if expert_map is not None:
+        logical = np.zeros((steps, expert_map.num_experts))
+        held = expert_map.slots.ravel()
+        np.add.at(logical.T, held[held >= 0], counts.T[held >= 0])
+        total = logical.sum()
+        out["logical"] = {"share": (logical.sum(axis=0) / total if total else logical[0] * 0).tolist(),
+                          "mean": logical.mean(axis=0).tolist(), "max": logical.max(axis=0).astype(int).tolist(),
+                          "p95": np.percentile(logical, 95, axis=0).tolist(), "generation": expert_map.generation}
     return out
 
 

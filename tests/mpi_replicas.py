@@ -1,11 +1,14 @@
-"""Replicated experts through an ExpertMap, under MPI on the host transport: every (token, logical expert)
-reaches exactly one replica, counts and combine equal the reference, a map switch between calls is right
-before and after, a generation mismatch raises on every rank and the next matching call works.
+"""Replicated experts through an ExpertMap, on either transport: every (token, logical expert) reaches
+exactly one replica (the map's rule, computed on the host for the reference and in the kernels on GPUs),
+counts and combine equal the reference, a map switch between calls is right before and after, a generation
+mismatch raises on every rank and the next matching call works.
 
-    mpiexec -n 3 python tests/mpi_replicas.py
+    mpiexec -n 3 python tests/mpi_replicas.py                       # host transport (numpy)
+    mpirun -n 2 python tests/mpi_replicas.py --transport nvshmem    # GPUs (CuPy arrays)
 
 Prints "<n> checks on <w> ranks: <f> failures" on rank 0.
 """
+import argparse
 
 import numpy as np
 
@@ -18,6 +21,9 @@ E_PER_RANK, SLOTS, K, H, M = 2, 4, 3, 64, 24
 
 def call(a2a, comm, seed, hot=None):
     """One dispatch + combine (identity experts), checked: returns a list of failures."""
+    xp = np
+    if comm.transport.memory == "device":
+        import cupy as xp
     W, r, E = comm.world_size, comm.rank, E_PER_RANK * comm.world_size
     fails = []
     drawn = []
@@ -28,13 +34,15 @@ def call(a2a, comm, seed, hot=None):
             p[hot] = 3 * E  # one expert takes most of the traffic
         ids = np.stack([rng.choice(E, K, replace=False, p=p / p.sum()) for _ in range(M)]).astype(np.int32)
         drawn.append((rng.standard_normal((M, H)).astype(np.float16), rng.random((M, K), np.float32), ids))
-    x, w, ids = drawn[r]
-    n = np.full(SLOTS, -1, np.int32)
-    ex = np.zeros((SLOTS, M * W, H), np.float16)
-    out = np.zeros((M, H), np.float16)
-    m = np.array([M], np.int32)
+    x, w, ids = (xp.asarray(a) for a in drawn[r])
+    n = xp.full(SLOTS, -1, np.int32)
+    ex = xp.zeros((SLOTS, M * W, H), np.float16)
+    out = xp.zeros((M, H), np.float16)
+    m = xp.array([M], np.int32)
     a2a.dispatch(n, ex, None, x, None, ids, m, weights=w)
     a2a.combine(out, ids, None, ex, m)
+    a2a.synchronize()
+    n, out = (a.get() if hasattr(a, "get") else a for a in (n, out))
     emap = a2a.expert_map
     phys = [emap.physical(d[2], np.arange(M), q) for q, d in enumerate(drawn)]
     ref = reference.dispatch([d[0] for d in drawn], None, phys, SLOTS * W, W, M)
@@ -55,7 +63,9 @@ def call(a2a, comm, seed, hot=None):
 
 
 def main():
-    comm = moecomm.init(transport="host", timeout=3.0)
+    p = argparse.ArgumentParser()
+    p.add_argument("--transport", default="host")
+    comm = moecomm.init(transport=p.parse_args().transport, timeout=3.0)
     W, r, last = comm.world_size, comm.rank, comm.world_size - 1
     E = E_PER_RANK * W
     a2a = moecomm.AllToAll(comm, M, E, K, H, None, "fp16", "fp16", slots_per_rank=SLOTS)

@@ -207,21 +207,28 @@ def test_host_transport_needs_mpi():
 
 
 def test_device_error_words_map_to_the_host_transports_errors():
-    """The GPU error word (code, peer, phase, detail, call) becomes the exception the host transport raises
-    for the same fault, naming the rank, the refused argument and the call."""
+    """The GPU error word (code, peer, phase, detail, call, amount) becomes the exception the host transport
+    raises for the same fault, naming the rank, the refused argument, the expert and its demand, the call."""
     from moecomm import _constants as C
     from moecomm.transport.gpu import error_from_words
     refused = C.ERR_REFUSED | C.ARGUMENTS.index("indices") << C.REASON_ARG_SHIFT
-    e = error_from_words([C.ERR_PEER, 1, C.PHASE_DISPATCH, refused, 12], "AllToAll")
+    e = error_from_words([C.ERR_PEER, 1, C.PHASE_DISPATCH, refused, 12, 0], "AllToAll")
     assert isinstance(e, moecomm.PeerError) and e.peer == 1 and "refused indices" in str(e) and "call 12" in str(e)
-    e = error_from_words([C.ERR_PEER, 2, C.PHASE_DISPATCH, C.ERR_BAD_EXPERT, 3], "AllToAll")
+    e = error_from_words([C.ERR_PEER, 2, C.PHASE_DISPATCH, C.ERR_BAD_EXPERT, 3, 0], "AllToAll")
     assert isinstance(e, moecomm.InvalidRouting) and "rank 2: invalid expert ids" in str(e)
-    e = error_from_words([C.ERR_PEER, 0, C.PHASE_COMBINE, C.ERR_M_DIFFERS, 3], "AllToAll")
+    e = error_from_words([C.ERR_PEER, 0, C.PHASE_COMBINE, C.ERR_M_DIFFERS, 3, 0], "AllToAll")
     assert isinstance(e, moecomm.PeerError) and "differs" in e.reason
-    e = error_from_words([C.ERR_M_DIFFERS, 0, C.PHASE_COMBINE, 7, 3], "AllToAll")
+    e = error_from_words([C.ERR_M_DIFFERS, 0, C.PHASE_COMBINE, 7, 3, 0], "AllToAll")
     assert isinstance(e, moecomm.InvalidArgument) and "bound_m=7" in str(e)
-    e = error_from_words([C.ERR_TIMEOUT, 1, C.PHASE_COMBINE, 0, 4], "AllToAll")
+    e = error_from_words([C.ERR_TIMEOUT, 1, C.PHASE_COMBINE, 0, 4, 0], "AllToAll")
     assert isinstance(e, moecomm.CommTimeout) and e.peer == 1 and e.phase == "combine"
+    e = error_from_words([C.ERR_CAPACITY, 0, C.PHASE_DISPATCH, 5, 4, 31], "AllToAll", capacity=6)
+    assert isinstance(e, moecomm.CapacityExceeded) and (e.expert, e.demand, e.capacity) == (5, 31, 6)
+    over = C.ERR_CAPACITY | (5 + 1) << C.REASON_ARG_SHIFT  # a peer's flag: expert + 1, the demand beside it
+    e = error_from_words([C.ERR_PEER, 1, C.PHASE_COMBINE, over, 4, 31], "AllToAll", capacity=6)
+    assert isinstance(e, moecomm.CapacityExceeded) and (e.expert, e.demand) == (5, 31) and "rank 1" in str(e)
+    e = error_from_words([C.ERR_GENERATION, 1, C.PHASE_DISPATCH, 3, 4, 2], "AllToAll")
+    assert isinstance(e, moecomm.ExpertMapMismatch) and "generation 3" in str(e)
 
 
 @pytest.mark.parametrize("kwargs, why", [

@@ -207,7 +207,7 @@ class FakeBackend(AllToAllBackend):
     def set_mask(self, masked, generation, barrier):
         pass
 
-    def counts(self):
+    def snapshot(self):
         return {}
 
     def destroy(self, collective):
@@ -217,7 +217,7 @@ class FakeBackend(AllToAllBackend):
 class FakeTransport(Transport):
     name, memory, device = "fake", "device", 0
 
-    def new_alltoall(self, cfg, timeout_s, ident):
+    def new_alltoall(self, cfg, timeout_s, ident, window, timing):
         self.backend = FakeBackend()
         return self.backend
 
@@ -308,19 +308,16 @@ def test_stream_none_follows_the_first_array(fake):
     assert fake.comm.transport.backend.launches[-1][3] == 0x700
 
 
-def test_host_only_options_are_refused_on_device_transports(fake):
-    """Capacity policies, expert slots and out_dropped run on the host transport so far: a device transport
-    refuses them with a clear error instead of ignoring them."""
-    comm = fake.comm
-    for kwargs, why in ((dict(capacity=4), "capacity: overflow policies"),
-                        (dict(slots_per_rank=E + 1), "slots_per_rank: replicated experts"),
-                        (dict(layout="packed"), "layout: the packed layout")):
-        with pytest.raises(moecomm.InvalidArgument, match=why):
-            moecomm.AllToAll(comm, M, E, K, H, S, "float8_e4m3fn", "bfloat16", **kwargs)
+def test_packed_layout_is_refused_on_device_transports_and_out_dropped_reaches_the_call(fake):
+    """The packed layout runs on the host transport so far: a device transport refuses it with a clear error
+    instead of ignoring it. out_dropped (capacity policies) goes into the call record as an address."""
+    with pytest.raises(moecomm.InvalidArgument, match="layout: the packed layout"):
+        moecomm.AllToAll(fake.comm, M, E, K, H, S, "float8_e4m3fn", "bfloat16", layout="packed")
     fake.dispatch(**_buffers(), stream=LAUNCH)
     good = dict(out_tokens=FakeTensor((M, H), "bfloat16", ptr=0x9000), indices=FakeTensor((M, K), "int32", ptr=0x6000),
                 weights=FakeTensor((M, K), "float32", ptr=0x8000),
                 expert_y=moecomm.DeviceBuffer(0xa000, (E, M, H), moecomm.bfloat16, 0),
                 bound_m=FakeTensor((1,), "int32", ptr=0x7000))
-    with pytest.raises(moecomm.InvalidArgument, match="out_dropped: the GPU transports"):
-        fake.combine(**good, stream=LAUNCH, out_dropped=moecomm.DeviceBuffer(0xb000, (M, K), np.uint8, 0))
+    fake.combine(**good, stream=LAUNCH, out_dropped=moecomm.DeviceBuffer(0xb000, (M, K), np.uint8, 0))
+    record = _abi.Call.from_buffer_copy(fake.comm.transport.backend.launches[-1][4])
+    assert record.out_dropped == 0xb000

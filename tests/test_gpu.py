@@ -152,3 +152,13 @@ def test_started_from_torch_distributed():
                        cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)))
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert ": 0 failures" in p.stdout
+
+
+@needs_gpu
+@each_transport
+@pytest.mark.parametrize("script", ["mpi_telemetry.py", "mpi_capacity.py", "mpi_replicas.py"])
+def test_operating_under_skew(transport, script):
+    """Telemetry (with split halves and CUDA-graph replay), capacity policies and replicated experts behind an
+    expert map, in the kernels: the same scripts as on the host transport."""
+    p = run_mpi(GPUS, f"tests/{script}", "--transport", transport, timeout=300)
+    assert p.returncode == 0 and ": 0 failures" in p.stdout, p.stdout[-4000:] + p.stderr[-4000:]

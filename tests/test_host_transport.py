@@ -89,3 +89,11 @@ def test_capacity_policies(ranks):
     reference without them; 'error' raises CapacityExceeded on every rank and the next call is right."""
     p = run_mpi(ranks, "tests/mpi_capacity.py", timeout=120)
     assert p.returncode == 0 and ": 0 failures" in p.stdout, p.stdout[-3000:] + p.stderr[-3000:]
+
+
+@pytest.mark.parametrize("ranks", [2, 3], ids=lambda n: f"ranks{n}")
+def test_telemetry_equals_the_routing(ranks):
+    """tests/mpi_telemetry.py: stats() window, tokens per expert, calls and bytes per peer equal counts computed
+    from the routing over 40 skewed and uniform calls with split halves; timing; telemetry off."""
+    p = run_mpi(ranks, "tests/mpi_telemetry.py", timeout=120)
+    assert p.returncode == 0 and ": 0 failures" in p.stdout, p.stdout[-3000:] + p.stderr[-3000:]

@@ -33,7 +33,8 @@ CONFIGS = (  # (experts per rank, top-k, hidden, scales, in dtype, out dtype, ma
     (8, 4, 512, 4, "float8_e4m3fn", "bfloat16", 24),
     (4, 3, 256, None, "bfloat16", "float16", 8),
 )
-# Host transport only so far (the GPU kernels do not take these options yet): AllToAll keyword arguments
+# Host transport only: the checks below compare the exact dropped pairs (reference.dropped; the kernels drop in
+# arrival order, checked per expert by tests/mpi_capacity.py) and the packed layout: AllToAll keyword arguments
 # per extra configuration, ranks' capacities in units of max tokens (a capacity below the demand of hot
 # steps, so that pairs are dropped), and replicated experts whose map the soak switches at random.
 HOST_CONFIGS = (

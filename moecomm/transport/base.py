@@ -42,6 +42,7 @@ from types import SimpleNamespace
 import numpy as np
 
 from .._abi import CALL_FIELDS
+from .._constants import BYTE_FIELDS, COUNTER_FIELDS
 
 
 def host_call_record():
@@ -83,8 +84,8 @@ class AllToAllBackend(abc.ABC):
         on every rank taking part (a rank that was masked may have missed some): messages may carry it."""
 
     @abc.abstractmethod
-    def counts(self) -> dict:
-        """The cumulative counters ({name in moecomm._constants.COUNTER_FIELDS: int})."""
+    def snapshot(self) -> dict:
+        """This rank's telemetry since construction, from :func:`snapshot`."""
 
     def set_expert_map(self, expert_map) -> None:
         """Route logical expert ids through ``expert_map`` (a :class:`moecomm.balance.ExpertMap`) from the next
@@ -115,9 +116,10 @@ class Transport(abc.ABC):
     context = None
 
     @abc.abstractmethod
-    def new_alltoall(self, cfg, timeout_s, ident) -> AllToAllBackend:
+    def new_alltoall(self, cfg, timeout_s, ident, window, timing) -> AllToAllBackend:
         """Create the backend for one AllToAll configuration (collective). ``ident`` is the AllToAll's
-        number on the communicator, the same on every rank (messages may carry it)."""
+        number on the communicator, the same on every rank (messages may carry it); ``window``: calls the
+        telemetry keeps per-call counts of; ``timing``: time each phase (see :func:`snapshot`)."""
 
     @abc.abstractmethod
     def new_arrays(self):
@@ -131,6 +133,28 @@ class Transport(abc.ABC):
     def finalize(self, collective: bool) -> None:
         """Release everything the transport holds. Collective (bounded by the communicator's timeout),
         unless ``collective`` is False (the communicator is broken): then release only what needs no peer."""
+
+
+def snapshot(counters, received, dropped, bytes_by_peer, ring, times_us=None):
+    """A backend's telemetry as AllToAll.stats() returns it (L local experts, W ranks):
+
+    ``MASKED_PAIRS``, ``DROPPED_PAIRS``, ``CALLS`` (ints, moecomm._constants.COUNTER_FIELDS); ``received`` [L]
+    tokens received per local expert (kept pairs), ``dropped`` [L] pairs dropped for capacity per local
+    expert; ``bytes`` {BYTE_FIELDS name: [W] bytes per peer}; ``window`` [min(CALLS, window), L] the pairs
+    routed to each local expert (its demand, dropped ones included) in each of the last calls, oldest first;
+    ``times_us`` {"dispatch", "combine": [microseconds per call]} (timing=True) or None.
+
+    Args: ``counters`` [COUNTER_FIELDS], ``received``/``dropped`` [L], ``bytes_by_peer`` [BYTE_FIELDS, W],
+    ``ring`` [window, L] with the row of call c (from 0) at c % window (window 0: telemetry off, only the
+    counters are kept); ``times_us`` as above.
+    """
+    out = {name: int(v) for name, v in zip(COUNTER_FIELDS, counters)}
+    calls, n = out["CALLS"], ring.shape[0]
+    rows = np.arange(max(0, calls - n), calls) % max(n, 1)
+    out.update(received=np.asarray(received, np.int64), dropped=np.asarray(dropped, np.int64),
+               bytes={name: np.asarray(b, np.int64) for name, b in zip(BYTE_FIELDS, bytes_by_peer)},
+               window=np.asarray(ring, np.int64)[rows], times_us=times_us)
+    return out
 
 
 def peer_pattern(src, dst, nbytes):

@@ -10,7 +10,8 @@ import numpy as np
 from .. import _abi, _cuda, _jit
 from .. import _constants as C
 from .._arrays import DeviceArrays
-from .._errors import CommTimeout, InvalidArgument, InvalidRouting, MoeCommError, PeerError
+from .._errors import (CapacityExceeded, CommTimeout, ExpertMapMismatch, InvalidArgument, InvalidRouting, MoeCommError,
+                       PeerError)
 from .base import Transport, peer_pattern
 
 
@@ -121,9 +122,9 @@ class GpuTransport(Transport):
         with self.context:
             return DeviceArrays(self.device, _cuda.StreamOrder(), _cuda.pointer_device)
 
-    def new_alltoall(self, cfg, timeout_s, ident):
+    def new_alltoall(self, cfg, timeout_s, ident, window, timing):
         from .gpu_alltoall import GpuAllToAll
-        return GpuAllToAll(self, cfg, timeout_s)
+        return GpuAllToAll(self, cfg, timeout_s, window, timing)
 
     def check_peers(self, nbytes, timeout_s):
         """Peer-check kernel: no host collective and no barrier, so a silent peer can only time out.
@@ -170,16 +171,26 @@ class GpuTransport(Transport):
         self.context.release()
 
 
-def error_from_words(words, what):
-    """The exception for a device error word ``(code, peer, phase, detail, call)`` recorded by a kernel; the
-    kinds and classes are those the host transport raises for the same fault."""
-    code, peer, phase, detail, call = (int(v) for v in words)
+def error_from_words(words, what, capacity=0):
+    """The exception for a device error word ``(code, peer, phase, detail, call, amount)`` recorded by a
+    kernel; the kinds and classes are those the host transport raises for the same fault. ``capacity``: the
+    AllToAll's, named by CapacityExceeded."""
+    code, peer, phase, detail, call, amount = (int(v) for v in words)
     phase_name = C.PHASES[phase] if 0 <= phase < len(C.PHASES) else str(phase)
     where = f"{what} {phase_name} (call {call})"
     if code == C.ERR_TIMEOUT:
         return CommTimeout(f"{where}: timed out waiting for rank {peer}", peer=peer, phase=phase_name)
     if code == C.ERR_PEER:
-        return _peer_error(where, peer, detail & ((1 << C.REASON_ARG_SHIFT) - 1), detail >> C.REASON_ARG_SHIFT)
+        reason, argument = detail & ((1 << C.REASON_ARG_SHIFT) - 1), detail >> C.REASON_ARG_SHIFT
+        if reason == C.ERR_CAPACITY:
+            return _capacity_error(where, argument - 1, amount, capacity, f"rank {peer} reported it")
+        return _peer_error(where, peer, reason, argument)
+    if code == C.ERR_CAPACITY:
+        return _capacity_error(where, detail, amount, capacity, "on this rank")
+    if code == C.ERR_GENERATION:
+        return ExpertMapMismatch(f"{where}: rank {peer} routed with expert map generation {detail} (mod "
+                                 f"{1 << C.SIG_GEN_BITS}), this rank with {amount}: its tokens were not unpacked "
+                                 f"(set_expert_map is collective)")
     if code == C.ERR_BAD_EXPERT:
         return InvalidRouting(f"{where}: this rank dispatched an expert id out of range or repeated in a row "
                               f"(token {detail}); no rank unpacked its tokens")
@@ -192,6 +203,12 @@ def error_from_words(words, what):
         return MoeCommError(f"{where}: rank {peer} sent more than the buffers hold (detail {detail}): "
                             f"configurations differ or memory was corrupted")
     return MoeCommError(f"{where}: device error {code} (peer {peer}, detail {detail})")
+
+
+def _capacity_error(where, expert, demand, capacity, who):
+    return CapacityExceeded(f"{where}: expert {expert} got {demand} (token, expert) pairs, capacity {capacity} "
+                            f"({who}); pairs past the capacity were not stored, and the call's combine sent "
+                            f"nothing from that rank", expert=expert, demand=demand, capacity=capacity)
 
 
 _PEER_ROUTING = {C.ERR_BAD_EXPERT: "invalid expert ids", C.ERR_BAD_M: "bound_m out of range"}

@@ -6,7 +6,8 @@ Symmetric memory per rank (bytes), W ranks, M = max_num_tokens, K = top-k, H = h
     dispatch records   W * M * R          R = align16(H * in_size) + align16(4 * scales) + align16(4 + 8K)
     combine rows       max(W, K) * M * H * out_size
     staging            blocks * 4 * max(R, H * out_size)   (sources of puts to non-mapped peers)
-    signals            2 * W * 8
+    signals            3 * W * 8          (dispatch, combine, and the detail of a failed call)
+    drop words         W * M * 8          (only with overflow="drop")
 
 (:func:`symmetric_bytes`). Bytes on the wire per call, for n tokens sent by a rank and reaching on
 average r distinct other ranks: dispatch n * r * R (a token's rows for this rank's own experts are
@@ -28,7 +29,7 @@ import numpy as np
 from .. import _abi, _cuda
 from .. import _constants as C
 from .._dtypes import float16
-from .base import AllToAllBackend
+from .base import AllToAllBackend, snapshot
 from .gpu import error_from_words
 
 
@@ -50,14 +51,15 @@ def blocks(cfg, num_sms):
 
 def symmetric_sizes(cfg, num_sms):
     """Bytes of each symmetric buffer one rank allocates (the formula in the module doc), and the staging
-    row size: {"recv_buf", "comb_buf", "stage", "signals", "stage_row"}."""
+    row size: {"recv_buf", "comb_buf", "stage", "signals", "drop_buf", "stage_row"}."""
     W, M, K = cfg.world_size, cfg.max_num_tokens, cfg.experts_per_token
     out_row = cfg.hidden_dim * cfg.out_dtype.itemsize
     stage_row = max(record_bytes(cfg), out_row)
     grid = blocks(cfg, num_sms)  # the two kernels that stage rows
     stage_rows = max(grid["moecomm_dispatch_send"], grid["moecomm_combine_send"]) * C.STAGE_SLOTS
     return dict(recv_buf=W * M * record_bytes(cfg), comb_buf=max(W, K) * M * out_row,
-                stage=stage_rows * stage_row, signals=2 * W * 8, stage_row=stage_row)
+                stage=stage_rows * stage_row, signals=3 * W * 8, stage_row=stage_row,
+                drop_buf=W * M * 8 if cfg.capacity is not None and cfg.overflow == "drop" else 0)
 
 
 def symmetric_bytes(cfg, num_sms=132):
@@ -69,7 +71,7 @@ def symmetric_bytes(cfg, num_sms=132):
 class GpuAllToAll(AllToAllBackend):
     """Created and used inside the transport's context (moecomm.AllToAll enters it)."""
 
-    def __init__(self, transport, cfg, timeout_s):
+    def __init__(self, transport, cfg, timeout_s, window=C.DEFAULT_WINDOW, timing=False):
         import cupy
         self.t, self.cfg, self._cupy = transport, cfg, cupy
         W, M, K, L = cfg.world_size, cfg.max_num_tokens, cfg.experts_per_token, cfg.num_local_experts
@@ -78,14 +80,25 @@ class GpuAllToAll(AllToAllBackend):
         self.state = cupy.zeros(C.STATE_FIXED + 2 * W + L, np.uint32)
         self.slot_of = cupy.empty(W * M * K, np.int32)
         self.mask = cupy.zeros(W, np.int32)
-        self.counters = cupy.zeros(len(C.COUNTER_FIELDS), np.uint64)
+        nc = len(C.COUNTER_FIELDS)  # then received [L], dropped [L], bytes [BYTE_FIELDS, W]
+        self.counters = cupy.zeros(nc + 2 * L + len(C.BYTE_FIELDS) * W, np.uint64)
+        self.ring = cupy.zeros((window, L), np.uint32)
+        self.map = None if cfg.slots_per_rank is None else cupy.zeros((cfg.num_experts, 1 + W), np.int32)
+        self._generation = 0
         sym = transport.symmetric
         self.recv_buf = sym((sizes["recv_buf"],), np.uint8)
         self.comb_buf = sym((sizes["comb_buf"],), np.uint8)
         self.stage = sym((sizes["stage"],), np.uint8)
-        self.sig = sym((2, W), np.uint64)  # [0]: dispatch signals, [1]: combine signals
+        self.sig = sym((3, W), np.uint64)  # [0]: dispatch signals, [1]: combine signals, [2]: why
         self._owned = [self.recv_buf, self.comb_buf, self.stage, self.sig]
+        drops = cfg.capacity is not None and cfg.overflow == "drop"
+        self.drop_buf = sym((W, M), np.uint64) if drops else None
+        if drops:
+            self._owned.append(self.drop_buf)
+            self.drop_buf.fill(0)
         self.sig.fill(0)
+        self._timing = _Timing(window) if timing else None
+        self._raised_call = 0  # the call (epoch) of the last error raised
         mem = cupy.cuda.PinnedMemoryPointer(
             cupy.cuda.PinnedMemory(4 * C.ERROR_WORDS, cupy.cuda.runtime.hostAllocMapped), 0)
         self._err_mem, self.err = mem, np.frombuffer(mem, np.int32, C.ERROR_WORDS)
@@ -94,13 +107,16 @@ class GpuAllToAll(AllToAllBackend):
             state=self.state.data.ptr, err=mem.ptr, recv_buf=self.recv_buf.data.ptr,
             comb_buf=self.comb_buf.data.ptr, stage=self.stage.data.ptr, sig=self.sig[0].data.ptr,
             comb_sig=self.sig[1].data.ptr, slot_of=self.slot_of.data.ptr, mask=self.mask.data.ptr,
-            counters=self.counters.data.ptr, timeout_ns=int(timeout_s * 1e9),
+            counters=self.counters.data.ptr, ring=self.ring.data.ptr, why=self.sig[2].data.ptr,
+            drop_buf=0 if self.drop_buf is None else self.drop_buf.data.ptr,
+            map=0 if self.map is None else self.map.data.ptr, timeout_ns=int(timeout_s * 1e9),
             world=W, rank=cfg.rank, dp=cfg.dp_size, num_experts=cfg.num_experts, local_experts=L, topk=K,
             max_tokens=M, hidden=cfg.hidden_dim, x_bytes=cfg.hidden_dim * cfg.in_dtype.itemsize,
             scale_bytes=0 if cfg.hidden_dim_scale is None else 4 * cfg.hidden_dim_scale,
             meta_off=rec - _align16(4 + 8 * K), rec_bytes=rec,
             out_code=C.DT_FP16 if cfg.out_dtype == float16 else C.DT_BF16,
-            out_row_bytes=cfg.hidden_dim * cfg.out_dtype.itemsize, cap=cfg.expert_capacity,
+            out_row_bytes=cfg.hidden_dim * cfg.out_dtype.itemsize, cap=cfg.expert_capacity, drop=int(drops),
+            window=window, c_received=nc, c_dropped=nc + L, c_bytes=nc + 2 * L,
             stage_slots=C.STAGE_SLOTS, stage_bytes=sizes["stage_row"],
             s_expert=C.STATE_FIXED + W, s_recv=C.STATE_FIXED + W + L)
         self.call = _abi.Call()
@@ -116,12 +132,16 @@ class GpuAllToAll(AllToAllBackend):
     # ------------------------------------------------------------------------------------------
     def check_error(self, timeout_only=False):
         """Raise the error a kernel recorded (no synchronization) and clear it; with ``timeout_only``, only
-        a timeout (other errors wait for the end of a call)."""
+        a timeout (other errors wait for the end of a call). A call raises one error: what its kernels
+        record after that (the consequences a peer's flag has on its last kernel) is dropped here."""
         code = self.err[0]
         if code != C.ERR_NONE and (code == C.ERR_TIMEOUT or not timeout_only):
             words = self.err.copy()
             self.err[:] = 0
-            raise error_from_words(words, "AllToAll")
+            if code != C.ERR_TIMEOUT and words[4] <= self._raised_call:
+                return
+            self._raised_call = int(words[4])
+            raise error_from_words(words, "AllToAll", self.cfg.expert_capacity)
 
     def synchronize(self, stream):
         _cuda.stream_synchronize(stream)
@@ -130,18 +150,26 @@ class GpuAllToAll(AllToAllBackend):
     def dispatch(self, do_send, do_recv, stream):
         self.check_error(timeout_only=True)
         self._stream = stream
+        if self._timing and do_send:
+            self._timing.start("dispatch", stream)
         if do_send:
             self._dispatch_send(stream)
         if do_recv:
             self._dispatch_recv(stream)
+            if self._timing:
+                self._timing.end("dispatch", stream)
 
     def combine(self, do_send, do_recv, stream):
         self.check_error(timeout_only=True)
         self._stream = stream
+        if self._timing and do_send:
+            self._timing.start("combine", stream)
         if do_send:
             self._combine_send(stream)
         if do_recv:
             self._combine_recv(stream)
+            if self._timing:
+                self._timing.end("combine", stream)
             self.check_error()
 
     def refuse(self, phase, reason, argument, stream):
@@ -167,16 +195,35 @@ class GpuAllToAll(AllToAllBackend):
         barrier()  # no unmasked rank has work in flight: nothing writes our signals any more
         stream = self._cupy.cuda.get_current_stream()
         self.state.fill(0)
+        self.state[C.STATE_FIELDS.index("GEN")] = self._generation
         self.sig.fill(0)
         self.mask.set(mask)
         stream.synchronize()
         self.err[:] = 0
+        self._raised_call = 0  # calls are numbered from 1 again
         barrier()
 
-    def counts(self):
-        """The device counters, after this rank's work on the GPU: {name: int}."""
+    def snapshot(self):
+        """The telemetry, after this rank's work on the GPU (see moecomm.transport.base.snapshot)."""
         _cuda.context_synchronize()
-        return dict(zip(C.COUNTER_FIELDS, (int(v) for v in self.counters.get())))
+        W, L, nc = self.cfg.world_size, self.cfg.num_local_experts, len(C.COUNTER_FIELDS)
+        c = self.counters.get().astype(np.int64)
+        return snapshot(c[:nc], c[nc:nc + L], c[nc + L:nc + 2 * L], c[nc + 2 * L:].reshape(-1, W), self.ring.get(),
+                        self._timing.times_us() if self._timing else None)
+
+    def set_expert_map(self, expert_map):
+        """The map's replica table and generation into device memory once the last call's stream has
+        finished (the next dispatch reads them; a CUDA graph replayed later reads them too)."""
+        W = self.cfg.world_size
+        table = np.full((self.cfg.num_experts, 1 + W), -1, np.int32)
+        t = expert_map.table()
+        table[:, 0] = expert_map.replicas()
+        table[:, 1:1 + t.shape[1]] = t
+        self._generation = expert_map.generation % (1 << C.SIG_GEN_BITS)
+        _cuda.stream_synchronize(self._stream)  # the last call no longer reads the map
+        self.map.set(table)
+        self.state[C.STATE_FIELDS.index("GEN")] = self._generation
+        self._cupy.cuda.get_current_stream().synchronize()
 
     def destroy(self, collective):
         if not collective:  # a peer is gone: freeing symmetric memory would wait for it
@@ -187,3 +234,49 @@ class GpuAllToAll(AllToAllBackend):
         for a in self._owned:
             self.t.free(a)
         self._owned = []
+        if self._timing:
+            self._timing.destroy()
+
+
+class _Timing:
+    """``timing=True``: the device time of each phase (send half start to receive half end) from CUDA events
+    recorded on the call's stream, for the last ``window`` calls. Not recorded while the stream is being
+    captured into a CUDA graph (events of a capture cannot be timed)."""
+
+    def __init__(self, window):
+        self.window = window
+        self.pending = {"dispatch": [], "combine": []}  # (start, end or None) event pairs, oldest first
+        self.spare = []
+
+    def _event(self):
+        return self.spare.pop() if self.spare else _cuda.new_event()
+
+    def start(self, phase, stream):
+        if _cuda.is_capturing(stream):
+            return
+        ev = self._event()
+        _cuda.record(ev, stream)
+        pairs = self.pending[phase]
+        pairs.append([ev, None])
+        if len(pairs) > self.window:
+            self.spare += [e for e in pairs.pop(0) if e is not None]
+
+    def end(self, phase, stream):
+        pairs = self.pending[phase]
+        if not pairs or pairs[-1][1] is not None or _cuda.is_capturing(stream):
+            return
+        ev = self._event()
+        _cuda.record(ev, stream)
+        pairs[-1][1] = ev
+
+    def times_us(self):
+        """{phase: [microseconds per call]} of the calls whose events completed (the caller synchronized)."""
+        return {phase: [1e3 * _cuda.elapsed_ms(a, b) for a, b in pairs if b is not None]
+                for phase, pairs in self.pending.items()}
+
+    def destroy(self):
+        for pairs in self.pending.values():
+            self.spare += [e for pair in pairs for e in pair if e is not None]
+        for ev in self.spare:
+            _cuda.destroy_event(ev)
+        self.spare, self.pending = [], {"dispatch": [], "combine": []}

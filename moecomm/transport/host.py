@@ -14,20 +14,22 @@ two ranks in different AllToAlls, phases or calls raise :class:`moecomm.OutOfSte
 exchanging data. Masked ranks (``AllToAll.mask_ranks``) get no header and no data and are not waited for.
 """
 import time
+from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
 
 from .. import reference
 from .._arrays import HostArrays
-from .._constants import COUNTER_FIELDS
+from .._constants import BYTE_FIELDS, COUNTER_FIELDS
 from .._errors import (CapacityExceeded, ExpertMapMismatch, InvalidArgument, InvalidRouting, MoeCommError, OutOfStep,
                        PeerError)
 from .._mpi import TAG_PEER_CHECK, exchange_tag, wait_all
-from .base import AllToAllBackend, Transport, host_call_record, peer_pattern
+from .base import AllToAllBackend, Transport, host_call_record, peer_pattern, snapshot
 
 _OK, _BAD_ROUTING, _BAD_M, _BAD_ARG = 0, 1, 2, 3  # statuses in a header
 _PHASES = ("dispatch", "combine", "demand")  # demand: pairs per expert, exchanged first when capacity is set
+_C = {name: i for i, name in enumerate(COUNTER_FIELDS)}
 _FIELDS, _HEADER = 6, 256  # header: int64 [alltoall, phase, call, status, count, map generation], then the
                            # reason (UTF-8)
 
@@ -157,7 +159,7 @@ class _Received:
 
 
 class HostAllToAll(AllToAllBackend):
-    def __init__(self, comm, cfg, timeout_s, ident):
+    def __init__(self, comm, cfg, timeout_s, ident, window, timing):
         self.comm, self.cfg, self.timeout_s = comm, cfg, timeout_s
         self.call = host_call_record()
         self._exchanges = {phase: _Exchange(comm, timeout_s, ident, phase) for phase in _PHASES}
@@ -168,15 +170,38 @@ class HostAllToAll(AllToAllBackend):
         self._masked = np.zeros(cfg.world_size, bool)
         self.expert_map = None
         self._dropped = None  # [n, k] this rank's pairs of the last dispatch dropped for capacity
-        self._counters = dict.fromkeys(COUNTER_FIELDS, 0)
+        L, W = cfg.num_local_experts, cfg.world_size
+        self._counters = np.zeros(len(COUNTER_FIELDS), np.int64)
+        self._per_expert = np.zeros((2, L), np.int64)  # tokens received, pairs dropped
+        self._bytes = np.zeros((len(BYTE_FIELDS), W), np.int64)
+        self._ring = np.zeros((window, L), np.int64)
+        self._demand = None  # [L] pairs routed to this rank's experts in the call (with a capacity)
+        self._times = {"dispatch": deque(maxlen=window), "combine": deque(maxlen=window)} if timing else None
+        self._started = {}
 
     # dispatch -------------------------------------------------------------------------------
     def dispatch(self, do_send, do_recv, stream=None):
         if do_send:
+            self._started["dispatch"] = time.perf_counter()
             self._dispatch_pending = self._dispatch_send(self.call)
         if do_recv:
             pending, self._dispatch_pending = self._dispatch_pending, None
             self._dispatch_recv(self.call, pending)
+            self._timed("dispatch")
+
+    def _timed(self, phase):
+        """timing=True: the phase's host time, send start to receive end."""
+        if self._times is not None and phase in self._started:
+            self._times[phase].append(1e6 * (time.perf_counter() - self._started.pop(phase)))
+
+    def _tally(self, kind, per_peer):
+        """Add [W] bytes per peer to BYTE_FIELDS counter ``kind`` (this rank's own entry stays 0; telemetry
+        off: nothing)."""
+        if not len(self._ring):
+            return
+        b = np.asarray(per_peer, np.int64).copy()
+        b[self.cfg.rank] = 0
+        self._bytes[BYTE_FIELDS.index(kind)] += b
 
     def _dispatch_send(self, a):
         cfg = self.cfg
@@ -195,7 +220,7 @@ class HostAllToAll(AllToAllBackend):
             idx = self.expert_map.physical(idx, mine, cfg.dp_group)
         owner = np.where(idx >= 0, idx // L, -1)  # id -1: no expert, no destination
         masked = (owner >= 0) & self._masked[np.maximum(owner, 0)]
-        self._counters["MASKED_PAIRS"] += int(masked.sum())
+        self._counters[_C["MASKED_PAIRS"]] += int(masked.sum())
         owner[masked] = -1
         idx[masked] = -1
         self._dropped = np.zeros(idx.shape, bool)
@@ -220,6 +245,7 @@ class HostAllToAll(AllToAllBackend):
         pending, statuses, reasons = ex.post(rows, counts, status, message or "")
         if pending is None:
             _raise_status(statuses, reasons, (status, message) if status else None, "dispatch")
+        self._tally("dispatch_sent", counts * rows.shape[1] if rows.size else counts * 0)
         self._dispatched_m = m
         return ex, pending, a.weights is not None
 
@@ -242,6 +268,7 @@ class HostAllToAll(AllToAllBackend):
         got, src = ex.finish(pending)
         demand = np.zeros((W, E), np.int64)
         demand[np.repeat(np.arange(W), src)] = np.ascontiguousarray(got).view(np.int64).reshape(-1, E)
+        self._demand = demand.sum(axis=0)[cfg.rank * L:(cfg.rank + 1) * L]
         if packed:  # one budget per destination rank
             demand, key = demand.reshape(W, W, L).sum(axis=2), np.where(valid, idx // L, W)
         else:
@@ -253,8 +280,6 @@ class HostAllToAll(AllToAllBackend):
             raise CapacityExceeded(f"dispatch: {what} got {int(total[q])} (token, expert) pairs, capacity {cap} "
                                    f"({int((total > cap).sum())} over); nothing was exchanged",
                                    expert=-1 if packed else q, demand=int(total[q]), capacity=cap)
-        mine_total = total[cfg.rank] if packed else total[cfg.rank * L:(cfg.rank + 1) * L]
-        self._counters["DROPPED_PAIRS"] += int(np.maximum(mine_total - cap, 0).sum())
         before = demand[:cfg.rank].sum(axis=0)  # slots taken by lower source ranks
         flat = key.ravel()  # token order, then top-k order; the sentinel len(before) marks no pair
         order = np.argsort(flat, kind="stable")
@@ -292,16 +317,28 @@ class HostAllToAll(AllToAllBackend):
             scale = np.ascontiguousarray(recv[:, xb:xb + sb]).view(np.float32)
             a.out_scale[where] = scale[pair_j]
         a.out_num[:] = counts
+        demand = counts if self._demand is None else self._demand
+        self._tally("dispatch_received", src_counts * recv.shape[1])
+        self._per_expert[1] += demand - counts
+        if len(self._ring):
+            self._per_expert[0] += counts
+        self._counters[_C["DROPPED_PAIRS"]] += int((demand - counts).sum())
+        if len(self._ring):
+            self._ring[self._counters[_C["CALLS"]] % len(self._ring)] = demand
+        self._counters[_C["CALLS"]] += 1
+        self._demand = None
         src_rank = np.repeat(np.arange(cfg.world_size), src_counts)
         self._received = _Received(src_rank, token, pair_j, pair_k, where, weights)
 
     # combine --------------------------------------------------------------------------------
     def combine(self, do_send, do_recv, stream=None):
         if do_send:
+            self._started["combine"] = time.perf_counter()
             self._combine_pending = self._combine_send(self.call)
         if do_recv:
             pending, self._combine_pending = self._combine_pending, None
             self._combine_recv(self.call, pending)
+            self._timed("combine")
 
     def _combine_send(self, a):
         cfg, rv = self.cfg, self._received
@@ -326,15 +363,18 @@ class HostAllToAll(AllToAllBackend):
             sel = group == d // cfg.dp_size
             counts[d] = sel.sum()
             parts.append(_records(*[f[sel] for f in fields]))
-        pending, statuses, reasons = ex.post(np.concatenate(parts), counts, _OK)
+        rows = np.concatenate(parts)
+        pending, statuses, reasons = ex.post(rows, counts, _OK)
         if pending is None:
             _raise_status(statuses, reasons, None, "combine")
+        self._tally("combine_sent", counts * rows.shape[1])
         return ex, pending, bool(a.partials)
 
     def _combine_recv(self, a, pending):
         cfg = self.cfg
         ex, p, partials = pending
-        recv, _ = ex.finish(p)
+        recv, src_counts = ex.finish(p)
+        self._tally("combine_received", src_counts * recv.shape[1])
         m = self._dispatched_m
         token = np.ascontiguousarray(recv[:, :4]).view(np.int32)[:, 0]
         acc = np.zeros((m, cfg.hidden_dim), np.float32)
@@ -364,8 +404,9 @@ class HostAllToAll(AllToAllBackend):
         self._received = self._dispatch_pending = self._combine_pending = None
         barrier()
 
-    def counts(self):
-        return dict(self._counters)
+    def snapshot(self):
+        times = None if self._times is None else {p: list(t) for p, t in self._times.items()}
+        return snapshot(self._counters, *self._per_expert, self._bytes, self._ring, times)
 
     def set_expert_map(self, expert_map):
         self.expert_map = expert_map
@@ -384,8 +425,8 @@ class HostTransport(Transport):
     def __init__(self, comm):
         self.comm = comm
 
-    def new_alltoall(self, cfg, timeout_s, ident):
-        return HostAllToAll(self.comm, cfg, timeout_s, ident)
+    def new_alltoall(self, cfg, timeout_s, ident, window, timing):
+        return HostAllToAll(self.comm, cfg, timeout_s, ident, window, timing)
 
     def new_arrays(self):
         return HostArrays()
