@@ -14,7 +14,10 @@ using namespace moecomm;
 // whose signal carries another expert-map generation is not unpacked (ERR_GENERATION).
 // Capacity: a pair past its expert's f.cap slots is not stored. f.drop: it is dropped and flagged to the
 // token's rank in its f.drop_buf[me][token]; else the last block records ERR_CAPACITY with the expert's
-// demand and state[BAD_RECV] makes combine_send flag the call to every peer. Telemetry (last block): the
+// demand and state[BAD_RECV] makes combine_send flag the call to every peer.
+// Packed layout (f.packed): records of every source, this rank's own included, get a slot within each
+// local expert (slot_of) while the rank's rows last (f.cap, the same policies); nothing is copied here. The
+// last block writes c.out_offsets (the experts' first rows) and dispatch_pack places the rows. Telemetry (last block): the
 // call's demand per local expert into f.ring, tokens received and pairs dropped per expert, bytes received
 // per source.
 extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, 2)
@@ -49,7 +52,7 @@ extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, 2)
   }
   __syncthreads();
   const int lo = f.rank * f.local_experts;
-  const int records = src == f.rank ? 0 : (int)count;
+  const int records = src == f.rank && !f.packed ? 0 : (int)count;
   bool flagged = false;  // this thread set drop words (completed before the block ends)
   for (int j = part; j < records; j += parts) {
     const uint8_t* rec = f.recv_buf + ((size_t)src * f.max_tokens + j) * f.rec_bytes;
@@ -59,9 +62,17 @@ extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, 2)
       if (lane < f.topk) {
         const int le = meta_of(rec, f)[1 + lane] - lo;
         if (le >= 0 && le < f.local_experts) {
-          const unsigned slot = atomicAdd(&f.state[f.s_expert + le], 1u);
-          if (slot < (unsigned)f.cap) where = le * f.cap + slot;
-          else dropped = f.drop;
+          const unsigned slot = atomicAdd(&f.state[f.s_expert + le], 1u);  // the expert's demand
+          if (f.packed) {
+            if (atomicAdd(&f.state[MOECOMM_S_ROWS], 1u) < (unsigned)f.cap)
+              where = (int)atomicAdd(&f.state[f.s_kept + le], 1u);  // the row: dispatch_pack adds the offset
+            else
+              dropped = f.drop;
+          } else if (slot < (unsigned)f.cap) {
+            where = le * f.cap + slot;
+          } else {
+            dropped = f.drop;
+          }
         }
         f.slot_of[((size_t)src * f.max_tokens + j) * f.topk + lane] = where;
       }
@@ -80,8 +91,10 @@ extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, 2)
       if (lane == 0) n = __popc(mask);
     }
     __syncthreads();
-    fanout16(xdst, n, rec, f.x_bytes, 0);
-    if (f.scale_bytes) fanout4(sdst, n, rec + f.x_bytes, f.scale_bytes, 0);
+    if (!f.packed) {
+      fanout16(xdst, n, rec, f.x_bytes, 0);
+      if (f.scale_bytes) fanout4(sdst, n, rec + f.x_bytes, f.scale_bytes, 0);
+    }
     __syncthreads();
   }
   if (flagged) complete_sends(true);
@@ -89,7 +102,8 @@ extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, 2)
     const size_t row = f.window ? (size_t)(f.counters[MOECOMM_C_CALLS] % f.window) * f.local_experts : 0;
     for (int le = threadIdx.x; le < f.local_experts; le += blockDim.x) {
       const unsigned demand = atomicExch(&f.state[f.s_expert + le], 0u);
-      const unsigned kept = demand < (unsigned)f.cap ? demand : f.cap, over = demand - kept;
+      const unsigned kept = f.packed ? atomicExch(&f.state[f.s_kept + le], 0u) : min(demand, (unsigned)f.cap);
+      const unsigned over = demand - kept;
       if (c.skip) continue;
       c.out_num[le] = kept;
       if (f.window) {
@@ -99,14 +113,30 @@ extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, 2)
       if (over && f.drop) {
         tally(f, f.c_dropped + le, over);
         tally(f, MOECOMM_C_DROPPED_PAIRS, over);
-      } else if (over && atomicCAS(&f.state[MOECOMM_S_BAD_RECV], 0u,
+      } else if (over && !f.packed && atomicCAS(&f.state[MOECOMM_S_BAD_RECV], 0u,
                                    MOECOMM_ERR_CAPACITY | (lo + le + 1) << MOECOMM_REASON_ARG_SHIFT) == 0u) {
         f.state[MOECOMM_S_WHY] = demand;
         record_error(f.err, MOECOMM_ERR_CAPACITY, f.rank, MOECOMM_PHASE_DISPATCH, lo + le, (int)epoch, (int)demand);
       }
     }
+    if (threadIdx.x == 0) {  // packed: the rank's rows against its capacity ("error"; "drop" counted above)
+      const unsigned rows = atomicExch(&f.state[MOECOMM_S_ROWS], 0u);
+      if (f.packed && !c.skip && !f.drop && rows > (unsigned)f.cap &&
+          atomicCAS(&f.state[MOECOMM_S_BAD_RECV], 0u, MOECOMM_ERR_CAPACITY) == 0u) {
+        f.state[MOECOMM_S_WHY] = rows;
+        record_error(f.err, MOECOMM_ERR_CAPACITY, f.rank, MOECOMM_PHASE_DISPATCH, -1, (int)epoch, (int)rows);
+      }
+    }
     __syncthreads();
     if (threadIdx.x == 0) {
+      if (f.packed && !c.skip) {  // each expert's first row, from the kept counts the loop above wrote
+        int first = 0;
+        for (int le = 0; le < f.local_experts; ++le) {
+          c.out_offsets[le] = first;
+          first += c.out_num[le];
+        }
+        c.out_offsets[f.local_experts] = first;
+      }
       if (!c.skip) ++f.counters[MOECOMM_C_CALLS];
       f.state[MOECOMM_S_DONE_DR] = 0;
       f.state[MOECOMM_S_EPOCH_DR] = epoch;

@@ -11,7 +11,8 @@ using namespace moecomm;
 // This rank sends the tokens t = dp_rank, dp_rank + dp, ... < m of its DP group, each once per other
 // destination rank as a record (the receiver fans it out to its experts); tokens for this rank's own
 // experts go straight into their expert slots, and only the record's metadata (for combine) is kept.
-// The token row is read once and stored into every destination. Expert id -1 sends nothing, nor does an
+// The token row is read once and stored into every destination (with f.packed, this rank's own record
+// takes the row like a peer's: rows are placed by dispatch_recv and dispatch_pack). Expert id -1 sends nothing, nor does an
 // expert of a masked rank (f.mask; counted in f.counters). With an expert map (f.map) ids are logical and
 // each pair goes to one replica (physical()); records carry physical ids. A pair for this rank's own expert
 // past its capacity is not stored: dropped (f.drop: flagged in f.drop_buf[me][t] for combine) or, with
@@ -82,7 +83,9 @@ extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, 2)
         const unsigned masked = __ballot_sync(FULL, dest == -2);
         if (lane == 0) tally(f, MOECOMM_C_MASKED_PAIRS, __popc(masked));
         e = dest >= 0 ? slot_id : -1;  // from here on: physical slots, -1 for pairs not sent
-        const bool peer = first && dest != f.rank, local = dest == f.rank;
+        // packed layout: this rank's own experts get a record too (dispatch_recv places every row once the
+        // counts are known); padded: their rows go straight into their slots
+        const bool peer = first && (dest != f.rank || f.packed), local = dest == f.rank && !f.packed;
         uint8_t* sym = nullptr;
         uint8_t* p = peer ? peer_ptr(recv_buf, dest) : nullptr;  // resolved alongside the slot atomic
         size_t rec_off = 0;

@@ -1,6 +1,6 @@
-"""Routing telemetry and a replica plan from what dispatch returns: run skewed steps, gather every rank's
-``out_expert_num_tokens``, print the operator's metrics, write them as Prometheus text, and plan replicas
-for the observed load.
+"""Routing telemetry and a replica plan: run skewed steps, gather every rank's ``a2a.stats()`` (kept by the
+kernels on GPUs: the window of per-step counts, drops, bytes per peer, phase times), print the operator's
+metrics, write them as Prometheus text, and plan replicas for the observed load.
 
     mpiexec -n 2 python examples/routing_telemetry.py [--steps 50] [--prom routing.prom]
     mpirun -np 2 python examples/routing_telemetry.py          # on GPUs (CuPy arrays)
@@ -28,9 +28,8 @@ def main():
     W, r = comm.world_size, comm.rank
     E, K, H, M = 16 * W, 4, 256, 64
     L = E // W
-    a2a = moecomm.AllToAll(comm, M, E, K, H, None, "bfloat16", "bfloat16")
+    a2a = moecomm.AllToAll(comm, M, E, K, H, None, "bfloat16", "bfloat16", telemetry_window=args.steps, timing=True)
     rng = np.random.default_rng(r)
-    counts = []
     for step in range(args.steps):
         hot = (step // 20) * 5 % E  # the hottest expert moves
         p_e = np.roll(1.0 / np.arange(1, E + 1) ** 1.1, hot)
@@ -41,10 +40,10 @@ def main():
         d_idx, m = xp.asarray(idx), xp.array([M], np.int32)
         a2a.dispatch(n, ex, None, x, None, d_idx, m, weights=xp.ones((M, K), np.float32))
         a2a.combine(xp.zeros((M, H), ex.dtype), d_idx, None, ex, m)
-        counts.append(np.asarray(n.get() if hasattr(n, "get") else n))
-    window = np.concatenate(comm.allgather(np.array(counts)), axis=1)  # [steps, E]: rank r's experts at r*L
+    snapshots = comm.allgather(a2a.stats())  # the one synchronizing call
     if r == 0:
-        m = telemetry.summarize(window, W, hot_factor=2.0)
+        m = telemetry.from_stats(snapshots, hot_factor=2.0)
+        window = np.concatenate([s["window"] for s in snapshots], axis=1)  # [steps, E]: rank r's experts at r*L
         share = np.array(m["expert"]["share"])
         print(f"{m['steps']} steps, {m['pairs']} (token, expert) pairs over {E} experts on {W} ranks")
         print(f"imbalance max/mean rank load per step: mean {m['imbalance']['mean']:.2f}, "
@@ -53,6 +52,10 @@ def main():
         print("hottest experts: " + ", ".join(
             f"{e} ({share[e]:.1%}, max {m['expert']['max'][e]}/step, hot streak {m['hot']['longest_streak'][e]})"
             for e in top))
+        t = m["time_us"]
+        print(f"bytes sent: dispatch {m['bytes']['dispatch_sent']}, combine {m['bytes']['combine_sent']}; "
+              f"time per call (slowest rank): dispatch median {t['dispatch']['median']:.0f} us, combine "
+              f"{t['combine']['median']:.0f} us")
         try:
             with open(args.prom, "wb") as f:
                 f.write(telemetry.to_prometheus(m, labels={"layer": "0"}))

@@ -61,10 +61,12 @@ FIXED_FIELDS = (
     ("out_row_bytes", "int"),       # hidden * out_dtype size
     ("cap", "int"),                 # slots per local expert (packed layout: rows of the rank)
     ("drop", "int"),                # 1: overflow="drop", 0: "error"
+    ("packed", "int"),              # 1: packed layout: cap rows per rank, back to back by expert
     ("window", "int"),              # rows of ring
     ("c_received", "int"), ("c_dropped", "int"), ("c_bytes", "int"),  # counters[] offsets of the arrays
     ("stage_slots", "int"), ("stage_bytes", "int"),  # staging rows per block and their size
     ("s_expert", "int"), ("s_recv", "int"),          # state[] offsets of per-expert and per-source counters
+    ("s_kept", "int"),              # state[] offset of per-expert kept pairs (packed layout)
 )
 # The arrays of one call (dispatch fields, then combine fields): device addresses, 0 for None.
 CALL_FIELDS = (
@@ -133,6 +135,7 @@ class Kernel:
 KERNELS = {k.name: k for k in (
     Kernel("moecomm_dispatch_send", (Fixed, Call), _send_blocks),
     Kernel("moecomm_dispatch_recv", (Fixed, Call), _per_source_blocks),
+    Kernel("moecomm_dispatch_pack", (Fixed, Call), _per_source_blocks),
     Kernel("moecomm_combine_send", (Fixed, Call), _per_source_blocks),
     Kernel("moecomm_combine_recv", (Fixed, Call), _token_blocks),
     Kernel("moecomm_peer_check", (PeerCheck,), threads=32),
@@ -140,6 +143,7 @@ KERNELS = {k.name: k for k in (
 )}
 ALLTOALL_KERNELS = ("moecomm_dispatch_send", "moecomm_dispatch_recv", "moecomm_combine_send",
                     "moecomm_combine_recv")
+PACK_KERNEL = "moecomm_dispatch_pack"  # the packed layout's third dispatch kernel (after dispatch_recv)
 
 
 # The device header --------------------------------------------------------------------------------

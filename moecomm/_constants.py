@@ -38,11 +38,12 @@ DT_BF16, DT_FP16 = 0, 1
 # Device state of one AllToAll (uint32): per-kernel epochs (calls completed) and block counters, the
 # reason this rank's dispatch send failed (0: none), the dispatched m, the reason its receive half failed
 # (capacity: the combine flags it to the peers) and its detail (the demand), the expert-map generation (set
-# by set_expert_map, carried by every dispatch signal), then arrays: per-destination send counters
-# [world] at FIXED, per-local-expert slot counters at EXPERT, records received per source [world] at RECV
-# (offsets depend on the sizes).
+# by set_expert_map, carried by every dispatch signal), the packed layout's row counter, then arrays:
+# per-destination send counters [world] at FIXED, per-local-expert pair counters at EXPERT, records
+# received per source [world] at RECV, per-local-expert kept pairs at KEPT (packed layout; offsets depend on
+# the sizes).
 STATE_FIELDS = ("EPOCH_DS", "EPOCH_DR", "EPOCH_CS", "EPOCH_CR", "DONE_DS", "DONE_DR", "DONE_CS", "DONE_CR",
-                "BAD", "M", "BAD_RECV", "WHY", "GEN")
+                "BAD", "M", "BAD_RECV", "WHY", "GEN", "ROWS")
 STATE_FIXED = len(STATE_FIELDS)
 STAGE_SLOTS = 4       # staging rows per block for puts to peers without a load/store mapping
 BLOCK_THREADS = 256   # threads of every alltoall block: a block handles one token or record at a time

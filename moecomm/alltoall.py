@@ -71,7 +71,8 @@ class AllToAll:
             capacity rows per rank, default the worst case max_num_tokens * DP groups * min(top-k, local
             experts); dispatch writes out_expert_offsets [num_local_experts + 1]; expert_y likewise), the
             layout a contiguous grouped GEMM takes. With a capacity the policy applies to the rank's rows.
-            Host transport so far.
+            On GPUs a third kernel places the rows once the counts are known (rows within an expert in
+            order of arrival).
         telemetry_window: calls whose per-expert routing counts :meth:`stats` keeps (kept on the device
             by the kernels; default 64). 0 turns the telemetry off (the window, tokens received per expert
             and bytes per peer); the MASKED/DROPPED/CALLS counters and per-expert drops are always kept.
@@ -91,8 +92,6 @@ class AllToAll:
                                                  out_dtype, scale_dtype, dp_size, slots_per_rank, capacity, overflow,
                                                  layout)
             window = positive_int("telemetry_window", telemetry_window, minimum=0)
-            if c.layout == "packed" and comm.transport.memory != "host":
-                raise InvalidArgument("layout: the packed layout runs on the host transport so far")
             self.timeout_s = comm.timeout_s if timeout is None else timeout_seconds(timeout)[0]
             mine = (None, c.key() + (window, bool(timing)))
         except InvalidArgument as e:

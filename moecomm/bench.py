@@ -154,7 +154,9 @@ class Bench:
         W, rank = comm.world_size, comm.rank
         L = experts // W
         a2a = moecomm.AllToAll(comm, tokens, experts, k, hidden, scales, "float8_e4m3fn", "bfloat16",
-                               telemetry_window=self.args.telemetry_window, timing=self.args.timing)
+                               telemetry_window=self.args.telemetry_window, timing=self.args.timing,
+                               layout=self.args.layout)
+        rows = a2a.cfg.expert_x_shape()[:-1]  # (L, slots) padded, (rows,) packed
         rng = np.random.default_rng([self.args.seed, tokens])
         idx = [routing(rng, tokens, k, experts, self.args.routing) for _ in range(W)]
         x = [rng.integers(0, 255, (tokens, hidden), np.uint8) & 0x77 for _ in range(W)]  # finite fp8 bytes
@@ -162,18 +164,18 @@ class Bench:
         w = [rng.random((tokens, k), np.float32) for _ in range(W)]
         d = dict(x=cp.asarray(x[rank]), xs=cp.asarray(xs[rank]), idx=cp.asarray(idx[rank]),
                  w=cp.asarray(w[rank]), m=cp.asarray(np.array([tokens], np.int32)),
-                 n=cp.zeros(L, np.int32), ex=cp.zeros((L, tokens * W, hidden), np.uint8),
-                 es=cp.zeros((L, tokens * W, scales), np.float32),
-                 y=cp.empty((L, tokens * W, hidden), np.uint16),
+                 n=cp.zeros(L, np.int32), ex=cp.zeros(rows + (hidden,), np.uint8),
+                 es=cp.zeros(rows + (scales,), np.float32), y=cp.empty(rows + (hidden,), np.uint16),
                  out=cp.zeros((tokens, hidden), np.uint16))
-
-        d["y"][:] = (cp.arange(hidden, dtype=np.uint16) % 251 + 0x3C00)[None, None, :]  # finite bf16 (1..2)
+        if self.args.layout == "packed":
+            d["off"] = cp.zeros(L + 1, np.int32)
+        d["y"][...] = cp.arange(hidden, dtype=np.uint16) % 251 + 0x3C00  # finite bf16 (1..2)
 
         def phase(i, dispatch):
             send, recv = i % 2 == 0, i % 2 == 1
             if dispatch:
                 a2a.dispatch(d["n"], d["ex"], d["es"], d["x"], d["xs"], d["idx"], d["m"], do_send=send,
-                             do_recv=recv, weights=d["w"], stream=s)
+                             do_recv=recv, weights=d["w"], stream=s, out_expert_offsets=d.get("off"))
             else:
                 a2a.combine(d["out"], d["idx"], None, d["y"], d["m"], do_send=send, do_recv=recv, stream=s)
 
@@ -186,6 +188,9 @@ class Bench:
         ok = bool(np.array_equal(counts, ref["expert_num_tokens"]))
         if ok and tokens * k * W <= 4096:
             ex, es = d["ex"].get(), d["es"].get()
+            if "off" in d:  # packed: expert e's rows start at its offset
+                off = d["off"].get()
+                ex, es = [ex[o:] for o in off[:-1]], [es[o:] for o in off[:-1]]
             ok = all(np.array_equal(reference.canonical_rows(int(c), ex[e], es[e]),
                                     reference.canonical_rows(int(c), ref["expert_x"][e].view(np.uint8),
                                                              ref["expert_x_scale"][e]))
@@ -250,7 +255,8 @@ class Bench:
         for it in range(self.args.warmup + self.args.iters):
             self.barrier()
             ev[0].record(s)
-            a2a.dispatch(d["n"], d["ex"], d["es"], d["x"], d["xs"], d["idx"], d["m"], weights=d["w"], stream=s)
+            a2a.dispatch(d["n"], d["ex"], d["es"], d["x"], d["xs"], d["idx"], d["m"], weights=d["w"], stream=s,
+                         out_expert_offsets=d.get("off"))
             a2a.combine(d["out"], d["idx"], None, d["y"], d["m"], stream=s)
             ev[1].record(s)
             ev[1].synchronize()
@@ -294,7 +300,7 @@ class Bench:
                     for _ in range(calls):
                         t0 = time.perf_counter_ns()
                         a2a.dispatch(a["n"], a["ex"], a["es"], a["x"], a["xs"], a["idx"], a["m"], weights=a["w"],
-                                     stream=s)
+                                     stream=s, out_expert_offsets=a.get("off"))
                         t1 = time.perf_counter_ns()
                         a2a.combine(a["out"], a["idx"], None, a["y"], a["m"], stream=s)
                         t["combine"].append((time.perf_counter_ns() - t1) / 1e3)
@@ -373,6 +379,7 @@ def _variant(r):
     name = r.get("transport", "nvshmem")
     if r.get("telemetry_window", 64) != 64:
         name += f" w{r['telemetry_window']}"
+    name += " packed" if r.get("layout") == "packed" else ""
     return name + (" timing" if r.get("timing") else "")
 
 
@@ -473,6 +480,7 @@ def main(argv=None):
     p.add_argument("--transport", default="nvshmem", choices=["nvshmem", "ipc"], help="GPU transport (default nvshmem)")
     p.add_argument("--telemetry-window", type=int, default=64, help="AllToAll(telemetry_window=...); 0: off")
     p.add_argument("--timing", action="store_true", help="AllToAll(timing=True): CUDA events per phase")
+    p.add_argument("--layout", default="padded", choices=["padded", "packed"], help="AllToAll(layout=...)")
     p.add_argument("--merge", nargs="+", metavar="JSON",
                    help="no measurement: join these result files (e.g. one per transport) into --json and --plot")
     args = p.parse_args(argv)
@@ -507,7 +515,7 @@ def measure(args, jobs, argv):
     results, t0 = [], time.time()
     for i, (name, c) in enumerate(jobs):
         results.append(dict(bench.run(name, *c), transport=args.transport, telemetry_window=args.telemetry_window,
-                            timing=args.timing))
+                            timing=args.timing, layout=args.layout))
         if comm.rank == 0:
             done = (i + 1) / len(jobs)
             print(f"\r[{'#' * int(30 * done):<30}] {i + 1}/{len(jobs)} {name} {c[0]} tokens "

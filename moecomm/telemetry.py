@@ -136,7 +136,8 @@ def to_prometheus(metrics, prefix="moecomm", labels=None):
     Gauges: ``<prefix>_expert_share``, ``_expert_tokens_mean``, ``_expert_tokens_max``, ``_expert_tokens_p95``
     and ``_expert_hot_streak_longest`` / ``_current`` (label ``expert``); ``_rank_tokens_mean`` and ``_max``
     (label ``rank``); ``_imbalance`` (label ``stat``: mean, p95, max); ``_dropped_pairs`` (label ``expert``)
-    and ``_bytes`` (label ``phase``) when present. ``labels`` (a dict) is added to every series, e.g.
+    and ``_bytes`` (label ``phase``), ``_phase_time_us_median`` / ``_p99`` (label ``phase``) when present.
+    ``labels`` (a dict) is added to every series, e.g.
     {"layer": "3"}.
     """
     try:
@@ -168,4 +169,8 @@ def to_prometheus(metrics, prefix="moecomm", labels=None):
         gauge("dropped_pairs", "pairs dropped for capacity over the window", "expert", metrics["dropped"]["per_expert"])
     if "bytes" in metrics:
         gauge("bytes", "bytes moved over the window", "phase", metrics["bytes"])
+    if "time_us" in metrics:
+        for stat in ("median", "p99"):
+            gauge(f"phase_time_us_{stat}", f"device time per call of the phase, {stat} over the window", "phase",
+                  {k: v[stat] for k, v in metrics["time_us"].items()})
     return generate_latest(registry)

@@ -1,12 +1,16 @@
-"""The packed layout under MPI on the host transport: each rank's rows back to back, expert by expert,
-equal to the padded layout's (the reference's) row for row, for every input dtype, with and without scales;
-combine through the packed expert_y equals the reference; a per-rank capacity with "drop" drops exactly the
-reference's pairs.
+"""The packed layout on either transport: each rank's rows back to back, expert by expert, equal to the
+padded layout's (the reference's) rows, for every input dtype, with and without scales; combine through the
+packed expert_y equals the reference; a per-rank capacity with "drop" drops the demand past it (exactly the
+reference's pairs on the host transport) and combine equals the reference without them; "error" raises
+CapacityExceeded on every rank and the next call is right.
 
-    mpiexec -n 3 python tests/mpi_packed.py
+    mpiexec -n 3 python tests/mpi_packed.py                       # host transport (numpy)
+    mpirun -n 2 python tests/mpi_packed.py --transport nvshmem    # GPUs (CuPy arrays)
 
 Prints "<n> checks on <w> ranks: <f> failures" on rank 0.
 """
+import argparse
+
 import numpy as np
 
 import moecomm
@@ -30,56 +34,106 @@ def draw(W, seed, dt, scales):
     return out
 
 
-def check(a2a, comm, drawn, capacity, fails, label):
+def put(xp, a):
+    """An array on the transport's side: numpy, or CuPy (raw bytes for dtypes CuPy lacks)."""
+    if a is None or xp is np:
+        return a
+    return xp.asarray(a.view(f"u{a.dtype.itemsize}") if a.dtype.name in ("bfloat16", "float8_e4m3fn") else a)
+
+
+def get(a, dtype):
+    return (a.get() if hasattr(a, "get") else a).view(dtype)
+
+
+def check(xp, a2a, comm, drawn, capacity, fails, label):
+    """One packed dispatch + combine. Rows within an expert come in order of arrival on GPUs, so each expert's
+    rows (with their scales) are compared as a set with the reference's; which pairs a per-rank capacity drops
+    is the reference's on the host transport, on GPUs checked by count per rank."""
     W, r, E = comm.world_size, comm.rank, E_PER_RANK * comm.world_size
     c = a2a.cfg
     x, xs, w, ids = drawn[r]
-    n, off = np.full(E_PER_RANK, -1, np.int32), np.full(E_PER_RANK + 1, -1, np.int32)
-    ex = np.zeros(c.expert_x_shape(), c.in_dtype)
-    es = None if xs is None else np.zeros(c.expert_x_scale_shape(), np.float32)
-    m = np.array([M], np.int32)
-    a2a.dispatch(n, ex, es, x, xs, ids, m, weights=w, out_expert_offsets=off)
-    y = ex.astype(np.float32).astype(np.float16)  # the expert: identity in the output dtype
-    out, dropped = np.zeros((M, H), np.float16), np.zeros((M, K), np.uint8)
-    a2a.combine(out, ids, None, y, m, out_dropped=dropped)
+    n, off = xp.full(E_PER_RANK, -1, np.int32), xp.full(E_PER_RANK + 1, -1, np.int32)
+    ex = put(xp, np.zeros(c.expert_x_shape(), c.in_dtype))
+    es = None if xs is None else xp.zeros(c.expert_x_scale_shape(), np.float32)
+    m, d_ids = xp.array([M], np.int32), xp.asarray(ids)
+    a2a.dispatch(n, ex, es, put(xp, x), put(xp, xs), d_ids, m, weights=xp.asarray(w), out_expert_offsets=off)
+    ex_h = get(ex, c.in_dtype)
+    y = xp.asarray(ex_h.astype(np.float32).astype(np.float16))  # the expert: identity in the output dtype
+    out, dropped = xp.zeros((M, H), np.float16), xp.zeros((M, K), np.uint8)
+    a2a.combine(out, d_ids, None, y, m, out_dropped=dropped)
+    a2a.synchronize()
+    n, off, out, dropped = get(n, np.int32), get(off, np.int32), get(out, np.float16), get(dropped, np.uint8)
     all_ids = [d[3] for d in drawn]
-    drops = (reference.dropped(all_ids, E, W, capacity, per_rank=True) if capacity
-             else [np.zeros(i.shape, bool) for i in all_ids])
-    kept = [np.where(d, -1, i) for d, i in zip(drops, all_ids)]
+    flags = [f.astype(bool) for f in comm.allgather(dropped)]
+    if capacity:
+        demand = [sum(int(((i // E_PER_RANK) == q).sum()) for i in all_ids) for q in range(W)]
+        per_rank = [sum(int(((i[f] // E_PER_RANK) == q).sum()) for i, f in zip(all_ids, flags)) for q in range(W)]
+        if per_rank != [max(0, d - capacity) for d in demand]:
+            fails.append(f"{label}: pairs dropped per rank {per_rank}, demand past capacity "
+                         f"{[max(0, d - capacity) for d in demand]}")
+        if comm.transport.memory == "host" and not np.array_equal(
+                flags[r], reference.dropped(all_ids, E, W, capacity, per_rank=True)[r]):
+            fails.append(f"{label}: out_dropped differs from the reference's dropped pairs")
+    elif any(f.any() for f in flags):
+        fails.append(f"{label}: pairs dropped without a capacity")
+    kept = [np.where(f, -1, i) for f, i in zip(flags, all_ids)]
     ref = reference.dispatch([d[0] for d in drawn], None if xs is None else [d[1] for d in drawn], kept, E, W, M)
     rows, offsets, scale_rows = reference.packed(ref[r])
     if not (np.array_equal(n, ref[r]["expert_num_tokens"]) and np.array_equal(off, offsets)):
         fails.append(f"{label}: counts {n.tolist()} / offsets {off.tolist()} != {offsets.tolist()}")
         return
-    used = offsets[-1]
-    if not np.array_equal(ex[:used].view(np.uint8), rows.view(np.uint8)):
-        fails.append(f"{label}: packed rows differ from the padded layout's")
-    if scale_rows is not None and not np.array_equal(es[:used], scale_rows):
-        fails.append(f"{label}: packed scales differ")
+    got = ex_h[:offsets[-1]].view(np.uint8).reshape(offsets[-1], -1)
+    want = rows.view(np.uint8).reshape(offsets[-1], -1)
+    if scale_rows is not None:
+        got = np.concatenate([got, get(es, np.float32)[:offsets[-1]].view(np.uint8)], axis=1)
+        want = np.concatenate([want, scale_rows.view(np.uint8)], axis=1)
+    for e in range(E_PER_RANK):  # each expert's rows, as sets (sorted)
+        a, b = got[offsets[e]:offsets[e + 1]], want[offsets[e]:offsets[e + 1]]
+        if not np.array_equal(a[np.lexsort(a.T[::-1])], b[np.lexsort(b.T[::-1])]):
+            fails.append(f"{label}: expert {e}'s packed rows (and scales) differ from the padded layout's")
     ref_y = [q["expert_x"].astype(np.float32).astype(np.float16) for q in ref]
-    want = reference.combine(kept, [d[2] for d in drawn], ref_y, [q["origin"] for q in ref], E, W, np.float16)[r]
-    if not np.allclose(out.astype(np.float32), want.astype(np.float32), rtol=2 ** -8, atol=1e-2):
+    want_out = reference.combine(kept, [d[2] for d in drawn], ref_y, [q["origin"] for q in ref], E, W, np.float16)[r]
+    if not np.allclose(out.astype(np.float32), want_out.astype(np.float32), rtol=2 ** -8, atol=1e-2):
         fails.append(f"{label}: combine through the packed expert_y differs from the reference")
-    if not np.array_equal(dropped.astype(bool), drops[r]):
-        fails.append(f"{label}: out_dropped differs from the reference's dropped pairs")
 
 
 def main():
-    comm = moecomm.init(transport="host", timeout=3.0)
+    p = argparse.ArgumentParser()
+    p.add_argument("--transport", default="host")
+    transport = p.parse_args().transport
+    comm = moecomm.init(transport=transport, timeout=3.0)
+    xp = np
+    if transport != "host":
+        import cupy as xp
     W = comm.world_size
     E = E_PER_RANK * W
     fails, checks = [], 0
     for dt, scales in DTYPES:
         a2a = moecomm.AllToAll(comm, M, E, K, H, scales, dt, "fp16", layout="packed")
         for seed in range(3):
-            check(a2a, comm, draw(W, seed, dt, scales), None, fails, f"{np.dtype(dt).name} seed {seed}")
+            check(xp, a2a, comm, draw(W, seed, dt, scales), None, fails, f"{np.dtype(dt).name} seed {seed}")
             checks += 1
         a2a.destroy()
     cap = M * K * W // (2 * W)  # rows per rank: about half the mean demand
     a2a = moecomm.AllToAll(comm, M, E, K, H, None, "bf16", "fp16", layout="packed", capacity=cap, overflow="drop")
     for seed in range(3):
-        check(a2a, comm, draw(W, 10 + seed, moecomm.bfloat16, None), cap, fails, f"packed capacity {cap} seed {seed}")
+        check(xp, a2a, comm, draw(W, 10 + seed, moecomm.bfloat16, None), cap, fails,
+              f"packed capacity {cap} seed {seed}")
         checks += 1
+    a2a.destroy()
+    a2a = moecomm.AllToAll(comm, M, E, K, H, None, "bf16", "fp16", layout="packed", capacity=cap, overflow="error")
+    try:
+        check(xp, a2a, comm, draw(W, 20, moecomm.bfloat16, None), cap, fails, "packed 'error'")
+        fails.append("packed 'error': a capacity below the demand raised nothing")
+    except moecomm.CapacityExceeded as e:
+        if e.expert != -1 or not e.demand > cap or e.capacity != cap:
+            fails.append(f"packed 'error': CapacityExceeded names expert {e.expert} demand {e.demand} capacity "
+                         f"{e.capacity}, expected -1 (the rank's rows), > {cap}, {cap}")
+    drawn = draw(W, 21, moecomm.bfloat16, None)
+    for d in drawn:  # 2 tokens per rank: at most 2 * K * W <= cap rows per rank
+        d[3][2:] = -1
+    check(xp, a2a, comm, drawn, cap, fails, "packed 'error', the next call")
+    checks += 2
     a2a.destroy()
     finish(comm, fails, checks)
 

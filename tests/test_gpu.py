@@ -156,9 +156,9 @@ def test_started_from_torch_distributed():
 
 @needs_gpu
 @each_transport
-@pytest.mark.parametrize("script", ["mpi_telemetry.py", "mpi_capacity.py", "mpi_replicas.py"])
+@pytest.mark.parametrize("script", ["mpi_telemetry.py", "mpi_capacity.py", "mpi_replicas.py", "mpi_packed.py"])
 def test_operating_under_skew(transport, script):
-    """Telemetry (with split halves and CUDA-graph replay), capacity policies and replicated experts behind an
-    expert map, in the kernels: the same scripts as on the host transport."""
+    """Telemetry (with split halves and CUDA-graph replay), capacity policies, replicated experts behind an
+    expert map and the packed layout, in the kernels: the same scripts as on the host transport."""
     p = run_mpi(GPUS, f"tests/{script}", "--transport", transport, timeout=300)
     assert p.returncode == 0 and ": 0 failures" in p.stdout, p.stdout[-4000:] + p.stderr[-4000:]

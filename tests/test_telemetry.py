@@ -81,3 +81,20 @@ def test_counts_from_the_host_transport_equal_the_routing():
     comm.finalize()
     np.testing.assert_array_equal(np.array(got), np.array(want))
     assert telemetry.summarize(got, 1) == telemetry.summarize(want, 1)
+
+
+def test_from_stats_joins_the_ranks_windows_and_maps_slots_to_logical_experts():
+    """from_stats: the last steps every rank holds, experts in rank order, drops and bytes summed, each phase's
+    time the slowest rank's; with an expert map, the replicas' pairs add up per logical expert."""
+    from moecomm import balance
+    win = [np.array([[1, 2, 0], [3, 4, 0], [5, 6, 0]]), np.array([[7, 8, 2], [9, 10, 1]])]  # 3 slots per rank
+    snaps = [dict(window=w, dropped=np.array([0, q, 0]), bytes={"dispatch_sent": np.array([0, 10]),
+                                                              "combine_sent": np.array([5, 0])},
+                  times_us={"dispatch": [1.0 + q, 2.0 + q], "combine": [3.0, 4.0 - q]}) for q, w in enumerate(win)]
+    emap = balance.ExpertMap(np.array([[0, 1, -1], [2, 3, 0]]), 4)
+    m = telemetry.from_stats(snaps, expert_map=emap)
+    assert m["steps"] == 2 and m["expert"]["max"] == [5, 6, 0, 9, 10, 2]
+    assert m["dropped"]["per_expert"] == [0, 0, 0, 0, 1, 0] and m["bytes"] == {"dispatch_sent": 20, "combine_sent": 10}
+    assert m["time_us"]["dispatch"]["median"] == 2.5 and m["time_us"]["combine"]["median"] == 3.5
+    assert m["logical"]["max"] == [6, 6, 9, 10]  # expert 0: its slot on rank 0 plus its replica on rank 1
+    assert b"moecomm_phase_time_us_median" in telemetry.to_prometheus(m)

@@ -12,7 +12,8 @@
 #   bash tools/gpu_check.sh skew     build, peer check; on both transports telemetry, capacity policies and
 #                                    expert maps (also through NVSHMEM puts); control, quick sweep, embedding
 #   bash tools/gpu_check.sh skew-bench  build, peer check, the benchmark with telemetry off / on / timing
-#                                    (R1 decode and prefill), the load tool at EP<GPUs> (R1 sizes)
+#                                    and the packed layout (R1 decode and prefill), the load tool at
+#                                    EP<GPUs> (R1 sizes)
 #   bash tools/gpu_check.sh transports  both GPU transports: the ipc transport through the quick sweep,
 #                                    control, masking, timeout, embedding, examples and demo; the nvshmem
 #                                    quick sweep; the benchmark on each and the two joined (bench-both.json)
@@ -59,11 +60,11 @@ if [ "${1:-}" = faults ]; then
 fi
 if [ "${1:-}" = skew ]; then  # telemetry, capacity policies, expert maps in the kernels (tests)
   for t in nvshmem ipc; do
-    for s in mpi_telemetry mpi_capacity mpi_replicas; do
+    for s in mpi_telemetry mpi_capacity mpi_replicas mpi_packed; do
       expect ": 0 failures" "${MPIRUN[@]}" -np "$ngpu" python3 tests/$s.py --transport $t
     done
   done
-  for s in mpi_telemetry mpi_capacity mpi_replicas; do  # drop words and failure details through NVSHMEM puts
+  for s in mpi_telemetry mpi_capacity mpi_replicas mpi_packed; do  # drop words, failure details through puts
     MOECOMM_FORCE_PUTS=1 expect ": 0 failures" "${MPIRUN[@]}" -x MOECOMM_FORCE_PUTS -np "$ngpu" python3 tests/$s.py --transport nvshmem
   done
   expect ": 0 failures" "${MPIRUN[@]}" -np "$ngpu" python3 tests/mpi_control.py --transport $T
@@ -74,12 +75,12 @@ fi
 if [ "${1:-}" = skew-bench ]; then  # the cost of telemetry and timing; the load tool
   nccl=$(python3 -c "import nvidia.nccl as m; print(list(m.__path__)[0] + '/lib')" 2>/dev/null)
   export LD_LIBRARY_PATH=${nccl}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
-  for v in "--telemetry-window 0" "--telemetry-window 64" "--timing"; do  # telemetry off / on / with timing
+  for v in "--telemetry-window 0" "--telemetry-window 64" "--timing" "--layout packed"; do  # telemetry off/on/timing; packed
     f=$(echo "$v" | tr -d ' -'); STEP_TIMEOUT=${BENCH_TIMEOUT:-200} step "${MPIRUN[@]}" -x LD_LIBRARY_PATH -np "$ngpu" \
       python3 -m moecomm.bench --transport $T --configs r1-decode,r1-prefill --iters ${BENCH_ITERS:-500} $v --json "$out/bench-$f.json"
   done
   step python3 -m moecomm.bench --merge "$out"/bench-telemetrywindow0.json "$out"/bench-telemetrywindow64.json \
-    "$out"/bench-timing.json --json "$out/bench-telemetry.json" --plot "$out/bench-telemetry.png"
+    "$out"/bench-timing.json "$out"/bench-layoutpacked.json --json "$out/bench-telemetry.json" --plot "$out/bench-telemetry.png"
   expect "CommTimeout naming rank" "${MPIRUN[@]}" -np "$ngpu" python3 -m moecomm.loadtest --transport $T \
     --scenarios zipf,moving-hot,capacity,mask --experts 256 --topk 8 --hidden 7168 --tokens 128 --steps ${LOAD_STEPS:-200} \
     --spare-slots 16 --replan 20 --timeout 2 --json "$out/loadtest-ep$ngpu.json" --plot "$out/loadtest-ep$ngpu.png"

@@ -206,9 +206,11 @@ def error_from_words(words, what, capacity=0):
 
 
 def _capacity_error(where, expert, demand, capacity, who):
-    return CapacityExceeded(f"{where}: expert {expert} got {demand} (token, expert) pairs, capacity {capacity} "
-                            f"({who}); pairs past the capacity were not stored, and the call's combine sent "
-                            f"nothing from that rank", expert=expert, demand=demand, capacity=capacity)
+    """``expert`` -1: the packed layout's per-rank rows."""
+    what = f"expert {expert}" if expert >= 0 else "the rank's packed rows"
+    return CapacityExceeded(f"{where}: {what} got {demand} (token, expert) pairs, capacity {capacity} ({who}); "
+                            f"pairs past the capacity were not stored, and the call's combine sent nothing from "
+                            f"that rank", expert=expert, demand=demand, capacity=capacity)
 
 
 _PEER_ROUTING = {C.ERR_BAD_EXPERT: "invalid expert ids", C.ERR_BAD_M: "bound_m out of range"}

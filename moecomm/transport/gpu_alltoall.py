@@ -77,7 +77,7 @@ class GpuAllToAll(AllToAllBackend):
         W, M, K, L = cfg.world_size, cfg.max_num_tokens, cfg.experts_per_token, cfg.num_local_experts
         rec = record_bytes(cfg)
         sizes = symmetric_sizes(cfg, transport.num_sms)
-        self.state = cupy.zeros(C.STATE_FIXED + 2 * W + L, np.uint32)
+        self.state = cupy.zeros(C.STATE_FIXED + 2 * W + 2 * L, np.uint32)
         self.slot_of = cupy.empty(W * M * K, np.int32)
         self.mask = cupy.zeros(W, np.int32)
         nc = len(C.COUNTER_FIELDS)  # then received [L], dropped [L], bytes [BYTE_FIELDS, W]
@@ -116,6 +116,7 @@ class GpuAllToAll(AllToAllBackend):
             meta_off=rec - _align16(4 + 8 * K), rec_bytes=rec,
             out_code=C.DT_FP16 if cfg.out_dtype == float16 else C.DT_BF16,
             out_row_bytes=cfg.hidden_dim * cfg.out_dtype.itemsize, cap=cfg.expert_capacity, drop=int(drops),
+            packed=int(cfg.layout == "packed"), s_kept=C.STATE_FIXED + 2 * W + L,
             window=window, c_received=nc, c_dropped=nc + L, c_bytes=nc + 2 * L,
             stage_slots=C.STAGE_SLOTS, stage_bytes=sizes["stage_row"],
             s_expert=C.STATE_FIXED + W, s_recv=C.STATE_FIXED + W + L)
@@ -126,6 +127,9 @@ class GpuAllToAll(AllToAllBackend):
             transport.launch(n, grid[n], self.fixed, self.call) for n in _abi.ALLTOALL_KERNELS)
         self._skip = dict(zip(("dispatch_send", "dispatch_recv", "combine_send", "combine_recv"), (
             transport.launch(n, grid[n], self.fixed, self._skipped) for n in _abi.ALLTOALL_KERNELS)))
+        pack = _abi.PACK_KERNEL
+        self._dispatch_pack = (transport.launch(pack, _abi.KERNELS[pack].grid(cfg, transport.num_sms), self.fixed,
+                                                self.call) if cfg.layout == "packed" else None)
         self._stream = cupy.cuda.get_current_stream().ptr  # of the last call (a refusal's default)
         transport.settle("AllToAll(...)")
 
@@ -156,6 +160,8 @@ class GpuAllToAll(AllToAllBackend):
             self._dispatch_send(stream)
         if do_recv:
             self._dispatch_recv(stream)
+            if self._dispatch_pack:
+                self._dispatch_pack(stream)
             if self._timing:
                 self._timing.end("dispatch", stream)
 
