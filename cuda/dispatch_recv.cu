@@ -113,7 +113,10 @@ extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, 2)
       if (over && f.drop) {
         tally(f, f.c_dropped + le, over);
         tally(f, MOECOMM_C_DROPPED_PAIRS, over);
-      } else if (over && !f.packed && atomicCAS(&f.state[MOECOMM_S_BAD_RECV], 0u,
+      } else if (over) {
+        tally(f, MOECOMM_C_OVERFLOW_PAIRS, over);
+      }
+      if (over && !f.drop && !f.packed && atomicCAS(&f.state[MOECOMM_S_BAD_RECV], 0u,
                                    MOECOMM_ERR_CAPACITY | (lo + le + 1) << MOECOMM_REASON_ARG_SHIFT) == 0u) {
         f.state[MOECOMM_S_WHY] = demand;
         record_error(f.err, MOECOMM_ERR_CAPACITY, f.rank, MOECOMM_PHASE_DISPATCH, lo + le, (int)epoch, (int)demand);

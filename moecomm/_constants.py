@@ -52,6 +52,7 @@ BLOCK_THREADS = 256   # threads of every alltoall block: a block handles one tok
 # peer [BYTE_FIELDS, world].
 COUNTER_FIELDS = ("MASKED_PAIRS",     # (token, expert) pairs not sent because the expert's rank is masked
                   "DROPPED_PAIRS",    # pairs routed to this rank's experts past their capacity (overflow="drop")
+                  "OVERFLOW_PAIRS",   # the same under overflow="error" (those calls raised CapacityExceeded)
                   "CALLS")            # dispatches whose receive half ran with data (the telemetry window's clock)
 BYTE_FIELDS = ("dispatch_sent", "dispatch_received", "combine_sent", "combine_received")
 # The replica rule of expert maps (moecomm.balance.ExpertMap.physical, and the kernels): replica

@@ -468,6 +468,7 @@ class AllToAll:
         Returns a dict (L = num_local_experts, W = world size):
             MASKED_PAIRS: (token, expert) pairs this rank did not send because the expert's rank was masked.
             DROPPED_PAIRS: pairs routed to this rank's experts past their capacity (overflow="drop").
+            OVERFLOW_PAIRS: the same under overflow="error" (in the calls that raised CapacityExceeded).
             CALLS: dispatches this rank received with data.
             received: [L] int64 tokens received per local expert (slot), dropped: [L] pairs dropped per one.
             window: [min(CALLS, telemetry_window), L] int64 pairs routed to each local expert (its demand,

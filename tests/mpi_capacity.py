@@ -116,6 +116,10 @@ def main():
         if not (0 <= e.expert < E and demand[e.expert] > CAP and (e.demand, e.capacity) == (demand[e.expert], CAP)):
             fails.append(f"CapacityExceeded names expert {e.expert} demand {e.demand} capacity {e.capacity}; demands "
                          f"{demand.tolist()}, capacity {CAP}")
+    all_ids = np.concatenate([d[2].ravel() for d in drawn])
+    over = np.maximum(np.bincount(all_ids[all_ids >= 0], minlength=E) - CAP, 0)[r * E_PER_RANK:(r + 1) * E_PER_RANK]
+    if error.stats()["OVERFLOW_PAIRS"] != over.sum():
+        fails.append(f"stats() counts {error.stats()['OVERFLOW_PAIRS']} pairs past capacity here, expected {over.sum()}")
     drawn = draw(W, 51, hot=None)
     for d in drawn:  # 2 tokens per rank: at most 2 * W <= CAP pairs per expert
         d[2][2:] = -1

@@ -11,6 +11,8 @@
 #                                    point of a run, a soak with injected faults ($SOAK_MINUTES, default 2)
 #   bash tools/gpu_check.sh skew     build, peer check; on both transports telemetry, capacity policies and
 #                                    expert maps (also through NVSHMEM puts); control, quick sweep, embedding
+#   bash tools/gpu_check.sh skew-quick  capacity policies on both transports, examples/routing_telemetry.py,
+#                                    the load tool with one rank per EP group (--ep-size 1)
 #   bash tools/gpu_check.sh skew-bench  build, peer check, the benchmark with telemetry off / on / timing
 #                                    and the packed layout (R1 decode and prefill), the load tool at
 #                                    EP<GPUs> (R1 sizes)
@@ -70,6 +72,15 @@ if [ "${1:-}" = skew ]; then  # telemetry, capacity policies, expert maps in the
   expect ": 0 failures" "${MPIRUN[@]}" -np "$ngpu" python3 tests/mpi_control.py --transport $T
   step "${MPIRUN[@]}" -np "$ngpu" python3 tests/mpi_alltoall.py --transport $T --quick
   step "${MPIRUN[@]}" -np "$ngpu" python3 tests/mpi_embedding.py
+  exit $status
+fi
+if [ "${1:-}" = skew-quick ]; then  # capacity on both transports, the telemetry example, EP width against replicas
+  for t in nvshmem ipc; do
+    expect ": 0 failures" "${MPIRUN[@]}" -np "$ngpu" python3 tests/mpi_capacity.py --transport $t
+  done
+  step "${MPIRUN[@]}" -np "$ngpu" python3 examples/routing_telemetry.py --prom "$out/routing.prom"
+  expect "^zipf " "${MPIRUN[@]}" -np "$ngpu" python3 -m moecomm.loadtest --transport ipc --ep-size 1 --scenarios zipf \
+    --experts 64 --topk 4 --hidden 1024 --tokens 32 --steps 20 --json "$out/loadtest-ep1.json" --plot "$out/loadtest-ep1.png"
   exit $status
 fi
 if [ "${1:-}" = skew-bench ]; then  # the cost of telemetry and timing; the load tool

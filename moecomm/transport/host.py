@@ -275,6 +275,8 @@ class HostAllToAll(AllToAllBackend):
             key = np.where(valid, idx, E)
         total = demand.sum(axis=0)
         if (total > cap).any() and cfg.overflow == "error":
+            mine = total[cfg.rank] if packed else total[cfg.rank * L:(cfg.rank + 1) * L]
+            self._counters[_C["OVERFLOW_PAIRS"]] += int(np.maximum(mine - cap, 0).sum())
             q = int(np.argmax(total > cap))
             what = f"rank {q}" if packed else f"expert {q} (rank {q // L})"
             raise CapacityExceeded(f"dispatch: {what} got {int(total[q])} (token, expert) pairs, capacity {cap} "
