@@ -101,6 +101,26 @@ __device__ __forceinline__ void fanout4(uint8_t* const* dsts, int n, const uint8
   }
 }
 
+// Warp 0 (every lane): list the lanes' rows of c.out_x / c.out_scale (`row` -1: none) in xdst / sdst,
+// compacted; lane 0 sets *n. Then the block copies a record there with copy_record.
+__device__ __forceinline__ void list_rows(const Fixed& f, const Call& c, int row, uint8_t** xdst, uint8_t** sdst,
+                                          int* n) {
+  const unsigned mask = __ballot_sync(FULL, row >= 0);
+  if (row >= 0) {
+    const int pos = __popc(mask & ((1u << (threadIdx.x & 31)) - 1));
+    xdst[pos] = c.out_x + (size_t)row * f.x_bytes;
+    sdst[pos] = (uint8_t*)(c.out_scale + (size_t)row * (f.scale_bytes / 4));
+  }
+  if ((threadIdx.x & 31) == 0) *n = __popc(mask);
+}
+
+// Block-wide: a record's token row and scales into the n rows list_rows listed.
+__device__ __forceinline__ void copy_record(const Fixed& f, uint8_t* const* xdst, uint8_t* const* sdst, int n,
+                                            const uint8_t* rec) {
+  fanout16(xdst, n, rec, f.x_bytes, 0);
+  if (f.scale_bytes) fanout4(sdst, n, rec + f.x_bytes, f.scale_bytes, 0);
+}
+
 // Block-wide: put `bytes` of src to remote[j] on pes[j], j < n (non-blocking; complete with quiet).
 // Not inlined: NVSHMEM's put path is large and would otherwise take registers from the copy loops.
 static __device__ __noinline__ void put_block_all(uint8_t* const* remote, const int* pes, int n,

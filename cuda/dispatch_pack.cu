@@ -29,17 +29,10 @@ extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, 2)
           *slot = row;
         }
       }
-      const unsigned mask = __ballot_sync(FULL, row >= 0);
-      if (row >= 0) {
-        const int pos = __popc(mask & ((1u << lane) - 1));
-        xdst[pos] = c.out_x + (size_t)row * f.x_bytes;
-        sdst[pos] = (uint8_t*)(c.out_scale + (size_t)row * (f.scale_bytes / 4));
-      }
-      if (lane == 0) n = __popc(mask);
+      list_rows(f, c, row, xdst, sdst, &n);
     }
     __syncthreads();
-    fanout16(xdst, n, rec, f.x_bytes, 0);
-    if (f.scale_bytes) fanout4(sdst, n, rec + f.x_bytes, f.scale_bytes, 0);
+    copy_record(f, xdst, sdst, n, rec);
     __syncthreads();
   }
 }

@@ -82,19 +82,10 @@ extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, 2)
         signal_set(&f.drop_buf[(size_t)f.rank * f.max_tokens + t], epoch_signal(epoch, drops), src);
         flagged = true;
       }
-      const unsigned mask = __ballot_sync(FULL, where >= 0);
-      if (where >= 0) {
-        const int pos = __popc(mask & ((1u << lane) - 1));
-        xdst[pos] = c.out_x + (size_t)where * f.x_bytes;
-        sdst[pos] = (uint8_t*)(c.out_scale + (size_t)where * (f.scale_bytes / 4));
-      }
-      if (lane == 0) n = __popc(mask);
+      if (!f.packed) list_rows(f, c, where, xdst, sdst, &n);  // packed: dispatch_pack places the rows
     }
     __syncthreads();
-    if (!f.packed) {
-      fanout16(xdst, n, rec, f.x_bytes, 0);
-      if (f.scale_bytes) fanout4(sdst, n, rec + f.x_bytes, f.scale_bytes, 0);
-    }
+    if (!f.packed) copy_record(f, xdst, sdst, n, rec);
     __syncthreads();
   }
   if (flagged) complete_sends(true);

@@ -11,7 +11,8 @@
 #                                    point of a run, a soak with injected faults ($SOAK_MINUTES, default 2)
 #   bash tools/gpu_check.sh skew     build, peer check; on both transports telemetry, capacity policies and
 #                                    expert maps (also through NVSHMEM puts); control, quick sweep, embedding
-#   bash tools/gpu_check.sh skew-quick  capacity policies on both transports, examples/routing_telemetry.py,
+#   bash tools/gpu_check.sh skew-quick  capacity policies and the packed layout on both transports,
+#                                    examples/routing_telemetry.py,
 #                                    the load tool with one rank per EP group (--ep-size 1)
 #   bash tools/gpu_check.sh skew-bench  build, peer check, the benchmark with telemetry off / on / timing
 #                                    and the packed layout (R1 decode and prefill), the load tool at
@@ -74,9 +75,10 @@ if [ "${1:-}" = skew ]; then  # telemetry, capacity policies, expert maps in the
   step "${MPIRUN[@]}" -np "$ngpu" python3 tests/mpi_embedding.py
   exit $status
 fi
-if [ "${1:-}" = skew-quick ]; then  # capacity on both transports, the telemetry example, EP width against replicas
+if [ "${1:-}" = skew-quick ]; then  # capacity, packed layout on both transports, the telemetry example, --ep-size 1
   for t in nvshmem ipc; do
     expect ": 0 failures" "${MPIRUN[@]}" -np "$ngpu" python3 tests/mpi_capacity.py --transport $t
+    expect ": 0 failures" "${MPIRUN[@]}" -np "$ngpu" python3 tests/mpi_packed.py --transport $t
   done
   step "${MPIRUN[@]}" -np "$ngpu" python3 examples/routing_telemetry.py --prom "$out/routing.prom"
   expect "^zipf " "${MPIRUN[@]}" -np "$ngpu" python3 -m moecomm.loadtest --transport ipc --ep-size 1 --scenarios zipf \
