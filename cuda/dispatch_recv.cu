@@ -17,9 +17,9 @@ using namespace moecomm;
 // demand and state[BAD_RECV] makes combine_send flag the call to every peer.
 // Packed layout (f.packed): records of every source, this rank's own included, get a slot within each
 // local expert (slot_of) while the rank's rows last (f.cap, the same policies); nothing is copied here. The
-// last block writes c.out_offsets (the experts' first rows) and dispatch_pack places the rows. Telemetry (last block): the
-// call's demand per local expert into f.ring, tokens received and pairs dropped per expert, bytes received
-// per source.
+// last block writes c.out_offsets (the experts' first rows) and dispatch_pack places the rows.
+// Telemetry (last block): the call's demand per local expert into f.ring, tokens received and pairs
+// dropped per expert; bytes received per source.
 extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, 2)
     moecomm_dispatch_recv(const Fixed f, const Call c) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;

@@ -203,6 +203,8 @@ class GpuAllToAll(AllToAllBackend):
         self.state.fill(0)
         self.state[C.STATE_FIELDS.index("GEN")] = self._generation
         self.sig.fill(0)
+        if self.drop_buf is not None:  # call numbers restart: old drop words must not match new calls
+            self.drop_buf.fill(0)
         self.mask.set(mask)
         stream.synchronize()
         self.err[:] = 0
