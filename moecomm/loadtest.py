@@ -394,35 +394,45 @@ def _line(r):
 
 
 def plot(results, path):
-    """Imbalance and step time over the steps of each routing scenario; time against tokens for ramp."""
+    """Per routing scenario (and its replicas run, dashed): imbalance and step time over the steps, the
+    step-time CDF and the busiest rank's pairs per step; time against tokens for ramp when it ran."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    routed = [r for r in results if "per_step" in r]
+    runs = [(x, "--" if x is not r else "-") for r in results if "per_step" in r for x in (r, r.get("replicas")) if x]
     ramp = next((r for r in results if r["scenario"] == "ramp"), None)
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
-    for r in routed:
-        for x in (r, r.get("replicas")):
-            if x:
-                axes[0].plot(x["per_step"]["imbalance"], label=x["scenario"], ls="--" if x is not r else "-")
-                axes[1].plot(x["per_step"]["time_us"], label=x["scenario"], ls="--" if x is not r else "-")
+    n = 5 if ramp else 4
+    fig, axes = plt.subplots(2, 3 if ramp else 2, figsize=(15 if ramp else 11, 8))
+    axes = axes.ravel()
+    for x, ls in runs:
+        ps, name = x["per_step"], x["scenario"]
+        t = np.sort(ps["time_us"])
+        axes[0].plot(ps["imbalance"], label=name, ls=ls)
+        axes[1].plot(ps["time_us"], label=name, ls=ls)
+        axes[2].plot(t, np.arange(1, t.size + 1) / t.size, label=name, ls=ls)
+        axes[3].plot(ps["rank_tokens_max"], label=name, ls=ls)
     axes[0].set(xlabel="step", ylabel="max / mean rank load", title="imbalance per step")
-    axes[1].set(xlabel="step", ylabel="dispatch + combine (us, max over ranks)", title="step time")
+    axes[1].set(xlabel="step", ylabel="dispatch + combine (us, max over ranks)", title="step time", yscale="log")
+    axes[2].set(xlabel="dispatch + combine (us)", ylabel="fraction of steps", title="step time CDF", xscale="log")
+    axes[3].set(xlabel="step", ylabel="(token, expert) pairs", title="busiest rank's pairs per step")
     if ramp:
         t = [pt["tokens"] for pt in ramp["points"]]
-        axes[2].plot(t, [pt["time_us"]["p50"] for pt in ramp["points"]], "o-", label="p50")
-        axes[2].plot(t, [pt["time_us"]["p99"] for pt in ramp["points"]], "s--", label="p99")
-        axes[2].set_xscale("log", base=2)
-    axes[2].set(xlabel="tokens per rank", ylabel="us", title="ramp (zipf)")
-    for ax in axes:
+        axes[4].plot(t, [pt["time_us"]["p50"] for pt in ramp["points"]], "o-", label="p50")
+        axes[4].plot(t, [pt["time_us"]["p99"] for pt in ramp["points"]], "s--", label="p99")
+        axes[4].set(xlabel="tokens per rank", ylabel="us", title="ramp (zipf)", xscale="log")
+    for i, ax in enumerate(axes):
+        if i >= n:
+            ax.axis("off")
+            continue
         ax.grid(alpha=0.3)
         if ax.lines:
             ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+    plt.close(fig)
     return True
 
 
