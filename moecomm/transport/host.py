@@ -208,6 +208,7 @@ class HostAllToAll(AllToAllBackend):
         L, W = cfg.num_local_experts, cfg.world_size
         m = int(a.bound_m[0])
         status, message = _OK, None
+        self._demand = None
         if not 0 <= m <= min(cfg.max_num_tokens, a.rows):
             status = _BAD_M
             message = f"bound_m={m} must be in [0, min(max_num_tokens, dp_x rows)={min(cfg.max_num_tokens, a.rows)}]"
@@ -322,10 +323,9 @@ class HostAllToAll(AllToAllBackend):
         demand = counts if self._demand is None else self._demand
         self._tally("dispatch_received", src_counts * recv.shape[1])
         self._per_expert[1] += demand - counts
-        if len(self._ring):
-            self._per_expert[0] += counts
         self._counters[_C["DROPPED_PAIRS"]] += int((demand - counts).sum())
-        if len(self._ring):
+        if len(self._ring):  # telemetry on
+            self._per_expert[0] += counts
             self._ring[self._counters[_C["CALLS"]] % len(self._ring)] = demand
         self._counters[_C["CALLS"]] += 1
         self._demand = None
