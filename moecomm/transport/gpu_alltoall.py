@@ -123,13 +123,17 @@ class GpuAllToAll(AllToAllBackend):
         self.call = _abi.Call()
         self._skipped = _abi.Call(skip=1)  # the call record of a refused call: no arrays
         grid = blocks(cfg, transport.num_sms)
-        (self._dispatch_send, self._dispatch_recv, self._combine_send, self._combine_recv) = (
-            transport.launch(n, grid[n], self.fixed, self.call) for n in _abi.ALLTOALL_KERNELS)
+        d_send, d_recv, c_send, c_recv = (transport.launch(n, grid[n], self.fixed, self.call)
+                                          for n in _abi.ALLTOALL_KERNELS)
+        if cfg.layout == "packed":  # a third dispatch kernel places the rows (no peer involved)
+            pack = _abi.PACK_KERNEL
+            d_recv = (d_recv, transport.launch(pack, _abi.KERNELS[pack].grid(cfg, transport.num_sms), self.fixed,
+                                               self.call))
+        else:
+            d_recv = (d_recv,)
+        self._halves = {"dispatch": ((d_send,), d_recv), "combine": ((c_send,), (c_recv,))}  # send, receive
         self._skip = dict(zip(("dispatch_send", "dispatch_recv", "combine_send", "combine_recv"), (
             transport.launch(n, grid[n], self.fixed, self._skipped) for n in _abi.ALLTOALL_KERNELS)))
-        pack = _abi.PACK_KERNEL
-        self._dispatch_pack = (transport.launch(pack, _abi.KERNELS[pack].grid(cfg, transport.num_sms), self.fixed,
-                                                self.call) if cfg.layout == "packed" else None)
         self._stream = cupy.cuda.get_current_stream().ptr  # of the last call (a refusal's default)
         transport.settle("AllToAll(...)")
 
@@ -152,31 +156,28 @@ class GpuAllToAll(AllToAllBackend):
         self.check_error()
 
     def dispatch(self, do_send, do_recv, stream):
-        self.check_error(timeout_only=True)
-        self._stream = stream
-        if self._timing and do_send:
-            self._timing.start("dispatch", stream)
-        if do_send:
-            self._dispatch_send(stream)
-        if do_recv:
-            self._dispatch_recv(stream)
-            if self._dispatch_pack:
-                self._dispatch_pack(stream)
-            if self._timing:
-                self._timing.end("dispatch", stream)
+        self._launch("dispatch", do_send, do_recv, stream)
 
     def combine(self, do_send, do_recv, stream):
+        self._launch("combine", do_send, do_recv, stream)
+        if do_recv:
+            self.check_error()
+
+    def _launch(self, phase, do_send, do_recv, stream):
+        """Launch the phase's send and/or receive kernels on ``stream`` (timed with timing=True)."""
         self.check_error(timeout_only=True)
         self._stream = stream
-        if self._timing and do_send:
-            self._timing.start("combine", stream)
+        send, recv = self._halves[phase]
         if do_send:
-            self._combine_send(stream)
-        if do_recv:
-            self._combine_recv(stream)
             if self._timing:
-                self._timing.end("combine", stream)
-            self.check_error()
+                self._timing.start(phase, stream)
+            for kernel in send:
+                kernel(stream)
+        if do_recv:
+            for kernel in recv:
+                kernel(stream)
+            if self._timing:
+                self._timing.end(phase, stream)
 
     def refuse(self, phase, reason, argument, stream):
         """Run the rest of the call with no data: from the dispatch (then the combine too) or the combine,

@@ -246,7 +246,7 @@ class HostAllToAll(AllToAllBackend):
         pending, statuses, reasons = ex.post(rows, counts, status, message or "")
         if pending is None:
             _raise_status(statuses, reasons, (status, message) if status else None, "dispatch")
-        self._tally("dispatch_sent", counts * rows.shape[1] if rows.size else counts * 0)
+        self._tally("dispatch_sent", counts * rows.shape[1])
         self._dispatched_m = m
         return ex, pending, a.weights is not None
 
