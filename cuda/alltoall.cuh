@@ -1,4 +1,4 @@
-// Shared by the four dispatch/combine kernels: record layout, reading expert ids, copies, signals.
+// Shared by the dispatch/combine kernels: record layout, reading expert ids, copies, signals.
 // Their parameters (struct Fixed: the AllToAll's layout, device state and buffers; struct Call: the call's
 // arrays) are declared in moecomm_abi.h, generated from moecomm/_abi.py.
 //
@@ -30,6 +30,15 @@ constexpr unsigned SIG_COUNT = (1u << MOECOMM_SIG_COUNT_BITS) - 1;
 constexpr unsigned SIG_GEN = (1u << MOECOMM_SIG_GEN_BITS) - 1;
 // state[MOECOMM_S_M] after a dispatch whose bound_m was out of range (combine then writes nothing).
 constexpr unsigned M_INVALID = 0x80000000u;
+
+// The four halves, each defined in its own file (dispatch_send.cu, ...) with a kernel that runs it alone.
+// dispatch.cu and combine.cu run a phase's two halves in one launch: every block does its part of the send
+// half, then its part of the receive half, in a grid that suits both (world * parts blocks, all resident:
+// a block waiting in the receive half never keeps a send block of its own grid from running).
+__device__ void dispatch_send(const Fixed& f, const Call& c);
+__device__ void dispatch_recv(const Fixed& f, const Call& c);
+__device__ void combine_send(const Fixed& f, const Call& c);
+__device__ void combine_recv(const Fixed& f, const Call& c);
 
 // Record metadata after x and scales: int32 token, int32 expert[topk], float weight[topk].
 __device__ __forceinline__ int* meta_of(uint8_t* rec, const Fixed& f) { return (int*)(rec + f.meta_off); }
@@ -156,12 +165,12 @@ struct Targets {
   int* pes;          // shared
   int n, n_put;
   uint8_t* staged;
-  __device__ void build(uint8_t* symmetric, int q0, int q1, Stage& st) {
+  __device__ void build(const long long* peers, uint8_t* symmetric, int q0, int q1, Stage& st) {
     __syncthreads();  // the shared arrays may still be read for the previous row
     n = n_put = 0;
     staged = nullptr;
     for (int q = q0; q < q1; ++q) {
-      uint8_t* p = peer_ptr(symmetric, q);
+      uint8_t* p = peer_ptr(peers, symmetric, q);
       if (p) {
         if (threadIdx.x == 0) dsts[n] = p;
         ++n;
@@ -187,14 +196,21 @@ struct Targets {
   }
 };
 
-// True in every thread of the block that finishes last. All threads call it after their work.
-__device__ __forceinline__ bool last_block(unsigned* done) {
+// True in every thread of the block that finishes last. All threads call it after their work (threads that
+// put have completed their puts: quiet). One fence per block, by thread 0 after a barrier: the barrier makes
+// every thread's writes observed by thread 0, whose fence is cumulative (the pattern of cooperative groups'
+// grid sync, and of NCCL's primitives before a flag). `system`: the block's writes include stores to peers,
+// which the last block's signals must follow (a fence per thread measured 2-5 us at decode sizes).
+__device__ __forceinline__ bool last_block(unsigned* done, bool system) {
   __shared__ bool last;
-  __threadfence();
   __syncthreads();
-  if (threadIdx.x == 0) last = atomicAdd(done, 1u) == gridDim.x - 1;
+  if (threadIdx.x == 0) {
+    if (system) fence_system();
+    else __threadfence();
+    last = atomicAdd(done, 1u) == gridDim.x - 1;
+    if (last) __threadfence();
+  }
   __syncthreads();
-  if (last) __threadfence();
   return last;
 }
 

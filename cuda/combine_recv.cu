@@ -10,9 +10,9 @@ using namespace moecomm;
 // [rows, topk] uint8 (1: the pair was dropped for capacity, from f.drop_buf; it adds nothing). Experts of
 // masked ranks add nothing and masked ranks are not waited for. With c.skip, or a bound_m other than the
 // dispatched m (reported by combine_send), nothing is written. Telemetry: bytes received per peer.
-extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, 2)
-    moecomm_combine_recv(const Fixed f, const Call c) {
+__device__ void moecomm::combine_recv(const Fixed& f, const Call& c) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  TRACE(MOECOMM_TRACE_COMBINE_RECV, 0);
   const unsigned epoch = f.state[MOECOMM_S_EPOCH_CR] + 1;
   const uint64_t deadline = now_ns() + f.timeout_ns;
   int m = c.skip ? 0 : *c.bound_m;
@@ -51,6 +51,7 @@ extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, 2)
           peer_failed(f, c, wait_epoch(&f.comb_sig[q], epoch, deadline, f.err, q, MOECOMM_PHASE_COMBINE), q,
                       MOECOMM_PHASE_COMBINE, epoch);
       if (f.drop_buf) __syncthreads();  // warp 0 reads drop words of ranks other warps waited for
+      TRACE(MOECOMM_TRACE_COMBINE_RECV, 1);
     }
     if (warp == 0 && t < m) {
       bool dropped = false;  // written by the expert's rank before its combine signal
@@ -74,14 +75,24 @@ extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, 2)
       }
     }
     __syncthreads();
+    if (t == (int)blockIdx.x) TRACE(MOECOMM_TRACE_COMBINE_RECV, 2);
     if (t >= m) break;
     weighted_sum(srcs, wts, n, f.out_row_bytes, f.out_code, &dst, 1);
     __syncthreads();
+    if (t == (int)blockIdx.x) TRACE(MOECOMM_TRACE_COMBINE_RECV, 3);
   }
-  if (last_block(&f.state[MOECOMM_S_DONE_CR])) {
+  TRACE(MOECOMM_TRACE_COMBINE_RECV, 4);
+  const bool is_last = last_block(&f.state[MOECOMM_S_DONE_CR], false);
+  TRACE(MOECOMM_TRACE_COMBINE_RECV, 5);
+  if (is_last) {
     if (threadIdx.x == 0) {
       f.state[MOECOMM_S_DONE_CR] = 0;
       f.state[MOECOMM_S_EPOCH_CR] = epoch;
     }
   }
+}
+
+extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, MOECOMM_BLOCKS_PER_SM)
+    moecomm_combine_recv(const Fixed f, const Call c) {
+  combine_recv(f, c);
 }

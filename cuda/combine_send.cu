@@ -14,9 +14,9 @@ using namespace moecomm;
 // the dispatched m (ERR_M_DIFFERS, recorded here too), or a dispatch whose receive half failed
 // (state[BAD_RECV]: capacity exceeded, the demand written to every peer's f.why[me] first).
 // Telemetry: bytes sent per peer.
-extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, 2)
-    moecomm_combine_send(const Fixed f, const Call c) {
+__device__ void moecomm::combine_send(const Fixed& f, const Call& c) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  TRACE(MOECOMM_TRACE_COMBINE_SEND, 0);
   const int src = blockIdx.x % f.world, part = blockIdx.x / f.world, parts = gridDim.x / f.world;
   const unsigned epoch = f.state[MOECOMM_S_EPOCH_CS] + 1;
   const int m = c.skip ? 0 : *c.bound_m;
@@ -26,7 +26,8 @@ extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, 2)
   const unsigned reason = c.skip ? (unsigned)c.reason : differs ? (unsigned)MOECOMM_ERR_M_DIFFERS : bad_recv;
   if (differs && blockIdx.x == 0 && threadIdx.x == 0)
     record_error(f.err, MOECOMM_ERR_M_DIFFERS, f.rank, MOECOMM_PHASE_COMBINE, m, (int)epoch);
-  const unsigned count = reason ? 0 : f.state[f.s_recv + src];
+  const unsigned received = f.state[f.s_recv + src];  // loaded beside the reason, not after it
+  const unsigned count = reason ? 0 : received;
   unsigned long long rows_sent = 0;  // per rank of the source's DP group (thread 0's tally)
   const int group0 = src / f.dp * f.dp, group1 = group0 + f.dp;  // the source's DP group
   __shared__ const uint8_t* rows[MOECOMM_MAX_TOPK];
@@ -38,53 +39,66 @@ extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, 2)
   __shared__ int pes[MAX_FANOUT];
   Targets tg{dsts, remote, pes};
   Stage st(f);
+  int s = -1, tok = 0;  // warp 0: a record's expert slots (lane k: its k-th), weights and token
+  float wt = 0.0f;
+  auto load_record = [&](int j) {
+    const size_t r = (size_t)src * f.max_tokens + j;
+    const int* meta = meta_of(f.recv_buf + r * f.rec_bytes, f);
+    s = lane < f.topk ? f.slot_of[r * f.topk + lane] : -1;
+    wt = lane < f.topk ? ((const float*)meta)[1 + f.topk + lane] : 0.0f;
+    tok = meta[0];
+  };
+  if (warp == 0) load_record(part);  // the first record beside the count: any record < max_tokens is readable
   for (int j = part; j < (int)count; j += parts) {
     if (warp == 0) {  // this rank's experts of the record's token, compacted
-      const uint8_t* rec = f.recv_buf + ((size_t)src * f.max_tokens + j) * f.rec_bytes;
-      const int* meta = meta_of(rec, f);
-      int s = -1;
-      if (lane < f.topk) s = f.slot_of[((size_t)src * f.max_tokens + j) * f.topk + lane];
+      if (j != part) load_record(j);
       const unsigned mask = __ballot_sync(FULL, s >= 0);
       if (s >= 0) {
         const int pos = __popc(mask & ((1u << lane) - 1));
         rows[pos] = c.y + (size_t)s * f.out_row_bytes;
-        wts[pos] = ((const float*)meta)[1 + f.topk + lane];
+        wts[pos] = wt;
         ks[pos] = lane;
       }
       if (lane == 0) {
         n = __popc(mask);
-        token = meta[0];
+        token = tok;
       }
     }
     __syncthreads();
+    if (j == part) TRACE(MOECOMM_TRACE_COMBINE_SEND, 1);
     const int t = token;
     rows_sent += c.partials ? 1 : n;
     // peers in batches of MOECOMM_MAX_TOPK (a DP group can be larger than the fan-out arrays)
     for (int q0 = group0; q0 < group1; q0 += MOECOMM_MAX_TOPK) {
       const int q1 = min(group1, q0 + MOECOMM_MAX_TOPK);
       if (c.partials) {
-        tg.build(f.comb_buf + ((size_t)f.rank * f.max_tokens + t) * f.out_row_bytes, q0, q1, st);
+        tg.build(f.peers, f.comb_buf + ((size_t)f.rank * f.max_tokens + t) * f.out_row_bytes, q0, q1, st);
         weighted_sum(rows, wts, n, f.out_row_bytes, f.out_code, tg.dsts, tg.n);
         tg.send_puts(f.out_row_bytes);
       } else {
         for (int k = 0; k < n; ++k) {
-          tg.build(f.comb_buf + ((size_t)t * f.topk + ks[k]) * f.out_row_bytes, q0, q1, st);
+          tg.build(f.peers, f.comb_buf + ((size_t)t * f.topk + ks[k]) * f.out_row_bytes, q0, q1, st);
           fanout16(tg.dsts, tg.n, rows[k], f.out_row_bytes, 0);
           tg.send_puts(f.out_row_bytes);
         }
       }
     }
     __syncthreads();  // rows, wts, n and token are rewritten for the next record
+    if (j == part) TRACE(MOECOMM_TRACE_COMBINE_SEND, 2);
   }
-  complete_sends(st.used_puts);
+  TRACE(MOECOMM_TRACE_COMBINE_SEND, 3);
+  if (st.used_puts) quiet();
   if (threadIdx.x == 0)
     for (int q = group0; q < group1; ++q)
       if (q != f.rank) tally_bytes(f, MOECOMM_B_COMBINE_SENT, q, rows_sent * f.out_row_bytes);
-  if (last_block(&f.state[MOECOMM_S_DONE_CS])) {
+  const bool is_last = last_block(&f.state[MOECOMM_S_DONE_CS], true);
+  TRACE(MOECOMM_TRACE_COMBINE_SEND, 4);
+  if (is_last) {
+    TRACE_LAST_START();
     for (int q = threadIdx.x; q < f.world; q += blockDim.x) {
       if (f.mask[q]) continue;
-      if (reason == bad_recv && bad_recv) signal_set(&f.why[f.rank], f.state[MOECOMM_S_WHY], q);
-      signal_set(&f.comb_sig[f.rank], epoch_signal(epoch, reason ? SIG_BAD | reason : 1), q);
+      if (reason == bad_recv && bad_recv) signal_set(f.peers, &f.why[f.rank], f.state[MOECOMM_S_WHY], q);
+      signal_set(f.peers, &f.comb_sig[f.rank], epoch_signal(epoch, reason ? SIG_BAD | reason : 1), q);
     }
     __syncthreads();
     if (threadIdx.x == 0) {
@@ -92,5 +106,11 @@ extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, 2)
       f.state[MOECOMM_S_DONE_CS] = 0;
       f.state[MOECOMM_S_EPOCH_CS] = epoch;
     }
+    TRACE_LAST(MOECOMM_TRACE_COMBINE_SEND);
   }
+}
+
+extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, MOECOMM_BLOCKS_PER_SM)
+    moecomm_combine_send(const Fixed f, const Call c) {
+  combine_send(f, c);
 }

@@ -4,6 +4,23 @@
 #pragma once
 #include "moecomm_abi.h"
 
+// Build option MOECOMM_TRACE=1 (tools/trace_kernels.py): stamps of the SM clock where each half's stages end,
+// by thread 0 of block 0 (TRACE(half, point), points 0..MOECOMM_TRACE_POINTS-2), and the clocks the last
+// block spends on its signals and counters (from TRACE_LAST_START to TRACE_LAST, the half's final point).
+// Compiled out otherwise.
+#if MOECOMM_TRACE
+extern "C" __device__ unsigned long long moecomm_trace[MOECOMM_TRACE_HALVES * MOECOMM_TRACE_POINTS];
+#define TRACE(half, point) \
+  do { if (threadIdx.x == 0 && blockIdx.x == 0) moecomm_trace[(half) * MOECOMM_TRACE_POINTS + (point)] = clock64(); } while (0)
+#define TRACE_LAST_START() const long long trace_start = clock64()
+#define TRACE_LAST(half) \
+  do { if (threadIdx.x == 0) moecomm_trace[((half) + 1) * MOECOMM_TRACE_POINTS - 1] = clock64() - trace_start; } while (0)
+#else
+#define TRACE(half, point)
+#define TRACE_LAST_START()
+#define TRACE_LAST(half)
+#endif
+
 namespace moecomm {
 
 __device__ __forceinline__ uint64_t now_ns() {
@@ -19,6 +36,11 @@ __device__ __forceinline__ uint64_t load_acquire(const uint64_t* p) {
 }
 
 __device__ __forceinline__ int load_volatile(const int* p) { return *(const volatile int*)p; }
+
+// Order this thread's earlier writes, and those it has observed (through a block barrier: the fence is
+// cumulative), before its later writes, for every observer in the system (peers over NVLink, the host).
+// Lighter than __threadfence_system (fence.sc.sys), and all a release needs.
+__device__ __forceinline__ void fence_system() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
 
 // Error word: int32[MOECOMM_ERROR_WORDS] = {code, peer, phase, detail, call, amount}. The first error
 // recorded wins, except that a timeout replaces an error of another kind (it is the one that breaks the

@@ -9,7 +9,7 @@ using namespace moecomm;
 // Writes the pair's row out_offsets[expert] + slot of c.out_x [cap, hidden] in_dtype and c.out_scale
 // [cap, scales] float32 (or null), and that row back into f.slot_of (combine_send reads expert_y there).
 // Nothing crosses the link here.
-extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, 2)
+extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, MOECOMM_BLOCKS_PER_SM)
     moecomm_dispatch_pack(const Fixed f, const Call c) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int src = blockIdx.x % f.world, part = blockIdx.x / f.world, parts = gridDim.x / f.world;

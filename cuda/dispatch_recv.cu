@@ -20,9 +20,9 @@ using namespace moecomm;
 // last block writes c.out_offsets (the experts' first rows) and dispatch_pack places the rows.
 // Telemetry (last block): the call's demand per local expert into f.ring, tokens received and pairs
 // dropped per expert; bytes received per source.
-extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, 2)
-    moecomm_dispatch_recv(const Fixed f, const Call c) {
+__device__ void moecomm::dispatch_recv(const Fixed& f, const Call& c) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  TRACE(MOECOMM_TRACE_DISPATCH_RECV, 0);
   const int src = blockIdx.x % f.world, part = blockIdx.x / f.world, parts = gridDim.x / f.world;
   const unsigned epoch = f.state[MOECOMM_S_EPOCH_DR] + 1;
   __shared__ unsigned count;
@@ -51,6 +51,7 @@ extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, 2)
     }
   }
   __syncthreads();
+  TRACE(MOECOMM_TRACE_DISPATCH_RECV, 1);
   const int lo = f.rank * f.local_experts;
   const int records = src == f.rank && !f.packed ? 0 : (int)count;
   bool flagged = false;  // this thread set drop words (completed before the block ends)
@@ -79,17 +80,23 @@ extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, 2)
       const unsigned drops = __ballot_sync(FULL, dropped);
       if (drops && lane == 0) {  // tell the token's rank (read by its combine_recv after our combine signal)
         const int t = meta_of(rec, f)[0];
-        signal_set(&f.drop_buf[(size_t)f.rank * f.max_tokens + t], epoch_signal(epoch, drops), src);
+        signal_set(f.peers, &f.drop_buf[(size_t)f.rank * f.max_tokens + t], epoch_signal(epoch, drops), src);
         flagged = true;
       }
       if (!f.packed) list_rows(f, c, where, xdst, sdst, &n);  // packed: dispatch_pack places the rows
     }
     __syncthreads();
+    if (j == part) TRACE(MOECOMM_TRACE_DISPATCH_RECV, 2);
     if (!f.packed) copy_record(f, xdst, sdst, n, rec);
     __syncthreads();
+    if (j == part) TRACE(MOECOMM_TRACE_DISPATCH_RECV, 3);
   }
-  if (flagged) complete_sends(true);
-  if (last_block(&f.state[MOECOMM_S_DONE_DR])) {
+  if (flagged) quiet();  // drop words to peers without a mapping
+  TRACE(MOECOMM_TRACE_DISPATCH_RECV, 4);
+  const bool is_last = last_block(&f.state[MOECOMM_S_DONE_DR], f.drop);  // drop words to mapped peers
+  TRACE(MOECOMM_TRACE_DISPATCH_RECV, 5);
+  if (is_last) {
+    TRACE_LAST_START();
     const size_t row = f.window ? (size_t)(f.counters[MOECOMM_C_CALLS] % f.window) * f.local_experts : 0;
     for (int le = threadIdx.x; le < f.local_experts; le += blockDim.x) {
       const unsigned demand = atomicExch(&f.state[f.s_expert + le], 0u);
@@ -135,5 +142,11 @@ extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, 2)
       f.state[MOECOMM_S_DONE_DR] = 0;
       f.state[MOECOMM_S_EPOCH_DR] = epoch;
     }
+    TRACE_LAST(MOECOMM_TRACE_DISPATCH_RECV);
   }
+}
+
+extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, MOECOMM_BLOCKS_PER_SM)
+    moecomm_dispatch_recv(const Fixed f, const Call c) {
+  dispatch_recv(f, c);
 }

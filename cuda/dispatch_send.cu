@@ -19,8 +19,8 @@ using namespace moecomm;
 // overflow="error", reported by dispatch_recv, which sees the expert's whole demand. With c.skip (a refused
 // call) nothing is sent and every signal carries SIG_BAD | c.reason; otherwise a signal carries the count
 // and the expert-map generation (state[GEN]).
-extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, 2)
-    moecomm_dispatch_send(const Fixed f, const Call c) {
+__device__ void moecomm::dispatch_send(const Fixed& f, const Call& c) {
+  TRACE(MOECOMM_TRACE_DISPATCH_SEND, 0);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const unsigned epoch = f.state[MOECOMM_S_EPOCH_DS] + 1;
   // Destinations of the current token, in this order: records on mapped peers, the staged record (when
@@ -44,22 +44,27 @@ extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, 2)
     }
   }
   if (bad_m) m = 0;
+  TRACE(MOECOMM_TRACE_DISPATCH_SEND, 1);
   const int lo = f.rank * f.local_experts;
   const uint8_t* x = c.x;
   uint8_t* const recv_buf = f.recv_buf;
   Stage st(f);
   for (int i = blockIdx.x;; i += gridDim.x) {
     const int t = f.rank % f.dp + i * f.dp;
-    if (t >= m) break;
-    // warp 0: check the token's experts, take slots (in parallel lanes), list the destinations
+    if (t >= c.rows) break;  // (skipped calls have no rows)
+    // warp 0: the token's ids and weights, loaded while m is still on its way (any row < rows is readable)
     int e = -1;
     float w = 0.0f;
+    if (warp == 0 && lane < f.topk) {
+      e = expert_id(c, (size_t)t * f.topk + lane, f.num_experts);
+      if (c.weights) w = c.weights[(size_t)t * f.topk + lane];
+    }
+    if (t >= m) break;
+    // warp 0: check the token's experts, take slots (in parallel lanes), list the destinations
     if (warp == 0) {
       int dest = -1, slot_id = -1;  // the pair's physical expert slot and its rank
       bool ok = true, first = false;
       if (lane < f.topk) {
-        e = expert_id(c, (size_t)t * f.topk + lane, f.num_experts);
-        if (c.weights) w = c.weights[(size_t)t * f.topk + lane];
         ok = e < f.num_experts;
         slot_id = ok && e >= 0 ? physical(f, e, t) : -1;
         dest = slot_id >= 0 ? slot_id / f.local_experts : -1;
@@ -87,19 +92,20 @@ extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, 2)
         // counts are known); padded: their rows go straight into their slots
         const bool peer = first && (dest != f.rank || f.packed), local = dest == f.rank && !f.packed;
         uint8_t* sym = nullptr;
-        uint8_t* p = peer ? peer_ptr(recv_buf, dest) : nullptr;  // resolved alongside the slot atomic
+        uint8_t* p = peer ? peer_ptr(f.peers, recv_buf, dest) : nullptr;  // resolved alongside the slot atomic
+        // both slot atomics in flight before either result is used
+        unsigned rec_slot = 0, slot = 0;
+        if (first) rec_slot = atomicAdd(&f.state[MOECOMM_S_FIXED + dest], 1u);
+        if (local) slot = atomicAdd(&f.state[f.s_expert + e - lo], 1u);
         size_t rec_off = 0;
         if (first) {
-          const unsigned slot = atomicAdd(&f.state[MOECOMM_S_FIXED + dest], 1u);
-          rec_off = ((size_t)f.rank * f.max_tokens + slot) * f.rec_bytes;
+          rec_off = ((size_t)f.rank * f.max_tokens + rec_slot) * f.rec_bytes;
           sym = recv_buf + rec_off;
         }
         int where = -1;  // this rank's expert slot of the lane's expert
         bool dropped = false;
         if (local) {
-          const int le = e - lo;
-          const unsigned slot = atomicAdd(&f.state[f.s_expert + le], 1u);
-          if (slot < (unsigned)f.cap) where = le * f.cap + slot;
+          if (slot < (unsigned)f.cap) where = (e - lo) * f.cap + slot;
           else dropped = f.drop;
         }
         const unsigned drops = __ballot_sync(FULL, dropped);
@@ -138,6 +144,7 @@ extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, 2)
       }
     }
     __syncthreads();
+    if (i == (int)blockIdx.x) TRACE(MOECOMM_TRACE_DISPATCH_SEND, 2);
     if (n_put < 0) {  // invalid token: nothing sent
       __syncthreads();
       continue;
@@ -170,15 +177,20 @@ extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, 2)
       put_block_all(remote, pes, puts, xd[nd], f.rec_bytes);
       __syncthreads();
     }
+    if (i == (int)blockIdx.x) TRACE(MOECOMM_TRACE_DISPATCH_SEND, 3);
   }
-  complete_sends(st.used_puts);
-  if (last_block(&f.state[MOECOMM_S_DONE_DS])) {
+  TRACE(MOECOMM_TRACE_DISPATCH_SEND, 4);
+  if (st.used_puts) quiet();
+  const bool is_last = last_block(&f.state[MOECOMM_S_DONE_DS], true);
+  TRACE(MOECOMM_TRACE_DISPATCH_SEND, 5);
+  if (is_last) {
+    TRACE_LAST_START();
     const unsigned bad = (unsigned)load_volatile((const int*)&f.state[MOECOMM_S_BAD]);
     const unsigned generation = f.state[MOECOMM_S_GEN];
     for (int d = threadIdx.x; d < f.world; d += blockDim.x) {
       const unsigned cnt = atomicExch(&f.state[MOECOMM_S_FIXED + d], 0u);
       if (!f.mask[d])
-        signal_set(&f.sig[f.rank], bad ? epoch_signal(epoch, SIG_BAD | bad) : count_signal(epoch, cnt, generation), d);
+        signal_set(f.peers, &f.sig[f.rank], bad ? epoch_signal(epoch, SIG_BAD | bad) : count_signal(epoch, cnt, generation), d);
       if (d != f.rank) tally_bytes(f, MOECOMM_B_DISPATCH_SENT, d, (unsigned long long)cnt * f.rec_bytes);
     }
     __syncthreads();
@@ -187,5 +199,11 @@ extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, 2)
       f.state[MOECOMM_S_DONE_DS] = 0;
       f.state[MOECOMM_S_EPOCH_DS] = epoch;
     }
+    TRACE_LAST(MOECOMM_TRACE_DISPATCH_SEND);
   }
+}
+
+extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, MOECOMM_BLOCKS_PER_SM)
+    moecomm_dispatch_send(const Fixed f, const Call c) {
+  dispatch_send(f, c);
 }

@@ -10,10 +10,10 @@ extern "C" __global__ void moecomm_peer_check(const moecomm::PeerCheck p) {
   const int peer = blockIdx.x;
   const uint64_t deadline = moecomm::now_ns() + p.timeout_ns;
   if (peer >= p.world) return;
-  moecomm::put_signal_warp(p.inbox + (size_t)me * p.row_bytes, p.outbox, p.nbytes, &p.signals[me], 1, peer);
+  moecomm::put_signal_warp(p.peers, p.inbox + (size_t)me * p.row_bytes, p.outbox, p.nbytes, &p.signals[me], 1, peer);
   __syncwarp();
   if (threadIdx.x == 0) {
-    moecomm::complete_sends(true);
+    moecomm::quiet();
     moecomm::wait_geq(&p.signals[peer], p.expected, deadline, p.err, peer, MOECOMM_PHASE_PEER_CHECK,
                       (int)p.expected);
   }

@@ -4,16 +4,35 @@
 //   put_signal_warp  copy bytes to a peer's symmetric buffer, then add to a signal there (ordered after data)
 //   put_block        copy bytes to a peer's symmetric buffer, all threads of a block together
 //                    (non-blocking; complete with quiet)
-//   quiet            complete this thread's puts
+//   quiet            complete this thread's puts (stores to mapped peers are made visible by a fence:
+//                    fence_system, device.cuh)
 //   signal_set       set a 64-bit word (a signal, or a word read after one) on a peer, ordered after
 //                    this thread's data to it
-//   complete_sends   finish a thread's puts and stores before it (or its block) signals
-//   peer_ptr         a load/store pointer to a peer's symmetric buffer, or nullptr when it is not
-//                    directly addressable (another node): callers must then put (put_block, put_signal_warp)
+// and both share peer_ptr (below): a load/store pointer to a peer's symmetric buffer, or nullptr when it is
+// not directly addressable (another node): callers must then put (put_block, put_signal_warp).
 // transport_nvshmem.cuh: NVSHMEM (NVLink by load/store, InfiniBand/EFA by puts); transport_ipc.cuh: CUDA IPC
-// on one node (every peer mapped, no puts). Bounded waits and the error word are in device.cuh.
+// on one node (every peer mapped, no puts). Fences, bounded waits and the error word are in device.cuh.
 #pragma once
 #include "device.cuh"
+
+namespace moecomm {
+
+// Rank pe's copy of a symmetric address of this rank, mapped for loads and stores, or nullptr. peers: the
+// transport's table, filled once at init (moecomm/transport/gpu.py: the ipc heaps' bases; NVSHMEM's
+// nvshmem_ptr, so a network-only peer stays unmapped): one load, where nvshmem_ptr on the device is a chain
+// of lookups. MOECOMM_FORCE_PUTS=1 (a build option of the nvshmem transport) treats every rank as
+// network-only, so the put path that InfiniBand/EFA peers take is exercised on a single NVLink node.
+template <typename T>
+__device__ __forceinline__ T* peer_ptr(const long long* peers, T* symmetric, int pe) {
+#if MOECOMM_FORCE_PUTS && !MOECOMM_TRANSPORT_IPC
+  return nullptr;
+#else
+  const long long d = peers[pe];
+  return d == MOECOMM_PEER_UNMAPPED ? nullptr : (T*)((char*)symmetric + d);
+#endif
+}
+
+}  // namespace moecomm
 
 #if MOECOMM_TRANSPORT_IPC
 #include "transport_ipc.cuh"

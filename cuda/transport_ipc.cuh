@@ -4,29 +4,18 @@
 #pragma once
 #include "device.cuh"
 
-// Heap base addresses: this rank's heap is moecomm_ipc_heap[moecomm_ipc_rank], rank q's heap is mapped here
-// at moecomm_ipc_heap[q]. Set by the host when the module is loaded; defined in ipc_heap.cu.
-extern "C" __device__ unsigned long long moecomm_ipc_heap[MOECOMM_IPC_MAX_RANKS];
-extern "C" __device__ int moecomm_ipc_rank;
-
 namespace moecomm {
 
-// Rank pe's copy of a symmetric address of this rank (the same offset in its heap).
-template <typename T>
-__device__ __forceinline__ T* peer_ptr(T* symmetric, int pe) {
-  const unsigned long long offset = (unsigned long long)symmetric - moecomm_ipc_heap[moecomm_ipc_rank];
-  return (T*)(moecomm_ipc_heap[pe] + offset);
-}
-
 // Warp-wide: copy bytes into pe's buffer, make them visible, then add to pe's signal.
-__device__ __forceinline__ void put_signal_warp(void* dst, const void* src, size_t bytes, uint64_t* sig,
-                                                uint64_t add, int pe) {
-  uint8_t* d = peer_ptr((uint8_t*)dst, pe);
+__device__ __forceinline__ void put_signal_warp(const long long* peers, void* dst, const void* src, size_t bytes,
+                                                uint64_t* sig, uint64_t add, int pe) {
+  uint8_t* d = peer_ptr(peers, (uint8_t*)dst, pe);
   const uint8_t* s = (const uint8_t*)src;
   for (size_t i = threadIdx.x & 31; i < bytes; i += 32) d[i] = s[i];
   __threadfence_system();
   __syncwarp();
-  if ((threadIdx.x & 31) == 0) atomicAdd_system((unsigned long long*)peer_ptr(sig, pe), (unsigned long long)add);
+  if ((threadIdx.x & 31) == 0)
+    atomicAdd_system((unsigned long long*)peer_ptr(peers, sig, pe), (unsigned long long)add);
 }
 
 // Every peer is mapped (peer_ptr never returns nullptr), so kernels never put: reaching this is a bug.
@@ -35,11 +24,8 @@ __device__ __forceinline__ void put_block(void*, const void*, size_t, int) { __t
 __device__ __forceinline__ void quiet() {}
 
 // Set a signal on pe, after this thread's earlier stores to pe (release store).
-__device__ __forceinline__ void signal_set(uint64_t* sig, uint64_t value, int pe) {
-  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(peer_ptr(sig, pe)), "l"(value) : "memory");
+__device__ __forceinline__ void signal_set(const long long* peers, uint64_t* sig, uint64_t value, int pe) {
+  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(peer_ptr(peers, sig, pe)), "l"(value) : "memory");
 }
-
-// Before signalling completion: make this thread's stores to peers visible system-wide.
-__device__ __forceinline__ void complete_sends(bool) { __threadfence_system(); }
 
 }  // namespace moecomm

@@ -50,6 +50,7 @@ FIXED_FIELDS = (
                                     # << 32 | demand), written before the signal that flags it
     ("map", "const int*"),          # [num_experts, 1 + world] replicas of each logical expert: count, then
                                     # physical slots (rank * local_experts + slot); null without an expert map
+    ("peers", "const long long*"),  # [world] the transport's peer table (MOECOMM_PEER_UNMAPPED: puts)
     ("timeout_ns", "unsigned long long"),
     ("world", "int"), ("rank", "int"), ("dp", "int"), ("num_experts", "int"), ("local_experts", "int"),
     ("topk", "int"), ("max_tokens", "int"), ("hidden", "int"),
@@ -93,6 +94,7 @@ PEER_CHECK_FIELDS = (
     ("outbox", "const uint8_t*"),   # symmetric [>= nbytes]: this rank's pattern
     ("signals", "uint64_t*"),       # symmetric [world]: checks whose data from each peer has landed
     ("err", "int*"),
+    ("peers", "const long long*"),  # [world] the transport's peer table
     ("expected", "unsigned long long"), ("nbytes", "unsigned long long"),
     ("row_bytes", "unsigned long long"), ("timeout_ns", "unsigned long long"),
     ("rank", "int"), ("world", "int"),
@@ -108,19 +110,27 @@ STRUCTS = (Fixed, Call, PeerCheck, Delay)
 
 # Grid rules -------------------------------------------------------------------------------------
 def _send_blocks(cfg, num_sms):
-    """A block per token of this rank's DP share, up to two per SM (the kernels are built for two resident
-    blocks; no block waits for another of its own grid, so blocks beyond what is resident just queue)."""
-    return max(1, min(2 * num_sms, -(-cfg.max_num_tokens // cfg.dp_size)))
+    """A block per token of this rank's DP share, up to BLOCKS_PER_SM per SM (no block of a half waits for
+    another of its own grid, so blocks beyond what is resident just queue)."""
+    return max(1, min(C.BLOCKS_PER_SM * num_sms, -(-cfg.max_num_tokens // cfg.dp_size)))
 
 
 def _per_source_blocks(cfg, num_sms):
-    """world * parts blocks: block b serves source rank b % world, a record per block (strided)."""
-    return cfg.world_size * max(1, min(cfg.max_num_tokens, 2 * num_sms // cfg.world_size))
+    """world * parts blocks: block b serves source rank b % world, a record per block (strided). All
+    resident while world <= BLOCKS_PER_SM * num_sms: a phase in one launch needs that (resident())."""
+    return cfg.world_size * max(1, min(cfg.max_num_tokens, C.BLOCKS_PER_SM * num_sms // cfg.world_size))
 
 
 def _token_blocks(cfg, num_sms):
-    """A block per token of the DP group (strided), up to two per SM."""
-    return max(1, min(2 * num_sms, cfg.max_num_tokens))
+    """A block per token of the DP group (strided), up to BLOCKS_PER_SM per SM."""
+    return max(1, min(C.BLOCKS_PER_SM * num_sms, cfg.max_num_tokens))
+
+
+def resident(blocks, num_sms):
+    """Whether a grid of ``blocks`` AllToAll blocks is resident at once on ``num_sms`` SMs (the kernels'
+    launch bounds guarantee BLOCKS_PER_SM per SM), as a phase in one launch must be: its blocks wait for
+    signals that other blocks of the same grid send."""
+    return blocks <= C.BLOCKS_PER_SM * num_sms
 
 
 @dataclass(frozen=True)
@@ -138,12 +148,15 @@ KERNELS = {k.name: k for k in (
     Kernel("moecomm_dispatch_pack", (Fixed, Call), _per_source_blocks),
     Kernel("moecomm_combine_send", (Fixed, Call), _per_source_blocks),
     Kernel("moecomm_combine_recv", (Fixed, Call), _token_blocks),
+    Kernel("moecomm_dispatch", (Fixed, Call), _per_source_blocks),
+    Kernel("moecomm_combine", (Fixed, Call), _per_source_blocks),
     Kernel("moecomm_peer_check", (PeerCheck,), threads=32),
     Kernel("moecomm_delay", (Delay,), threads=1),
 )}
 ALLTOALL_KERNELS = ("moecomm_dispatch_send", "moecomm_dispatch_recv", "moecomm_combine_send",
-                    "moecomm_combine_recv")
-PACK_KERNEL = "moecomm_dispatch_pack"  # the packed layout's third dispatch kernel (after dispatch_recv)
+                    "moecomm_combine_recv")  # the four halves
+WHOLE_KERNELS = {"dispatch": "moecomm_dispatch", "combine": "moecomm_combine"}  # a phase's halves in one launch
+PACK_KERNEL = "moecomm_dispatch_pack"  # the packed layout's third dispatch kernel (after the receive half)
 
 
 # The device header --------------------------------------------------------------------------------

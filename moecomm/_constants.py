@@ -47,6 +47,7 @@ STATE_FIELDS = ("EPOCH_DS", "EPOCH_DR", "EPOCH_CS", "EPOCH_CR", "DONE_DS", "DONE
 STATE_FIXED = len(STATE_FIELDS)
 STAGE_SLOTS = 4       # staging rows per block for puts to peers without a load/store mapping
 BLOCK_THREADS = 256   # threads of every alltoall block: a block handles one token or record at a time
+BLOCKS_PER_SM = 2     # alltoall blocks resident per SM (kernels are built for it: 128 registers per thread)
 # Cumulative uint64 counters of one AllToAll, kept on the device (AllToAll.stats()), then arrays (offsets
 # in moecomm/transport/gpu_alltoall.py): tokens received and pairs dropped per local expert [L], bytes per
 # peer [BYTE_FIELDS, world].
@@ -75,8 +76,10 @@ TIMEOUT_ENV = "MOECOMM_TIMEOUT_S"
 MAX_TOPK = 16
 MAX_EXPERTS = 512
 
-# Most ranks of the ipc transport (one node; the size of its device heap table).
-IPC_MAX_RANKS = 16
+# A GPU transport's peer table holds, per rank, the offset from this rank's symmetric memory to that rank's
+# copy of it as mapped here; PEER_UNMAPPED marks a rank with no load/store mapping (another node: reached
+# by puts). Real offsets are multiples of the heap alignment, so 1 is never one.
+PEER_UNMAPPED = 1
 # Bytes of the ipc transport's symmetric heap per rank, unless $MOECOMM_IPC_HEAP_MB says otherwise.
 IPC_HEAP_BYTES = 4 << 30
 IPC_HEAP_ENV = "MOECOMM_IPC_HEAP_MB"
@@ -111,23 +114,34 @@ def timeout_seconds(value=None):
 # Build option: MOECOMM_FORCE_PUTS=1 makes kernels send every byte with NVSHMEM puts, as to a peer on
 # another node, instead of stores through nvshmem_ptr (for testing that path on one node).
 FORCE_PUTS_ENV = "MOECOMM_FORCE_PUTS"
+# Build option: MOECOMM_TRACE=1 makes the kernels stamp the SM clock at the end of each stage of each half
+# (tools/trace_kernels.py reads and names them): TRACE_POINTS stamps per half, the last one the duration of
+# the last block's signals and counters.
+TRACE_ENV = "MOECOMM_TRACE"
+TRACE_HALVES = ("dispatch_send", "dispatch_recv", "combine_send", "combine_recv")
+TRACE_POINTS = 8
 
 
 def device_constants():
     """The constants above (and the build options from the environment) by device name (MOECOMM_<name>)."""
     values = {
         "FORCE_PUTS": int(os.environ.get(FORCE_PUTS_ENV, "0") == "1"),
+        "TRACE": int(os.environ.get(TRACE_ENV, "0") == "1"),
+        "TRACE_HALVES": len(TRACE_HALVES), "TRACE_POINTS": TRACE_POINTS,
         "ERR_NONE": ERR_NONE, "ERR_TIMEOUT": ERR_TIMEOUT, "ERR_BAD_EXPERT": ERR_BAD_EXPERT,
         "ERR_BAD_M": ERR_BAD_M, "ERR_OVERFLOW": ERR_OVERFLOW, "ERR_M_DIFFERS": ERR_M_DIFFERS,
         "ERR_PEER": ERR_PEER, "ERR_REFUSED": ERR_REFUSED, "ERR_CAPACITY": ERR_CAPACITY,
         "ERR_GENERATION": ERR_GENERATION, "ERROR_WORDS": ERROR_WORDS, "REASON_ARG_SHIFT": REASON_ARG_SHIFT,
         "SIG_COUNT_BITS": SIG_COUNT_BITS, "SIG_GEN_BITS": SIG_GEN_BITS,
         "REPLICA_TOKEN": f"{REPLICA_TOKEN}u", "REPLICA_GROUP": f"{REPLICA_GROUP}u",
-        "MAX_TOPK": MAX_TOPK, "MAX_EXPERTS": MAX_EXPERTS, "ROW_ALIGN": ROW_ALIGN, "IPC_MAX_RANKS": IPC_MAX_RANKS,
+        "MAX_TOPK": MAX_TOPK, "MAX_EXPERTS": MAX_EXPERTS, "ROW_ALIGN": ROW_ALIGN,
+        "PEER_UNMAPPED": f"{PEER_UNMAPPED}ll",
         "PHASE_PEER_CHECK": PHASE_PEER_CHECK, "PHASE_DISPATCH": PHASE_DISPATCH, "PHASE_COMBINE": PHASE_COMBINE,
         "DT_BF16": DT_BF16, "DT_FP16": DT_FP16, "S_FIXED": STATE_FIXED, "BLOCK_THREADS": BLOCK_THREADS,
+        "BLOCKS_PER_SM": BLOCKS_PER_SM,
     }
     values.update({f"S_{name}": i for i, name in enumerate(STATE_FIELDS)})
     values.update({f"C_{name}": i for i, name in enumerate(COUNTER_FIELDS)})
     values.update({f"B_{name.upper()}": i for i, name in enumerate(BYTE_FIELDS)})
+    values.update({f"TRACE_{name.upper()}": i for i, name in enumerate(TRACE_HALVES)})
     return values

@@ -85,11 +85,6 @@ class Module:
             raise CompileError(f"{kernel.name}: takes more parameters than moecomm/_abi.py declares")
         return f
 
-    def global_address(self, name):
-        """(device address, bytes) of the module's ``__device__`` variable ``name`` (extern "C")."""
-        ptr, size = check(driver.cuModuleGetGlobal(self.handle, name.encode()), f"cuModuleGetGlobal {name}")
-        return int(ptr), int(size)
-
     def unload(self):
         if self.handle is not None:
             check(driver.cuModuleUnload(self.handle), "cuModuleUnload")

@@ -48,11 +48,11 @@ class Variant:
     nvshmem: bool
 
 
-_KERNELS = ("dispatch_send.cu", "dispatch_recv.cu", "dispatch_pack.cu", "combine_send.cu", "combine_recv.cu",
-            "peer_check.cu")
+_KERNELS = ("dispatch_send.cu", "dispatch_recv.cu", "dispatch_pack.cu", "dispatch.cu", "combine_send.cu",
+            "combine_recv.cu", "combine.cu", "peer_check.cu", "trace.cu")
 VARIANTS = {
     "nvshmem": Variant(_KERNELS, ("MOECOMM_TRANSPORT_IPC=0",), True),
-    "ipc": Variant(_KERNELS + ("ipc_heap.cu",), ("MOECOMM_TRANSPORT_IPC=1",), False),
+    "ipc": Variant(_KERNELS, ("MOECOMM_TRANSPORT_IPC=1",), False),
     "bench": Variant(("delay.cu",), (), False),
 }
 

@@ -46,7 +46,8 @@ def test_cli_builds_every_variant_then_hits_cache(built):
     assert first.returncode == 0, first.stderr
     assert first.stdout.count(" built in ") == len(_jit.VARIANTS)
     kernels = _variant_kernels(first.stdout)
-    alltoall = set(_abi.ALLTOALL_KERNELS) | {_abi.PACK_KERNEL, "moecomm_peer_check"}
+    alltoall = set(_abi.ALLTOALL_KERNELS) | set(_abi.WHOLE_KERNELS.values()) | {_abi.PACK_KERNEL,
+                                                                                 "moecomm_peer_check"}
     assert set(kernels["nvshmem"]) == set(kernels["ipc"]) == alltoall, kernels
     assert kernels["bench"] == ["moecomm_delay"]  # the benchmark's kernel is in no transport's module
     sources = (ROOT / "cuda").glob("*.cu")
@@ -60,7 +61,7 @@ def test_cli_builds_every_variant_then_hits_cache(built):
 def test_ipc_module_has_no_nvshmem(built, monkeypatch):
     monkeypatch.setenv("MOECOMM_CACHE_DIR", str(built[0]))
     cubin = _jit.build("sm_90", "ipc").cubin
-    assert b"moecomm_ipc_heap" in cubin and b"nvshmem" not in cubin.lower()
+    assert b"moecomm_dispatch_send" in cubin and b"nvshmem" not in cubin.lower()
     assert b"nvshmem" in _jit.build("sm_90", "nvshmem").cubin.lower()
 
 

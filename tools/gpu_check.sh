@@ -20,6 +20,11 @@
 #   bash tools/gpu_check.sh transports  both GPU transports: the ipc transport through the quick sweep,
 #                                    control, masking, timeout, embedding, examples and demo; the nvshmem
 #                                    quick sweep; the benchmark on each and the two joined (bench-both.json)
+#   bash tools/gpu_check.sh bench-both  the benchmark on each transport and the two joined, nothing else
+#   bash tools/gpu_check.sh latency  the checks a kernel change needs (quick sweeps on both transports, the
+#                                    put-only path, world size 1, capacity, packed, replicas, telemetry,
+#                                    masking, control, embedding), then the kernels' stage trace
+#                                    (tools/trace_kernels.py, MOECOMM_TRACE=1 builds) at 1 and 128 tokens
 # GPU transport: $MOECOMM_TRANSPORT (nvshmem by default here; ipc for the CUDA-IPC transport). Wheels the GPU
 # machine lacks (nvshmem4py) are installed from .whl/ when present. Logs go to $OUT if set.
 set -u -o pipefail
@@ -102,18 +107,39 @@ fi
 # CuPy's NCCL binding finds libnccl through the loader path (the nvidia-nccl wheel)
 nccl=$(python3 -c "import nvidia.nccl as m; print(list(m.__path__)[0] + '/lib')" 2>/dev/null)
 export LD_LIBRARY_PATH=${nccl}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
-if [ "${1:-}" = transports ]; then
-  export MOECOMM_TRANSPORT=ipc
-  expect ": 0 failures" "${MPIRUN[@]}" -np "$ngpu" python3 tests/mpi_peer_check.py
-  step "${MPIRUN[@]}" -np "$ngpu" python3 tests/mpi_alltoall.py --transport ipc --quick
-  step "${MPIRUN[@]}" -np "$ngpu" python3 tests/mpi_alltoall.py --transport nvshmem --quick
-  expect ": 0 failures" "${MPIRUN[@]}" -np "$ngpu" python3 tests/mpi_control.py --transport ipc
+if [ "${1:-}" = latency ]; then
+  for t in nvshmem ipc; do step "${MPIRUN[@]}" -np "$ngpu" python3 tests/mpi_alltoall.py --transport $t --quick; done
+  MOECOMM_FORCE_PUTS=1 step "${MPIRUN[@]}" -x MOECOMM_FORCE_PUTS -np "$ngpu" python3 tests/mpi_alltoall.py --transport nvshmem --quick
+  step "${MPIRUN[@]}" -np 1 python3 tests/mpi_alltoall.py --transport $T --quick        # world size 1
+  for s in mpi_capacity mpi_packed mpi_replicas mpi_telemetry; do
+    expect ": 0 failures" "${MPIRUN[@]}" -np "$ngpu" python3 tests/$s.py --transport $T
+  done
   expect ": 0 failures" "${MPIRUN[@]}" -np "$ngpu" python3 tests/mpi_mask.py --transport ipc
-  expect "CommTimeout on $((ngpu - 1)) ranks" "${MPIRUN[@]}" -np "$ngpu" python3 tests/mpi_timeout.py --transport ipc
+  expect ": 0 failures" "${MPIRUN[@]}" -np "$ngpu" python3 tests/mpi_control.py --transport $T
+  step "${MPIRUN[@]}" -np "$ngpu" python3 tests/mpi_alltoall.py --transport $T --quick --arrays torch
   step "${MPIRUN[@]}" -np "$ngpu" python3 tests/mpi_embedding.py
-  step "${MPIRUN[@]}" -np "$ngpu" python3 examples/torch_moe.py
-  step "${MPIRUN[@]}" -np "$ngpu" python3 examples/jax_moe.py
-  step "${MPIRUN[@]}" -np "$ngpu" python3 examples/demo.py --transport ipc
+  for t in ipc nvshmem; do
+    for tok in 1 128; do
+      MOECOMM_TRACE=1 step "${MPIRUN[@]}" -x MOECOMM_TRACE -np "$ngpu" python3 tools/trace_kernels.py --transport $t \
+        --tokens $tok --json "$out/trace-$t-$tok.json"
+    done
+  done
+  exit $status
+fi
+if [ "${1:-}" = transports ] || [ "${1:-}" = bench-both ]; then
+  export MOECOMM_TRANSPORT=ipc
+  [ "$1" = bench-both ] || {
+    expect ": 0 failures" "${MPIRUN[@]}" -np "$ngpu" python3 tests/mpi_peer_check.py
+    step "${MPIRUN[@]}" -np "$ngpu" python3 tests/mpi_alltoall.py --transport ipc --quick
+    step "${MPIRUN[@]}" -np "$ngpu" python3 tests/mpi_alltoall.py --transport nvshmem --quick
+    expect ": 0 failures" "${MPIRUN[@]}" -np "$ngpu" python3 tests/mpi_control.py --transport ipc
+    expect ": 0 failures" "${MPIRUN[@]}" -np "$ngpu" python3 tests/mpi_mask.py --transport ipc
+    expect "CommTimeout on $((ngpu - 1)) ranks" "${MPIRUN[@]}" -np "$ngpu" python3 tests/mpi_timeout.py --transport ipc
+    step "${MPIRUN[@]}" -np "$ngpu" python3 tests/mpi_embedding.py
+    step "${MPIRUN[@]}" -np "$ngpu" python3 examples/torch_moe.py
+    step "${MPIRUN[@]}" -np "$ngpu" python3 examples/jax_moe.py
+    step "${MPIRUN[@]}" -np "$ngpu" python3 examples/demo.py --transport ipc
+  }
   for t in nvshmem ipc; do
     STEP_TIMEOUT=${BENCH_TIMEOUT:-200} step "${MPIRUN[@]}" -x LD_LIBRARY_PATH -np "$ngpu" python3 -m moecomm.bench \
       --transport $t --configs ${BENCH_CONFIGS:-r1-decode,r1-prefill,sweep} --sweep-tokens ${SWEEP_TOKENS:-1,16,128,1024,4096} \

@@ -14,13 +14,14 @@ addresses (0 where absent) in a :class:`moecomm._abi.Call` structure that it han
 A GPU transport is three pieces (the ``ipc`` transport is the example to copy, ~150 lines in all):
 
 1. a device header ``cuda/transport_<name>.cuh`` with the operations the kernels use to reach peers
-   (``peer_ptr``, ``signal_set``, ``put_block``, ``put_signal_warp``, ``quiet``, ``complete_sends``:
-   ``cuda/transport.cuh`` states their meaning) and a define selecting it in ``cuda/transport.cuh``;
+   (``signal_set``, ``put_block``, ``put_signal_warp``, ``quiet``: ``cuda/transport.cuh``
+   states their meaning) and a define selecting it in ``cuda/transport.cuh``;
 2. a module variant in :data:`moecomm._jit.VARIANTS` (its sources, defines, libraries);
 3. a subclass of :class:`moecomm.transport.gpu.GpuTransport` (``moecomm/transport/<name>.py``) providing the
    device runtime: bring-up over the bootstrap (``_start_runtime``, bounded), what the runtime must know
    of the loaded module (``_load_module``), symmetric allocation at the same offset on every rank
-   (``symmetric``/``free``, collective), a peer's copy (``peer_array``), teardown (``_stop_runtime``);
+   (``symmetric``/``free``, collective), a peer's copy (``peer_array``), the peer table the kernels reach
+   peers through (``peer_offsets``), teardown (``_stop_runtime``);
    and its name in ``moecomm.comm.GPU_TRANSPORTS``.
 
 Everything else is shared (moecomm/transport/gpu.py, gpu_alltoall.py): device arrays arrive as addresses

@@ -2,7 +2,7 @@
 barriers, the peer check, device error words. A GPU transport subclasses :class:`GpuTransport` and
 provides its device runtime (moecomm/transport/base.py lists the pieces; ipc.py is the small example):
 ``variant`` (its module in :data:`moecomm._jit.VARIANTS`), ``_start_runtime``, ``_load_module``,
-``symmetric``, ``free``, ``peer_array`` and ``_stop_runtime``. Everything runs in the primary context of
+``symmetric``, ``free``, ``peer_array``, ``peer_offsets`` and ``_stop_runtime``. Everything runs in the primary context of
 the rank's GPU (``self.context``), entered by moecomm's entry points.
 """
 import numpy as np
@@ -56,13 +56,17 @@ class GpuTransport(Transport):
         self._load_module(self.module)
         self.error = self._cupy.zeros(C.ERROR_WORDS, np.int32)  # device error word of eager checks
         self._checks = {"peer_check": 0, "barrier": 0}  # peer checks and device barriers so far
-        self._peer_args = _abi.PeerCheck(err=self.error.data.ptr, rank=self.rank, world=self.world_size)
-        self._peer_launch = self.launch("moecomm_peer_check", self.world_size, self._peer_args)
         n = C.PEER_CHECK_BYTES  # inbox [2, world, n] (double-buffered by check parity), outbox, signals
         self._peer = (self.symmetric((2, self.world_size, n), np.uint8), self.symmetric((n,), np.uint8),
                       self.symmetric((self.world_size,), np.uint64))
+        # [world] int64, how every kernel reaches each rank (cuda/transport.cuh, peer_ptr)
+        self.peers = self._cupy.asarray(np.array(self.peer_offsets(), np.int64))
+        self._peer_args = _abi.PeerCheck(err=self.error.data.ptr, peers=self.peers.data.ptr, rank=self.rank,
+                                         world=self.world_size)
+        self._peer_launch = self.launch("moecomm_peer_check", self.world_size, self._peer_args)
         self._barrier_signals = self.symmetric((self.world_size,), np.uint64)
-        self._barrier_args = _abi.PeerCheck(err=self.error.data.ptr, rank=self.rank, world=self.world_size,
+        self._barrier_args = _abi.PeerCheck(err=self.error.data.ptr, peers=self.peers.data.ptr, rank=self.rank,
+                                            world=self.world_size,
                                             signals=self._barrier_signals.data.ptr, inbox=self._peer[0].data.ptr,
                                             outbox=self._peer[1].data.ptr, timeout_ns=int(self.timeout_s * 1e9))
         self._barrier_launch = self.launch("moecomm_peer_check", self.world_size, self._barrier_args)
@@ -92,6 +96,12 @@ class GpuTransport(Transport):
 
     def peer_array(self, array, pe):
         """``array`` of rank ``pe`` mapped for loads/stores, or None when not addressable."""
+        raise NotImplementedError
+
+    def peer_offsets(self):
+        """The peer table, [world] ints: for each rank, the offset from this rank's symmetric memory to that
+        rank's copy of it as mapped here, or ``PEER_UNMAPPED`` where it is not load/store reachable (it is then
+        reached by puts). One offset per rank for every symmetric array."""
         raise NotImplementedError
 
     # shared -------------------------------------------------------------------------------------

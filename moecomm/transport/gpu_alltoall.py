@@ -1,5 +1,7 @@
-"""AllToAll on GPUs, for every GPU transport: the four kernels of ``cuda/`` over symmetric buffers sized
-once (``transport.symmetric``), launched through ``transport.launch`` (see moecomm/transport/gpu.py).
+"""AllToAll on GPUs, for every GPU transport: the kernels of ``cuda/`` over symmetric buffers sized once
+(``transport.symmetric``), launched through ``transport.launch`` (see moecomm/transport/gpu.py). A phase
+whose two halves are requested together runs as one kernel (``moecomm_dispatch``, ``moecomm_combine``);
+split halves run the send and receive kernels.
 
 Symmetric memory per rank (bytes), W ranks, M = max_num_tokens, K = top-k, H = hidden_dim:
 
@@ -45,8 +47,9 @@ def record_bytes(cfg):
 
 
 def blocks(cfg, num_sms):
-    """{kernel name: grid size} of the four AllToAll kernels (grid rules in moecomm._abi.KERNELS)."""
-    return {n: _abi.KERNELS[n].grid(cfg, num_sms) for n in _abi.ALLTOALL_KERNELS}
+    """{kernel name: grid size} of the AllToAll kernels (grid rules in moecomm._abi.KERNELS)."""
+    names = _abi.ALLTOALL_KERNELS + tuple(_abi.WHOLE_KERNELS.values()) + (_abi.PACK_KERNEL,)
+    return {n: _abi.KERNELS[n].grid(cfg, num_sms) for n in names}
 
 
 def symmetric_sizes(cfg, num_sms):
@@ -55,8 +58,9 @@ def symmetric_sizes(cfg, num_sms):
     W, M, K = cfg.world_size, cfg.max_num_tokens, cfg.experts_per_token
     out_row = cfg.hidden_dim * cfg.out_dtype.itemsize
     stage_row = max(record_bytes(cfg), out_row)
-    grid = blocks(cfg, num_sms)  # the two kernels that stage rows
-    stage_rows = max(grid["moecomm_dispatch_send"], grid["moecomm_combine_send"]) * C.STAGE_SLOTS
+    grid = blocks(cfg, num_sms)  # the kernels that stage rows (a block's rows at blockIdx * STAGE_SLOTS)
+    stage_rows = max(grid[n] for n in ("moecomm_dispatch_send", "moecomm_combine_send", *_abi.WHOLE_KERNELS.values())
+                     ) * C.STAGE_SLOTS
     return dict(recv_buf=W * M * record_bytes(cfg), comb_buf=max(W, K) * M * out_row,
                 stage=stage_rows * stage_row, signals=3 * W * 8, stage_row=stage_row,
                 drop_buf=W * M * 8 if cfg.capacity is not None and cfg.overflow == "drop" else 0)
@@ -109,7 +113,7 @@ class GpuAllToAll(AllToAllBackend):
             comb_sig=self.sig[1].data.ptr, slot_of=self.slot_of.data.ptr, mask=self.mask.data.ptr,
             counters=self.counters.data.ptr, ring=self.ring.data.ptr, why=self.sig[2].data.ptr,
             drop_buf=0 if self.drop_buf is None else self.drop_buf.data.ptr,
-            map=0 if self.map is None else self.map.data.ptr, timeout_ns=int(timeout_s * 1e9),
+            map=0 if self.map is None else self.map.data.ptr, peers=transport.peers.data.ptr, timeout_ns=int(timeout_s * 1e9),
             world=W, rank=cfg.rank, dp=cfg.dp_size, num_experts=cfg.num_experts, local_experts=L, topk=K,
             max_tokens=M, hidden=cfg.hidden_dim, x_bytes=cfg.hidden_dim * cfg.in_dtype.itemsize,
             scale_bytes=0 if cfg.hidden_dim_scale is None else 4 * cfg.hidden_dim_scale,
@@ -123,15 +127,15 @@ class GpuAllToAll(AllToAllBackend):
         self.call = _abi.Call()
         self._skipped = _abi.Call(skip=1)  # the call record of a refused call: no arrays
         grid = blocks(cfg, transport.num_sms)
-        d_send, d_recv, c_send, c_recv = (transport.launch(n, grid[n], self.fixed, self.call)
-                                          for n in _abi.ALLTOALL_KERNELS)
-        if cfg.layout == "packed":  # a third dispatch kernel places the rows (no peer involved)
-            pack = _abi.PACK_KERNEL
-            d_recv = (d_recv, transport.launch(pack, _abi.KERNELS[pack].grid(cfg, transport.num_sms), self.fixed,
-                                               self.call))
-        else:
-            d_recv = (d_recv,)
-        self._halves = {"dispatch": ((d_send,), d_recv), "combine": ((c_send,), (c_recv,))}  # send, receive
+        launch = {n: transport.launch(n, g, self.fixed, self.call) for n, g in grid.items()}
+        # the packed layout: a third dispatch kernel places the rows (no peer involved)
+        pack = (launch[_abi.PACK_KERNEL],) if cfg.layout == "packed" else ()
+        d_send, d_recv, c_send, c_recv = (launch[n] for n in _abi.ALLTOALL_KERNELS)
+        self._halves = {"dispatch": ((d_send,), (d_recv,) + pack), "combine": ((c_send,), (c_recv,))}  # send, receive
+        # both halves in one launch where its grid is resident at once, else the two halves' kernels
+        self._whole = {phase: (launch[n],) + (pack if phase == "dispatch" else ())
+                       if _abi.resident(grid[n], transport.num_sms) else sum(self._halves[phase], ())
+                       for phase, n in _abi.WHOLE_KERNELS.items()}
         self._skip = dict(zip(("dispatch_send", "dispatch_recv", "combine_send", "combine_recv"), (
             transport.launch(n, grid[n], self.fixed, self._skipped) for n in _abi.ALLTOALL_KERNELS)))
         self._stream = cupy.cuda.get_current_stream().ptr  # of the last call (a refusal's default)
@@ -168,6 +172,8 @@ class GpuAllToAll(AllToAllBackend):
         self.check_error(timeout_only=True)
         self._stream = stream
         send, recv = self._halves[phase]
+        if do_send and do_recv:
+            send, recv = self._whole[phase], ()
         if do_send:
             if self._timing:
                 self._timing.start(phase, stream)

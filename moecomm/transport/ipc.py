@@ -4,8 +4,8 @@ Each rank allocates one symmetric heap with cudaMalloc ($MOECOMM_IPC_HEAP_MB, de
 it with CUDA IPC; the handles are gathered over the bootstrap and every rank maps every peer's heap.
 Symmetric arrays are carved from the heap at the same offset on every rank: allocation is collective and
 in the same order everywhere, and every rank runs the same first-fit allocator. The kernels are built
-against ``cuda/transport_ipc.cuh``: a peer's address is its heap base plus the offset (a table in the
-module, written when it is loaded), data and signals are stores into peer memory over NVLink, and no
+against ``cuda/transport_ipc.cuh``: a peer's address is this rank's address plus the offset of the peer's
+heap as mapped here (the transport's peer table), data and signals are stores into peer memory over NVLink, and no
 NVSHMEM device library is linked. Bounded waits, collective errors and masking are those of every GPU
 transport (moecomm/transport/gpu.py, gpu_alltoall.py).
 """
@@ -39,9 +39,6 @@ class IpcTransport(GpuTransport):
     variant = "ipc"
 
     def _start_runtime(self, dev):
-        if self.world_size > C.IPC_MAX_RANKS:
-            raise InvalidArgument(f"the ipc transport serves at most {C.IPC_MAX_RANKS} ranks (one node), got "
-                                  f"{self.world_size}")
         rt = self._cupy.cuda.runtime
         self._size = heap_bytes()
         self._base = rt.malloc(self._size)
@@ -52,14 +49,10 @@ class IpcTransport(GpuTransport):
         self._used = {}                  # offset -> bytes of each live array
 
     def _load_module(self, module):
-        rt = self._cupy.cuda.runtime
-        table = np.zeros(C.IPC_MAX_RANKS, np.uint64)
-        table[:self.world_size] = self._bases
-        for name, value in (("moecomm_ipc_heap", table), ("moecomm_ipc_rank", np.array([self.rank], np.int32))):
-            ptr, size = module.global_address(name)
-            if size != value.nbytes:
-                raise MoeCommError(f"{name}: {size} bytes in the module, {value.nbytes} expected")
-            rt.memcpy(ptr, value.ctypes.data, value.nbytes, rt.memcpyHostToDevice)
+        pass  # the module holds no state of the transport: peers are reached through the peer table
+
+    def peer_offsets(self):
+        return [base - self._base for base in self._bases]  # every peer of the node is mapped
 
     def _array(self, address, shape, dtype):
         cp = self._cupy

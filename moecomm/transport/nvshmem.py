@@ -16,6 +16,7 @@ bootstrap plugin would).
 """
 import numpy as np
 
+from .. import _constants as C
 from .._errors import MoeCommError
 from .gpu import GpuTransport
 
@@ -36,6 +37,7 @@ class NvshmemTransport(GpuTransport):
         if self._nvshmem.my_pe() != self.rank:
             raise MoeCommError(f"NVSHMEM PE {self._nvshmem.my_pe()} != rank {self.rank}")
         self._arrays = []  # symmetric arrays we own, freed in allocation order at finalize
+        self._offsets = None  # the peer table (peer_offsets), from the first symmetric array
 
     def _load_module(self, module):
         self._bindings.cumodule_init(int(module.handle))
@@ -44,7 +46,21 @@ class NvshmemTransport(GpuTransport):
         with self.context:
             a = self._nvshmem.array(tuple(shape), dtype=np.dtype(dtype).name)
         self._arrays.append(a)
+        offsets = [self._offset(a.data.ptr, pe) for pe in range(self.world_size)]
+        if self._offsets is None:
+            self._offsets = offsets
+        elif offsets != self._offsets:  # the kernels' peer table holds one offset per rank
+            raise MoeCommError(f"NVSHMEM maps this symmetric array of rank {self.rank} at other offsets on the peers "
+                               f"({offsets}) than its first one ({self._offsets}): moecomm's peer table assumes "
+                               f"each rank's heap is mapped as one range")
         return a
+
+    def _offset(self, address, pe):
+        mapped = self._bindings.ptr(address, pe)
+        return mapped - address if mapped else C.PEER_UNMAPPED
+
+    def peer_offsets(self):
+        return self._offsets
 
     def peer_array(self, array, pe):
         if pe == self.rank:
