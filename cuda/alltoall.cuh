@@ -79,11 +79,10 @@ constexpr int MAX_FANOUT = MOECOMM_MAX_TOPK + 1;
 constexpr int THREADS = MOECOMM_BLOCK_THREADS;
 constexpr int INFLIGHT = 4;  // 16-byte loads per thread in flight in copies: a 16 KB row in one round
 
-// Block-wide: copy `bytes` (a multiple of 16) from src to dsts[0..n) + offset, loading each 16-byte chunk
-// once and keeping up to INFLIGHT loads per thread in flight (a plain loop would wait for each load: dst
-// may alias src).
-__device__ __forceinline__ void fanout16(uint8_t* const* dsts, int n, const uint8_t* src, int bytes,
-                                         int offset) {
+// Block-wide: copy `bytes` (a multiple of 16) from src to dsts[0..n), loading each 16-byte chunk once and
+// keeping up to INFLIGHT loads per thread in flight (a plain loop would wait for each load: dst may alias
+// src).
+__device__ __forceinline__ void fanout16(uint8_t* const* dsts, int n, const uint8_t* src, int bytes) {
   const int4* s = (const int4*)src;
   const int chunks = bytes / 16;
   for (int base = threadIdx.x; base < chunks; base += INFLIGHT * THREADS) {
@@ -92,7 +91,7 @@ __device__ __forceinline__ void fanout16(uint8_t* const* dsts, int n, const uint
     for (int u = 0; u < INFLIGHT; ++u)
       if (base + u * THREADS < chunks) v[u] = s[base + u * THREADS];
     for (int j = 0; j < n; ++j) {
-      int4* d = (int4*)(dsts[j] + offset);
+      int4* d = (int4*)dsts[j];
 #pragma unroll
       for (int u = 0; u < INFLIGHT; ++u)
         if (base + u * THREADS < chunks) d[base + u * THREADS] = v[u];
@@ -100,13 +99,18 @@ __device__ __forceinline__ void fanout16(uint8_t* const* dsts, int n, const uint
   }
 }
 
-// Block-wide, the same for 4-byte words (scale rows, whose size need not be a multiple of 16).
-__device__ __forceinline__ void fanout4(uint8_t* const* dsts, int n, const uint8_t* src, int bytes,
-                                        int offset) {
-  const int* s = (const int*)src;
-  for (int i = threadIdx.x; i < bytes / 4; i += THREADS) {
-    const int v = s[i];
-    for (int j = 0; j < n; ++j) ((int*)(dsts[j] + offset))[i] = v;
+// Block-wide: a token row (f.x_bytes at x) and its scales (f.scale_bytes at scales, 4-byte words, not
+// necessarily a multiple of 16; none when 0) into the n rows xd[j] and sd[j]. Each thread's first scale word
+// is loaded before the row's chunks, so both arrive in one round trip.
+__device__ __forceinline__ void copy_row(const Fixed& f, uint8_t* const* xd, uint8_t* const* sd, int n,
+                                         const uint8_t* x, const uint8_t* scales) {
+  const int* s = (const int*)scales;
+  const int words = f.scale_bytes / 4;
+  const int first = threadIdx.x < words ? s[threadIdx.x] : 0;
+  fanout16(xd, n, x, f.x_bytes);
+  for (int i = threadIdx.x; i < words; i += THREADS) {
+    const int v = i == (int)threadIdx.x ? first : s[i];
+    for (int j = 0; j < n; ++j) ((int*)sd[j])[i] = v;
   }
 }
 
@@ -126,8 +130,7 @@ __device__ __forceinline__ void list_rows(const Fixed& f, const Call& c, int row
 // Block-wide: a record's token row and scales into the n rows list_rows listed.
 __device__ __forceinline__ void copy_record(const Fixed& f, uint8_t* const* xdst, uint8_t* const* sdst, int n,
                                             const uint8_t* rec) {
-  fanout16(xdst, n, rec, f.x_bytes, 0);
-  if (f.scale_bytes) fanout4(sdst, n, rec + f.x_bytes, f.scale_bytes, 0);
+  copy_row(f, xdst, sdst, n, rec, rec + f.x_bytes);
 }
 
 // Block-wide: put `bytes` of src to remote[j] on pes[j], j < n (non-blocking; complete with quiet).

@@ -78,7 +78,7 @@ __device__ void moecomm::combine_send(const Fixed& f, const Call& c) {
       } else {
         for (int k = 0; k < n; ++k) {
           tg.build(f.peers, f.comb_buf + ((size_t)t * f.topk + ks[k]) * f.out_row_bytes, q0, q1, st);
-          fanout16(tg.dsts, tg.n, rows[k], f.out_row_bytes, 0);
+          fanout16(tg.dsts, tg.n, rows[k], f.out_row_bytes);
           tg.send_puts(f.out_row_bytes);
         }
       }

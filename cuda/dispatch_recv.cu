@@ -120,9 +120,9 @@ __device__ void moecomm::dispatch_recv(const Fixed& f, const Call& c) {
         record_error(f.err, MOECOMM_ERR_CAPACITY, f.rank, MOECOMM_PHASE_DISPATCH, lo + le, (int)epoch, (int)demand);
       }
     }
-    if (threadIdx.x == 0) {  // packed: the rank's rows against its capacity ("error"; "drop" counted above)
+    if (threadIdx.x == 0 && f.packed) {  // the rank's rows against its capacity ("error"; "drop" counted above)
       const unsigned rows = atomicExch(&f.state[MOECOMM_S_ROWS], 0u);
-      if (f.packed && !c.skip && !f.drop && rows > (unsigned)f.cap &&
+      if (!c.skip && !f.drop && rows > (unsigned)f.cap &&
           atomicCAS(&f.state[MOECOMM_S_BAD_RECV], 0u, MOECOMM_ERR_CAPACITY) == 0u) {
         f.state[MOECOMM_S_WHY] = rows;
         record_error(f.err, MOECOMM_ERR_CAPACITY, f.rank, MOECOMM_PHASE_DISPATCH, -1, (int)epoch, (int)rows);
@@ -138,7 +138,7 @@ __device__ void moecomm::dispatch_recv(const Fixed& f, const Call& c) {
         }
         c.out_offsets[f.local_experts] = first;
       }
-      if (!c.skip) ++f.counters[MOECOMM_C_CALLS];
+      if (!c.skip) tally(f, MOECOMM_C_CALLS, 1);  // an atomic, not waited for (a plain ++ waits for the load)
       f.state[MOECOMM_S_DONE_DR] = 0;
       f.state[MOECOMM_S_EPOCH_DR] = epoch;
     }

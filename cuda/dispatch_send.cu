@@ -32,6 +32,19 @@ __device__ void moecomm::dispatch_send(const Fixed& f, const Call& c) {
   __shared__ uint8_t* remote[MAX_FANOUT];
   __shared__ int pes[MAX_FANOUT];
   __shared__ int n_direct, n_put, n_local, n_meta;  // n_put < 0: skip the token (invalid)
+  // warp 0: a token's ids and weights (lane k: its k-th); the block's first token's are loaded at once,
+  // beside bound_m and the epoch (any row < rows is readable; a skipped call has no rows)
+  int e = -1;
+  float w = 0.0f;
+  auto load_ids = [&](int t) {
+    e = -1;
+    w = 0.0f;
+    if (warp == 0 && lane < f.topk && t < c.rows) {
+      e = expert_id(c, (size_t)t * f.topk + lane, f.num_experts);
+      if (c.weights) w = c.weights[(size_t)t * f.topk + lane];
+    }
+  };
+  load_ids(f.rank % f.dp + blockIdx.x * f.dp);
   int m = c.skip ? 0 : *c.bound_m;
   const bool bad_m = m < 0 || m > c.rows || m > f.max_tokens;
   if (blockIdx.x == 0 && threadIdx.x == 0) {
@@ -51,15 +64,8 @@ __device__ void moecomm::dispatch_send(const Fixed& f, const Call& c) {
   Stage st(f);
   for (int i = blockIdx.x;; i += gridDim.x) {
     const int t = f.rank % f.dp + i * f.dp;
-    if (t >= c.rows) break;  // (skipped calls have no rows)
-    // warp 0: the token's ids and weights, loaded while m is still on its way (any row < rows is readable)
-    int e = -1;
-    float w = 0.0f;
-    if (warp == 0 && lane < f.topk) {
-      e = expert_id(c, (size_t)t * f.topk + lane, f.num_experts);
-      if (c.weights) w = c.weights[(size_t)t * f.topk + lane];
-    }
     if (t >= m) break;
+    if (i != (int)blockIdx.x) load_ids(t);
     // warp 0: check the token's experts, take slots (in parallel lanes), list the destinations
     if (warp == 0) {
       int dest = -1, slot_id = -1;  // the pair's physical expert slot and its rank
@@ -159,9 +165,7 @@ __device__ void moecomm::dispatch_send(const Fixed& f, const Call& c) {
       __syncthreads();
     }
     const int n = nd + (puts ? 1 : 0) + n_local;
-    fanout16(xd, n, x + (size_t)t * f.x_bytes, f.x_bytes, 0);
-    if (f.scale_bytes)
-      fanout4(sd, n, (const uint8_t*)(c.x_scale + (size_t)t * (f.scale_bytes / 4)), f.scale_bytes, 0);
+    copy_row(f, xd, sd, n, x + (size_t)t * f.x_bytes, (const uint8_t*)(c.x_scale + (size_t)t * (f.scale_bytes / 4)));
     if (warp == 0) {
       for (int j = 0; j < n_meta; ++j) {
         int* meta = meta_of(recs[j], f);
