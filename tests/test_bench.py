@@ -92,3 +92,37 @@ def test_merge_joins_runs_of_two_transports(tmp_path):
     assert [r["transport"] for r in both["results"]] == ["nvshmem", "ipc"]
     assert [r["transport"] for r in both["runs"]] == ["nvshmem", "ipc"]
     assert "ipc r1-decode" in p.stdout
+
+
+def _trace_tool():
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parent.parent / "tools" / "trace_kernels.py"
+    spec = importlib.util.spec_from_file_location("trace_kernels", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_trace_figures_time_each_reached_stage():
+    """tools/trace_kernels.py's arithmetic on synthetic stamps (the stamps themselves need a GPU): stages
+    from the previous reached stamp, unreached stages left out, block 0's span, the last block's epilogue."""
+    from moecomm import _constants as C
+    tool = _trace_tool()
+    mhz, replays = 1000.0, 5  # 1000 clocks per microsecond
+    rows = np.zeros((replays, len(C.TRACE_HALVES), C.TRACE_POINTS), np.int64)
+    for h, half in enumerate(C.TRACE_HALVES):
+        n = len(tool.STAGES[half])
+        rows[:, h, :n] = 10_000 + 1000 * np.arange(n) * (h + 1)  # each stage (h + 1) us after the last
+    rows[:, 1, 2:4] = 0  # dispatch_recv's block 0 had no records: "routed" and "copied" unreached
+    rows[:, 0, -1] = 1500  # dispatch_send's last block: 1.5 us of epilogue
+    figures = tool.figures(rows, mhz)
+    send = figures["dispatch_send"]
+    assert send["first token routed (ids, slots)"] == [1.0, 1.0]
+    assert send["block 0, start to end"][0] == 5.0 and send["last block: signals, counters"][0] == 1.5
+    recv = figures["dispatch_recv"]
+    assert "first record routed (slots)" not in recv and "first record copied" not in recv
+    assert recv["all records copied"] == [6.0, 6.0]  # from "source's signal seen": three stamps on, 2 us apart
+    assert "last block: signals, counters" not in figures["combine_recv"]
+    text = tool.table([figures, figures])
+    assert "rank 1" in text and "first record copied" not in text

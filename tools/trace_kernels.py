@@ -37,6 +37,41 @@ STAGES = {
 }
 
 
+def figures(rows, mhz):
+    """{half: {stage: [median, p90] microseconds}} from the stamps of many replays, ``rows`` [replays,
+    len(TRACE_HALVES), TRACE_POINTS] int64 SM clocks at ``mhz``: each stage block 0 reached timed from the
+    previous one it reached (a stage it did not reach, its stamp 0 in every replay, is left out: a receive
+    half's block 0 has no records of its own rank in the padded layout), block 0's span, and the last
+    block's epilogue where the half times one."""
+    out = {}
+    for h, half in enumerate(C.TRACE_HALVES):
+        reached = [i for i, _ in enumerate(STAGES[half]) if rows[:, h, i].all()]
+        names = [STAGES[half][i] for i in reached]
+        stamps = rows[:, h, reached]
+        d = np.diff(stamps, axis=1) / mhz
+        stage = {names[i + 1]: [float(np.median(d[:, i])), float(np.percentile(d[:, i], 90))]
+                 for i in range(len(names) - 1)}
+        span = float(np.median(stamps[:, -1] - stamps[:, 0]) / mhz)
+        stage["block 0, start to end"] = [span, span]
+        last = rows[:, h, -1]
+        if last.any():
+            stage["last block: signals, counters"] = [float(np.median(last) / mhz), float(np.percentile(last, 90) / mhz)]
+        out[half] = stage
+    return out
+
+
+def table(everyone):
+    """The figures of every rank (a list of figures()), a stage per line, a column per rank."""
+    lines = []
+    for half in C.TRACE_HALVES:
+        lines.append(f"{half}" + "".join(f"{'rank ' + str(r):>16s}" for r in range(len(everyone))))
+        for stage in dict.fromkeys(s for f in everyone for s in f[half]):
+            cells = "  ".join(f"{f[half][stage][0]:6.2f} ({f[half][stage][1]:5.2f})" if stage in f[half]
+                              else f"{'-':>14s}" for f in everyone)
+            lines.append(f"  {stage:38s} {cells}")
+    return "\n".join(lines)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--transport", default="ipc", choices=["nvshmem", "ipc"])
@@ -90,32 +125,12 @@ def main():
         a2a.synchronize(stream)
     rows = np.array(rows).reshape(len(rows), len(C.TRACE_HALVES), C.TRACE_POINTS)
     mhz = cupy.cuda.runtime.getDeviceProperties(tr.device)["clockRate"] / 1e3
-    figures = {}
-    for h, half in enumerate(C.TRACE_HALVES):
-        # stages block 0 did not reach (a receive half's own records: none in the padded layout) are left out
-        reached = [i for i, _ in enumerate(STAGES[half]) if rows[:, h, i].all()]
-        names = [STAGES[half][i] for i in reached]
-        stamps = rows[:, h, reached]
-        d = np.diff(stamps, axis=1) / mhz
-        stage = {names[i + 1]: [float(np.median(d[:, i])), float(np.percentile(d[:, i], 90))]
-                 for i in range(len(names) - 1)}
-        span = float(np.median(stamps[:, -1] - stamps[:, 0]) / mhz)
-        stage["block 0, start to end"] = [span, span]
-        last = rows[:, h, -1]
-        if last.any():
-            stage["last block: signals, counters"] = [float(np.median(last) / mhz), float(np.percentile(last, 90) / mhz)]
-        figures[half] = stage
-    everyone = comm.allgather(figures)
+    everyone = comm.allgather(figures(rows, mhz))
     if rank == 0:
         mode = "the four half kernels" if args.split else "one launch per phase"
         print(f"{args.transport}, {T} tokens per rank, {mode}, {args.iters} replays: microseconds since the previous "
               f"stamp, median (p90), SM clock {mhz:.0f} MHz")
-        for half in C.TRACE_HALVES:
-            print(f"{half}" + "".join(f"{'rank ' + str(r):>16s}" for r in range(W)))
-            for stage in dict.fromkeys(s for f in everyone for s in f[half]):
-                cells = "  ".join(f"{f[half][stage][0]:6.2f} ({f[half][stage][1]:5.2f})" if stage in f[half]
-                                  else f"{'-':>14s}" for f in everyone)
-                print(f"  {stage:38s} {cells}")
+        print(table(everyone))
         if args.json:
             with open(args.json, "w") as fh:
                 json.dump(dict(transport=args.transport, tokens=T, split=args.split, iters=args.iters,
