@@ -10,11 +10,17 @@
 // Compiled out otherwise.
 #if MOECOMM_TRACE
 extern "C" __device__ unsigned long long moecomm_trace[MOECOMM_TRACE_HALVES * MOECOMM_TRACE_POINTS];
-#define TRACE(half, point) \
-  do { if (threadIdx.x == 0 && blockIdx.x == 0) moecomm_trace[(half) * MOECOMM_TRACE_POINTS + (point)] = clock64(); } while (0)
+#define TRACE(half, point)                                                                 \
+  do {                                                                                     \
+    if (threadIdx.x == 0 && blockIdx.x == 0)                                               \
+      moecomm_trace[(half) * MOECOMM_TRACE_POINTS + (point)] = clock64();                  \
+  } while (0)
 #define TRACE_LAST_START() const long long trace_start = clock64()
-#define TRACE_LAST(half) \
-  do { if (threadIdx.x == 0) moecomm_trace[((half) + 1) * MOECOMM_TRACE_POINTS - 1] = clock64() - trace_start; } while (0)
+#define TRACE_LAST(half)                                                                   \
+  do {                                                                                     \
+    if (threadIdx.x == 0)                                                                  \
+      moecomm_trace[((half) + 1) * MOECOMM_TRACE_POINTS - 1] = clock64() - trace_start;    \
+  } while (0)
 #else
 #define TRACE(half, point)
 #define TRACE_LAST_START()

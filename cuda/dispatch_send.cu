@@ -194,7 +194,8 @@ __device__ void moecomm::dispatch_send(const Fixed& f, const Call& c) {
     for (int d = threadIdx.x; d < f.world; d += blockDim.x) {
       const unsigned cnt = atomicExch(&f.state[MOECOMM_S_FIXED + d], 0u);
       if (!f.mask[d])
-        signal_set(f.peers, &f.sig[f.rank], bad ? epoch_signal(epoch, SIG_BAD | bad) : count_signal(epoch, cnt, generation), d);
+        signal_set(f.peers, &f.sig[f.rank],
+                   bad ? epoch_signal(epoch, SIG_BAD | bad) : count_signal(epoch, cnt, generation), d);
       if (d != f.rank) tally_bytes(f, MOECOMM_B_DISPATCH_SENT, d, (unsigned long long)cnt * f.rec_bytes);
     }
     __syncthreads();
