@@ -79,13 +79,13 @@ constexpr int MAX_FANOUT = MOECOMM_MAX_TOPK + 1;
 constexpr int THREADS = MOECOMM_BLOCK_THREADS;
 constexpr int INFLIGHT = 4;  // 16-byte loads per thread in flight in copies: a 16 KB row in one round
 
-// Block-wide: copy `bytes` (a multiple of 16) from src to dsts[0..n), loading each 16-byte chunk once and
-// keeping up to INFLIGHT loads per thread in flight (a plain loop would wait for each load: dst may alias
-// src).
-__device__ __forceinline__ void fanout16(uint8_t* const* dsts, int n, const uint8_t* src, int bytes) {
+// Block-wide: copy `bytes` (a multiple of 16) from src to dsts[0..n), from 16-byte chunk `from` on, loading
+// each chunk once and keeping up to INFLIGHT loads per thread in flight (a plain loop would wait for each
+// load: dst may alias src).
+__device__ __forceinline__ void fanout16(uint8_t* const* dsts, int n, const uint8_t* src, int bytes, int from = 0) {
   const int4* s = (const int4*)src;
   const int chunks = bytes / 16;
-  for (int base = threadIdx.x; base < chunks; base += INFLIGHT * THREADS) {
+  for (int base = from + threadIdx.x; base < chunks; base += INFLIGHT * THREADS) {
     int4 v[INFLIGHT];
 #pragma unroll
     for (int u = 0; u < INFLIGHT; ++u)
@@ -99,23 +99,43 @@ __device__ __forceinline__ void fanout16(uint8_t* const* dsts, int n, const uint
   }
 }
 
-// Block-wide: a token row (f.x_bytes at x) and its scales (f.scale_bytes at scales, 4-byte words, not
-// necessarily a multiple of 16; none when 0) into the n rows xd[j] and sd[j]. Each thread's first scale word
-// is loaded before the row's chunks, so both arrive in one round trip.
-__device__ __forceinline__ void copy_row(const Fixed& f, uint8_t* const* xd, uint8_t* const* sd, int n,
-                                         const uint8_t* x, const uint8_t* scales) {
-  const int* s = (const int*)scales;
-  const int words = f.scale_bytes / 4;
-  const int first = threadIdx.x < words ? s[threadIdx.x] : 0;
-  fanout16(xd, n, x, f.x_bytes);
-  for (int i = threadIdx.x; i < words; i += THREADS) {
-    const int v = i == (int)threadIdx.x ? first : s[i];
-    for (int j = 0; j < n; ++j) ((int*)sd[j])[i] = v;
+// Block-wide copy of a token row (f.x_bytes at x) and its scales (f.scale_bytes at scales, 4-byte words, not
+// necessarily a multiple of 16; none when 0) in two steps, so that the load is issued before the block knows
+// where the row goes: load() takes each thread's first INFLIGHT 16-byte chunks of the row (a 16 KB row in
+// all) and its first scale word into registers, in one round trip; store() writes them into the n rows
+// xd[j] and sd[j], then copies whatever the first round did not cover. Source and destinations must not
+// alias.
+struct RowCopy {
+  int4 v[INFLIGHT];
+  int first;
+  __device__ __forceinline__ void load(const Fixed& f, const uint8_t* x, const uint8_t* scales) {
+    const int chunks = f.x_bytes / 16;
+    first = (int)threadIdx.x < f.scale_bytes / 4 ? ((const int*)scales)[threadIdx.x] : 0;
+#pragma unroll
+    for (int u = 0; u < INFLIGHT; ++u)
+      if (threadIdx.x + u * THREADS < chunks) v[u] = ((const int4*)x)[threadIdx.x + u * THREADS];
   }
-}
+  // x, scales: as given to load()
+  __device__ __forceinline__ void store(const Fixed& f, uint8_t* const* xd, uint8_t* const* sd, int n,
+                                        const uint8_t* x, const uint8_t* scales) const {
+    const int chunks = f.x_bytes / 16;
+    for (int j = 0; j < n; ++j) {
+      int4* d = (int4*)xd[j];
+#pragma unroll
+      for (int u = 0; u < INFLIGHT; ++u)
+        if (threadIdx.x + u * THREADS < chunks) d[threadIdx.x + u * THREADS] = v[u];
+    }
+    if (chunks > INFLIGHT * THREADS) fanout16(xd, n, x, f.x_bytes, INFLIGHT * THREADS);
+    for (int i = threadIdx.x; i < f.scale_bytes / 4; i += THREADS) {
+      const int w = i == (int)threadIdx.x ? first : ((const int*)scales)[i];
+      for (int j = 0; j < n; ++j) ((int*)sd[j])[i] = w;
+    }
+  }
+};
 
 // Warp 0 (every lane): list the lanes' rows of c.out_x / c.out_scale (`row` -1: none) in xdst / sdst,
-// compacted; lane 0 sets *n. Then the block copies a record there with copy_record.
+// compacted; lane 0 sets *n. Then the block copies a record there (RowCopy from the record: its row, then
+// its scales).
 __device__ __forceinline__ void list_rows(const Fixed& f, const Call& c, int row, uint8_t** xdst, uint8_t** sdst,
                                           int* n) {
   const unsigned mask = __ballot_sync(FULL, row >= 0);
@@ -125,12 +145,6 @@ __device__ __forceinline__ void list_rows(const Fixed& f, const Call& c, int row
     sdst[pos] = (uint8_t*)(c.out_scale + (size_t)row * (f.scale_bytes / 4));
   }
   if ((threadIdx.x & 31) == 0) *n = __popc(mask);
-}
-
-// Block-wide: a record's token row and scales into the n rows list_rows listed.
-__device__ __forceinline__ void copy_record(const Fixed& f, uint8_t* const* xdst, uint8_t* const* sdst, int n,
-                                            const uint8_t* rec) {
-  copy_row(f, xdst, sdst, n, rec, rec + f.x_bytes);
 }
 
 // Block-wide: put `bytes` of src to remote[j] on pes[j], j < n (non-blocking; complete with quiet).

@@ -48,10 +48,11 @@ __device__ void moecomm::combine_send(const Fixed& f, const Call& c) {
     wt = lane < f.topk ? ((const float*)meta)[1 + f.topk + lane] : 0.0f;
     tok = meta[0];
   };
-  if (warp == 0) load_record(part);  // the first record beside the count: any record < max_tokens is readable
+  // the first record beside the count (any record < max_tokens is readable), then each next one while the
+  // block sends the current one
+  if (warp == 0) load_record(part);
   for (int j = part; j < (int)count; j += parts) {
     if (warp == 0) {  // this rank's experts of the record's token, compacted
-      if (j != part) load_record(j);
       const unsigned mask = __ballot_sync(FULL, s >= 0);
       if (s >= 0) {
         const int pos = __popc(mask & ((1u << lane) - 1));
@@ -63,6 +64,7 @@ __device__ void moecomm::combine_send(const Fixed& f, const Call& c) {
         n = __popc(mask);
         token = tok;
       }
+      if (j + parts < (int)count) load_record(j + parts);
     }
     __syncthreads();
     if (j == part) TRACE(MOECOMM_TRACE_COMBINE_SEND, 1);

@@ -20,6 +20,8 @@ extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, MOECOMM_BLOC
   __shared__ uint8_t* sdst[MOECOMM_MAX_TOPK];
   for (int j = part; j < records; j += parts) {
     const uint8_t* rec = f.recv_buf + ((size_t)src * f.max_tokens + j) * f.rec_bytes;
+    RowCopy copy;
+    copy.load(f, rec, rec + f.x_bytes);  // in flight while warp 0 finds the rows
     if (warp == 0) {
       int row = -1;
       if (lane < f.topk) {
@@ -32,7 +34,7 @@ extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, MOECOMM_BLOC
       list_rows(f, c, row, xdst, sdst, &n);
     }
     __syncthreads();
-    copy_record(f, xdst, sdst, n, rec);
+    copy.store(f, xdst, sdst, n, rec, rec + f.x_bytes);
     __syncthreads();
   }
 }

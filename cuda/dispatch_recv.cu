@@ -4,8 +4,32 @@
 
 using namespace moecomm;
 
-// grid: world * parts blocks of MOECOMM_BLOCK_THREADS; block b serves source rank b % world, one block
-// per record (strided); each record is read once and stored into every local expert it goes to.
+// One thread: wait for source s's signal; returns its record count (0 when it sent nothing usable), kept in
+// state[s_recv + s] for the combine when `keep`.
+static __device__ __forceinline__ unsigned receive(const Fixed& f, const Call& c, int s, unsigned epoch, bool keep) {
+  const uint64_t v = f.mask[s] ? 0
+      : wait_epoch(&f.sig[s], epoch, now_ns() + f.timeout_ns, f.err, s, MOECOMM_PHASE_DISPATCH);
+  peer_failed(f, c, v, s, MOECOMM_PHASE_DISPATCH, epoch);
+  unsigned got = (v & SIG_BAD) || c.skip ? 0 : (unsigned)v & SIG_COUNT;
+  const unsigned theirs = ((unsigned)v >> MOECOMM_SIG_COUNT_BITS) & SIG_GEN;
+  if (v && !(v & SIG_BAD) && !c.skip && theirs != (f.state[MOECOMM_S_GEN] & SIG_GEN)) {
+    record_error(f.err, MOECOMM_ERR_GENERATION, s, MOECOMM_PHASE_DISPATCH, (int)theirs, (int)epoch,
+                 (int)(f.state[MOECOMM_S_GEN] & SIG_GEN));
+    got = 0;
+  }
+  if (got > (unsigned)f.max_tokens) {
+    record_error(f.err, MOECOMM_ERR_OVERFLOW, s, MOECOMM_PHASE_DISPATCH, got, (int)epoch);
+    got = 0;
+  }
+  if (keep) {
+    f.state[f.s_recv + s] = got;
+    if (s != f.rank) tally_bytes(f, MOECOMM_B_DISPATCH_RECEIVED, s, (unsigned long long)got * f.rec_bytes);
+  }
+  return got;
+}
+
+// grid: world * P blocks of MOECOMM_BLOCK_THREADS, spread over the sources with records to unpack (below),
+// one block per record (strided); each record is read once and stored into every local expert it goes to.
 // Reads f.recv_buf and f.sig (this rank's copies); writes c.out_num [local_experts] int32,
 // c.out_x [local_experts, cap, hidden] in_dtype, c.out_scale [local_experts, cap, scales] float32 (or
 // null), and f.slot_of [world, max_tokens, topk]: where record (src, j)'s k-th expert slot is (le*cap+slot,
@@ -23,46 +47,39 @@ using namespace moecomm;
 __device__ void moecomm::dispatch_recv(const Fixed& f, const Call& c) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   TRACE(MOECOMM_TRACE_DISPATCH_RECV, 0);
-  const int src = blockIdx.x % f.world, part = blockIdx.x / f.world, parts = gridDim.x / f.world;
+  // The sources whose records are unpacked here: in the padded layout this rank's own tokens are in place
+  // already, so the grid serves the other ranks only (block 0 still takes the own source's count); a block
+  // past the last whole part (part == parts) only waits.
+  const bool others = !f.packed && f.world > 1;
+  const int served = others ? f.world - 1 : f.world, parts = gridDim.x / served;
+  const int k = blockIdx.x % served, part = blockIdx.x / served;
+  const int src = others && k >= f.rank ? k + 1 : k;
   const unsigned epoch = f.state[MOECOMM_S_EPOCH_DR] + 1;
   __shared__ unsigned count;
   __shared__ int n;
   __shared__ uint8_t* xdst[MOECOMM_MAX_TOPK];
   __shared__ uint8_t* sdst[MOECOMM_MAX_TOPK];
-  if (threadIdx.x == 0) {
-    const uint64_t v = f.mask[src] ? 0
-        : wait_epoch(&f.sig[src], epoch, now_ns() + f.timeout_ns, f.err, src, MOECOMM_PHASE_DISPATCH);
-    peer_failed(f, c, v, src, MOECOMM_PHASE_DISPATCH, epoch);
-    count = (v & SIG_BAD) || c.skip ? 0 : (unsigned)v & SIG_COUNT;
-    const unsigned theirs = ((unsigned)v >> MOECOMM_SIG_COUNT_BITS) & SIG_GEN;
-    if (v && !(v & SIG_BAD) && !c.skip && theirs != (f.state[MOECOMM_S_GEN] & SIG_GEN)) {
-      record_error(f.err, MOECOMM_ERR_GENERATION, src, MOECOMM_PHASE_DISPATCH, (int)theirs, (int)epoch,
-                   (int)(f.state[MOECOMM_S_GEN] & SIG_GEN));
-      count = 0;
-    }
-    if (count > (unsigned)f.max_tokens) {
-      record_error(f.err, MOECOMM_ERR_OVERFLOW, src, MOECOMM_PHASE_DISPATCH, count, (int)epoch);
-      count = 0;
-    }
-    if (part == 0) {
-      f.state[f.s_recv + src] = count;
-      if (src != f.rank)
-        tally_bytes(f, MOECOMM_B_DISPATCH_RECEIVED, src, (unsigned long long)count * f.rec_bytes);
-    }
-  }
+  if (threadIdx.x == 0) count = receive(f, c, src, epoch, part == 0);
+  if (others && blockIdx.x == 0 && threadIdx.x == 32) receive(f, c, f.rank, epoch, true);
   __syncthreads();
   TRACE(MOECOMM_TRACE_DISPATCH_RECV, 1);
   const int lo = f.rank * f.local_experts;
-  const int records = src == f.rank && !f.packed ? 0 : (int)count;
+  const int records = (src == f.rank && !f.packed) || part >= parts ? 0 : (int)count;
+  auto record = [&](int j) { return f.recv_buf + ((size_t)src * f.max_tokens + j) * f.rec_bytes; };
+  int id = -1;  // warp 0, lane k < topk: the k-th expert id of the block's next record (read a record ahead)
+  auto load_id = [&](int j) { id = warp == 0 && lane < f.topk && j < records ? meta_of(record(j), f)[1 + lane] : -1; };
+  load_id(part);
   bool flagged = false;  // this thread set drop words (completed before the block ends)
   for (int j = part; j < records; j += parts) {
-    const uint8_t* rec = f.recv_buf + ((size_t)src * f.max_tokens + j) * f.rec_bytes;
+    const uint8_t* rec = record(j);
+    RowCopy row;  // padded layout: the record's row and scales, in flight while warp 0 takes slots
+    if (!f.packed) row.load(f, rec, rec + f.x_bytes);
     if (warp == 0) {  // a slot in each local expert of the record (in parallel lanes; id -1 is none)
       int where = -1;
       bool dropped = false;
       if (lane < f.topk) {
-        const int le = meta_of(rec, f)[1 + lane] - lo;
-        if (le >= 0 && le < f.local_experts) {
+        const int le = id - lo;
+        if (id >= 0 && le >= 0 && le < f.local_experts) {
           const unsigned slot = atomicAdd(&f.state[f.s_expert + le], 1u);  // the expert's demand
           if (f.packed) {
             if (atomicAdd(&f.state[MOECOMM_S_ROWS], 1u) < (unsigned)f.cap)
@@ -77,6 +94,7 @@ __device__ void moecomm::dispatch_recv(const Fixed& f, const Call& c) {
         }
         f.slot_of[((size_t)src * f.max_tokens + j) * f.topk + lane] = where;
       }
+      load_id(j + parts);
       const unsigned drops = __ballot_sync(FULL, dropped);
       if (drops && lane == 0) {  // tell the token's rank (read by its combine_recv after our combine signal)
         const int t = meta_of(rec, f)[0];
@@ -87,7 +105,7 @@ __device__ void moecomm::dispatch_recv(const Fixed& f, const Call& c) {
     }
     __syncthreads();
     if (j == part) TRACE(MOECOMM_TRACE_DISPATCH_RECV, 2);
-    if (!f.packed) copy_record(f, xdst, sdst, n, rec);
+    if (!f.packed) row.store(f, xdst, sdst, n, rec, rec + f.x_bytes);
     __syncthreads();
     if (j == part) TRACE(MOECOMM_TRACE_DISPATCH_RECV, 3);
   }

@@ -66,6 +66,10 @@ __device__ void moecomm::dispatch_send(const Fixed& f, const Call& c) {
     const int t = f.rank % f.dp + i * f.dp;
     if (t >= m) break;
     if (i != (int)blockIdx.x) load_ids(t);
+    const uint8_t* const xt = x + (size_t)t * f.x_bytes;
+    const uint8_t* const scales = (const uint8_t*)(c.x_scale + (size_t)t * (f.scale_bytes / 4));
+    RowCopy row;  // the token row and scales, in flight while warp 0 routes the token
+    row.load(f, xt, scales);
     // warp 0: check the token's experts, take slots (in parallel lanes), list the destinations
     if (warp == 0) {
       int dest = -1, slot_id = -1;  // the pair's physical expert slot and its rank
@@ -165,7 +169,7 @@ __device__ void moecomm::dispatch_send(const Fixed& f, const Call& c) {
       __syncthreads();
     }
     const int n = nd + (puts ? 1 : 0) + n_local;
-    copy_row(f, xd, sd, n, x + (size_t)t * f.x_bytes, (const uint8_t*)(c.x_scale + (size_t)t * (f.scale_bytes / 4)));
+    row.store(f, xd, sd, n, xt, scales);
     if (warp == 0) {
       for (int j = 0; j < n_meta; ++j) {
         int* meta = meta_of(recs[j], f);

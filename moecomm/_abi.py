@@ -116,7 +116,8 @@ def _send_blocks(cfg, num_sms):
 
 
 def _per_source_blocks(cfg, num_sms):
-    """world * parts blocks: block b serves source rank b % world, a record per block (strided). All
+    """world * parts blocks: block b serves source rank b % world, a record per block (strided; dispatch_recv
+    spreads them over the sources whose records it unpacks). All
     resident while world <= BLOCKS_PER_SM * num_sms: a phase in one launch needs that (resident())."""
     return cfg.world_size * max(1, min(cfg.max_num_tokens, C.BLOCKS_PER_SM * num_sms // cfg.world_size))
 

@@ -8,10 +8,11 @@ is part of the build-cache key, so traced and plain builds live side by side). R
 top-8, hidden 7168, fp8 with 56 scales, bf16 out), uniform routing. One CUDA graph of dispatch + combine
 (both halves in one launch each; ``--split``: the four half kernels) is replayed after a device barrier;
 after each replay the stamps are read back. Thread 0 of block 0 stamps the end of each stage, so each
-figure is the time since the previous stamp on that block's path (block 0 serves tokens 0.. and, in the
-receive halves, records of rank 0); "last block: signals" is the time the grid's last block spends on its
-epilogue (signals to the peers, counters). The SM clock's rate converts cycles to microseconds. Rank 0
-prints medians (p90) per rank; the stamps cost a store each, so the traced build runs a little slower.
+figure is the time since the previous stamp on that block's path (block 0 serves tokens 0.., records of
+rank 0 in combine_send, and of the first other rank in dispatch_recv); "last block: signals" is the time
+the grid's last block spends on its epilogue (signals to the peers, counters). The SM clock's rate
+converts cycles to microseconds. Rank 0 prints medians (p90) per rank; the stamps cost a store each, so
+the traced build runs a little slower.
 """
 import argparse
 import json
