@@ -115,7 +115,7 @@ struct RowCopy {
     for (int u = 0; u < INFLIGHT; ++u)
       if (threadIdx.x + u * THREADS < chunks) v[u] = ((const int4*)x)[threadIdx.x + u * THREADS];
   }
-  // x, scales: as given to load()
+  // x, scales: as given to load() (passed again, not kept: registers are scarce in the one-launch kernels)
   __device__ __forceinline__ void store(const Fixed& f, uint8_t* const* xd, uint8_t* const* sd, int n,
                                         const uint8_t* x, const uint8_t* scales) const {
     const int chunks = f.x_bytes / 16;
