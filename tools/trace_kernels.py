@@ -42,7 +42,7 @@ def figures(rows, mhz):
     """{half: {stage: [median, p90] microseconds}} from the stamps of many replays, ``rows`` [replays,
     len(TRACE_HALVES), TRACE_POINTS] int64 SM clocks at ``mhz``: each stage block 0 reached timed from the
     previous one it reached (a stage it did not reach, its stamp 0 in every replay, is left out: a receive
-    half's block 0 has no records of its own rank in the padded layout), block 0's span, and the last
+    half's block 0 may have no records), block 0's span, and the last
     block's epilogue where the half times one."""
     out = {}
     for h, half in enumerate(C.TRACE_HALVES):
