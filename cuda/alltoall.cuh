@@ -35,10 +35,12 @@ constexpr unsigned M_INVALID = 0x80000000u;
 // dispatch.cu and combine.cu run a phase's two halves in one launch: every block does its part of the send
 // half, then its part of the receive half, in a grid that suits both (world * parts blocks, all resident:
 // a block waiting in the receive half never keeps a send block of its own grid from running).
+// combine_send returns its call number, which combine_recv waits for (the split kernel reads it back from
+// state[EPOCH_CS]).
 __device__ void dispatch_send(const Fixed& f, const Call& c);
 __device__ void dispatch_recv(const Fixed& f, const Call& c);
-__device__ void combine_send(const Fixed& f, const Call& c);
-__device__ void combine_recv(const Fixed& f, const Call& c);
+__device__ unsigned combine_send(const Fixed& f, const Call& c);
+__device__ void combine_recv(const Fixed& f, const Call& c, unsigned epoch);
 
 // Record metadata after x and scales: int32 token, int32 expert[topk], float weight[topk].
 __device__ __forceinline__ int* meta_of(uint8_t* rec, const Fixed& f) { return (int*)(rec + f.meta_off); }
@@ -267,6 +269,9 @@ __device__ __forceinline__ uint64_t epoch_signal(unsigned epoch, uint64_t payloa
 __device__ __forceinline__ uint64_t count_signal(unsigned epoch, unsigned count, unsigned generation) {
   return epoch_signal(epoch, ((generation & SIG_GEN) << MOECOMM_SIG_COUNT_BITS) | count);
 }
+
+// The record count of this rank's own dispatch signal (0 when its sends failed).
+__device__ __forceinline__ unsigned own_count(uint64_t v) { return v & SIG_BAD ? 0 : (unsigned)v & SIG_COUNT; }
 
 // 8 values of the output dtype in 16 bytes <-> float.
 __device__ __forceinline__ void to_float8(const int4& v, int code, float* f) {

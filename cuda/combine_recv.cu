@@ -3,17 +3,17 @@
 
 using namespace moecomm;
 
-// grid: any number of blocks of MOECOMM_BLOCK_THREADS; one block per token (strided) over the group's m.
+// grid: any number of blocks of MOECOMM_BLOCK_THREADS; one block per token (strided, from the grid's last block
+// down) over the group's m. No grid-wide completion: a block ends with its tokens.
 // Reads f.comb_buf and f.comb_sig (this rank's copies), c.indices (c.idx64), c.weights [rows, topk]
 // float32 (read when c.partials == 0), c.bound_m, c.rows; writes rows 0..m-1 of c.out_tokens
 // [rows, hidden] out_dtype (a token whose ids are all -1 gets zeros) and, when given, of c.out_dropped
 // [rows, topk] uint8 (1: the pair was dropped for capacity, from f.drop_buf; it adds nothing). Experts of
 // masked ranks add nothing and masked ranks are not waited for. With c.skip, or a bound_m other than the
 // dispatched m (reported by combine_send), nothing is written. Telemetry: bytes received per peer.
-__device__ void moecomm::combine_recv(const Fixed& f, const Call& c) {
+__device__ void moecomm::combine_recv(const Fixed& f, const Call& c, unsigned epoch) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   TRACE(MOECOMM_TRACE_COMBINE_RECV, 0);
-  const unsigned epoch = f.state[MOECOMM_S_EPOCH_CR] + 1;
   const uint64_t deadline = now_ns() + f.timeout_ns;
   int m = c.skip ? 0 : *c.bound_m;
   if (m != (int)f.state[MOECOMM_S_M] || f.state[MOECOMM_S_M] == M_INVALID) {
@@ -27,7 +27,8 @@ __device__ void moecomm::combine_recv(const Fixed& f, const Call& c) {
   __shared__ float wts[MOECOMM_MAX_TOPK];
   __shared__ int n;
   __shared__ uint8_t* dst;
-  for (int t = blockIdx.x;; t += gridDim.x) {
+  const int first = gridDim.x - 1 - blockIdx.x;  // the grid's last blocks take the first tokens (as dispatch_recv)
+  for (int t = first;; t += gridDim.x) {
     // warp 0: the token's rows, in lane registers (before the first wait: indices do not depend on it)
     bool use = false, valid = false;
     int rank = -1;
@@ -45,7 +46,7 @@ __device__ void moecomm::combine_recv(const Fixed& f, const Call& c) {
       }
       use = c.partials ? once : valid;
     }
-    if (t == (int)blockIdx.x) {  // every block waits for every expert rank once, even with no token of its own
+    if (t == first) {  // every block waits for every expert rank once, even with no token of its own
       for (int q = threadIdx.x; q < f.world; q += blockDim.x)
         if (!f.mask[q])
           peer_failed(f, c, wait_epoch(&f.comb_sig[q], epoch, deadline, f.err, q, MOECOMM_PHASE_COMBINE), q,
@@ -75,24 +76,18 @@ __device__ void moecomm::combine_recv(const Fixed& f, const Call& c) {
       }
     }
     __syncthreads();
-    if (t == (int)blockIdx.x) TRACE(MOECOMM_TRACE_COMBINE_RECV, 2);
+    if (t == first) TRACE(MOECOMM_TRACE_COMBINE_RECV, 2);
     if (t >= m) break;
     weighted_sum(srcs, wts, n, f.out_row_bytes, f.out_code, &dst, 1);
     __syncthreads();
-    if (t == (int)blockIdx.x) TRACE(MOECOMM_TRACE_COMBINE_RECV, 3);
+    if (t == first) TRACE(MOECOMM_TRACE_COMBINE_RECV, 3);
   }
   TRACE(MOECOMM_TRACE_COMBINE_RECV, 4);
-  const bool is_last = last_block(&f.state[MOECOMM_S_DONE_CR], false);
-  TRACE(MOECOMM_TRACE_COMBINE_RECV, 5);
-  if (is_last) {
-    if (threadIdx.x == 0) {
-      f.state[MOECOMM_S_DONE_CR] = 0;
-      f.state[MOECOMM_S_EPOCH_CR] = epoch;
-    }
-  }
 }
 
 extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, MOECOMM_BLOCKS_PER_SM)
     moecomm_combine_recv(const Fixed f, const Call c) {
-  combine_recv(f, c);
+  TRACE_SPAN(MOECOMM_TRACE_COMBINE_RECV, 0);
+  combine_recv(f, c, f.state[MOECOMM_S_EPOCH_CS]);  // the call combine_send (the previous kernel) ended
+  TRACE_SPAN(MOECOMM_TRACE_COMBINE_RECV, 1);
 }

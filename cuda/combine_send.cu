@@ -13,8 +13,8 @@ using namespace moecomm;
 // when this rank sends nothing: c.skip (a refused call; reason c.reason), a bound_m that differs from
 // the dispatched m (ERR_M_DIFFERS, recorded here too), or a dispatch whose receive half failed
 // (state[BAD_RECV]: capacity exceeded, the demand written to every peer's f.why[me] first).
-// Telemetry: bytes sent per peer.
-__device__ void moecomm::combine_send(const Fixed& f, const Call& c) {
+// Telemetry: bytes sent per peer. Returns the call number (the epoch its signals carry).
+__device__ unsigned moecomm::combine_send(const Fixed& f, const Call& c) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   TRACE(MOECOMM_TRACE_COMBINE_SEND, 0);
   const int src = blockIdx.x % f.world, part = blockIdx.x / f.world, parts = gridDim.x / f.world;
@@ -26,8 +26,13 @@ __device__ void moecomm::combine_send(const Fixed& f, const Call& c) {
   const unsigned reason = c.skip ? (unsigned)c.reason : differs ? (unsigned)MOECOMM_ERR_M_DIFFERS : bad_recv;
   if (differs && blockIdx.x == 0 && threadIdx.x == 0)
     record_error(f.err, MOECOMM_ERR_M_DIFFERS, f.rank, MOECOMM_PHASE_COMBINE, m, (int)epoch);
-  const unsigned received = f.state[f.s_recv + src];  // loaded beside the reason, not after it
-  const unsigned count = reason ? 0 : received;
+  // the records received from src, loaded beside the reason, not after it: dispatch_recv kept the count, or,
+  // for this rank's own records in the padded layout (their rows placed by dispatch_send), the own signal of
+  // this call's dispatch holds it (there already: the wait is bounded only because a put may carry it)
+  const unsigned received = src == f.rank && !f.packed
+      ? own_count(wait_epoch(&f.sig[f.rank], epoch, now_ns() + f.timeout_ns, f.err, f.rank, MOECOMM_PHASE_COMBINE))
+      : f.state[f.s_recv + src];
+  const unsigned count = c.skip || reason ? 0 : received;
   unsigned long long rows_sent = 0;  // per rank of the source's DP group (thread 0's tally)
   const int group0 = src / f.dp * f.dp, group1 = group0 + f.dp;  // the source's DP group
   __shared__ const uint8_t* rows[MOECOMM_MAX_TOPK];
@@ -110,9 +115,12 @@ __device__ void moecomm::combine_send(const Fixed& f, const Call& c) {
     }
     TRACE_LAST(MOECOMM_TRACE_COMBINE_SEND);
   }
+  return epoch;
 }
 
 extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, MOECOMM_BLOCKS_PER_SM)
     moecomm_combine_send(const Fixed f, const Call c) {
+  TRACE_SPAN(MOECOMM_TRACE_COMBINE_SEND, 0);
   combine_send(f, c);
+  TRACE_SPAN(MOECOMM_TRACE_COMBINE_SEND, 1);
 }

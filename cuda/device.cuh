@@ -5,14 +5,36 @@
 #include "moecomm_abi.h"
 
 // Build option MOECOMM_TRACE=1 (tools/trace_kernels.py): stamps of the SM clock where each half's stages end,
-// by thread 0 of block 0 (TRACE(half, point), points 0..MOECOMM_TRACE_POINTS-2), and the clocks the last
-// block spends on its signals and counters (from TRACE_LAST_START to TRACE_LAST, the half's final point).
+// by thread 0 of the block that takes the half's first token or record (block 0 in the send halves, the
+// grid's last block in the receive halves; TRACE(half, point), points 0..MOECOMM_TRACE_POINTS-2), and the
+// clocks the last block spends on its signals and counters (from TRACE_LAST_START to TRACE_LAST, the half's
+// final point).
 // Compiled out otherwise.
+// Each kernel also stamps its span (TRACE_SPAN(half it starts with, 0 at entry / 1 at exit), thread 0 of
+// every block): the global timer's first and last block entry and exit (atomicMin/atomicMax), and block 0's
+// SM clock and global timer at entry and exit (the clock's real rate).
 #if MOECOMM_TRACE
 extern "C" __device__ unsigned long long moecomm_trace[MOECOMM_TRACE_HALVES * MOECOMM_TRACE_POINTS];
+extern "C" __device__ unsigned long long moecomm_span[MOECOMM_TRACE_HALVES * MOECOMM_TRACE_SPAN];
+#define TRACE_SPAN(half, at)                                                               \
+  do {                                                                                     \
+    if (threadIdx.x == 0) {                                                                \
+      unsigned long long t_;                                                               \
+      asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t_));                               \
+      unsigned long long* s_ = moecomm_span + (half) * MOECOMM_TRACE_SPAN;                 \
+      atomicMin(s_ + 2 * (at), t_);                                                        \
+      atomicMax(s_ + 2 * (at) + 1, t_);                                                    \
+      if (blockIdx.x == 0) {                                                               \
+        s_[4 + (at)] = clock64();                                                          \
+        s_[6 + (at)] = t_;                                                                 \
+      }                                                                                    \
+    }                                                                                      \
+  } while (0)
+#define TRACE_BLOCK(half)                                                                  \
+  ((half) == MOECOMM_TRACE_DISPATCH_RECV || (half) == MOECOMM_TRACE_COMBINE_RECV ? gridDim.x - 1 : 0)
 #define TRACE(half, point)                                                                 \
   do {                                                                                     \
-    if (threadIdx.x == 0 && blockIdx.x == 0)                                               \
+    if (threadIdx.x == 0 && blockIdx.x == TRACE_BLOCK(half))                               \
       moecomm_trace[(half) * MOECOMM_TRACE_POINTS + (point)] = clock64();                  \
   } while (0)
 #define TRACE_LAST_START() const long long trace_start = clock64()
@@ -23,6 +45,7 @@ extern "C" __device__ unsigned long long moecomm_trace[MOECOMM_TRACE_HALVES * MO
   } while (0)
 #else
 #define TRACE(half, point)
+#define TRACE_SPAN(half, at)
 #define TRACE_LAST_START()
 #define TRACE_LAST(half)
 #endif

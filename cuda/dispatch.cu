@@ -9,6 +9,8 @@ using namespace moecomm;
 // without a kernel boundary: blocks whose sends are done begin waiting while others still send.
 extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, MOECOMM_BLOCKS_PER_SM)
     moecomm_dispatch(const Fixed f, const Call c) {
+  TRACE_SPAN(MOECOMM_TRACE_DISPATCH_SEND, 0);
   dispatch_send(f, c);
   dispatch_recv(f, c);
+  TRACE_SPAN(MOECOMM_TRACE_DISPATCH_SEND, 1);
 }

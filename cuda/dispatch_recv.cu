@@ -5,7 +5,7 @@
 using namespace moecomm;
 
 // One thread: wait for source s's signal; returns its record count (0 when it sent nothing usable), kept in
-// state[s_recv + s] for the combine when `keep`.
+// state[s_recv + s] for combine_send when `keep`.
 static __device__ __forceinline__ unsigned receive(const Fixed& f, const Call& c, int s, unsigned epoch, bool keep) {
   const uint64_t v = f.mask[s] ? 0
       : wait_epoch(&f.sig[s], epoch, now_ns() + f.timeout_ns, f.err, s, MOECOMM_PHASE_DISPATCH);
@@ -29,7 +29,8 @@ static __device__ __forceinline__ unsigned receive(const Fixed& f, const Call& c
 }
 
 // grid: world * P blocks of MOECOMM_BLOCK_THREADS, spread over the sources with records to unpack (below),
-// one block per record (strided); each record is read once and stored into every local expert it goes to.
+// one block per record (strided, from the grid's last block down); each record is read once and stored into
+// every local expert it goes to.
 // Reads f.recv_buf and f.sig (this rank's copies); writes c.out_num [local_experts] int32,
 // c.out_x [local_experts, cap, hidden] in_dtype, c.out_scale [local_experts, cap, scales] float32 (or
 // null), and f.slot_of [world, max_tokens, topk]: where record (src, j)'s k-th expert slot is (le*cap+slot,
@@ -48,11 +49,13 @@ __device__ void moecomm::dispatch_recv(const Fixed& f, const Call& c) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   TRACE(MOECOMM_TRACE_DISPATCH_RECV, 0);
   // The sources whose records are unpacked here: in the padded layout this rank's own tokens are in place
-  // already, so the grid serves the other ranks only (block 0 still takes the own source's count); a block
-  // past the last whole part (part == parts) only waits.
+  // already, so the grid serves the other ranks only (combine_send reads the own count from the own
+  // signal); a block past the last whole part (part == parts) only waits. Records go to the grid's last
+  // blocks first: the first blocks send the first tokens (dispatch.cu), and the last block of the send half
+  // signals, so their receive half starts late.
   const bool others = !f.packed && f.world > 1;
   const int served = others ? f.world - 1 : f.world, parts = gridDim.x / served;
-  const int k = blockIdx.x % served, part = blockIdx.x / served;
+  const int b = gridDim.x - 1 - blockIdx.x, k = b % served, part = b / served;
   const int src = others && k >= f.rank ? k + 1 : k;
   const unsigned epoch = f.state[MOECOMM_S_EPOCH_DR] + 1;
   __shared__ unsigned count;
@@ -60,7 +63,6 @@ __device__ void moecomm::dispatch_recv(const Fixed& f, const Call& c) {
   __shared__ uint8_t* xdst[MOECOMM_MAX_TOPK];
   __shared__ uint8_t* sdst[MOECOMM_MAX_TOPK];
   if (threadIdx.x == 0) count = receive(f, c, src, epoch, part == 0);
-  if (others && blockIdx.x == 0 && threadIdx.x == 32) receive(f, c, f.rank, epoch, true);
   __syncthreads();
   TRACE(MOECOMM_TRACE_DISPATCH_RECV, 1);
   const int lo = f.rank * f.local_experts;
@@ -166,5 +168,7 @@ __device__ void moecomm::dispatch_recv(const Fixed& f, const Call& c) {
 
 extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, MOECOMM_BLOCKS_PER_SM)
     moecomm_dispatch_recv(const Fixed f, const Call c) {
+  TRACE_SPAN(MOECOMM_TRACE_DISPATCH_RECV, 0);
   dispatch_recv(f, c);
+  TRACE_SPAN(MOECOMM_TRACE_DISPATCH_RECV, 1);
 }

@@ -45,6 +45,9 @@ __device__ void moecomm::dispatch_send(const Fixed& f, const Call& c) {
     }
   };
   load_ids(f.rank % f.dp + blockIdx.x * f.dp);
+  // warp 0, lane q: whether rank q is masked (world <= 32: looked up by a shuffle, not a load per token)
+  const bool mask_lanes = f.world <= 32;
+  const int masked_lane = warp == 0 && mask_lanes && lane < f.world ? f.mask[lane] : 0;
   int m = c.skip ? 0 : *c.bound_m;
   const bool bad_m = m < 0 || m > c.rows || m > f.max_tokens;
   if (blockIdx.x == 0 && threadIdx.x == 0) {
@@ -78,9 +81,10 @@ __device__ void moecomm::dispatch_send(const Fixed& f, const Call& c) {
         ok = e < f.num_experts;
         slot_id = ok && e >= 0 ? physical(f, e, t) : -1;
         dest = slot_id >= 0 ? slot_id / f.local_experts : -1;
-        if (dest >= 0 && f.mask[dest]) dest = -2;  // masked: not sent, counted below
-        first = dest >= 0;
       }
+      const int dest_masked = mask_lanes ? __shfl_sync(FULL, masked_lane, dest & 31) : dest >= 0 && f.mask[dest];
+      if (dest >= 0 && dest_masked) dest = -2;  // masked: not sent, counted below
+      first = dest >= 0;
       for (int j = 0; j < f.topk; ++j) {  // repeated experts are invalid; repeated ranks are sent once
         const int ej = __shfl_sync(FULL, e, j), dj = __shfl_sync(FULL, dest, j);
         if (j < lane && lane < f.topk) {
@@ -214,5 +218,7 @@ __device__ void moecomm::dispatch_send(const Fixed& f, const Call& c) {
 
 extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, MOECOMM_BLOCKS_PER_SM)
     moecomm_dispatch_send(const Fixed f, const Call c) {
+  TRACE_SPAN(MOECOMM_TRACE_DISPATCH_SEND, 0);
   dispatch_send(f, c);
+  TRACE_SPAN(MOECOMM_TRACE_DISPATCH_SEND, 1);
 }

@@ -3,4 +3,5 @@
 
 #if MOECOMM_TRACE
 __device__ unsigned long long moecomm_trace[MOECOMM_TRACE_HALVES * MOECOMM_TRACE_POINTS];
+__device__ unsigned long long moecomm_span[MOECOMM_TRACE_HALVES * MOECOMM_TRACE_SPAN];
 #endif

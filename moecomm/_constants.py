@@ -35,15 +35,15 @@ ARGUMENTS = ("the order of calls", "out_expert_num_tokens", "out_expert_x", "out
 # dtype codes of expert outputs in device code
 DT_BF16, DT_FP16 = 0, 1
 
-# Device state of one AllToAll (uint32): per-kernel epochs (calls completed) and block counters, the
-# reason this rank's dispatch send failed (0: none), the dispatched m, the reason its receive half failed
-# (capacity: the combine flags it to the peers) and its detail (the demand), the expert-map generation (set
-# by set_expert_map, carried by every dispatch signal), the packed layout's row counter, then arrays:
-# per-destination send counters [world] at FIXED, per-local-expert pair counters at EXPERT, records
-# received per source [world] at RECV, per-local-expert kept pairs at KEPT (packed layout; offsets depend on
-# the sizes).
-STATE_FIELDS = ("EPOCH_DS", "EPOCH_DR", "EPOCH_CS", "EPOCH_CR", "DONE_DS", "DONE_DR", "DONE_CS", "DONE_CR",
-                "BAD", "M", "BAD_RECV", "WHY", "GEN", "ROWS")
+# Device state of one AllToAll (uint32): per-half epochs (calls completed; combine_recv waits for the call
+# combine_send ends) and block counters, the reason this rank's dispatch send failed (0: none), the
+# dispatched m, the reason its receive half failed (capacity: the combine flags it to the peers) and its
+# detail (the demand), the expert-map generation (set by set_expert_map, carried by every dispatch signal),
+# the packed layout's row counter, then arrays: per-destination send counters [world] at FIXED,
+# per-local-expert pair counters at EXPERT, records received per source [world] at RECV, per-local-expert
+# kept pairs at KEPT (packed layout; offsets depend on the sizes).
+STATE_FIELDS = ("EPOCH_DS", "EPOCH_DR", "EPOCH_CS", "DONE_DS", "DONE_DR", "DONE_CS", "BAD", "M", "BAD_RECV", "WHY",
+                "GEN", "ROWS")
 STATE_FIXED = len(STATE_FIELDS)
 STAGE_SLOTS = 4       # staging rows per block for puts to peers without a load/store mapping
 BLOCK_THREADS = 256   # threads of every alltoall block: a block handles one token or record at a time
@@ -116,10 +116,13 @@ def timeout_seconds(value=None):
 FORCE_PUTS_ENV = "MOECOMM_FORCE_PUTS"
 # Build option: MOECOMM_TRACE=1 makes the kernels stamp the SM clock at the end of each stage of each half
 # (tools/trace_kernels.py reads and names them): TRACE_POINTS stamps per half, the last one the duration of
-# the last block's signals and counters.
+# the last block's signals and counters; and TRACE_SPAN words per kernel (indexed by the half it starts with):
+# global-timer first/last block entry, first/last block exit, block 0's SM clock and global timer at entry
+# and exit.
 TRACE_ENV = "MOECOMM_TRACE"
 TRACE_HALVES = ("dispatch_send", "dispatch_recv", "combine_send", "combine_recv")
 TRACE_POINTS = 8
+TRACE_SPAN = 8
 
 
 def device_constants():
@@ -128,6 +131,7 @@ def device_constants():
         "FORCE_PUTS": int(os.environ.get(FORCE_PUTS_ENV, "0") == "1"),
         "TRACE": int(os.environ.get(TRACE_ENV, "0") == "1"),
         "TRACE_HALVES": len(TRACE_HALVES), "TRACE_POINTS": TRACE_POINTS,
+        "TRACE_SPAN": TRACE_SPAN,
         "ERR_NONE": ERR_NONE, "ERR_TIMEOUT": ERR_TIMEOUT, "ERR_BAD_EXPERT": ERR_BAD_EXPERT,
         "ERR_BAD_M": ERR_BAD_M, "ERR_OVERFLOW": ERR_OVERFLOW, "ERR_M_DIFFERS": ERR_M_DIFFERS,
         "ERR_PEER": ERR_PEER, "ERR_REFUSED": ERR_REFUSED, "ERR_CAPACITY": ERR_CAPACITY,

@@ -106,7 +106,8 @@ def _trace_tool():
 
 def test_trace_figures_time_each_reached_stage():
     """tools/trace_kernels.py's arithmetic on synthetic stamps (the stamps themselves need a GPU): stages
-    from the previous reached stamp, unreached stages left out, block 0's span, the last block's epilogue."""
+    from the previous reached stamp, unreached stages left out, the stamping block's span, the last block's
+    epilogue; and the kernel spans and the SM clock's rate from the global-timer stamps."""
     from moecomm import _constants as C
     tool = _trace_tool()
     mhz, replays = 1000.0, 5  # 1000 clocks per microsecond
@@ -114,15 +115,27 @@ def test_trace_figures_time_each_reached_stage():
     for h, half in enumerate(C.TRACE_HALVES):
         n = len(tool.STAGES[half])
         rows[:, h, :n] = 10_000 + 1000 * np.arange(n) * (h + 1)  # each stage (h + 1) us after the last
-    rows[:, 1, 2:4] = 0  # dispatch_recv's block 0 had no records: "routed" and "copied" unreached
+    rows[:, 1, 2:4] = 0  # dispatch_recv's stamping block had no records: "routed" and "copied" unreached
     rows[:, 0, -1] = 1500  # dispatch_send's last block: 1.5 us of epilogue
     figures = tool.figures(rows, mhz)
     send = figures["dispatch_send"]
     assert send["first token routed (ids, slots)"] == [1.0, 1.0]
-    assert send["block 0, start to end"][0] == 5.0 and send["last block: signals, counters"][0] == 1.5
+    assert send["stamping block, start to end"][0] == 5.0 and send["last block: signals, counters"][0] == 1.5
     recv = figures["dispatch_recv"]
     assert "first record routed (slots)" not in recv and "first record copied" not in recv
     assert recv["all records copied"] == [6.0, 6.0]  # from "source's signal seen": three stamps on, 2 us apart
     assert "last block: signals, counters" not in figures["combine_recv"]
     text = tool.table([figures, figures])
     assert "rank 1" in text and "first record copied" not in text
+    # kernel spans: the one-launch dispatch (slot of dispatch_send) and combine (combine_send) ran, 2 GHz
+    spans = np.zeros((replays, 2 + len(C.TRACE_HALVES) * C.TRACE_SPAN), np.int64)
+    spans[:, 0], spans[:, 1] = 1_000_000, 1_030_000  # the stamps before and after the graph's kernels (ns)
+    for h, start in ((0, 1_001_000), (2, 1_016_000)):
+        s = spans[:, 2 + h * C.TRACE_SPAN:2 + (h + 1) * C.TRACE_SPAN]
+        s[:, :4] = (start, start + 100, start + 12_000, start + 13_000)  # entries, exits
+        s[:, 4:6] = (0, 2 * 12_000)  # block 0's clock: 24000 cycles ...
+        s[:, 6:8] = (start, start + 12_000)  # ... in 12 us
+    assert tool.spans_clock(spans) == 2e9
+    tl = tool.timeline(spans)
+    assert tl["dispatch_send kernel first entry"] == 1.0 and tl["combine_send kernel last exit"] == 29.0
+    assert tl["stamp after"] == 30.0 and not any(k.startswith("dispatch_recv") for k in tl)

@@ -7,12 +7,17 @@ Needs a build with the trace option (``MOECOMM_TRACE=1`` in the environment when
 is part of the build-cache key, so traced and plain builds live side by side). R1 shapes (256 experts,
 top-8, hidden 7168, fp8 with 56 scales, bf16 out), uniform routing. One CUDA graph of dispatch + combine
 (both halves in one launch each; ``--split``: the four half kernels) is replayed after a device barrier;
-after each replay the stamps are read back. Thread 0 of block 0 stamps the end of each stage, so each
-figure is the time since the previous stamp on that block's path (block 0 serves tokens 0.., records of
-rank 0 in combine_send, and of the first other rank in dispatch_recv); "last block: signals" is the time
-the grid's last block spends on its epilogue (signals to the peers, counters). The SM clock's rate
-converts cycles to microseconds. Rank 0 prints medians (p90) per rank; the stamps cost a store each, so
-the traced build runs a little slower.
+after each replay the stamps are read back (a device delay first, so that the graph is queued before it
+starts, as in the benchmark). Thread 0 of the block that takes a half's first token or record stamps the
+end of each stage, so each figure is the time since the previous stamp on that block's path (block 0 in
+the send halves: tokens 0.. in dispatch_send, records of rank 0 in combine_send; the grid's last block in
+the receive halves: records of the first other rank in dispatch_recv, tokens 0.. in combine_recv; in one
+launch per phase its receive half starts when its send half ends); "last block: signals" is the time
+the grid's last block spends on its epilogue (signals to the peers, counters). The SM clock's rate,
+measured against the global timer over block 0's kernels, converts cycles to microseconds. Each kernel's
+span follows on the global timer: its first and last block entry and exit, from a one-thread stamp kernel
+before the graph's kernels to another after them. Rank 0 prints medians (p90) per rank; the stamps cost a
+store (an atomic at entry and exit) each, so the traced build runs a little slower.
 """
 import argparse
 import json
@@ -23,7 +28,7 @@ from cuda.bindings import driver
 
 import moecomm
 from moecomm import _constants as C
-from moecomm.bench import routing
+from moecomm.bench import delay_kernel, routing
 
 # What each stamp of a half ends (cuda/*.cu, TRACE(half, point)); the half's last slot is the epilogue.
 STAGES = {
@@ -33,17 +38,15 @@ STAGES = {
                       "all records copied", "block count"),
     "combine_send": ("start", "first record read (slots, weights)", "first record summed and sent",
                      "all records sent", "fence + block count"),
-    "combine_recv": ("start", "every signal seen", "first token listed", "first token summed", "all tokens summed",
-                     "block count"),
+    "combine_recv": ("start", "every signal seen", "first token listed", "first token summed", "all tokens summed"),
 }
 
 
 def figures(rows, mhz):
     """{half: {stage: [median, p90] microseconds}} from the stamps of many replays, ``rows`` [replays,
-    len(TRACE_HALVES), TRACE_POINTS] int64 SM clocks at ``mhz``: each stage block 0 reached timed from the
-    previous one it reached (a stage it did not reach, its stamp 0 in every replay, is left out: a receive
-    half's block 0 may have no records), block 0's span, and the last
-    block's epilogue where the half times one."""
+    len(TRACE_HALVES), TRACE_POINTS] int64 SM clocks at ``mhz``: each stage the stamping block reached timed
+    from the previous one it reached (a stage it did not reach, its stamp 0 in every replay, is left out), the
+    block's span, and the last block's epilogue where the half times one."""
     out = {}
     for h, half in enumerate(C.TRACE_HALVES):
         reached = [i for i, _ in enumerate(STAGES[half]) if rows[:, h, i].all()]
@@ -53,11 +56,42 @@ def figures(rows, mhz):
         stage = {names[i + 1]: [float(np.median(d[:, i])), float(np.percentile(d[:, i], 90))]
                  for i in range(len(names) - 1)}
         span = float(np.median(stamps[:, -1] - stamps[:, 0]) / mhz)
-        stage["block 0, start to end"] = [span, span]
+        stage["stamping block, start to end"] = [span, span]
         last = rows[:, h, -1]
         if last.any():
             stage["last block: signals, counters"] = [float(np.median(last) / mhz), float(np.percentile(last, 90) / mhz)]
         out[half] = stage
+    return out
+
+
+# A one-thread kernel that stores the global timer (the graph's first and last node).
+STAMP = cupy.RawKernel(r"""extern "C" __global__ void stamp(unsigned long long* out) {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  *out = t;
+}""", "stamp")
+
+
+def spans_clock(spans):
+    """The SM clock's rate (Hz) over the replays: block 0's clock cycles against the global timer between
+    its entry and exit stamps of each kernel. ``spans`` [replays, 2 + halves * TRACE_SPAN]."""
+    s = spans[:, 2:].reshape(len(spans), len(C.TRACE_HALVES), C.TRACE_SPAN)
+    ran = [h for h in range(len(C.TRACE_HALVES)) if s[:, h, 5].all()]
+    cycles, ns = (s[:, ran, 5] - s[:, ran, 4]).sum(1), (s[:, ran, 7] - s[:, ran, 6]).sum(1)
+    return float(np.median(cycles / ns) * 1e9)
+
+
+def timeline(spans):
+    """{event: median microseconds since the stamp before the graph}: each kernel's first and last block
+    entry and exit (named by the half it starts with), and the stamp after the graph."""
+    s = spans[:, 2:].reshape(len(spans), len(C.TRACE_HALVES), C.TRACE_SPAN)
+    out = {}
+    for h, half in enumerate(C.TRACE_HALVES):
+        if not s[:, h, 5].all():
+            continue
+        for i, what in enumerate(("first entry", "last entry", "first exit", "last exit")):
+            out[f"{half} kernel {what}"] = float(np.median(s[:, h, i] - spans[:, 0]) / 1e3)
+    out["stamp after"] = float(np.median(spans[:, 1] - spans[:, 0]) / 1e3)
     return out
 
 
@@ -89,6 +123,12 @@ def main():
     slots = len(C.TRACE_HALVES) * C.TRACE_POINTS
     trace = cupy.ndarray((slots,), np.int64, cupy.cuda.MemoryPointer(
         cupy.cuda.UnownedMemory(int(ptr), int(size), tr), 0))
+    _, sptr, ssize = driver.cuModuleGetGlobal(tr.module.handle, b"moecomm_span")
+    span = cupy.ndarray((len(C.TRACE_HALVES), C.TRACE_SPAN), np.uint64, cupy.cuda.MemoryPointer(
+        cupy.cuda.UnownedMemory(int(sptr), int(ssize), tr), 0))
+    span_init = cupy.asarray(np.array([[2**64 - 1, 0] * 2 + [0] * 4] * len(C.TRACE_HALVES), np.uint64))
+    ends = cupy.zeros(2, np.uint64)  # the global timer just before and just after the graph's kernels
+    delay_args, delay = delay_kernel(tr)
 
     W, rank, T, E, K, H, S = comm.world_size, comm.rank, args.tokens, 256, 8, 7168, 56
     L = E // W
@@ -111,31 +151,45 @@ def main():
 
     with stream:
         step()
+        STAMP((1,), (1,), (ends[0:1],))  # compiled and loaded before the capture
         a2a.synchronize(stream)
         stream.begin_capture()
+        STAMP((1,), (1,), (ends[0:1],))
         step()
+        STAMP((1,), (1,), (ends[1:2],))
         graph = stream.end_capture()
-        rows = []
+        rows, spans = [], []
         for it in range(args.iters + 10):
             tr.barrier(stream.ptr)
             trace.fill(0)
+            span[...] = span_init
+            delay_args.ns = 100_000  # the graph is queued before it starts, as in the benchmark
+            delay(stream.ptr)
             graph.launch(stream)
             stream.synchronize()
             if it >= 10:
                 rows.append(trace.get())
+                spans.append(np.concatenate([ends.get(), span.get().ravel()]))
         a2a.synchronize(stream)
     rows = np.array(rows).reshape(len(rows), len(C.TRACE_HALVES), C.TRACE_POINTS)
+    spans = np.array(spans, np.int64)
+    hz = spans_clock(spans)
     mhz = cupy.cuda.runtime.getDeviceProperties(tr.device)["clockRate"] / 1e3
-    everyone = comm.allgather(figures(rows, mhz))
+    everyone = comm.allgather(figures(rows, hz / 1e6))
+    timelines = comm.allgather(timeline(spans))
     if rank == 0:
         mode = "the four half kernels" if args.split else "one launch per phase"
         print(f"{args.transport}, {T} tokens per rank, {mode}, {args.iters} replays: microseconds since the previous "
-              f"stamp, median (p90), SM clock {mhz:.0f} MHz")
+              f"stamp, median (p90), SM clock measured {hz / 1e6:.0f} MHz (rated {mhz:.0f})")
         print(table(everyone))
+        print("kernel spans (global timer, microseconds from the stamp before the graph; median)")
+        for r, tl in enumerate(timelines):
+            print(f"  rank {r}: " + ", ".join(f"{k} {v:.2f}" for k, v in tl.items()))
         if args.json:
             with open(args.json, "w") as fh:
                 json.dump(dict(transport=args.transport, tokens=T, split=args.split, iters=args.iters,
-                               sm_clock_mhz=mhz, ranks=everyone), fh, indent=1)
+                               sm_clock_mhz=hz / 1e6, rated_sm_clock_mhz=mhz, ranks=everyone,
+                               kernel_spans=timelines), fh, indent=1)
     a2a.destroy()
     comm.finalize()
 
