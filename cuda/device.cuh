@@ -8,11 +8,9 @@
 // by thread 0 of the block that takes the half's first token or record (block 0 in the send halves, the
 // grid's last block in the receive halves; TRACE(half, point), points 0..MOECOMM_TRACE_POINTS-2), and the
 // clocks the last block spends on its signals and counters (from TRACE_LAST_START to TRACE_LAST, the half's
-// final point).
-// Compiled out otherwise.
-// Each kernel also stamps its span (TRACE_SPAN(half it starts with, 0 at entry / 1 at exit), thread 0 of
-// every block): the global timer's first and last block entry and exit (atomicMin/atomicMax), and block 0's
-// SM clock and global timer at entry and exit (the clock's real rate).
+// final point). Each kernel also stamps its span (TRACE_SPAN(half it starts with, 0 at entry / 1 at exit),
+// thread 0 of every block): the global timer's first and last block entry and exit (atomicMin/atomicMax),
+// and block 0's SM clock and global timer at entry and exit (the clock's real rate). Compiled out otherwise.
 #if MOECOMM_TRACE
 extern "C" __device__ unsigned long long moecomm_trace[MOECOMM_TRACE_HALVES * MOECOMM_TRACE_POINTS];
 extern "C" __device__ unsigned long long moecomm_span[MOECOMM_TRACE_HALVES * MOECOMM_TRACE_SPAN];
