@@ -72,11 +72,17 @@ STAMP = cupy.RawKernel(r"""extern "C" __global__ void stamp(unsigned long long* 
 }""", "stamp")
 
 
+def kernels(spans):
+    """``spans`` [replays, 2 + halves * TRACE_SPAN] as [replays, halves, TRACE_SPAN], and the halves whose
+    kernel ran (named by the half it starts with: block 0 stamped its exit in every replay)."""
+    s = spans[:, 2:].reshape(len(spans), len(C.TRACE_HALVES), C.TRACE_SPAN)
+    return s, [h for h in range(len(C.TRACE_HALVES)) if s[:, h, 5].all()]
+
+
 def spans_clock(spans):
     """The SM clock's rate (Hz) over the replays: block 0's clock cycles against the global timer between
-    its entry and exit stamps of each kernel. ``spans`` [replays, 2 + halves * TRACE_SPAN]."""
-    s = spans[:, 2:].reshape(len(spans), len(C.TRACE_HALVES), C.TRACE_SPAN)
-    ran = [h for h in range(len(C.TRACE_HALVES)) if s[:, h, 5].all()]
+    its entry and exit stamps of each kernel."""
+    s, ran = kernels(spans)
     cycles, ns = (s[:, ran, 5] - s[:, ran, 4]).sum(1), (s[:, ran, 7] - s[:, ran, 6]).sum(1)
     return float(np.median(cycles / ns) * 1e9)
 
@@ -84,13 +90,11 @@ def spans_clock(spans):
 def timeline(spans):
     """{event: median microseconds since the stamp before the graph}: each kernel's first and last block
     entry and exit (named by the half it starts with), and the stamp after the graph."""
-    s = spans[:, 2:].reshape(len(spans), len(C.TRACE_HALVES), C.TRACE_SPAN)
+    s, ran = kernels(spans)
     out = {}
-    for h, half in enumerate(C.TRACE_HALVES):
-        if not s[:, h, 5].all():
-            continue
+    for h in ran:
         for i, what in enumerate(("first entry", "last entry", "first exit", "last exit")):
-            out[f"{half} kernel {what}"] = float(np.median(s[:, h, i] - spans[:, 0]) / 1e3)
+            out[f"{C.TRACE_HALVES[h]} kernel {what}"] = float(np.median(s[:, h, i] - spans[:, 0]) / 1e3)
     out["stamp after"] = float(np.median(spans[:, 1] - spans[:, 0]) / 1e3)
     return out
 
