@@ -28,7 +28,8 @@ constexpr uint64_t SIG_BAD = 0x80000000ull;
 constexpr uint64_t SIG_REASON = 0x7fffffffull;
 constexpr unsigned SIG_COUNT = (1u << MOECOMM_SIG_COUNT_BITS) - 1;
 constexpr unsigned SIG_GEN = (1u << MOECOMM_SIG_GEN_BITS) - 1;
-// state[MOECOMM_S_M] after a dispatch whose bound_m was out of range (combine then writes nothing).
+// state[MOECOMM_S_M] after a dispatch whose bound_m was out of range or whose send half failed (combine then
+// writes nothing).
 constexpr unsigned M_INVALID = 0x80000000u;
 
 // The four halves, each defined in its own file (dispatch_send.cu, ...) with a kernel that runs it alone.

@@ -9,8 +9,9 @@ using namespace moecomm;
 // float32 (read when c.partials == 0), c.bound_m, c.rows; writes rows 0..m-1 of c.out_tokens
 // [rows, hidden] out_dtype (a token whose ids are all -1 gets zeros) and, when given, of c.out_dropped
 // [rows, topk] uint8 (1: the pair was dropped for capacity, from f.drop_buf; it adds nothing). Experts of
-// masked ranks add nothing and masked ranks are not waited for. With c.skip, or a bound_m other than the
-// dispatched m (reported by combine_send), nothing is written. Telemetry: bytes received per peer.
+// masked ranks add nothing and masked ranks are not waited for. With c.skip, a bound_m other than the
+// dispatched m (reported by combine_send) or a dispatch whose send half failed, nothing is written.
+// Telemetry: bytes received per peer.
 __device__ void moecomm::combine_recv(const Fixed& f, const Call& c, unsigned epoch) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   TRACE(MOECOMM_TRACE_COMBINE_RECV, 0);

@@ -208,6 +208,7 @@ __device__ void moecomm::dispatch_send(const Fixed& f, const Call& c) {
     }
     __syncthreads();
     if (threadIdx.x == 0) {
+      if (bad) f.state[MOECOMM_S_M] = M_INVALID;  // nothing of this rank's tokens comes back: combine writes nothing
       f.state[MOECOMM_S_BAD] = 0;
       f.state[MOECOMM_S_DONE_DS] = 0;
       f.state[MOECOMM_S_EPOCH_DS] = epoch;

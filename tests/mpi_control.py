@@ -12,7 +12,7 @@ once the call is over (after combine's receive half is issued) or by synchronize
   raises InvalidArgument at once, every other rank PeerError naming it by the end of the call, within
   the timeout; the next call is correct on every rank;
 * bad routing on the last rank (an expert id out of range; bound_m out of range): InvalidRouting on every
-  rank by the end of the call; the next call is correct;
+  rank by the end of the call, the last rank's out_tokens untouched; the next call is correct;
 * AllToAll construction with a bad argument on one rank raises on every rank; dtypes spelled differently
   on different ranks ("fp16", np.float16) are the same configuration;
 * every rank dispatching twice without combining: InvalidArgument on every rank (the second dispatch ends
@@ -180,8 +180,13 @@ def main():
         args = on_device(good(W, r, 350 + i))
         if r == last:
             args[name] = bad(args)
-        expect(fails, f"dispatch with a bad {name} value on rank {last}", whole_call(args), a2a,
+        before = xp.full((M, H), 7, np.float16)  # the failed rank's combine must leave its output alone
+        cargs = dict(out_tokens=before, indices=args["indices"], weights=None, expert_y=args["out_expert_x"],
+                     bound_m=args["bound_m"])
+        expect(fails, f"dispatch with a bad {name} value on rank {last}", whole_call(args, cargs), a2a,
                moecomm.InvalidRouting)
+        if r == last and not (host(before) == 7).all():
+            fails.append(f"the call with a bad {name} value wrote out_tokens on the rank that failed")
         if not roundtrip(comm, a2a, 360 + i):
             fails.append(f"the call after bad routing ({name}) is wrong")
         checks += 1
