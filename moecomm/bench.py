@@ -5,8 +5,10 @@ Defaults run the two headline configurations (DeepSeek-R1 decode and prefill); `
 
 * correctness first: the dispatch counts (and, for small configurations, every expert's tokens) are checked
   against :mod:`moecomm.reference` on fresh random routing;
-* eager launches, per phase (dispatch send, dispatch recv, combine send, combine recv) with CUDA events,
-  and the whole sequence captured once in a CUDA graph and replayed;
+* eager launches, per phase (dispatch send, dispatch recv, combine send, combine recv) with CUDA events;
+* CUDA graphs replayed: dispatch() and combine() as users call them, both halves each (one launch per phase
+  where its grid is resident: graph "total", the headline figure), and the four half calls in sequence
+  (graph "split_total": send and receive halves split, as for overlapping other work);
 * each phase captured in its own graph and replayed alone, after a barrier that guarantees the peers'
   earlier phases are complete: the phase's own device time, without waiting for peers;
 * host time per eager call (dispatch with both halves; combine with both halves) for CuPy arrays,
@@ -179,6 +181,11 @@ class Bench:
             else:
                 a2a.combine(d["out"], d["idx"], None, d["y"], d["m"], do_send=send, do_recv=recv, stream=s)
 
+        def calls():  # dispatch() and combine() as users call them: both halves each
+            a2a.dispatch(d["n"], d["ex"], d["es"], d["x"], d["xs"], d["idx"], d["m"], weights=d["w"], stream=s,
+                         out_expert_offsets=d.get("off"))
+            a2a.combine(d["out"], d["idx"], None, d["y"], d["m"], stream=s)
+
         # correctness on this routing before timing
         for i in range(4):
             phase(i, i < 2)
@@ -213,14 +220,15 @@ class Bench:
         a2a.synchronize(s)
         eager = self.max_over_ranks(samples)
 
-        eager_layer = self.eager_layer(a2a, d)
+        eager_layer = self.eager_layer(calls)
         host_us = self.host_cost(a2a, d)
 
-        # CUDA graphs: the whole sequence, then each phase alone (peers' earlier phases complete)
+        # CUDA graphs: dispatch() + combine() (both halves each), the four half calls in sequence, then each
+        # half alone (peers' earlier phases complete)
         graph = None
         if not self.args.no_graph:
-            whole = self.capture(lambda: [phase(i, i < 2) for i in range(4)])
-            graph = {"total": stats(self.time_graphs([whole], 0))}
+            graph = {"total": stats(self.time_graphs([self.capture(calls)], 0)),
+                     "split_total": stats(self.time_graphs([self.capture(lambda: [phase(i, i < 2) for i in range(4)])], 0))}
             parts = [self.capture(lambda i=i: phase(i, i < 2)) for i in range(4)]
             for i, p in enumerate(PHASES):
                 graph[p] = stats(self.time_graphs(parts, i))
@@ -247,17 +255,15 @@ class Bench:
         a2a.destroy()
         return result
 
-    def eager_layer(self, a2a, d):
-        """dispatch() then combine(), both halves each, host in the loop: events around the two calls."""
+    def eager_layer(self, calls):
+        """``calls()`` (dispatch() then combine(), both halves each), host in the loop: events around it."""
         cp, s = self.cp, self.stream
         ev = [cp.cuda.Event(), cp.cuda.Event()]
         samples = []
         for it in range(self.args.warmup + self.args.iters):
             self.barrier()
             ev[0].record(s)
-            a2a.dispatch(d["n"], d["ex"], d["es"], d["x"], d["xs"], d["idx"], d["m"], weights=d["w"], stream=s,
-                         out_expert_offsets=d.get("off"))
-            a2a.combine(d["out"], d["idx"], None, d["y"], d["m"], stream=s)
+            calls()
             ev[1].record(s)
             ev[1].synchronize()
             if it >= self.args.warmup:
@@ -389,15 +395,17 @@ def _label(r):
 
 def table(results):
     head = (f"{'transport, config':<20} {'tok':>5} {'eager d-send':>12} {'d-recv':>8} {'c-send':>8} {'c-recv':>8} "
-            f"{'eager tot':>10} {'p99':>8} {'graph tot':>10} {'p99':>8} {'GB/s':>7} {'NCCL exact':>11} "
+            f"{'eager tot':>10} {'p99':>8} {'graph tot':>10} {'p99':>8} {'split':>8} {'GB/s':>7} {'NCCL exact':>11} "
             f"{'padded':>8} {'x NCCL':>7}")
     lines = [head, "-" * len(head)]
     for r in results:
         e, g, n = r["eager"], r.get("graph", {}).get("total"), r.get("nccl")
+        split = r.get("graph", {}).get("split_total")
         lines.append(
             f"{_label(r):<20} {r['tokens']:>5} " + " ".join(f"{e[p]['median_us']:>{8 if i else 12}.1f}" for i, p in enumerate(PHASES))
             + f" {e['total']['median_us']:>10.1f} {e['total']['p99_us']:>8.1f}"
             + (f" {g['median_us']:>10.1f} {g['p99_us']:>8.1f}" if g else f" {'-':>10} {'-':>8}")
+            + (f" {split['median_us']:>8.1f}" if split else f" {'-':>8}")
             + f" {r['GBps_per_rank']:>7.1f}"
             + (f" {n['exact']['median_us']:>11.1f} {n['padded']['median_us']:>8.1f} {r['speedup_vs_nccl_exact']:>7.2f}"
                if n else f" {'n/a':>11} {'n/a':>8} {'-':>7}"))
@@ -444,7 +452,11 @@ def plot(results, path):
             ax.plot(t, [r["eager_layer"]["median_us"] for r in sweep], "o-",
                     label=f"moecomm {name} eager, dispatch() + combine()")
         if "graph" in sweep[0]:
-            ax.plot(t, [r["graph"]["total"]["median_us"] for r in sweep], "o-", label=f"moecomm {name} CUDA graph")
+            ax.plot(t, [r["graph"]["total"]["median_us"] for r in sweep], "o-",
+                    label=f"moecomm {name} CUDA graph, dispatch() + combine()")
+        if "split_total" in sweep[0].get("graph", {}):
+            ax.plot(t, [r["graph"]["split_total"]["median_us"] for r in sweep], "o:",
+                    label=f"moecomm {name} CUDA graph, each half its own call")
     sweep = sorted((r for r in results if r["config"] == "sweep" and _variant(r) == transports[0]),
                    key=lambda r: r["tokens"])
     t = [r["tokens"] for r in sweep]

@@ -35,7 +35,7 @@ def _result(tokens, graph=True, nccl=True):
              host_us={"cupy": {"dispatch": bench.stats([9.5]), "combine": bench.stats([8.25])}})
 
     if graph:
-        r["graph"] = dict(t, total=bench.stats([4.0]))
+        r["graph"] = dict(t, total=bench.stats([4.0]), split_total=bench.stats([5.5]))
     if nccl:
         r["nccl"] = {"exact": bench.stats([8.0]), "padded": bench.stats([9.0])}
         r["speedup_vs_nccl_exact"] = 2.0
@@ -46,6 +46,7 @@ def test_table_lists_totals_and_phases_alone():
     text = bench.table([_result(128), _result(1, graph=False, nccl=False)])
     lines = text.splitlines()
     assert lines[2].split()[:3] == ["nvshmem", "r1-decode", "128"] and "2.00" in lines[2]
+    assert lines[2].split()[9:12] == ["4.0", "4.0", "5.5"]  # graph total, its p99, the four half calls
     assert "n/a" in lines[3]
     alone = lines[lines.index(next(l for l in lines if l.startswith("graph, each phase alone"))) + 2]
     assert alone.split() == ["nvshmem", "r1-decode", "128", "1.0", "2.0", "3.0", "4.0", "10.0"]
