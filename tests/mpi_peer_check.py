@@ -1,5 +1,6 @@
-"""GPU bring-up check, run under MPI on GPUs: NVSHMEM init through moecomm.init(), symmetric CuPy arrays,
-peer mapping, the peer-check kernel (put with signal + bounded wait), and a timeout that names the peer.
+"""GPU bring-up check, run under MPI on GPUs: NVSHMEM init through moecomm.init(), no thread left spinning
+on a CPU, symmetric CuPy arrays, peer mapping, the peer-check kernel (put with signal + bounded wait), and a
+timeout that names the peer.
 
     mpirun -np 2 python tests/mpi_peer_check.py      # GPU transport: "auto" ($MOECOMM_TRANSPORT picks one)
 
@@ -7,6 +8,7 @@ The timeout comes last: it breaks the communicator (the ranks' peer checks are o
 so the ranks report over plain MPI and leave without a collective teardown (moecomm ends such a process
 without MPI's finalization, which Open MPI's launcher reports as an improper exit: read the printed result).
 """
+import os
 import sys
 import time
 
@@ -16,10 +18,33 @@ import numpy as np
 import moecomm
 
 
+def cpu_ticks():
+    """{thread id: (name, user + system clock ticks)} of this process's threads."""
+    out = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            stat = open(f"/proc/self/task/{tid}/stat").read()
+        except OSError:  # the thread ended
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()
+        out[tid] = (stat[stat.index("(") + 1:stat.rindex(")")], int(fields[11]) + int(fields[12]))
+    return out
+
+
+def busy_threads(seconds=1.0):
+    """Threads that used more than half a CPU while this one slept for ``seconds`` (a thread that spins
+    takes a core from the rank's host thread whenever the launcher binds the rank to one core)."""
+    before = cpu_ticks()
+    time.sleep(seconds)
+    hz = os.sysconf("SC_CLK_TCK")
+    return [f"{name} ({tid}): {(ticks - before[tid][1]) / hz / seconds:.0%} of a CPU"
+            for tid, (name, ticks) in cpu_ticks().items() if tid in before and ticks - before[tid][1] > hz * seconds / 2]
+
+
 def main():
     comm = moecomm.init()
     t = comm.transport
-    fails = []
+    fails = [f"a thread spins after init(): {b}" for b in busy_threads()]
     # symmetric memory: write through the peer mapping, read locally
     a = t.symmetric((1024,), np.int32)
     a.fill(-1)

@@ -13,7 +13,17 @@ NVSHMEM is started by unique id: rank 0 creates the id, the bootstrap (MPI, torc
 gathers its bytes to every rank, every rank calls ``nvshmem.core.init(..., initializer_method="uid")``
 after binding GPU ``local_rank``. This needs no NVSHMEM build matched to the MPI library (its MPI
 bootstrap plugin would).
+
+NVSHMEM's proxy thread: where no network transport needs it (one NVLink node; also IBGDA), NVSHMEM still
+starts a "minimal" proxy thread that spins on a CPU for device-side global exit and NVSHMEM's own device
+wait timeouts, neither of which moecomm uses. Under a launcher that binds each rank to one core (Open
+MPI's default for two ranks) it takes that core from the rank's host thread for whole scheduler slices:
+on 2xH200 eager calls' p99 was 4-8 ms against ~60 us with the thread off (benchmarks/NOTES.md). So
+``NVSHMEM_DISABLE_LOCAL_ONLY_PROXY`` defaults to 1 here (a value the caller set is kept); NVSHMEM ignores
+it where a transport needs the proxy (InfiniBand through IBRC, UCX), and there each rank needs a second CPU.
 """
+import os
+
 import numpy as np
 
 from .. import _constants as C
@@ -21,11 +31,15 @@ from .._errors import MoeCommError
 from .gpu import GpuTransport
 
 
+PROXY_ENV = "NVSHMEM_DISABLE_LOCAL_ONLY_PROXY"
+
+
 class NvshmemTransport(GpuTransport):
     name = "nvshmem"
     variant = "nvshmem"
 
     def _start_runtime(self, dev):
+        os.environ.setdefault(PROXY_ENV, "1")  # before NVSHMEM reads its options (module docstring)
         import nvshmem.bindings
         import nvshmem.core
         self._nvshmem, self._bindings = nvshmem.core, nvshmem.bindings
