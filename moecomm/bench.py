@@ -227,8 +227,9 @@ class Bench:
         # half alone (peers' earlier phases complete)
         graph = None
         if not self.args.no_graph:
+            halves = self.capture(lambda: [phase(i, i < 2) for i in range(4)])
             graph = {"total": stats(self.time_graphs([self.capture(calls)], 0)),
-                     "split_total": stats(self.time_graphs([self.capture(lambda: [phase(i, i < 2) for i in range(4)])], 0))}
+                     "split_total": stats(self.time_graphs([halves], 0))}
             parts = [self.capture(lambda i=i: phase(i, i < 2)) for i in range(4)]
             for i, p in enumerate(PHASES):
                 graph[p] = stats(self.time_graphs(parts, i))

@@ -37,8 +37,9 @@ def busy_threads(seconds=1.0):
     before = cpu_ticks()
     time.sleep(seconds)
     hz = os.sysconf("SC_CLK_TCK")
-    return [f"{name} ({tid}): {(ticks - before[tid][1]) / hz / seconds:.0%} of a CPU"
-            for tid, (name, ticks) in cpu_ticks().items() if tid in before and ticks - before[tid][1] > hz * seconds / 2]
+    used = {tid: (name, (ticks - before[tid][1]) / hz / seconds) for tid, (name, ticks) in cpu_ticks().items()
+            if tid in before}
+    return [f"{name} ({tid}): {share:.0%} of a CPU" for tid, (name, share) in used.items() if share > 0.5]
 
 
 def main():
