@@ -18,11 +18,11 @@ NVSHMEM's proxy thread: where no network transport needs it (one NVLink node; al
 starts a "minimal" proxy thread that spins on a CPU for device-side global exit and NVSHMEM's own device
 wait timeouts, neither of which moecomm uses. Under a launcher that binds each rank to one core (Open
 MPI's default for two ranks) it takes that core from the rank's host thread for whole scheduler slices:
-on 2xH200, so bound, eager calls had a p99 of 4.1-8.4 ms in every run (0.14-0.47 ms with the thread off, up to
-128 tokens), and dispatch() + combine() at 1 token a mean of 78-92 us against 53-54 (benchmarks/NOTES.md,
-"NVSHMEM's proxy thread"). So ``NVSHMEM_DISABLE_LOCAL_ONLY_PROXY`` defaults to 1 here (a value the caller
-set is kept); NVSHMEM ignores it where a transport needs the proxy (InfiniBand through IBRC, UCX), and there
-each rank needs a second CPU.
+on 2xH200, so bound, eager calls' p99 reached 4.1-8.7 ms in every run (at most 0.37 ms with the thread off,
+up to 128 tokens), and dispatch() + combine() at 1 token had a mean of 78-114 us against 45-74
+(benchmarks/NOTES.md, "NVSHMEM's proxy thread"). So ``NVSHMEM_DISABLE_LOCAL_ONLY_PROXY`` defaults to 1
+here (a value the caller set is kept); NVSHMEM ignores it where a transport needs the proxy (InfiniBand
+through IBRC, UCX), and there each rank needs a second CPU.
 """
 import os
 
