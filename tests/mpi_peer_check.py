@@ -23,7 +23,8 @@ def cpu_ticks():
     out = {}
     for tid in os.listdir("/proc/self/task"):
         try:
-            stat = open(f"/proc/self/task/{tid}/stat").read()
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                stat = f.read()
         except OSError:  # the thread ended
             continue
         fields = stat[stat.rindex(")") + 2:].split()
