@@ -164,10 +164,13 @@ def main():
         graph = stream.end_capture()
         rows, spans = [], []
         for it in range(args.iters + 10):
-            tr.barrier(stream.ptr)
+            # the stamps are reset first: the reset copies from pageable memory and may hold the host, and nothing
+            # that can must come between the barrier and the graph (the ranks' delays then start together, and
+            # the graph is queued before it starts, as in the benchmark)
             trace.fill(0)
             span[...] = span_init
-            delay_args.ns = 100_000  # the graph is queued before it starts, as in the benchmark
+            tr.barrier(stream.ptr)
+            delay_args.ns = 100_000
             delay(stream.ptr)
             graph.launch(stream)
             stream.synchronize()
