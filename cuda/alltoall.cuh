@@ -11,6 +11,10 @@
 //             into comb_buf[expert rank][token] of every rank of the token's DP group; without them: one
 //             row per (token, k) into comb_buf[token][k].
 // Completion: after its data, a sender sets one 64-bit signal per peer to (epoch << 32 | flags | count).
+// At prefill-sized batches (f.streamed) dispatch records stored into mapped peers also get arrival words
+// (f.arrive[src][slot] = epoch, after a fence of the sending block per ARRIVAL_BATCH tokens), so the receiver
+// unpacks records while later ones are still on the way; this assumes ranks map each other or neither does
+// (NVLink peers; nodes apart: puts both ways).
 // Epochs are counted on the device (state[]), so nothing needs a host reset and CUDA graphs replay.
 #pragma once
 #include <cuda_bf16.h>
@@ -36,9 +40,12 @@ constexpr unsigned M_INVALID = 0x80000000u;
 // dispatch.cu and combine.cu run a phase's two halves in one launch: every block does its part of the send
 // half, then its part of the receive half, in a grid that suits both (world * parts blocks, all resident:
 // a block waiting in the receive half never keeps a send block of its own grid from running).
+// dispatch_send sends on the grid's first `senders` blocks: all of them in the split kernel, f.senders in the
+// one-launch kernel (a share of it where records stream: its other blocks unpack the records that have landed,
+// from HBM, while the sends keep NVLink busy; moecomm/_abi.py, dispatch_senders).
 // combine_send returns its call number, which combine_recv waits for (the split kernel reads it back from
 // state[EPOCH_CS]).
-__device__ void dispatch_send(const Fixed& f, const Call& c);
+__device__ void dispatch_send(const Fixed& f, const Call& c, int senders);
 __device__ void dispatch_recv(const Fixed& f, const Call& c);
 __device__ unsigned combine_send(const Fixed& f, const Call& c);
 __device__ void combine_recv(const Fixed& f, const Call& c, unsigned epoch);
@@ -80,6 +87,7 @@ __device__ __forceinline__ void tally_bytes(const Fixed& f, int kind, int q, uns
 // row (experts or peers, plus a staging row).
 constexpr int MAX_FANOUT = MOECOMM_MAX_TOPK + 1;
 constexpr int THREADS = MOECOMM_BLOCK_THREADS;
+constexpr int ARRIVAL_BATCH = MOECOMM_ARRIVAL_BATCH;  // tokens a sending block stores per fence (dispatch_send)
 constexpr int INFLIGHT = 4;  // 16-byte loads per thread in flight in copies: a 16 KB row in one round
 
 // Block-wide: copy `bytes` (a multiple of 16) from src to dsts[0..n), from 16-byte chunk `from` on, loading

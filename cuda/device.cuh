@@ -62,6 +62,11 @@ __device__ __forceinline__ uint64_t load_acquire(const uint64_t* p) {
   return v;
 }
 
+// A store other threads of the system may poll (ordered after earlier writes by a fence before it).
+__device__ __forceinline__ void store_relaxed(uint64_t* p, uint64_t v) {
+  asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
 __device__ __forceinline__ int load_volatile(const int* p) { return *(const volatile int*)p; }
 
 // Order this thread's earlier writes, and those it has observed (through a block barrier: the fence is

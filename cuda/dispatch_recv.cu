@@ -28,15 +28,38 @@ static __device__ __forceinline__ unsigned receive(const Fixed& f, const Call& c
   return got;
 }
 
+// Thread 0: wait until record j of source src has landed (true: its arrival word holds the call, or the
+// source's signal, which follows all its records, counts more than j) or the signal counts fewer (false;
+// also after a timeout or abort). `seen` keeps the signal once read.
+static __device__ bool arrived(const Fixed& f, int src, int j, unsigned epoch, uint64_t deadline, uint64_t& seen) {
+  if (j >= f.max_tokens) return false;
+  const uint64_t* word = &f.arrive[(size_t)src * f.max_tokens + j];
+  for (unsigned spin = 1;; ++spin) {
+    if (load_acquire(word) == epoch) return true;
+    if (!seen) {
+      const uint64_t v = load_acquire(&f.sig[src]);
+      if ((v >> 32) >= epoch) seen = v;
+    }
+    if (seen) return j < (int)own_count(seen);
+    if (spin % POLL_CHECK) continue;
+    if (load_volatile(f.err) == MOECOMM_ERR_TIMEOUT) return false;
+    if (now_ns() > deadline) {
+      record_error(f.err, MOECOMM_ERR_TIMEOUT, src, MOECOMM_PHASE_DISPATCH, 0, (int)epoch);
+      return false;
+    }
+  }
+}
+
 // grid: world * P blocks of MOECOMM_BLOCK_THREADS, spread over the sources with records to unpack (below),
-// one block per record (strided, from the grid's last block down); each record is read once and stored into
-// every local expert it goes to.
-// Reads f.recv_buf and f.sig (this rank's copies); writes c.out_num [local_experts] int32,
+// one block per record at a time; each record is read once and stored into every local expert it goes to.
+// Reads f.recv_buf, f.arrive and f.sig (this rank's copies); writes c.out_num [local_experts] int32,
 // c.out_x [local_experts, cap, hidden] in_dtype, c.out_scale [local_experts, cap, scales] float32 (or
 // null), and f.slot_of [world, max_tokens, topk]: where record (src, j)'s k-th expert slot is (le*cap+slot,
 // or -1). A masked source is not waited for and sends nothing; with c.skip (a refused call) the records
 // are not unpacked and nothing is written (the epoch still advances, so the next call pairs up). A source
-// whose signal carries another expert-map generation is not unpacked (ERR_GENERATION).
+// whose signal carries another expert-map generation, or flags a failed send, raises (ERR_GENERATION,
+// ERR_PEER) and its count is not kept for combine; records of it that landed before the signal may have been
+// unpacked already (the call fails on every rank either way).
 // Capacity: a pair past its expert's f.cap slots is not stored. f.drop: it is dropped and flagged to the
 // token's rank in its f.drop_buf[me][token]; else the last block records ERR_CAPACITY with the expert's
 // demand and state[BAD_RECV] makes combine_send flag the call to every peer.
@@ -50,33 +73,55 @@ __device__ void moecomm::dispatch_recv(const Fixed& f, const Call& c) {
   TRACE(MOECOMM_TRACE_DISPATCH_RECV, 0);
   // The sources whose records are unpacked here: in the padded layout this rank's own tokens are in place
   // already, so the grid serves the other ranks only (combine_send reads the own count from the own
-  // signal); a block past the last whole part (part == parts) only waits. Records go to the grid's last
-  // blocks first: the first blocks send the first tokens (dispatch.cu), and the last block of the send half
-  // signals, so their receive half starts late.
+  // signal); a block past the last whole part (part == parts) only waits. Blocks count from the grid's
+  // last one: the first blocks send (dispatch.cu), so the last ones start receiving first.
   const bool others = !f.packed && f.world > 1;
   const int served = others ? f.world - 1 : f.world, parts = gridDim.x / served;
   const int b = gridDim.x - 1 - blockIdx.x, k = b % served, part = b / served;
   const int src = others && k >= f.rank ? k + 1 : k;
   const unsigned epoch = f.state[MOECOMM_S_EPOCH_DR] + 1;
+  // f.streamed: records of a source this rank maps are unpacked as they land: the blocks serving it claim
+  // them one at a time (state[s_claim + src]) and each waits for its record's arrival word or the source's
+  // signal (its count, which ends the claims). Otherwise, and for sources reached by puts, masked, or with
+  // c.skip: the signal first, then the block's static share.
+  const bool streamed = f.streamed && !c.skip && part < parts && !(src == f.rank && !f.packed) && !f.mask[src] &&
+                        peer_ptr(f.peers, f.recv_buf, src) != nullptr;
   __shared__ unsigned count;
-  __shared__ int n;
+  __shared__ int cur, n;
   __shared__ uint8_t* xdst[MOECOMM_MAX_TOPK];
   __shared__ uint8_t* sdst[MOECOMM_MAX_TOPK];
-  if (threadIdx.x == 0) count = receive(f, c, src, epoch, part == 0);
+  if (threadIdx.x == 0) count = streamed ? 0 : receive(f, c, src, epoch, part == 0);
   __syncthreads();
-  TRACE(MOECOMM_TRACE_DISPATCH_RECV, 1);
   const int lo = f.rank * f.local_experts;
   const int records = (src == f.rank && !f.packed) || part >= parts ? 0 : (int)count;
   auto record = [&](int j) { return f.recv_buf + ((size_t)src * f.max_tokens + j) * f.rec_bytes; };
-  int id = -1;  // warp 0, lane k < topk: the k-th expert id of the block's next record (read a record ahead)
-  auto load_id = [&](int j) { id = warp == 0 && lane < f.topk && j < records ? meta_of(record(j), f)[1 + lane] : -1; };
-  load_id(part);
+  // thread 0: the next record (streamed: claimed, in flight while the block unpacks the current one)
+  unsigned* const claims = &f.state[f.s_claim + src];
+  const uint64_t deadline = now_ns() + f.timeout_ns;
+  uint64_t seen = 0;  // thread 0, streamed: the source's signal once seen
+  int next = streamed && threadIdx.x == 0 ? (int)atomicAdd(claims, 1u) : part;
   bool flagged = false;  // this thread set drop words (completed before the block ends)
-  for (int j = part; j < records; j += parts) {
+  for (bool first = true;; first = false) {
+    if (threadIdx.x == 0) {
+      int j = next;
+      if (streamed) {
+        if (arrived(f, src, j, epoch, deadline, seen)) next = (int)atomicAdd(claims, 1u);
+        else j = -1;
+      } else {
+        if (j < records) next += parts;
+        else j = -1;
+      }
+      cur = j;
+    }
+    __syncthreads();
+    const int j = cur;
+    if (first) TRACE(MOECOMM_TRACE_DISPATCH_RECV, 1);
+    if (j < 0) break;
     const uint8_t* rec = record(j);
     RowCopy row;  // padded layout: the record's row and scales, in flight while warp 0 takes slots
     if (!f.packed) row.load(f, rec, rec + f.x_bytes);
     if (warp == 0) {  // a slot in each local expert of the record (in parallel lanes; id -1 is none)
+      const int id = lane < f.topk ? meta_of(rec, f)[1 + lane] : -1;
       int where = -1;
       bool dropped = false;
       if (lane < f.topk) {
@@ -96,7 +141,6 @@ __device__ void moecomm::dispatch_recv(const Fixed& f, const Call& c) {
         }
         f.slot_of[((size_t)src * f.max_tokens + j) * f.topk + lane] = where;
       }
-      load_id(j + parts);
       const unsigned drops = __ballot_sync(FULL, dropped);
       if (drops && lane == 0) {  // tell the token's rank (read by its combine_recv after our combine signal)
         const int t = meta_of(rec, f)[0];
@@ -106,11 +150,12 @@ __device__ void moecomm::dispatch_recv(const Fixed& f, const Call& c) {
       if (!f.packed) list_rows(f, c, where, xdst, sdst, &n);  // packed: dispatch_pack places the rows
     }
     __syncthreads();
-    if (j == part) TRACE(MOECOMM_TRACE_DISPATCH_RECV, 2);
+    if (first) TRACE(MOECOMM_TRACE_DISPATCH_RECV, 2);
     if (!f.packed) row.store(f, xdst, sdst, n, rec, rec + f.x_bytes);
     __syncthreads();
-    if (j == part) TRACE(MOECOMM_TRACE_DISPATCH_RECV, 3);
+    if (first) TRACE(MOECOMM_TRACE_DISPATCH_RECV, 3);
   }
+  if (streamed && part == 0 && threadIdx.x == 0) receive(f, c, src, epoch, true);  // errors, the count for combine
   if (flagged) quiet();  // drop words to peers without a mapping
   TRACE(MOECOMM_TRACE_DISPATCH_RECV, 4);
   const bool is_last = last_block(&f.state[MOECOMM_S_DONE_DR], f.drop);  // drop words to mapped peers
@@ -148,6 +193,7 @@ __device__ void moecomm::dispatch_recv(const Fixed& f, const Call& c) {
         record_error(f.err, MOECOMM_ERR_CAPACITY, f.rank, MOECOMM_PHASE_DISPATCH, -1, (int)epoch, (int)rows);
       }
     }
+    for (int s = threadIdx.x; s < f.world; s += blockDim.x) f.state[f.s_claim + s] = 0;
     __syncthreads();
     if (threadIdx.x == 0) {
       if (f.packed && !c.skip) {  // each expert's first row, from the kept counts the loop above wrote

@@ -3,11 +3,27 @@
 
 using namespace moecomm;
 
-// grid: any number of blocks of MOECOMM_BLOCK_THREADS; one block per token (strided).
+// Warp 0, after a block barrier: the block's stores so far are made visible (a cumulative fence), then the
+// `held` arrival words are set to the call; held is then 0.
+static __device__ __forceinline__ void release_arrivals(uint64_t* const* arrivals, int& held, unsigned epoch) {
+  if (held && (threadIdx.x & 31) == 0) {
+    fence_system();
+    for (int j = 0; j < held; ++j) store_relaxed(arrivals[j], epoch);
+  }
+  held = 0;
+}
+
+// grid: any number of blocks of MOECOMM_BLOCK_THREADS; the first `senders` of them take a token each
+// (strided), the others only count themselves done (the one-launch kernel's receive-only blocks, dispatch.cu).
 // Reads c.x, c.x_scale (or null), c.indices (c.idx64), c.weights (or null), c.bound_m, c.rows; writes
 // c.out_x, c.out_scale and f.slot_of for this rank's own experts, records into f.recv_buf
 // [world, max_tokens, rec_bytes] of the other ranks (row [me][slot]), and sets f.sig[me] on every rank
-// to (epoch | flags | count).
+// to (epoch | flags | count). A block that sends more than ARRIVAL_BATCH tokens follows the records it
+// stored into mapped ranks by their arrival words there, f.arrive[me][slot] = epoch, after a fence once per
+// ARRIVAL_BATCH tokens and after its last (a fence waits for the block's stores to be acknowledged: one per
+// token stalls the sends); dispatch_recv unpacks those before the signal. The signal covers every record:
+// a block with fewer tokens (small batches: no fence added to the path) and puts to ranks without a mapping
+// leave theirs to it.
 // This rank sends the tokens t = dp_rank, dp_rank + dp, ... < m of its DP group, each once per other
 // destination rank as a record (the receiver fans it out to its experts); tokens for this rank's own
 // experts go straight into their expert slots, and only the record's metadata (for combine) is kept.
@@ -19,7 +35,7 @@ using namespace moecomm;
 // overflow="error", reported by dispatch_recv, which sees the expert's whole demand. With c.skip (a refused
 // call) nothing is sent and every signal carries SIG_BAD | c.reason; otherwise a signal carries the count
 // and the expert-map generation (state[GEN]).
-__device__ void moecomm::dispatch_send(const Fixed& f, const Call& c) {
+__device__ void moecomm::dispatch_send(const Fixed& f, const Call& c, int senders) {
   TRACE(MOECOMM_TRACE_DISPATCH_SEND, 0);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const unsigned epoch = f.state[MOECOMM_S_EPOCH_DS] + 1;
@@ -31,6 +47,8 @@ __device__ void moecomm::dispatch_send(const Fixed& f, const Call& c) {
   __shared__ uint8_t* recs[MAX_FANOUT];
   __shared__ uint8_t* remote[MAX_FANOUT];
   __shared__ int pes[MAX_FANOUT];
+  // arrival words of the block's mapped records since its last fence (warp 0 keeps their number, `held`)
+  __shared__ uint64_t* arrivals[ARRIVAL_BATCH * MAX_FANOUT];
   __shared__ int n_direct, n_put, n_local, n_meta;  // n_put < 0: skip the token (invalid)
   // warp 0: a token's ids and weights (lane k: its k-th); the block's first token's are loaded at once,
   // beside bound_m and the epoch (any row < rows is readable; a skipped call has no rows)
@@ -44,7 +62,7 @@ __device__ void moecomm::dispatch_send(const Fixed& f, const Call& c) {
       if (c.weights) w = c.weights[(size_t)t * f.topk + lane];
     }
   };
-  load_ids(f.rank % f.dp + blockIdx.x * f.dp);
+  load_ids((int)blockIdx.x < senders ? f.rank % f.dp + blockIdx.x * f.dp : c.rows);
   // warp 0, lane q: whether rank q is masked (world <= 32: looked up by a shuffle, not a load per token)
   const bool mask_lanes = f.world <= 32;
   const int masked_lane = warp == 0 && mask_lanes && lane < f.world ? f.mask[lane] : 0;
@@ -63,9 +81,11 @@ __device__ void moecomm::dispatch_send(const Fixed& f, const Call& c) {
   TRACE(MOECOMM_TRACE_DISPATCH_SEND, 1);
   const int lo = f.rank * f.local_experts;
   const uint8_t* x = c.x;
+  int held = 0, batched = 0;  // warp 0: arrival words held, tokens since the last fence
+  bool released = false;      // warp 0: arrival words were released (then the last ones are too)
   uint8_t* const recv_buf = f.recv_buf;
   Stage st(f);
-  for (int i = blockIdx.x;; i += gridDim.x) {
+  for (int i = blockIdx.x; (int)blockIdx.x < senders; i += senders) {
     const int t = f.rank % f.dp + i * f.dp;
     if (t >= m) break;
     if (i != (int)blockIdx.x) load_ids(t);
@@ -134,6 +154,8 @@ __device__ void moecomm::dispatch_send(const Fixed& f, const Call& c) {
           xd[__popc(direct & below)] = p;
           sd[__popc(direct & below)] = p + f.x_bytes;
           recs[__popc(direct & below)] = p;
+          arrivals[held + __popc(direct & below)] =
+              peer_ptr(f.peers, f.arrive + (size_t)f.rank * f.max_tokens + rec_slot, dest);
         }
         if (peer && !p) {
           remote[__popc(put & below)] = sym;
@@ -149,6 +171,7 @@ __device__ void moecomm::dispatch_send(const Fixed& f, const Call& c) {
           if (lane < f.topk) f.slot_of[(mine - recv_buf) / f.rec_bytes * f.topk + lane] = where;
           if (lane == 0) recs[nd + staged] = (uint8_t*)mine;
         }
+        held += nd;
         if (lane == 0) {
           n_direct = nd;
           n_put = __popc(put);
@@ -185,12 +208,18 @@ __device__ void moecomm::dispatch_send(const Fixed& f, const Call& c) {
       }
     }
     __syncthreads();
+    if (warp == 0 && ++batched == ARRIVAL_BATCH) {
+      release_arrivals(arrivals, held, epoch);
+      batched = 0;
+      released = true;
+    }
     if (puts) {
       put_block_all(remote, pes, puts, xd[nd], f.rec_bytes);
       __syncthreads();
     }
     if (i == (int)blockIdx.x) TRACE(MOECOMM_TRACE_DISPATCH_SEND, 3);
   }
+  if (warp == 0 && released) release_arrivals(arrivals, held, epoch);
   TRACE(MOECOMM_TRACE_DISPATCH_SEND, 4);
   if (st.used_puts) quiet();
   const bool is_last = last_block(&f.state[MOECOMM_S_DONE_DS], true);
@@ -220,6 +249,6 @@ __device__ void moecomm::dispatch_send(const Fixed& f, const Call& c) {
 extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, MOECOMM_BLOCKS_PER_SM)
     moecomm_dispatch_send(const Fixed f, const Call c) {
   TRACE_SPAN(MOECOMM_TRACE_DISPATCH_SEND, 0);
-  dispatch_send(f, c);
+  dispatch_send(f, c, gridDim.x);
   TRACE_SPAN(MOECOMM_TRACE_DISPATCH_SEND, 1);
 }

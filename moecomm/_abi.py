@@ -38,6 +38,7 @@ FIXED_FIELDS = (
     ("comb_buf", "uint8_t*"),       # symmetric combine rows, [max(world, topk) * max_tokens, hidden] out dtype
     ("stage", "uint8_t*"),          # symmetric staging rows (sources of puts to unmapped peers)
     ("sig", "uint64_t*"),           # symmetric [world] dispatch signals
+    ("arrive", "uint64_t*"),        # symmetric [world, max_tokens] arrival words of dispatch records (the call)
     ("comb_sig", "uint64_t*"),      # symmetric [world] combine signals
     ("slot_of", "int*"),            # [world, max_tokens, topk] expert slot of each received record's k-th id
     ("mask", "const int*"),         # [world] int32: 1 = rank masked (no data to or from it, no wait for it)
@@ -68,6 +69,9 @@ FIXED_FIELDS = (
     ("stage_slots", "int"), ("stage_bytes", "int"),  # staging rows per block and their size
     ("s_expert", "int"), ("s_recv", "int"),          # state[] offsets of per-expert and per-source counters
     ("s_kept", "int"),              # state[] offset of per-expert kept pairs (packed layout)
+    ("s_claim", "int"),             # state[] offset of per-source claimed records (dispatch_recv)
+    ("senders", "int"),             # blocks of the one-launch dispatch that send (dispatch_senders)
+    ("streamed", "int"),            # 1: dispatch_recv unpacks mapped sources' records as they land (streamed)
 )
 # The arrays of one call (dispatch fields, then combine fields): device addresses, 0 for None.
 CALL_FIELDS = (
@@ -120,6 +124,25 @@ def _per_source_blocks(cfg, num_sms):
     spreads them over the sources whose records it unpacks). All
     resident while world <= BLOCKS_PER_SM * num_sms: a phase in one launch needs that (resident())."""
     return cfg.world_size * max(1, min(cfg.max_num_tokens, C.BLOCKS_PER_SM * num_sms // cfg.world_size))
+
+
+def _send_share(cfg, num_sms):
+    """SEND_SHARE percent of the one-launch dispatch grid."""
+    return max(1, _per_source_blocks(cfg, num_sms) * C.SEND_SHARE // 100)
+
+
+def streamed(cfg, num_sms):
+    """Whether a block of the send share can hold more than ARRIVAL_BATCH tokens, so that records carry arrival
+    words and the receive half gains by unpacking them as they land (prefill-sized batches). Otherwise every
+    record is covered by its source's signal only, and the receive half waits for it: claiming records one by
+    one would only add a round trip to small batches."""
+    return -(-cfg.max_num_tokens // cfg.dp_size) > C.ARRIVAL_BATCH * _send_share(cfg, num_sms)
+
+
+def dispatch_senders(cfg, num_sms):
+    """Blocks of the one-launch dispatch grid that send: the send share where records stream (the other
+    blocks unpack them from the start, while the sends keep NVLink busy), else the whole grid."""
+    return _send_share(cfg, num_sms) if streamed(cfg, num_sms) else _per_source_blocks(cfg, num_sms)
 
 
 def _token_blocks(cfg, num_sms):

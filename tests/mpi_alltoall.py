@@ -390,7 +390,10 @@ def gpu_cases(world, quick):
                 split=False, iters=2)
     out = [base, dict(base, m=128), dict(base, weights_at="combine"), dict(base, split=True),
            dict(base, routing="one_expert"), dict(base, routing="other_rank"), dict(base, m=0),
-           dict(base, in_dtype="bfloat16", scale=None, out_dtype="float16")]
+           dict(base, in_dtype="bfloat16", scale=None, out_dtype="float16"),
+           # a prefill-sized batch: the one-launch dispatch's sending blocks hold more than ARRIVAL_BATCH tokens,
+           # so records carry arrival words and are unpacked as they land (moecomm._abi.streamed)
+           dict(base, hidden=512, scale=4, max_m=2048, m=2048, iters=1), dict(base, hidden=512, scale=4, max_m=2048)]
     if quick:
         return out
     for hidden, experts, k in ((2048, 64, 6), (4096, 8, 2), (2048, 8, 1), (4096, 64, 8)):

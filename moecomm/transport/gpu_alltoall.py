@@ -9,6 +9,7 @@ Symmetric memory per rank (bytes), W ranks, M = max_num_tokens, K = top-k, H = h
     combine rows       max(W, K) * M * H * out_size
     staging            blocks * 4 * max(R, H * out_size)   (sources of puts to non-mapped peers)
     signals            3 * W * 8          (dispatch, combine, and the detail of a failed call)
+    arrival words      W * M * 8          (one per dispatch record slot)
     drop words         W * M * 8          (only with overflow="drop")
 
 (:func:`symmetric_bytes`). Bytes on the wire per call, for n tokens sent by a rank and reaching on
@@ -54,7 +55,7 @@ def blocks(cfg, num_sms):
 
 def symmetric_sizes(cfg, num_sms):
     """Bytes of each symmetric buffer one rank allocates (the formula in the module doc), and the staging
-    row size: {"recv_buf", "comb_buf", "stage", "signals", "drop_buf", "stage_row"}."""
+    row size: {"recv_buf", "comb_buf", "stage", "signals", "arrive", "drop_buf", "stage_row"}."""
     W, M, K = cfg.world_size, cfg.max_num_tokens, cfg.experts_per_token
     out_row = cfg.hidden_dim * cfg.out_dtype.itemsize
     stage_row = max(record_bytes(cfg), out_row)
@@ -62,7 +63,7 @@ def symmetric_sizes(cfg, num_sms):
     stage_rows = max(grid[n] for n in ("moecomm_dispatch_send", "moecomm_combine_send", *_abi.WHOLE_KERNELS.values())
                      ) * C.STAGE_SLOTS
     return dict(recv_buf=W * M * record_bytes(cfg), comb_buf=max(W, K) * M * out_row,
-                stage=stage_rows * stage_row, signals=3 * W * 8, stage_row=stage_row,
+                stage=stage_rows * stage_row, signals=3 * W * 8, arrive=W * M * 8, stage_row=stage_row,
                 drop_buf=W * M * 8 if cfg.capacity is not None and cfg.overflow == "drop" else 0)
 
 
@@ -81,7 +82,7 @@ class GpuAllToAll(AllToAllBackend):
         W, M, K, L = cfg.world_size, cfg.max_num_tokens, cfg.experts_per_token, cfg.num_local_experts
         rec = record_bytes(cfg)
         sizes = symmetric_sizes(cfg, transport.num_sms)
-        self.state = cupy.zeros(C.STATE_FIXED + 2 * W + 2 * L, np.uint32)
+        self.state = cupy.zeros(C.STATE_FIXED + 3 * W + 2 * L, np.uint32)
         self.slot_of = cupy.empty(W * M * K, np.int32)
         self.mask = cupy.zeros(W, np.int32)
         nc = len(C.COUNTER_FIELDS)  # then received [L], dropped [L], bytes [BYTE_FIELDS, W]
@@ -94,13 +95,15 @@ class GpuAllToAll(AllToAllBackend):
         self.comb_buf = sym((sizes["comb_buf"],), np.uint8)
         self.stage = sym((sizes["stage"],), np.uint8)
         self.sig = sym((3, W), np.uint64)  # [0]: dispatch signals, [1]: combine signals, [2]: why
-        self._owned = [self.recv_buf, self.comb_buf, self.stage, self.sig]
+        self.arrive = sym((W, M), np.uint64)  # arrival words of dispatch records: the call that wrote each slot
+        self._owned = [self.recv_buf, self.comb_buf, self.stage, self.sig, self.arrive]
         drops = cfg.capacity is not None and cfg.overflow == "drop"
         self.drop_buf = sym((W, M), np.uint64) if drops else None
         if drops:
             self._owned.append(self.drop_buf)
             self.drop_buf.fill(0)
         self.sig.fill(0)
+        self.arrive.fill(0)
         self._timing = _Timing(window) if timing else None
         self._raised_call = 0  # the call (epoch) of the last error raised
         mem = cupy.cuda.PinnedMemoryPointer(
@@ -110,6 +113,7 @@ class GpuAllToAll(AllToAllBackend):
         self.fixed = _abi.Fixed(
             state=self.state.data.ptr, err=mem.ptr, recv_buf=self.recv_buf.data.ptr,
             comb_buf=self.comb_buf.data.ptr, stage=self.stage.data.ptr, sig=self.sig[0].data.ptr,
+            arrive=self.arrive.data.ptr,
             comb_sig=self.sig[1].data.ptr, slot_of=self.slot_of.data.ptr, mask=self.mask.data.ptr,
             counters=self.counters.data.ptr, ring=self.ring.data.ptr, why=self.sig[2].data.ptr,
             drop_buf=0 if self.drop_buf is None else self.drop_buf.data.ptr,
@@ -123,7 +127,8 @@ class GpuAllToAll(AllToAllBackend):
             packed=int(cfg.layout == "packed"), s_kept=C.STATE_FIXED + 2 * W + L,
             window=window, c_received=nc, c_dropped=nc + L, c_bytes=nc + 2 * L,
             stage_slots=C.STAGE_SLOTS, stage_bytes=sizes["stage_row"],
-            s_expert=C.STATE_FIXED + W, s_recv=C.STATE_FIXED + W + L)
+            s_expert=C.STATE_FIXED + W, s_recv=C.STATE_FIXED + W + L, s_claim=C.STATE_FIXED + 2 * W + 2 * L,
+            senders=_abi.dispatch_senders(cfg, transport.num_sms), streamed=int(_abi.streamed(cfg, transport.num_sms)))
         self.call = _abi.Call()
         self._skipped = _abi.Call(skip=1)  # the call record of a refused call: no arrays
         grid = blocks(cfg, transport.num_sms)
@@ -210,7 +215,8 @@ class GpuAllToAll(AllToAllBackend):
         self.state.fill(0)
         self.state[C.STATE_FIELDS.index("GEN")] = self._generation
         self.sig.fill(0)
-        if self.drop_buf is not None:  # call numbers restart: old drop words must not match new calls
+        self.arrive.fill(0)  # call numbers restart: old arrival and drop words must not match new calls
+        if self.drop_buf is not None:
             self.drop_buf.fill(0)
         self.mask.set(mask)
         stream.synchronize()
