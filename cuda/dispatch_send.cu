@@ -18,7 +18,7 @@ static __device__ __forceinline__ void release_arrivals(uint64_t* const* arrival
 // Reads c.x, c.x_scale (or null), c.indices (c.idx64), c.weights (or null), c.bound_m, c.rows; writes
 // c.out_x, c.out_scale and f.slot_of for this rank's own experts, records into f.recv_buf
 // [world, max_tokens, rec_bytes] of the other ranks (row [me][slot]), and sets f.sig[me] on every rank
-// to (epoch | flags | count). A block that sends more than ARRIVAL_BATCH tokens follows the records it
+// to (epoch | flags | count). A block that sends ARRIVAL_BATCH tokens or more follows the records it
 // stored into mapped ranks by their arrival words there, f.arrive[me][slot] = epoch, after a fence once per
 // ARRIVAL_BATCH tokens and after its last (a fence waits for the block's stores to be acknowledged: one per
 // token stalls the sends); dispatch_recv unpacks those before the signal. The signal covers every record:
