@@ -247,14 +247,8 @@ __device__ __forceinline__ bool last_block(unsigned* done, bool system) {
 __device__ __forceinline__ uint64_t wait_epoch(const uint64_t* sig, unsigned epoch, uint64_t deadline,
                                                int* err, int peer, int phase) {
   uint64_t v;
-  for (unsigned spin = 1; ((v = load_acquire(sig)) >> 32) < epoch; ++spin) {
-    if (spin % POLL_CHECK) continue;
-    if (load_volatile(err) == MOECOMM_ERR_TIMEOUT) return 0;  // another wait already failed: stop
-    if (now_ns() > deadline) {
-      record_error(err, MOECOMM_ERR_TIMEOUT, peer, phase, 0, (int)epoch);
-      return 0;
-    }
-  }
+  for (unsigned spin = 1; ((v = load_acquire(sig)) >> 32) < epoch; ++spin)
+    if (give_up(spin, deadline, err, peer, phase, (int)epoch)) return 0;  // timed out, or another wait did
   return v;
 }
 

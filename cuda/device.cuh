@@ -95,20 +95,25 @@ __device__ __forceinline__ void record_error(int* err, int code, int peer, int p
   }
 }
 
-// Spin until *sig >= expected. Returns false when the deadline passes (a timeout naming `peer` is
-// recorded) or when another thread has recorded a timeout (so one failure stops every waiter). The clock
-// and the error word (possibly in mapped host memory) are read once per POLL_CHECK spins.
+// The bound of every wait loop: call it once per spin (spin counting from 1). True when the wait must stop:
+// another thread has recorded a timeout (so one failure stops every waiter), or the deadline has passed (a
+// timeout naming `peer` is recorded). The clock and the error word (possibly in mapped host memory) are read
+// once per POLL_CHECK spins.
 constexpr unsigned POLL_CHECK = 256;
+__device__ __forceinline__ bool give_up(unsigned spin, uint64_t deadline_ns, int* err, int peer, int phase,
+                                        int call) {
+  if (spin % POLL_CHECK) return false;
+  if (load_volatile(err) == MOECOMM_ERR_TIMEOUT) return true;
+  if (now_ns() <= deadline_ns) return false;
+  record_error(err, MOECOMM_ERR_TIMEOUT, peer, phase, 0, call);
+  return true;
+}
+
+// Spin until *sig >= expected. Returns false when the wait gives up (give_up).
 __device__ __forceinline__ bool wait_geq(const uint64_t* sig, uint64_t expected, uint64_t deadline_ns,
                                          int* err, int peer, int phase, int call) {
-  for (unsigned spin = 1; load_acquire(sig) < expected; ++spin) {
-    if (spin % POLL_CHECK) continue;
-    if (load_volatile(err) == MOECOMM_ERR_TIMEOUT) return false;
-    if (now_ns() > deadline_ns) {
-      record_error(err, MOECOMM_ERR_TIMEOUT, peer, phase, 0, call);
-      return false;
-    }
-  }
+  for (unsigned spin = 1; load_acquire(sig) < expected; ++spin)
+    if (give_up(spin, deadline_ns, err, peer, phase, call)) return false;
   return true;
 }
 

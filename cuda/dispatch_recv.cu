@@ -41,12 +41,7 @@ static __device__ bool arrived(const Fixed& f, int src, int j, unsigned epoch, u
       if ((v >> 32) >= epoch) seen = v;
     }
     if (seen) return j < (int)own_count(seen);
-    if (spin % POLL_CHECK) continue;
-    if (load_volatile(f.err) == MOECOMM_ERR_TIMEOUT) return false;
-    if (now_ns() > deadline) {
-      record_error(f.err, MOECOMM_ERR_TIMEOUT, src, MOECOMM_PHASE_DISPATCH, 0, (int)epoch);
-      return false;
-    }
+    if (give_up(spin, deadline, f.err, src, MOECOMM_PHASE_DISPATCH, (int)epoch)) return false;
   }
 }
 
