@@ -394,6 +394,8 @@ def gpu_cases(world, quick):
            # a prefill-sized batch: the one-launch dispatch's sending blocks hold more than ARRIVAL_BATCH tokens,
            # so records carry arrival words and are unpacked as they land (moecomm._abi.streamed)
            dict(base, hidden=512, scale=4, max_m=2048, m=2048, iters=1), dict(base, hidden=512, scale=4, max_m=2048)]
+    if world % 2 == 0:  # the same in DP groups of two (2048 tokens per rank)
+        out.append(dict(base, hidden=256, scale=2, max_m=4096, m=4096, dp_size=2, iters=1))
     if quick:
         return out
     for hidden, experts, k in ((2048, 64, 6), (4096, 8, 2), (2048, 8, 1), (4096, 64, 8)):
