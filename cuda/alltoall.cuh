@@ -11,10 +11,12 @@
 //             into comb_buf[expert rank][token] of every rank of the token's DP group; without them: one
 //             row per (token, k) into comb_buf[token][k].
 // Completion: after its data, a sender sets one 64-bit signal per peer to (epoch << 32 | flags | count).
-// At prefill-sized batches (f.streamed) dispatch records stored into mapped peers also get arrival words
-// (f.arrive[src][slot] = epoch, after a fence of the sending block per ARRIVAL_BATCH tokens), so the receiver
-// unpacks records while later ones are still on the way; this assumes ranks map each other or neither does
-// (NVLink peers; nodes apart: puts both ways).
+// At prefill-sized batches (f.streamed) rows stored into mapped peers also get arrival words (struct
+// Arrivals): dispatch records (f.arrive[src][slot]), so the receiver unpacks records while later ones are
+// still on the way, and in the one-launch combine with partial sums (DP size 1, padded layout) the peers'
+// partial sums (f.comb_arrive[expert rank][token]), which the token side adds to this rank's own expert rows
+// as they land (this rank's own partial sums are then never formed). This assumes ranks map each other or
+// neither does (NVLink peers; nodes apart: puts both ways).
 // Epochs are counted on the device (state[]), so nothing needs a host reset and CUDA graphs replay.
 #pragma once
 #include <cuda_bf16.h>
@@ -44,11 +46,11 @@ constexpr unsigned M_INVALID = 0x80000000u;
 // one-launch kernel (a share of it where records stream: its other blocks unpack the records that have landed,
 // from HBM, while the sends keep NVLink busy; moecomm/_abi.py, dispatch_senders).
 // combine_send returns its call number, which combine_recv waits for (the split kernel reads it back from
-// state[EPOCH_CS]).
+// state[EPOCH_CS]). `stream`: the one-launch combine's streamed form (combine.cu).
 __device__ void dispatch_send(const Fixed& f, const Call& c, int senders);
 __device__ void dispatch_recv(const Fixed& f, const Call& c);
-__device__ unsigned combine_send(const Fixed& f, const Call& c);
-__device__ void combine_recv(const Fixed& f, const Call& c, unsigned epoch);
+__device__ unsigned combine_send(const Fixed& f, const Call& c, bool stream);
+__device__ void combine_recv(const Fixed& f, const Call& c, unsigned epoch, bool stream);
 
 // Record metadata after x and scales: int32 token, int32 expert[topk], float weight[topk].
 __device__ __forceinline__ int* meta_of(uint8_t* rec, const Fixed& f) { return (int*)(rec + f.meta_off); }
@@ -87,7 +89,7 @@ __device__ __forceinline__ void tally_bytes(const Fixed& f, int kind, int q, uns
 // row (experts or peers, plus a staging row).
 constexpr int MAX_FANOUT = MOECOMM_MAX_TOPK + 1;
 constexpr int THREADS = MOECOMM_BLOCK_THREADS;
-constexpr int ARRIVAL_BATCH = MOECOMM_ARRIVAL_BATCH;  // tokens a sending block stores per fence (dispatch_send)
+constexpr int ARRIVAL_BATCH = MOECOMM_ARRIVAL_BATCH;  // rows a sending block stores per fence, at most (Arrivals)
 constexpr int INFLIGHT = 4;  // 16-byte loads per thread in flight in copies: a 16 KB row in one round
 
 // Block-wide: copy `bytes` (a multiple of 16) from src to dsts[0..n), from 16-byte chunk `from` on, loading
@@ -241,6 +243,51 @@ __device__ __forceinline__ bool last_block(unsigned* done, bool system) {
   __syncthreads();
   return last;
 }
+
+// Arrival words of a sending block (f.streamed): each row it stores into a mapped rank is followed by a word
+// there set to the call, released in batches of rows (ARRIVAL_FIRST, then twice as many each time up to
+// ARRIVAL_BATCH): a release is a fence, which waits until the block's stores are acknowledged (one per row
+// stalls the sends), and small first batches let the receivers start early. Warp 0 lists the words of the
+// row it routes in words[list]; once a batch is stored, the block's last warp (RELEASER) releases that list
+// at the top of the next row, beside warp 0's routing of it, so the fence's wait is off the block's path,
+// while warp 0 fills the other list. A block with no full batch leaves its words to its signal. Every thread
+// keeps the counts alike.
+constexpr int RELEASER = THREADS / 32 - 1;
+struct Arrivals {
+  uint64_t* (*words)[ARRIVAL_BATCH * MAX_FANOUT];  // shared [2][...]
+  int held = 0, batched = 0, batch = MOECOMM_ARRIVAL_FIRST, list = 0, pending = 0;
+  bool released = false;
+  // warp 0, routing a row: its i-th word
+  __device__ __forceinline__ uint64_t*& word(int i) { return words[list][held + i]; }
+  // every thread, after the barrier that ends a row's stores: n words were listed for it
+  __device__ __forceinline__ void stored(int n) {
+    held += n;
+    if (++batched < batch) return;
+    pending = held;
+    held = batched = 0;
+    list ^= 1;
+    released = true;
+    batch = min(2 * batch, ARRIVAL_BATCH);
+  }
+  // every thread, at the top of the next row: the full list, if any
+  __device__ __forceinline__ void release_pending(unsigned epoch) {
+    if (pending && (int)(threadIdx.x >> 5) == RELEASER) release(words[list ^ 1], pending, epoch);
+    pending = 0;
+  }
+  // every thread, after the block's last row (and a barrier after its stores)
+  __device__ __forceinline__ void release_last(unsigned epoch) {
+    if (!released || (int)(threadIdx.x >> 5) != RELEASER) return;
+    release(words[list ^ 1], pending, epoch);
+    release(words[list], held, epoch);
+  }
+  // the block's stores so far (observed through a barrier: the fence is cumulative), then the n words
+  static __device__ __forceinline__ void release(uint64_t* const* w, int n, unsigned epoch) {
+    if (n && (threadIdx.x & 31) == 0) {
+      fence_system();
+      for (int j = 0; j < n; ++j) store_relaxed(w[j], epoch);
+    }
+  }
+};
 
 // Wait (bounded) until sig's epoch reaches `epoch` (the call number); returns the signal, or 0 after a
 // timeout or abort.

@@ -4,7 +4,10 @@
 using namespace moecomm;
 
 // grid: world * parts blocks of MOECOMM_BLOCK_THREADS; block b serves the records received from rank
-// b % world, one block per record (strided).
+// b % world, one block per record (strided). `stream` (the one-launch combine's streamed form, combine.cu):
+// this rank's own records are not summed here (the token side reads their expert rows itself), so their
+// blocks go straight on to the token side, and the partial sums stored into mapped ranks are followed by
+// arrival words there, f.comb_arrive[me][token] = epoch (Arrivals); the signal still covers every row.
 // Reads f.recv_buf (the last dispatch's records: token index, weights), f.slot_of, c.y [local_experts,
 // cap, hidden] out_dtype (expert outputs, laid out like dispatch's out_x) and c.partials:
 //   1: sum a token's local experts weighted by the dispatched weights and send one row to
@@ -14,7 +17,7 @@ using namespace moecomm;
 // the dispatched m (ERR_M_DIFFERS, recorded here too), or a dispatch whose receive half failed
 // (state[BAD_RECV]: capacity exceeded, the demand written to every peer's f.why[me] first).
 // Telemetry: bytes sent per peer. Returns the call number (the epoch its signals carry).
-__device__ unsigned moecomm::combine_send(const Fixed& f, const Call& c) {
+__device__ unsigned moecomm::combine_send(const Fixed& f, const Call& c, bool stream) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   TRACE(MOECOMM_TRACE_COMBINE_SEND, 0);
   const int src = blockIdx.x % f.world, part = blockIdx.x / f.world, parts = gridDim.x / f.world;
@@ -24,12 +27,16 @@ __device__ unsigned moecomm::combine_send(const Fixed& f, const Call& c) {
   const bool differs = !c.skip && dispatched != M_INVALID && m != (int)dispatched;
   const unsigned bad_recv = f.state[MOECOMM_S_BAD_RECV];
   const unsigned reason = c.skip ? (unsigned)c.reason : differs ? (unsigned)MOECOMM_ERR_M_DIFFERS : bad_recv;
-  if (differs && blockIdx.x == 0 && threadIdx.x == 0)
-    record_error(f.err, MOECOMM_ERR_M_DIFFERS, f.rank, MOECOMM_PHASE_COMBINE, m, (int)epoch);
+  if (blockIdx.x == 0 && threadIdx.x == 0) {
+    f.state[MOECOMM_S_TOKENS_EVEN + (epoch + 1) % 2] = 0;  // the next call's token claims (combine_recv)
+    if (differs) record_error(f.err, MOECOMM_ERR_M_DIFFERS, f.rank, MOECOMM_PHASE_COMBINE, m, (int)epoch);
+  }
   // the records received from src, loaded beside the reason, not after it: dispatch_recv kept the count, or,
   // for this rank's own records in the padded layout (their rows placed by dispatch_send), the own signal of
   // this call's dispatch holds it (there already: the wait is bounded only because a put may carry it)
-  const unsigned received = src == f.rank && !f.packed
+  const bool own = src == f.rank;
+  const unsigned received = own && stream ? 0
+      : own && !f.packed
       ? own_count(wait_epoch(&f.sig[f.rank], epoch, now_ns() + f.timeout_ns, f.err, f.rank, MOECOMM_PHASE_COMBINE))
       : f.state[f.s_recv + src];
   const unsigned count = c.skip || reason ? 0 : received;
@@ -42,7 +49,11 @@ __device__ unsigned moecomm::combine_send(const Fixed& f, const Call& c) {
   __shared__ uint8_t* dsts[MAX_FANOUT];
   __shared__ uint8_t* remote[MAX_FANOUT];
   __shared__ int pes[MAX_FANOUT];
+  __shared__ uint64_t* words[2][ARRIVAL_BATCH * MAX_FANOUT];  // stream: arrival words of the partial sums
   Targets tg{dsts, remote, pes};
+  Arrivals arr{words};
+  // stream (DP size 1: the source is the row's only destination): a word per row where src is mapped
+  uint64_t* const arrive = stream ? peer_ptr(f.peers, f.comb_arrive + (size_t)f.rank * f.max_tokens, src) : nullptr;
   Stage st(f);
   int s = -1, tok = 0;  // warp 0: a record's expert slots (lane k: its k-th), weights and token
   float wt = 0.0f;
@@ -57,6 +68,7 @@ __device__ unsigned moecomm::combine_send(const Fixed& f, const Call& c) {
   // block sends the current one
   if (warp == 0) load_record(part);
   for (int j = part; j < (int)count; j += parts) {
+    arr.release_pending(epoch);
     if (warp == 0) {  // this rank's experts of the record's token, compacted
       const unsigned mask = __ballot_sync(FULL, s >= 0);
       if (s >= 0) {
@@ -68,6 +80,7 @@ __device__ unsigned moecomm::combine_send(const Fixed& f, const Call& c) {
       if (lane == 0) {
         n = __popc(mask);
         token = tok;
+        if (arrive) arr.word(0) = arrive + tok;
       }
       if (j + parts < (int)count) load_record(j + parts);
     }
@@ -91,8 +104,10 @@ __device__ unsigned moecomm::combine_send(const Fixed& f, const Call& c) {
       }
     }
     __syncthreads();  // rows, wts, n and token are rewritten for the next record
+    if (arrive) arr.stored(1);
     if (j == part) TRACE(MOECOMM_TRACE_COMBINE_SEND, 2);
   }
+  arr.release_last(epoch);
   TRACE(MOECOMM_TRACE_COMBINE_SEND, 3);
   if (st.used_puts) quiet();
   if (threadIdx.x == 0)
@@ -121,6 +136,6 @@ __device__ unsigned moecomm::combine_send(const Fixed& f, const Call& c) {
 extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, MOECOMM_BLOCKS_PER_SM)
     moecomm_combine_send(const Fixed f, const Call c) {
   TRACE_SPAN(MOECOMM_TRACE_COMBINE_SEND, 0);
-  combine_send(f, c);
+  combine_send(f, c, false);
   TRACE_SPAN(MOECOMM_TRACE_COMBINE_SEND, 1);
 }

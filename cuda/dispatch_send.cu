@@ -3,27 +3,18 @@
 
 using namespace moecomm;
 
-// Warp 0, after a block barrier: the block's stores so far are made visible (a cumulative fence), then the
-// `held` arrival words are set to the call; held is then 0.
-static __device__ __forceinline__ void release_arrivals(uint64_t* const* arrivals, int& held, unsigned epoch) {
-  if (held && (threadIdx.x & 31) == 0) {
-    fence_system();
-    for (int j = 0; j < held; ++j) store_relaxed(arrivals[j], epoch);
-  }
-  held = 0;
-}
-
 // grid: any number of blocks of MOECOMM_BLOCK_THREADS; the first `senders` of them take a token each
 // (strided), the others only count themselves done (the one-launch kernel's receive-only blocks, dispatch.cu).
 // Reads c.x, c.x_scale (or null), c.indices (c.idx64), c.weights (or null), c.bound_m, c.rows; writes
 // c.out_x, c.out_scale and f.slot_of for this rank's own experts, records into f.recv_buf
 // [world, max_tokens, rec_bytes] of the other ranks (row [me][slot]), and sets f.sig[me] on every rank
-// to (epoch | flags | count). A block that sends ARRIVAL_BATCH tokens or more follows the records it
-// stored into mapped ranks by their arrival words there, f.arrive[me][slot] = epoch, after a fence once per
-// ARRIVAL_BATCH tokens and after its last (a fence waits for the block's stores to be acknowledged: one per
-// token stalls the sends); dispatch_recv unpacks those before the signal. The signal covers every record:
-// a block with fewer tokens (small batches: no fence added to the path) and puts to ranks without a mapping
-// leave theirs to it.
+// to (epoch | flags | count). In the one-launch kernel with f.streamed (prefill-sized batches: some blocks
+// only receive) a block follows the records it stored into mapped ranks by their arrival words there,
+// f.arrive[me][slot] = epoch (Arrivals), and dispatch_recv unpacks those before the signal; the signal covers
+// every record (puts to ranks without a mapping leave theirs to it). Small batches and the split kernel (its
+// receive half starts after it) have no arrival words, so no fence is added to their path. With
+// f.streamed (DP size 1, padded layout) f.own_of[t] also gets this rank's expert slots of token t and their
+// weights, for the one-launch combine's token side (combine_recv).
 // This rank sends the tokens t = dp_rank, dp_rank + dp, ... < m of its DP group, each once per other
 // destination rank as a record (the receiver fans it out to its experts); tokens for this rank's own
 // experts go straight into their expert slots, and only the record's metadata (for combine) is kept.
@@ -47,8 +38,7 @@ __device__ void moecomm::dispatch_send(const Fixed& f, const Call& c, int sender
   __shared__ uint8_t* recs[MAX_FANOUT];
   __shared__ uint8_t* remote[MAX_FANOUT];
   __shared__ int pes[MAX_FANOUT];
-  // arrival words of the block's mapped records since its last fence (warp 0 keeps their number, `held`)
-  __shared__ uint64_t* arrivals[ARRIVAL_BATCH * MAX_FANOUT];
+  __shared__ uint64_t* words[2][ARRIVAL_BATCH * MAX_FANOUT];  // arrival words of the block's mapped records
   __shared__ int n_direct, n_put, n_local, n_meta;  // n_put < 0: skip the token (invalid)
   // warp 0: a token's ids and weights (lane k: its k-th); the block's first token's are loaded at once,
   // beside bound_m and the epoch (any row < rows is readable; a skipped call has no rows)
@@ -81,8 +71,8 @@ __device__ void moecomm::dispatch_send(const Fixed& f, const Call& c, int sender
   TRACE(MOECOMM_TRACE_DISPATCH_SEND, 1);
   const int lo = f.rank * f.local_experts;
   const uint8_t* x = c.x;
-  int held = 0, batched = 0;  // warp 0: arrival words held, tokens since the last fence
-  bool released = false;      // warp 0: arrival words were released (then the last ones are too)
+  Arrivals arr{words};
+  const bool arrivals = f.streamed && senders < (int)gridDim.x, own_of = f.streamed && f.dp == 1 && !f.packed;
   uint8_t* const recv_buf = f.recv_buf;
   Stage st(f);
   for (int i = blockIdx.x; (int)blockIdx.x < senders; i += senders) {
@@ -93,6 +83,7 @@ __device__ void moecomm::dispatch_send(const Fixed& f, const Call& c, int sender
     const uint8_t* const scales = (const uint8_t*)(c.x_scale + (size_t)t * (f.scale_bytes / 4));
     RowCopy row;  // the token row and scales, in flight while warp 0 routes the token
     row.load(f, xt, scales);
+    arr.release_pending(epoch);
     // warp 0: check the token's experts, take slots (in parallel lanes), list the destinations
     if (warp == 0) {
       int dest = -1, slot_id = -1;  // the pair's physical expert slot and its rank
@@ -154,8 +145,9 @@ __device__ void moecomm::dispatch_send(const Fixed& f, const Call& c, int sender
           xd[__popc(direct & below)] = p;
           sd[__popc(direct & below)] = p + f.x_bytes;
           recs[__popc(direct & below)] = p;
-          arrivals[held + __popc(direct & below)] =
-              peer_ptr(f.peers, f.arrive + (size_t)f.rank * f.max_tokens + rec_slot, dest);
+          if (arrivals)
+            arr.word(__popc(direct & below)) =
+                peer_ptr(f.peers, f.arrive + (size_t)f.rank * f.max_tokens + rec_slot, dest);
         }
         if (peer && !p) {
           remote[__popc(put & below)] = sym;
@@ -171,7 +163,7 @@ __device__ void moecomm::dispatch_send(const Fixed& f, const Call& c, int sender
           if (lane < f.topk) f.slot_of[(mine - recv_buf) / f.rec_bytes * f.topk + lane] = where;
           if (lane == 0) recs[nd + staged] = (uint8_t*)mine;
         }
-        held += nd;
+        if (own_of && lane < f.topk) f.own_of[(size_t)t * f.topk + lane] = make_int2(where, __float_as_int(w));
         if (lane == 0) {
           n_direct = nd;
           n_put = __popc(put);
@@ -208,18 +200,14 @@ __device__ void moecomm::dispatch_send(const Fixed& f, const Call& c, int sender
       }
     }
     __syncthreads();
-    if (warp == 0 && ++batched == ARRIVAL_BATCH) {
-      release_arrivals(arrivals, held, epoch);
-      batched = 0;
-      released = true;
-    }
+    if (arrivals) arr.stored(nd);
     if (puts) {
       put_block_all(remote, pes, puts, xd[nd], f.rec_bytes);
       __syncthreads();
     }
     if (i == (int)blockIdx.x) TRACE(MOECOMM_TRACE_DISPATCH_SEND, 3);
   }
-  if (warp == 0 && released) release_arrivals(arrivals, held, epoch);
+  arr.release_last(epoch);
   TRACE(MOECOMM_TRACE_DISPATCH_SEND, 4);
   if (st.used_puts) quiet();
   const bool is_last = last_block(&f.state[MOECOMM_S_DONE_DS], true);

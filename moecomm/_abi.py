@@ -39,8 +39,11 @@ FIXED_FIELDS = (
     ("stage", "uint8_t*"),          # symmetric staging rows (sources of puts to unmapped peers)
     ("sig", "uint64_t*"),           # symmetric [world] dispatch signals
     ("arrive", "uint64_t*"),        # symmetric [world, max_tokens] arrival words of dispatch records (the call)
+    ("comb_arrive", "uint64_t*"),   # symmetric [world, max_tokens] arrival words of combine partial sums
     ("comb_sig", "uint64_t*"),      # symmetric [world] combine signals
     ("slot_of", "int*"),            # [world, max_tokens, topk] expert slot of each received record's k-th id
+    ("own_of", "int2*"),            # [max_tokens, topk] this rank's expert slot of token t's k-th id (or -1)
+                                    # and its weight (float bits); written where f.streamed (dispatch_send)
     ("mask", "const int*"),         # [world] int32: 1 = rank masked (no data to or from it, no wait for it)
     ("counters", "unsigned long long*"),  # uint64 cumulative counters, MOECOMM_C_* indices, then arrays at c_*
     ("ring", "unsigned*"),          # [window, local_experts] (token, expert) pairs routed per local expert, per
@@ -71,7 +74,7 @@ FIXED_FIELDS = (
     ("s_kept", "int"),              # state[] offset of per-expert kept pairs (packed layout)
     ("s_claim", "int"),             # state[] offset of per-source claimed records (dispatch_recv)
     ("senders", "int"),             # blocks of the one-launch dispatch that send (dispatch_senders)
-    ("streamed", "int"),            # 1: dispatch_recv unpacks mapped sources' records as they land (streamed)
+    ("streamed", "int"),            # 1: the one-launch phases take rows as they land (streamed)
 )
 # The arrays of one call (dispatch fields, then combine fields): device addresses, 0 for None.
 CALL_FIELDS = (
@@ -132,11 +135,13 @@ def _send_share(cfg, num_sms):
 
 
 def streamed(cfg, num_sms):
-    """Whether a block of the send share can hold more than ARRIVAL_BATCH tokens, so that records carry arrival
-    words and the receive half gains by unpacking them as they land (prefill-sized batches). Otherwise every
-    record is covered by its source's signal only, and the receive half waits for it: claiming records one by
-    one would only add a round trip to small batches."""
-    return -(-cfg.max_num_tokens // cfg.dp_size) > C.ARRIVAL_BATCH * _send_share(cfg, num_sms)
+    """Whether a block of the send share can hold more than STREAM_TOKENS tokens (prefill-sized batches), so that
+    rows carry arrival words and the receive halves gain by taking them as they land: dispatch records, and in
+    the one-launch combine with partial sums (DP size 1, padded layout) the peers' partial sums, which the
+    token side adds to this rank's own expert rows (cuda/combine.cu). Otherwise every row is covered by its
+    sender's signal only, and the receive half waits for it: claiming rows one by one would only add a round
+    trip to small batches."""
+    return -(-cfg.max_num_tokens // cfg.dp_size) > C.STREAM_TOKENS * _send_share(cfg, num_sms)
 
 
 def dispatch_senders(cfg, num_sms):

@@ -42,16 +42,20 @@ DT_BF16, DT_FP16 = 0, 1
 # the packed layout's row counter, then arrays: per-destination send counters [world] at FIXED,
 # per-local-expert pair counters at EXPERT, records received per source [world] at RECV, per-local-expert
 # kept pairs at KEPT (packed layout), records claimed per source [world] at CLAIM (offsets depend on the
-# sizes).
+# sizes). TOKENS_EVEN / TOKENS_ODD: tokens the streamed combine_recv has claimed in even / odd calls (each
+# combine_send zeroes the next call's).
 STATE_FIELDS = ("EPOCH_DS", "EPOCH_DR", "EPOCH_CS", "DONE_DS", "DONE_DR", "DONE_CS", "BAD", "M", "BAD_RECV", "WHY",
-                "GEN", "ROWS")
+                "GEN", "ROWS", "TOKENS_EVEN", "TOKENS_ODD")
 STATE_FIXED = len(STATE_FIELDS)
 STAGE_SLOTS = 4       # staging rows per block for puts to peers without a load/store mapping
 BLOCK_THREADS = 256   # threads of every alltoall block: a block handles one token or record at a time
 BLOCKS_PER_SM = 2     # alltoall blocks resident per SM (kernels are built for it: 128 registers per thread)
 SEND_SHARE = 75       # percent of a one-launch dispatch grid that sends (the rest unpacks records as they land)
-ARRIVAL_BATCH = 8     # tokens a dispatch block sends per fence that releases their arrival words (fewer: none)
-                      # (both: moecomm/_abi.py, dispatch_senders and streamed)
+STREAM_TOKENS = 8     # the one-launch phases stream where a block of the send share holds more tokens than
+                      # this (moecomm/_abi.py, streamed; below, claiming rows one by one costs more than it gains)
+ARRIVAL_BATCH = 4     # rows a sending block stores per fence that releases their arrival words, at most
+ARRIVAL_FIRST = 1     # rows of a sending block's first release; each next release covers twice as many, up to
+                      # ARRIVAL_BATCH (the receivers start early, the fences stay few; cuda/alltoall.cuh)
 # Cumulative uint64 counters of one AllToAll, kept on the device (AllToAll.stats()), then arrays (offsets
 # in moecomm/transport/gpu_alltoall.py): tokens received and pairs dropped per local expert [L], bytes per
 # peer [BYTE_FIELDS, world].
@@ -146,7 +150,7 @@ def device_constants():
         "PEER_UNMAPPED": f"{PEER_UNMAPPED}ll",
         "PHASE_PEER_CHECK": PHASE_PEER_CHECK, "PHASE_DISPATCH": PHASE_DISPATCH, "PHASE_COMBINE": PHASE_COMBINE,
         "DT_BF16": DT_BF16, "DT_FP16": DT_FP16, "S_FIXED": STATE_FIXED, "BLOCK_THREADS": BLOCK_THREADS,
-        "BLOCKS_PER_SM": BLOCKS_PER_SM, "ARRIVAL_BATCH": ARRIVAL_BATCH,
+        "BLOCKS_PER_SM": BLOCKS_PER_SM, "ARRIVAL_BATCH": ARRIVAL_BATCH, "ARRIVAL_FIRST": ARRIVAL_FIRST,
     }
     values.update({f"S_{name}": i for i, name in enumerate(STATE_FIELDS)})
     values.update({f"C_{name}": i for i, name in enumerate(COUNTER_FIELDS)})

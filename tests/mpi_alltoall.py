@@ -391,9 +391,12 @@ def gpu_cases(world, quick):
     out = [base, dict(base, m=128), dict(base, weights_at="combine"), dict(base, split=True),
            dict(base, routing="one_expert"), dict(base, routing="other_rank"), dict(base, m=0),
            dict(base, in_dtype="bfloat16", scale=None, out_dtype="float16"),
-           # a prefill-sized batch: the one-launch dispatch's sending blocks hold more than ARRIVAL_BATCH tokens,
-           # so records carry arrival words and are unpacked as they land (moecomm._abi.streamed)
-           dict(base, hidden=512, scale=4, max_m=2048, m=2048, iters=1), dict(base, hidden=512, scale=4, max_m=2048)]
+           # a prefill-sized batch: the one-launch dispatch's sending blocks hold more than STREAM_TOKENS tokens,
+           # so rows carry arrival words and are taken as they land (moecomm._abi.streamed): dispatch records,
+           # and the combine's partial sums (weights at dispatch), summed with this rank's own expert rows
+           dict(base, hidden=512, scale=4, max_m=2048, m=2048, iters=1), dict(base, hidden=512, scale=4, max_m=2048),
+           dict(base, hidden=512, scale=4, max_m=2048, m=2048, routing="other_rank", iters=1),
+           dict(base, hidden=512, scale=4, max_m=2048, m=2048, weights_at="combine", iters=1)]
     if world % 2 == 0:  # the same in DP groups of two (2048 tokens per rank)
         out.append(dict(base, hidden=256, scale=2, max_m=4096, m=4096, dp_size=2, iters=1))
     if quick:

@@ -7,6 +7,8 @@ exactly); the kernels drop those whose slots were taken last, so on GPUs the che
 
     mpiexec -n 3 python tests/mpi_capacity.py                       # host transport (numpy)
     mpirun -n 2 python tests/mpi_capacity.py --transport nvshmem    # GPUs (CuPy arrays)
+    mpirun -n 2 python tests/mpi_capacity.py --transport ipc --max-tokens 2048   # a prefill-sized AllToAll
+                                        # (moecomm._abi.streamed: arrival words, the streamed combine)
 
 Prints "<n> checks on <w> ranks: <f> failures" on rank 0.
 """
@@ -81,7 +83,9 @@ def check_drops(comm, drawn, n, out, dropped, exact, what):
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--transport", default="host")
-    transport = p.parse_args().transport
+    p.add_argument("--max-tokens", type=int, default=M, help="the AllToAlls' max_num_tokens (calls send M tokens)")
+    args = p.parse_args()
+    transport, max_tokens = args.transport, max(M, args.max_tokens)
     comm = moecomm.init(transport=transport, timeout=3.0)
     W, r = comm.world_size, comm.rank
     E = E_PER_RANK * W
@@ -89,7 +93,7 @@ def main():
     if transport != "host":
         import cupy as xp
     fails, checks = [], 0
-    drop = moecomm.AllToAll(comm, M, E, K, H, None, "fp16", "fp16", capacity=CAP, overflow="drop")
+    drop = moecomm.AllToAll(comm, max_tokens, E, K, H, None, "fp16", "fp16", capacity=CAP, overflow="drop")
     dropped_here = np.zeros(E_PER_RANK, np.int64)
     for seed in range(8):  # weights sent with dispatch (expert-side sums), then weights at combine
         drawn = draw(W, seed, hot=seed % E)
@@ -105,7 +109,7 @@ def main():
     checks += 1
     drop.destroy()
 
-    error = moecomm.AllToAll(comm, M, E, K, H, None, "fp16", "fp16", capacity=CAP, overflow="error")
+    error = moecomm.AllToAll(comm, max_tokens, E, K, H, None, "fp16", "fp16", capacity=CAP, overflow="error")
     drawn = draw(W, 50, hot=1)
     try:
         call(xp, error, comm, drawn)

@@ -187,7 +187,7 @@ def test_symmetric_memory_formula_r1():
 
 def test_dispatch_streams_only_prefill_sized_batches():
     """The one-launch dispatch splits its grid into senders and early receivers, and records carry arrival
-    words, only where a sending block can hold more than ARRIVAL_BATCH tokens (R1 shapes, EP2, 132 SMs)."""
+    words, only where a sending block can hold more than STREAM_TOKENS tokens (R1 shapes, EP2, 132 SMs)."""
     from moecomm import _abi, _constants as C
     from moecomm._config import AllToAllConfig
     for tokens, streams in ((1, False), (128, False), (1024, False), (4096, True)):
@@ -196,7 +196,7 @@ def test_dispatch_streams_only_prefill_sized_batches():
         assert _abi.streamed(c, 132) == streams
         assert senders == (grid * C.SEND_SHARE // 100 if streams else grid)
         if streams:
-            assert tokens > C.ARRIVAL_BATCH * senders
+            assert tokens > C.STREAM_TOKENS * senders
 
 
 class Loopback(moecomm.Bootstrap):

@@ -9,7 +9,7 @@ Symmetric memory per rank (bytes), W ranks, M = max_num_tokens, K = top-k, H = h
     combine rows       max(W, K) * M * H * out_size
     staging            blocks * 4 * max(R, H * out_size)   (sources of puts to non-mapped peers)
     signals            3 * W * 8          (dispatch, combine, and the detail of a failed call)
-    arrival words      W * M * 8          (one per dispatch record slot)
+    arrival words      2 * W * M * 8      (one per dispatch record slot, one per partial sum of combine)
     drop words         W * M * 8          (only with overflow="drop")
 
 (:func:`symmetric_bytes`). Bytes on the wire per call, for n tokens sent by a rank and reaching on
@@ -63,7 +63,7 @@ def symmetric_sizes(cfg, num_sms):
     stage_rows = max(grid[n] for n in ("moecomm_dispatch_send", "moecomm_combine_send", *_abi.WHOLE_KERNELS.values())
                      ) * C.STAGE_SLOTS
     return dict(recv_buf=W * M * record_bytes(cfg), comb_buf=max(W, K) * M * out_row,
-                stage=stage_rows * stage_row, signals=3 * W * 8, arrive=W * M * 8, stage_row=stage_row,
+                stage=stage_rows * stage_row, signals=3 * W * 8, arrive=2 * W * M * 8, stage_row=stage_row,
                 drop_buf=W * M * 8 if cfg.capacity is not None and cfg.overflow == "drop" else 0)
 
 
@@ -84,6 +84,7 @@ class GpuAllToAll(AllToAllBackend):
         sizes = symmetric_sizes(cfg, transport.num_sms)
         self.state = cupy.zeros(C.STATE_FIXED + 3 * W + 2 * L, np.uint32)
         self.slot_of = cupy.empty(W * M * K, np.int32)
+        self.own_of = cupy.empty(M * K * 2, np.int32)
         self.mask = cupy.zeros(W, np.int32)
         nc = len(C.COUNTER_FIELDS)  # then received [L], dropped [L], bytes [BYTE_FIELDS, W]
         self.counters = cupy.zeros(nc + 2 * L + len(C.BYTE_FIELDS) * W, np.uint64)
@@ -95,7 +96,7 @@ class GpuAllToAll(AllToAllBackend):
         self.comb_buf = sym((sizes["comb_buf"],), np.uint8)
         self.stage = sym((sizes["stage"],), np.uint8)
         self.sig = sym((3, W), np.uint64)  # [0]: dispatch signals, [1]: combine signals, [2]: why
-        self.arrive = sym((W, M), np.uint64)  # arrival words of dispatch records: the call that wrote each slot
+        self.arrive = sym((2, W, M), np.uint64)  # arrival words (the call) of [0] dispatch records, [1] partial sums
         self._owned = [self.recv_buf, self.comb_buf, self.stage, self.sig, self.arrive]
         drops = cfg.capacity is not None and cfg.overflow == "drop"
         self.drop_buf = sym((W, M), np.uint64) if drops else None
@@ -113,7 +114,7 @@ class GpuAllToAll(AllToAllBackend):
         self.fixed = _abi.Fixed(
             state=self.state.data.ptr, err=mem.ptr, recv_buf=self.recv_buf.data.ptr,
             comb_buf=self.comb_buf.data.ptr, stage=self.stage.data.ptr, sig=self.sig[0].data.ptr,
-            arrive=self.arrive.data.ptr,
+            arrive=self.arrive[0].data.ptr, comb_arrive=self.arrive[1].data.ptr, own_of=self.own_of.data.ptr,
             comb_sig=self.sig[1].data.ptr, slot_of=self.slot_of.data.ptr, mask=self.mask.data.ptr,
             counters=self.counters.data.ptr, ring=self.ring.data.ptr, why=self.sig[2].data.ptr,
             drop_buf=0 if self.drop_buf is None else self.drop_buf.data.ptr,
