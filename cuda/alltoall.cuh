@@ -13,9 +13,9 @@
 // Completion: after its data, a sender sets one 64-bit signal per peer to (epoch << 32 | flags | count).
 // At prefill-sized batches (f.streamed) rows stored into mapped peers also get arrival words (struct
 // Arrivals): dispatch records (f.arrive[src][slot]), so the receiver unpacks records while later ones are
-// still on the way, and in the one-launch combine with partial sums (DP size 1, padded layout) the peers'
-// partial sums (f.comb_arrive[expert rank][token]), which the token side adds to this rank's own expert rows
-// as they land (this rank's own partial sums are then never formed). This assumes ranks map each other or
+// still on the way, and in the streamed one-launch combine (f.comb_streamed) the peers' partial sums
+// (f.comb_arrive[expert rank][token]), which the token side adds to this rank's own expert rows as they land
+// (this rank's own partial sums are then never formed). This assumes ranks map each other or
 // neither does (NVLink peers; nodes apart: puts both ways).
 // Epochs are counted on the device (state[]), so nothing needs a host reset and CUDA graphs replay.
 #pragma once
@@ -244,14 +244,14 @@ __device__ __forceinline__ bool last_block(unsigned* done, bool system) {
   return last;
 }
 
-// Arrival words of a sending block (f.streamed): each row it stores into a mapped rank is followed by a word
-// there set to the call, released in batches of rows (ARRIVAL_FIRST, then twice as many each time up to
-// ARRIVAL_BATCH): a release is a fence, which waits until the block's stores are acknowledged (one per row
-// stalls the sends), and small first batches let the receivers start early. Warp 0 lists the words of the
-// row it routes in words[list]; once a batch is stored, the block's last warp (RELEASER) releases that list
-// at the top of the next row, beside warp 0's routing of it, so the fence's wait is off the block's path,
-// while warp 0 fills the other list. A block with no full batch leaves its words to its signal. Every thread
-// keeps the counts alike.
+// Arrival words of a sending block (f.streamed, f.comb_streamed): each row it stores into a mapped rank is
+// followed by a word there set to the call, released in batches of rows (ARRIVAL_FIRST, then twice as many
+// each time up to ARRIVAL_BATCH): a release is a fence, which waits until the block's stores are
+// acknowledged (one per row stalls the sends), and small first batches let the receivers start early. Warp 0
+// lists the words of the row it routes in words[list]; once a batch is stored, the block's last warp
+// (RELEASER) releases that list at the top of the next row, beside warp 0's routing of it, so the fence's
+// wait is off the block's path, while warp 0 fills the other list. A block with no full batch leaves its
+// words to its signal. Every thread keeps the counts alike.
 constexpr int RELEASER = THREADS / 32 - 1;
 struct Arrivals {
   uint64_t* (*words)[ARRIVAL_BATCH * MAX_FANOUT];  // shared [2][...]

@@ -13,8 +13,8 @@ using namespace moecomm;
 // f.arrive[me][slot] = epoch (Arrivals), and dispatch_recv unpacks those before the signal; the signal covers
 // every record (puts to ranks without a mapping leave theirs to it). Small batches and the split kernel (its
 // receive half starts after it) have no arrival words, so no fence is added to their path. With
-// f.streamed (DP size 1, padded layout) f.own_of[t] also gets this rank's expert slots of token t and their
-// weights, for the one-launch combine's token side (combine_recv).
+// f.comb_streamed, f.own_of[t] also gets this rank's expert slots of token t and their weights, for the
+// streamed combine's token side (combine_recv).
 // This rank sends the tokens t = dp_rank, dp_rank + dp, ... < m of its DP group, each once per other
 // destination rank as a record (the receiver fans it out to its experts); tokens for this rank's own
 // experts go straight into their expert slots, and only the record's metadata (for combine) is kept.
@@ -72,7 +72,7 @@ __device__ void moecomm::dispatch_send(const Fixed& f, const Call& c, int sender
   const int lo = f.rank * f.local_experts;
   const uint8_t* x = c.x;
   Arrivals arr{words};
-  const bool arrivals = f.streamed && senders < (int)gridDim.x, own_of = f.streamed && f.dp == 1 && !f.packed;
+  const bool arrivals = f.streamed && senders < (int)gridDim.x, own_of = f.comb_streamed;
   uint8_t* const recv_buf = f.recv_buf;
   Stage st(f);
   for (int i = blockIdx.x; (int)blockIdx.x < senders; i += senders) {

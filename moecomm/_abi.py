@@ -43,7 +43,7 @@ FIXED_FIELDS = (
     ("comb_sig", "uint64_t*"),      # symmetric [world] combine signals
     ("slot_of", "int*"),            # [world, max_tokens, topk] expert slot of each received record's k-th id
     ("own_of", "int2*"),            # [max_tokens, topk] this rank's expert slot of token t's k-th id (or -1)
-                                    # and its weight (float bits); written where f.streamed (dispatch_send)
+                                    # and its weight (float bits); written where comb_streamed (dispatch_send)
     ("mask", "const int*"),         # [world] int32: 1 = rank masked (no data to or from it, no wait for it)
     ("counters", "unsigned long long*"),  # uint64 cumulative counters, MOECOMM_C_* indices, then arrays at c_*
     ("ring", "unsigned*"),          # [window, local_experts] (token, expert) pairs routed per local expert, per
@@ -74,7 +74,8 @@ FIXED_FIELDS = (
     ("s_kept", "int"),              # state[] offset of per-expert kept pairs (packed layout)
     ("s_claim", "int"),             # state[] offset of per-source claimed records (dispatch_recv)
     ("senders", "int"),             # blocks of the one-launch dispatch that send (dispatch_senders)
-    ("streamed", "int"),            # 1: the one-launch phases take rows as they land (streamed)
+    ("streamed", "int"),            # 1: the one-launch dispatch unpacks records as they land (streamed)
+    ("comb_streamed", "int"),       # 1: the one-launch combine with partial sums streams (combine_streams)
 )
 # The arrays of one call (dispatch fields, then combine fields): device addresses, 0 for None.
 CALL_FIELDS = (
@@ -136,12 +137,18 @@ def _send_share(cfg, num_sms):
 
 def streamed(cfg, num_sms):
     """Whether a block of the send share can hold more than STREAM_TOKENS tokens (prefill-sized batches), so that
-    rows carry arrival words and the receive halves gain by taking them as they land: dispatch records, and in
-    the one-launch combine with partial sums (DP size 1, padded layout) the peers' partial sums, which the
-    token side adds to this rank's own expert rows (cuda/combine.cu). Otherwise every row is covered by its
-    sender's signal only, and the receive half waits for it: claiming rows one by one would only add a round
-    trip to small batches."""
+    dispatch records carry arrival words and the receive half gains by unpacking them as they land. Otherwise
+    every record is covered by its source's signal only, and the receive half waits for it: claiming records
+    one by one would only add a round trip to small batches."""
     return -(-cfg.max_num_tokens // cfg.dp_size) > C.STREAM_TOKENS * _send_share(cfg, num_sms)
+
+
+def combine_streams(cfg, num_sms, transport_streams):
+    """Whether the one-launch combine (with partial sums) streams: this rank's own partial sums are never
+    formed, and the token side adds each token's own expert rows to the peers' partial sums as these land
+    (arrival words; cuda/combine.cu). Prefill-sized batches (streamed), DP size 1, the padded layout, and a
+    transport whose kernels gain by it (``transport_streams``: GpuTransport.streams_combine)."""
+    return streamed(cfg, num_sms) and cfg.dp_size == 1 and cfg.layout == "padded" and transport_streams
 
 
 def dispatch_senders(cfg, num_sms):

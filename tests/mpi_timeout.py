@@ -5,10 +5,11 @@
     mpirun -np 2 python tests/mpi_timeout.py --transport ipc --skip combine --max-tokens 2048
 
 The last rank never calls dispatch (``--skip combine``: it dispatches, then never calls combine; with a
-prefill-sized ``--max-tokens`` the others wait in the streamed combine's token side, cuda/combine.cu). After the timeout the other ranks' communicator is broken, so the
-ranks report over plain MPI and leave without tearing down: moecomm ends a process whose communicator
-broke without MPI's finalization (the last rank's own finalization at exit then times out and ends it the
-same way). Rank 0 also writes its report to --result, since a launcher may drop output.
+prefill-sized ``--max-tokens`` on ipc the others wait in the streamed combine's token side, cuda/combine.cu).
+After the timeout the other ranks' communicator is broken, so the ranks report over plain MPI and leave
+without tearing down: moecomm ends a process whose communicator broke without MPI's finalization (the last
+rank's own finalization at exit then times out and ends it the same way). Rank 0 also writes its report to
+--result, since a launcher may drop output.
 """
 import argparse
 import sys

@@ -199,6 +199,24 @@ def test_dispatch_streams_only_prefill_sized_batches():
             assert tokens > C.STREAM_TOKENS * senders
 
 
+def test_combine_streams_at_prefill_sizes_in_dp1_padded_where_the_transport_gains():
+    """The streamed one-launch combine (own partial sums never formed): prefill-sized batches, DP size 1, the
+    padded layout, and a transport that measured faster with it (ipc, not nvshmem)."""
+    from moecomm import _abi
+    from moecomm._config import AllToAllConfig
+    from moecomm.transport.ipc import IpcTransport
+    from moecomm.transport.nvshmem import NvshmemTransport
+    def cfg(tokens, dp=1, layout="padded"):
+        return AllToAllConfig.create(2 * dp, 0, tokens, 256, 8, 7168, 56, "float8_e4m3fn", "bfloat16", None, dp,
+                                     layout=layout)
+    assert IpcTransport.streams_combine and not NvshmemTransport.streams_combine
+    assert _abi.combine_streams(cfg(4096), 132, True)
+    assert not _abi.combine_streams(cfg(4096), 132, False)
+    assert not _abi.combine_streams(cfg(1024), 132, True)
+    assert not _abi.combine_streams(cfg(8192, dp=2), 132, True)
+    assert not _abi.combine_streams(cfg(4096, layout="packed"), 132, True)
+
+
 class Loopback(moecomm.Bootstrap):
     """A one-rank bootstrap: what a custom runtime implements."""
     def allgather(self, data, timeout_s, what):

@@ -18,6 +18,7 @@ from .base import Transport, peer_pattern
 class GpuTransport(Transport):
     memory = "device"
     variant = ""
+    streams_combine = True  # the one-launch combine may stream at prefill sizes (moecomm._abi.combine_streams)
 
     def __init__(self, bootstrap, local_rank, local_size, timeout_s, device=None):
         import cupy

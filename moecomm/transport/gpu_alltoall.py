@@ -129,7 +129,8 @@ class GpuAllToAll(AllToAllBackend):
             window=window, c_received=nc, c_dropped=nc + L, c_bytes=nc + 2 * L,
             stage_slots=C.STAGE_SLOTS, stage_bytes=sizes["stage_row"],
             s_expert=C.STATE_FIXED + W, s_recv=C.STATE_FIXED + W + L, s_claim=C.STATE_FIXED + 2 * W + 2 * L,
-            senders=_abi.dispatch_senders(cfg, transport.num_sms), streamed=int(_abi.streamed(cfg, transport.num_sms)))
+            senders=_abi.dispatch_senders(cfg, transport.num_sms), streamed=int(_abi.streamed(cfg, transport.num_sms)),
+            comb_streamed=int(_abi.combine_streams(cfg, transport.num_sms, transport.streams_combine)))
         self.call = _abi.Call()
         self._skipped = _abi.Call(skip=1)  # the call record of a refused call: no arrays
         grid = blocks(cfg, transport.num_sms)
