@@ -393,7 +393,7 @@ def gpu_cases(world, quick):
            dict(base, in_dtype="bfloat16", scale=None, out_dtype="float16"),
            # a prefill-sized batch: the one-launch dispatch's sending blocks hold more than STREAM_TOKENS tokens,
            # so rows carry arrival words and are taken as they land (moecomm._abi.streamed): dispatch records,
-           # and the combine's partial sums (weights at dispatch), summed with this rank's own expert rows
+           # and on ipc the combine's partial sums (weights at dispatch), summed with this rank's own expert rows
            dict(base, hidden=512, scale=4, max_m=2048, m=2048, iters=1), dict(base, hidden=512, scale=4, max_m=2048),
            dict(base, hidden=512, scale=4, max_m=2048, m=2048, routing="other_rank", iters=1),
            dict(base, hidden=512, scale=4, max_m=2048, m=2048, weights_at="combine", iters=1)]

@@ -40,8 +40,11 @@ def main():
     x = np.zeros((M, H), np.uint16)
     idx = (np.arange(M, dtype=np.int32) % E)[:, None].copy()
     m, ex = put(np.array([M], np.int32)), put(np.zeros((E // W, a2a.cfg.expert_capacity, H), np.uint16))
-    dispatch = lambda: a2a.dispatch(put(np.zeros(E // W, np.int32)), ex, None, put(x), None, put(idx), m,  # noqa
-                                    weights=put(np.ones((M, K), np.float32)))
+
+    def dispatch():
+        a2a.dispatch(put(np.zeros(E // W, np.int32)), ex, None, put(x), None, put(idx), m,
+                     weights=put(np.ones((M, K), np.float32)))
+
     if args.skip == "combine":  # every rank dispatches (weights with it: partial sums on the expert side)
         dispatch()
         if comm.transport.memory != "host":

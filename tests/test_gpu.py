@@ -25,6 +25,17 @@ def test_alltoall_matches_reference(transport):
     assert ": 0 failures" in p.stdout
 
 
+@needs_gpu
+@each_transport
+def test_model_sized_and_streamed_batches(transport):
+    """R1-sized cases and prefill-sized batches that stream (arrival words; on ipc the streamed combine):
+    ``tests/mpi_alltoall.py --full``; then capacity policies in an AllToAll of prefill size."""
+    p = run_mpi(GPUS, "tests/mpi_alltoall.py", "--transport", transport, "--quick", "--full", timeout=600)
+    assert p.returncode == 0 and ": 0 failures" in p.stdout, p.stdout[-4000:] + p.stderr[-4000:]
+    p = run_mpi(GPUS, "tests/mpi_capacity.py", "--transport", transport, "--max-tokens", "2048", timeout=300)
+    assert p.returncode == 0 and ": 0 failures" in p.stdout, p.stdout[-4000:] + p.stderr[-4000:]
+
+
 @pytest.mark.skipif(GPUS < 4, reason="DP groups with more than one EP group need >= 4 GPUs")
 def test_dp_groups():
     p = run_mpi(GPUS, "tests/mpi_alltoall.py", "--transport", "nvshmem", "--dp-only", timeout=600)
@@ -43,8 +54,10 @@ def test_network_path_with_puts_only():
 
 @pytest.mark.skipif(GPUS < 2, reason="needs 2 GPUs")
 @each_transport
-def test_skipped_rank_times_out(transport):
-    p = run_mpi(GPUS, "tests/mpi_timeout.py", "--transport", transport, timeout=120)
+@pytest.mark.parametrize("skip", [(), ("--skip", "combine", "--max-tokens", "2048")], ids=["dispatch", "combine"])
+def test_skipped_rank_times_out(transport, skip):
+    """A rank that skips dispatch, or (at a prefill size: the streamed combine's token side on ipc) combine."""
+    p = run_mpi(GPUS, "tests/mpi_timeout.py", "--transport", transport, *skip, timeout=120)
     assert f"CommTimeout on {GPUS - 1} ranks" in p.stdout, p.stdout[-4000:] + p.stderr[-4000:]
 
 

@@ -22,8 +22,9 @@
 #                                    quick sweep; the benchmark on each and the two joined (bench-both.json)
 #   bash tools/gpu_check.sh bench-both  the benchmark on each transport and the two joined, nothing else
 #   bash tools/gpu_check.sh latency  the checks a kernel change needs (quick sweeps on both transports, the
-#                                    put-only path, world size 1, capacity, packed, replicas, telemetry,
-#                                    masking, control, embedding), then the kernels' stage trace
+#                                    put-only path, world size 1, the model-sized and streamed cases (--full),
+#                                    capacity, packed, replicas, telemetry, capacity and a skipped combine at a
+#                                    prefill size, masking, control, embedding), then the kernels' stage trace
 #                                    (tools/trace_kernels.py, MOECOMM_TRACE=1 builds) at 1 and 128 tokens
 # GPU transport: $MOECOMM_TRANSPORT (nvshmem by default here; ipc for the CUDA-IPC transport). Wheels the GPU
 # machine lacks (nvshmem4py) are installed from .whl/ when present. Logs go to $OUT if set.
@@ -110,10 +111,14 @@ export LD_LIBRARY_PATH=${nccl}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 if [ "${1:-}" = latency ]; then
   for t in nvshmem ipc; do step "${MPIRUN[@]}" -np "$ngpu" python3 tests/mpi_alltoall.py --transport $t --quick; done
   MOECOMM_FORCE_PUTS=1 step "${MPIRUN[@]}" -x MOECOMM_FORCE_PUTS -np "$ngpu" python3 tests/mpi_alltoall.py --transport nvshmem --quick
-  step "${MPIRUN[@]}" -np 1 python3 tests/mpi_alltoall.py --transport $T --quick        # world size 1
+  step "${MPIRUN[@]}" -np 1 python3 tests/mpi_alltoall.py --transport $T --quick --full  # world size 1
+  step "${MPIRUN[@]}" -np "$ngpu" python3 tests/mpi_alltoall.py --transport ipc --quick --full  # streamed batches
   for s in mpi_capacity mpi_packed mpi_replicas mpi_telemetry; do
     expect ": 0 failures" "${MPIRUN[@]}" -np "$ngpu" python3 tests/$s.py --transport $T
   done
+  expect ": 0 failures" "${MPIRUN[@]}" -np "$ngpu" python3 tests/mpi_capacity.py --transport ipc --max-tokens 2048
+  expect "CommTimeout on $((ngpu - 1)) ranks" "${MPIRUN[@]}" -np "$ngpu" python3 tests/mpi_timeout.py --transport ipc \
+    --skip combine --max-tokens 2048
   expect ": 0 failures" "${MPIRUN[@]}" -np "$ngpu" python3 tests/mpi_mask.py --transport ipc
   expect ": 0 failures" "${MPIRUN[@]}" -np "$ngpu" python3 tests/mpi_control.py --transport $T
   step "${MPIRUN[@]}" -np "$ngpu" python3 tests/mpi_alltoall.py --transport $T --quick --arrays torch
