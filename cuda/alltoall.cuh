@@ -358,14 +358,16 @@ __device__ __forceinline__ int4 from_float8(const float* f, int code) {
   return v;
 }
 
-// Block-wide: dsts[0..nd) = sum_j w[j] * rows[j] over n rows of `row_bytes` (output dtype), accumulated in
-// float. Each thread handles two 16-byte chunks at a time and loads them from 4 rows before accumulating,
-// so up to 8 loads are in flight; a 14 KB bf16 row takes two such rounds per group of 4 rows.
-__device__ __forceinline__ void weighted_sum(const uint8_t* const* rows, const float* w, int n,
-                                             int row_bytes, int code, uint8_t* const* dsts, int nd) {
+// Block-wide (or by the block's threads tid = 0..nthreads-1): dsts[0..nd) = sum_j w[j] * rows[j] over n rows
+// of `row_bytes` (output dtype), accumulated in float. Each thread handles two 16-byte chunks at a time and
+// loads them from 4 rows before accumulating, so up to 8 loads are in flight; a 14 KB bf16 row takes two such
+// rounds per group of 4 rows.
+__device__ __forceinline__ void weighted_sum(const uint8_t* const* rows, const float* w, int n, int row_bytes,
+                                             int code, uint8_t* const* dsts, int nd, int tid = threadIdx.x,
+                                             int nthreads = THREADS) {
   const int chunks = row_bytes / 16;
-  for (int c = threadIdx.x; c < chunks; c += 2 * THREADS) {
-    const int c1 = c + THREADS;
+  for (int c = tid; c < chunks; c += 2 * nthreads) {
+    const int c1 = c + nthreads;
     const bool two = c1 < chunks;
     float a0[8] = {0, 0, 0, 0, 0, 0, 0, 0}, a1[8] = {0, 0, 0, 0, 0, 0, 0, 0};
     for (int j = 0; j < n; j += 4) {

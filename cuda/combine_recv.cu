@@ -11,13 +11,68 @@ static __device__ __forceinline__ void row_landed(const Fixed& f, int q, int t, 
     if (give_up(spin, deadline, f.err, q, MOECOMM_PHASE_COMBINE, (int)epoch)) return;
 }
 
+// Warp 0 (every lane), token t < m: the rank of the lane's expert (lane < topk; -1 where none: id -1, an
+// invalid id, or a masked rank) and in `use` whether the lane adds a row: with partial sums, the first lane
+// of each rank; without, every valid lane. `stream`: this rank's own experts add their rows themselves
+// (`own`: slot and weight bits from dispatch_send, slot -1 when dropped or over capacity).
+static __device__ __forceinline__ int token_ranks(const Fixed& f, const Call& c, int t, bool stream, bool& use,
+                                                  int2& own) {
+  const int lane = threadIdx.x & 31;
+  own = make_int2(-1, 0);
+  if (stream && lane < f.topk) own = f.own_of[(size_t)t * f.topk + lane];
+  const int e = lane < f.topk ? expert_id(c, (size_t)t * f.topk + lane, f.num_experts) : -1;
+  bool valid = lane < f.topk && e >= 0 && e < f.num_experts;
+  int rank = valid ? physical(f, e, t) / f.local_experts : -1;
+  valid = valid && !f.mask[rank];
+  if (!valid) rank = -1;
+  bool once = valid;
+  for (int j = 0; j < f.topk; ++j) {
+    const int rj = __shfl_sync(FULL, rank, j);
+    if (j < lane) once = once && rj != rank;
+  }
+  use = c.partials ? once : valid;
+  if (stream && rank == f.rank) use = own.x >= 0;
+  return rank;
+}
+
+// Warp 0 (every lane), token t < m, once the rows of its expert ranks are there (signals, or stream: arrival
+// words): list the rows to add and their weights in srcs / wts (compacted), *n and *dst (lane 0); writes the
+// token's c.out_dropped (a pair dropped for capacity, from f.drop_buf, which the expert's rank wrote before its
+// rows' completion, adds nothing).
+static __device__ __forceinline__ void token_rows(const Fixed& f, const Call& c, int t, unsigned epoch, int rank,
+                                                  bool use, int2 own, bool stream, const uint8_t** srcs, float* wts,
+                                                  int* n, uint8_t** dst) {
+  const int lane = threadIdx.x & 31;
+  bool dropped = false;
+  if (f.drop_buf && rank >= 0) {
+    const uint64_t d = load_acquire(&f.drop_buf[(size_t)rank * f.max_tokens + t]);
+    dropped = (unsigned)(d >> 32) == epoch && ((d >> lane) & 1);
+  }
+  if (c.out_dropped && lane < f.topk) c.out_dropped[(size_t)t * f.topk + lane] = dropped;
+  if (!c.partials && dropped) use = false;
+  const unsigned mask = __ballot_sync(FULL, use);
+  if (use) {
+    const int pos = __popc(mask & ((1u << lane) - 1));
+    const size_t row = c.partials ? (size_t)rank * f.max_tokens + t : (size_t)t * f.topk + lane;
+    const bool mine = stream && rank == f.rank;
+    srcs[pos] = mine ? c.y + (size_t)own.x * f.out_row_bytes : f.comb_buf + row * f.out_row_bytes;
+    wts[pos] = mine ? __int_as_float(own.y) : c.partials ? 1.0f : c.weights[(size_t)t * f.topk + lane];
+    if (rank != f.rank) tally_bytes(f, MOECOMM_B_COMBINE_RECEIVED, rank, f.out_row_bytes);
+  }
+  if (lane == 0) {
+    *n = __popc(mask);
+    *dst = c.out_tokens + (size_t)t * f.out_row_bytes;
+  }
+}
+
 // grid: any number of blocks of MOECOMM_BLOCK_THREADS; one block per token (strided, from the grid's last block
 // down) over the group's m, after every expert rank's signal. `stream` (the one-launch combine's streamed
 // form, combine.cu): blocks claim tokens one at a time (state[TOKENS_EVEN + epoch % 2], zeroed by combine_send
 // a call ahead) and sum each as soon as the partial sums of its other expert ranks have landed (row_landed),
 // with this rank's own expert rows read where they are (f.own_of: slots and weights from dispatch_send, as
 // combine_send would have summed them); the signals are waited for after the tokens. No grid-wide
-// completion: a block ends with its tokens.
+// completion: a block ends with its tokens. Either way warp 0 lists a token's rows (two lists in turn) while
+// the block's other warps sum the one before.
 // Reads f.comb_buf and f.comb_sig (this rank's copies), c.indices (c.idx64), c.weights [rows, topk]
 // float32 (read when c.partials == 0), c.bound_m, c.rows; writes rows 0..m-1 of c.out_tokens
 // [rows, hidden] out_dtype (a token whose ids are all -1 gets zeros) and, when given, of c.out_dropped
@@ -37,76 +92,55 @@ __device__ void moecomm::combine_recv(const Fixed& f, const Call& c, unsigned ep
       record_error(f.err, MOECOMM_ERR_BAD_M, f.rank, MOECOMM_PHASE_COMBINE, m, (int)epoch);
     m = 0;
   }
-  __shared__ const uint8_t* srcs[MOECOMM_MAX_TOPK];  // comb_buf rows to add for the block's token
-  __shared__ float wts[MOECOMM_MAX_TOPK];
-  __shared__ int n;
-  __shared__ uint8_t* dst;
-  __shared__ int cur;
-  const int first = gridDim.x - 1 - blockIdx.x;  // the grid's last blocks take the first tokens (as dispatch_recv)
+  __shared__ const uint8_t* srcs[2][MOECOMM_MAX_TOPK];  // two lists of rows to add (comb_buf, or expert_y)
+  __shared__ float wts[2][MOECOMM_MAX_TOPK];
+  __shared__ int n[2], cur[2];
+  __shared__ uint8_t* dst[2];
   unsigned* const claims = &f.state[MOECOMM_S_TOKENS_EVEN + epoch % 2];
   int ahead = stream && threadIdx.x == 0 ? (int)atomicAdd(claims, 1u) : 0;  // stream: the next claim, in flight
-  for (int t = first, i = 0;; t += gridDim.x, ++i) {  // t: warp 0's until the barrier below, then the block's
-    if (stream && warp == 0) {
-      t = __shfl_sync(FULL, ahead, 0);
-      if (lane == 0) ahead = (int)atomicAdd(claims, 1u);
+  int next = gridDim.x - 1 - blockIdx.x;  // else: the grid's last blocks take the first tokens (as dispatch_recv)
+  bool use = false;
+  int2 own;
+  int rank = -1;
+  auto claim = [&](int b) {  // warp 0: the next token, into cur[b]
+    const int t = stream ? __shfl_sync(FULL, ahead, 0) : next;
+    next += gridDim.x;
+    if (lane == 0) {
+      if (stream) ahead = (int)atomicAdd(claims, 1u);
+      cur[b] = t;
     }
-    // warp 0: the token's rows, in lane registers (before the first wait: indices do not depend on it)
-    bool use = false, valid = false;
-    int rank = -1;
-    int2 own = make_int2(-1, 0);  // stream: this rank's expert slot of the lane's id and its weight
-    if (warp == 0 && t < m) {
-      if (stream && lane < f.topk) own = f.own_of[(size_t)t * f.topk + lane];
-      int e = -1;
-      if (lane < f.topk) e = expert_id(c, (size_t)t * f.topk + lane, f.num_experts);
-      valid = lane < f.topk && e >= 0 && e < f.num_experts;
-      rank = valid ? physical(f, e, t) / f.local_experts : -1;
-      valid = valid && !f.mask[rank];
-      if (!valid) rank = -1;
-      bool once = valid;
-      for (int j = 0; j < f.topk; ++j) {
-        const int rj = __shfl_sync(FULL, rank, j);
-        if (j < lane) once = once && rj != rank;
+    return t;
+  };
+  auto list = [&](int t, int b) {  // warp 0, after token_ranks: wait for the token's rows, list them in list b
+    if (stream && rank >= 0 && rank != f.rank) row_landed(f, rank, t, epoch, deadline);  // before its drop words
+    token_rows(f, c, t, epoch, rank, use, own, stream, srcs[b], wts[b], &n[b], &dst[b]);
+  };
+  int t = warp == 0 ? claim(0) : 0;
+  if (warp == 0 && t < m) rank = token_ranks(f, c, t, stream, use, own);  // before the wait: ids do not depend on it
+  if (!stream) {  // every block waits for every expert rank, even with no token of its own
+    for (int q = threadIdx.x; q < f.world; q += blockDim.x)
+      if (!f.mask[q])
+        peer_failed(f, c, wait_epoch(&f.comb_sig[q], epoch, deadline, f.err, q, MOECOMM_PHASE_COMBINE), q,
+                    MOECOMM_PHASE_COMBINE, epoch);
+    if (f.drop_buf) __syncthreads();  // warp 0 reads drop words of ranks other warps waited for
+    TRACE(MOECOMM_TRACE_COMBINE_RECV, 1);
+  }
+  if (warp == 0 && t < m) list(t, 0);
+  __syncthreads();
+  TRACE(MOECOMM_TRACE_COMBINE_RECV, 2);
+  // warp 0 claims and lists the next token (its loads, its wait for the peers' rows) while the other warps
+  // sum the current one
+  for (int i = 0; cur[i & 1] < m; ++i) {
+    const int b = i & 1;
+    if (warp == 0) {
+      t = claim(b ^ 1);
+      if (t < m) {
+        rank = token_ranks(f, c, t, stream, use, own);
+        list(t, b ^ 1);
       }
-      use = c.partials ? once : valid;
-      if (stream && rank == f.rank) use = own.x >= 0;  // the expert row itself (-1: dropped or over capacity)
+    } else {
+      weighted_sum(srcs[b], wts[b], n[b], f.out_row_bytes, f.out_code, &dst[b], 1, threadIdx.x - 32, THREADS - 32);
     }
-    if (stream && valid && rank != f.rank) row_landed(f, rank, t, epoch, deadline);  // it also reads drop words
-    if (i == 0 && !stream) {  // every block waits for every expert rank once, even with no token of its own
-      for (int q = threadIdx.x; q < f.world; q += blockDim.x)
-        if (!f.mask[q])
-          peer_failed(f, c, wait_epoch(&f.comb_sig[q], epoch, deadline, f.err, q, MOECOMM_PHASE_COMBINE), q,
-                      MOECOMM_PHASE_COMBINE, epoch);
-      if (f.drop_buf) __syncthreads();  // warp 0 reads drop words of ranks other warps waited for
-      TRACE(MOECOMM_TRACE_COMBINE_RECV, 1);
-    }
-    if (warp == 0 && t < m) {
-      bool dropped = false;  // written by the expert's rank before its combine signal
-      if (f.drop_buf && valid) {
-        const uint64_t d = load_acquire(&f.drop_buf[(size_t)rank * f.max_tokens + t]);
-        dropped = (unsigned)(d >> 32) == epoch && ((d >> lane) & 1);
-      }
-      if (c.out_dropped && lane < f.topk) c.out_dropped[(size_t)t * f.topk + lane] = dropped;
-      if (!c.partials && dropped) use = false;
-      const unsigned mask = __ballot_sync(FULL, use);
-      if (use) {
-        const int pos = __popc(mask & ((1u << lane) - 1));
-        const size_t row = c.partials ? (size_t)rank * f.max_tokens + t : (size_t)t * f.topk + lane;
-        const bool mine = stream && rank == f.rank;
-        srcs[pos] = mine ? c.y + (size_t)own.x * f.out_row_bytes : f.comb_buf + row * f.out_row_bytes;
-        wts[pos] = mine ? __int_as_float(own.y) : c.partials ? 1.0f : c.weights[(size_t)t * f.topk + lane];
-        if (rank != f.rank) tally_bytes(f, MOECOMM_B_COMBINE_RECEIVED, rank, f.out_row_bytes);
-      }
-      if (lane == 0) {
-        n = __popc(mask);
-        dst = c.out_tokens + (size_t)t * f.out_row_bytes;
-      }
-    }
-    if (threadIdx.x == 0) cur = t;
-    __syncthreads();
-    t = cur;
-    if (i == 0) TRACE(MOECOMM_TRACE_COMBINE_RECV, 2);
-    if (t >= m) break;
-    weighted_sum(srcs, wts, n, f.out_row_bytes, f.out_code, &dst, 1);
     __syncthreads();
     if (i == 0) TRACE(MOECOMM_TRACE_COMBINE_RECV, 3);
   }
