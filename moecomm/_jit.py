@@ -41,18 +41,25 @@ FORMAT = "moecomm-build-v3"  # bump when the payload layout or the build recipe 
 
 @dataclass(frozen=True)
 class Variant:
-    """One module: its ``.cu`` files, the defines that select its device transport, and whether NVSHMEM's
-    headers and device library are part of it."""
+    """One module: its ``.cu`` files, the defines that select its device transport, whether NVSHMEM's
+    headers and device library are part of it, and whether its one-launch combine carries the streamed form
+    (``MOECOMM_STREAMS_COMBINE``; used where moecomm._abi.combine_streams says so). Where it does not, that
+    code is compiled out: present but switched off at run time, it cost the nvshmem build's one-launch combine
+    15 us at R1-prefill (benchmarks/NOTES.md, step 15)."""
     sources: tuple
     defines: tuple
     nvshmem: bool
+    streams_combine: bool = False
 
 
 _KERNELS = ("dispatch_send.cu", "dispatch_recv.cu", "dispatch_pack.cu", "dispatch.cu", "combine_send.cu",
             "combine_recv.cu", "combine.cu", "peer_check.cu", "trace.cu")
 VARIANTS = {
-    "nvshmem": Variant(_KERNELS, ("MOECOMM_TRANSPORT_IPC=0",), True),
-    "ipc": Variant(_KERNELS, ("MOECOMM_TRANSPORT_IPC=1",), False),
+    # The streamed combine measured slower on nvshmem over NVLink (R1-prefill +9 us, benchmarks/NOTES.md step
+    # 14: the token side's sums run slower in this build), and across nodes puts carry no arrival words, so its
+    # token side would wait for whole signals.
+    "nvshmem": Variant(_KERNELS, ("MOECOMM_TRANSPORT_IPC=0",), True, streams_combine=False),
+    "ipc": Variant(_KERNELS, ("MOECOMM_TRANSPORT_IPC=1",), False, streams_combine=True),
     "bench": Variant(("delay.cu",), (), False),
 }
 
@@ -178,7 +185,8 @@ class Build:
 def _compile_flags(arch, variant):
     cc = arch.split("_")[1]
     return ([f"-arch=compute_{cc}", "-rdc=true", "-dlto", "-std=c++17", "-default-device", "-lineinfo"]
-            + [f"-D{d}" for d in VARIANTS[variant].defines])
+            + [f"-D{d}" for d in VARIANTS[variant].defines]
+            + [f"-DMOECOMM_STREAMS_COMBINE={int(VARIANTS[variant].streams_combine)}"])
 
 
 def _nvrtc_options(toolchain, src, arch, variant):

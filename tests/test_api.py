@@ -201,15 +201,20 @@ def test_dispatch_streams_only_prefill_sized_batches():
 
 def test_combine_streams_at_prefill_sizes_in_dp1_padded_where_the_transport_gains():
     """The streamed one-launch combine (own partial sums never formed): prefill-sized batches, DP size 1, the
-    padded layout, and a transport that measured faster with it (ipc, not nvshmem)."""
-    from moecomm import _abi
+    padded layout, and a transport whose kernels carry it (ipc, not nvshmem: compiled out there)."""
+    import types
+    from moecomm import _abi, _jit
     from moecomm._config import AllToAllConfig
     from moecomm.transport.ipc import IpcTransport
     from moecomm.transport.nvshmem import NvshmemTransport
     def cfg(tokens, dp=1, layout="padded"):
         return AllToAllConfig.create(2 * dp, 0, tokens, 256, 8, 7168, 56, "float8_e4m3fn", "bfloat16", None, dp,
                                      layout=layout)
-    assert IpcTransport.streams_combine and not NvshmemTransport.streams_combine
+    assert _jit.VARIANTS["ipc"].streams_combine and not _jit.VARIANTS["nvshmem"].streams_combine
+    for t in (IpcTransport, NvshmemTransport):
+        assert t.streams_combine.fget(types.SimpleNamespace(variant=t.variant)) == _jit.VARIANTS[t.variant].streams_combine
+    assert "-DMOECOMM_STREAMS_COMBINE=0" in _jit._compile_flags("sm_90", "nvshmem")
+    assert "-DMOECOMM_STREAMS_COMBINE=1" in _jit._compile_flags("sm_90", "ipc")
     assert _abi.combine_streams(cfg(4096), 132, True)
     assert not _abi.combine_streams(cfg(4096), 132, False)
     assert not _abi.combine_streams(cfg(1024), 132, True)

@@ -18,7 +18,12 @@ from .base import Transport, peer_pattern
 class GpuTransport(Transport):
     memory = "device"
     variant = ""
-    streams_combine = True  # the one-launch combine may stream at prefill sizes (moecomm._abi.combine_streams)
+
+    @property
+    def streams_combine(self):
+        """Whether this transport's kernels carry the streamed one-launch combine, used at prefill sizes
+        (moecomm._jit.Variant.streams_combine, moecomm._abi.combine_streams)."""
+        return _jit.VARIANTS[self.variant].streams_combine
 
     def __init__(self, bootstrap, local_rank, local_size, timeout_s, device=None):
         import cupy

@@ -39,10 +39,6 @@ PROXY_ENV = "NVSHMEM_DISABLE_LOCAL_ONLY_PROXY"
 class NvshmemTransport(GpuTransport):
     name = "nvshmem"
     variant = "nvshmem"
-    # Measured slower here over NVLink (R1-prefill +9 us, benchmarks/NOTES.md step 14: the token side's sums
-    # run slower in this build), and across nodes puts carry no arrival words, so the token side would wait
-    # for whole signals.
-    streams_combine = False
 
     def _start_runtime(self, dev):
         os.environ.setdefault(PROXY_ENV, "1")  # before NVSHMEM reads its options (module docstring)
