@@ -92,22 +92,23 @@ constexpr int THREADS = MOECOMM_BLOCK_THREADS;
 constexpr int ARRIVAL_BATCH = MOECOMM_ARRIVAL_BATCH;  // rows a sending block stores per fence, at most (Arrivals)
 constexpr int INFLIGHT = 4;  // 16-byte loads per thread in flight in copies: a 16 KB row in one round
 
-// Block-wide: copy `bytes` (a multiple of 16) from src to dsts[0..n), from 16-byte chunk `from` on, loading
-// each chunk once and keeping up to INFLIGHT loads per thread in flight (a plain loop would wait for each
-// load: dst may alias src).
-__device__ __forceinline__ void fanout16(uint8_t* const* dsts, int n, const uint8_t* src, int bytes, int from = 0) {
+// Block-wide (or by the block's threads tid = 0..nthreads-1): copy `bytes` (a multiple of 16) from src to
+// dsts[0..n), from 16-byte chunk `from` on, loading each chunk once and keeping up to INFLIGHT loads per thread
+// in flight (a plain loop would wait for each load: dst may alias src).
+__device__ __forceinline__ void fanout16(uint8_t* const* dsts, int n, const uint8_t* src, int bytes, int from = 0,
+                                         int tid = threadIdx.x, int nthreads = THREADS) {
   const int4* s = (const int4*)src;
   const int chunks = bytes / 16;
-  for (int base = from + threadIdx.x; base < chunks; base += INFLIGHT * THREADS) {
+  for (int base = from + tid; base < chunks; base += INFLIGHT * nthreads) {
     int4 v[INFLIGHT];
 #pragma unroll
     for (int u = 0; u < INFLIGHT; ++u)
-      if (base + u * THREADS < chunks) v[u] = s[base + u * THREADS];
+      if (base + u * nthreads < chunks) v[u] = s[base + u * nthreads];
     for (int j = 0; j < n; ++j) {
       int4* d = (int4*)dsts[j];
 #pragma unroll
       for (int u = 0; u < INFLIGHT; ++u)
-        if (base + u * THREADS < chunks) d[base + u * THREADS] = v[u];
+        if (base + u * nthreads < chunks) d[base + u * nthreads] = v[u];
     }
   }
 }
@@ -117,30 +118,32 @@ __device__ __forceinline__ void fanout16(uint8_t* const* dsts, int n, const uint
 // where the row goes: load() takes each thread's first INFLIGHT 16-byte chunks of the row (a 16 KB row in
 // all) and its first scale word into registers, in one round trip; store() writes them into the n rows
 // xd[j] and sd[j], then copies whatever the first round did not cover. Source and destinations must not
-// alias.
+// alias. Both by the block, or both by the same threads tid = 0..nthreads-1 of it.
 struct RowCopy {
   int4 v[INFLIGHT];
   int first;
-  __device__ __forceinline__ void load(const Fixed& f, const uint8_t* x, const uint8_t* scales) {
+  __device__ __forceinline__ void load(const Fixed& f, const uint8_t* x, const uint8_t* scales,
+                                       int tid = threadIdx.x, int nthreads = THREADS) {
     const int chunks = f.x_bytes / 16;
-    first = (int)threadIdx.x < f.scale_bytes / 4 ? ((const int*)scales)[threadIdx.x] : 0;
+    first = tid < f.scale_bytes / 4 ? ((const int*)scales)[tid] : 0;
 #pragma unroll
     for (int u = 0; u < INFLIGHT; ++u)
-      if (threadIdx.x + u * THREADS < chunks) v[u] = ((const int4*)x)[threadIdx.x + u * THREADS];
+      if (tid + u * nthreads < chunks) v[u] = ((const int4*)x)[tid + u * nthreads];
   }
   // x, scales: as given to load() (passed again, not kept: registers are scarce in the one-launch kernels)
   __device__ __forceinline__ void store(const Fixed& f, uint8_t* const* xd, uint8_t* const* sd, int n,
-                                        const uint8_t* x, const uint8_t* scales) const {
+                                        const uint8_t* x, const uint8_t* scales, int tid = threadIdx.x,
+                                        int nthreads = THREADS) const {
     const int chunks = f.x_bytes / 16;
     for (int j = 0; j < n; ++j) {
       int4* d = (int4*)xd[j];
 #pragma unroll
       for (int u = 0; u < INFLIGHT; ++u)
-        if (threadIdx.x + u * THREADS < chunks) d[threadIdx.x + u * THREADS] = v[u];
+        if (tid + u * nthreads < chunks) d[tid + u * nthreads] = v[u];
     }
-    if (chunks > INFLIGHT * THREADS) fanout16(xd, n, x, f.x_bytes, INFLIGHT * THREADS);
-    for (int i = threadIdx.x; i < f.scale_bytes / 4; i += THREADS) {
-      const int w = i == (int)threadIdx.x ? first : ((const int*)scales)[i];
+    if (chunks > INFLIGHT * nthreads) fanout16(xd, n, x, f.x_bytes, INFLIGHT * nthreads, tid, nthreads);
+    for (int i = tid; i < f.scale_bytes / 4; i += nthreads) {
+      const int w = i == tid ? first : ((const int*)scales)[i];
       for (int j = 0; j < n; ++j) ((int*)sd[j])[i] = w;
     }
   }

@@ -82,9 +82,9 @@ __device__ void moecomm::dispatch_recv(const Fixed& f, const Call& c) {
   const bool streamed = f.streamed && !c.skip && part < parts && !(src == f.rank && !f.packed) && !f.mask[src] &&
                         peer_ptr(f.peers, f.recv_buf, src) != nullptr;
   __shared__ unsigned count;
-  __shared__ int cur, n;
-  __shared__ uint8_t* xdst[MOECOMM_MAX_TOPK];
-  __shared__ uint8_t* sdst[MOECOMM_MAX_TOPK];
+  __shared__ int cur[2], n[2];
+  __shared__ uint8_t* xdst[2][MOECOMM_MAX_TOPK];  // two lists of a record's rows and scales (streamed: in turn)
+  __shared__ uint8_t* sdst[2][MOECOMM_MAX_TOPK];
   if (threadIdx.x == 0) count = streamed ? 0 : receive(f, c, src, epoch, part == 0);
   __syncthreads();
   const int lo = f.rank * f.local_experts;
@@ -96,59 +96,87 @@ __device__ void moecomm::dispatch_recv(const Fixed& f, const Call& c) {
   uint64_t seen = 0;  // thread 0, streamed: the source's signal once seen
   int next = streamed && threadIdx.x == 0 ? (int)atomicAdd(claims, 1u) : part;
   bool flagged = false;  // this thread set drop words (completed before the block ends)
-  for (bool first = true;; first = false) {
-    if (threadIdx.x == 0) {
-      int j = next;
-      if (streamed) {
-        if (arrived(f, src, j, epoch, deadline, seen)) next = (int)atomicAdd(claims, 1u);
-        else j = -1;
-      } else {
-        if (j < records) next += parts;
-        else j = -1;
-      }
-      cur = j;
+  auto take = [&]() {  // thread 0: the record to unpack now, -1 when none is left
+    int j = next;
+    if (streamed) {
+      if (arrived(f, src, j, epoch, deadline, seen)) next = (int)atomicAdd(claims, 1u);
+      else j = -1;
+    } else {
+      if (j < records) next += parts;
+      else j = -1;
     }
-    __syncthreads();
-    const int j = cur;
-    if (first) TRACE(MOECOMM_TRACE_DISPATCH_RECV, 1);
-    if (j < 0) break;
+    return j;
+  };
+  auto route = [&](int j, int b) {  // warp 0: a slot in each local expert of record j (lanes; id -1 is none)
     const uint8_t* rec = record(j);
-    RowCopy row;  // padded layout: the record's row and scales, in flight while warp 0 takes slots
-    if (!f.packed) row.load(f, rec, rec + f.x_bytes);
-    if (warp == 0) {  // a slot in each local expert of the record (in parallel lanes; id -1 is none)
-      const int id = lane < f.topk ? meta_of(rec, f)[1 + lane] : -1;
-      int where = -1;
-      bool dropped = false;
-      if (lane < f.topk) {
-        const int le = id - lo;
-        if (id >= 0 && le >= 0 && le < f.local_experts) {
-          const unsigned slot = atomicAdd(&f.state[f.s_expert + le], 1u);  // the expert's demand
-          if (f.packed) {
-            if (atomicAdd(&f.state[MOECOMM_S_ROWS], 1u) < (unsigned)f.cap)
-              where = (int)atomicAdd(&f.state[f.s_kept + le], 1u);  // the row: dispatch_pack adds the offset
-            else
-              dropped = f.drop;
-          } else if (slot < (unsigned)f.cap) {
-            where = le * f.cap + slot;
-          } else {
+    const int id = lane < f.topk ? meta_of(rec, f)[1 + lane] : -1;
+    int where = -1;
+    bool dropped = false;
+    if (lane < f.topk) {
+      const int le = id - lo;
+      if (id >= 0 && le >= 0 && le < f.local_experts) {
+        const unsigned slot = atomicAdd(&f.state[f.s_expert + le], 1u);  // the expert's demand
+        if (f.packed) {
+          if (atomicAdd(&f.state[MOECOMM_S_ROWS], 1u) < (unsigned)f.cap)
+            where = (int)atomicAdd(&f.state[f.s_kept + le], 1u);  // the row: dispatch_pack adds the offset
+          else
             dropped = f.drop;
-          }
+        } else if (slot < (unsigned)f.cap) {
+          where = le * f.cap + slot;
+        } else {
+          dropped = f.drop;
         }
-        f.slot_of[((size_t)src * f.max_tokens + j) * f.topk + lane] = where;
       }
-      const unsigned drops = __ballot_sync(FULL, dropped);
-      if (drops && lane == 0) {  // tell the token's rank (read by its combine_recv after our combine signal)
-        const int t = meta_of(rec, f)[0];
-        signal_set(f.peers, &f.drop_buf[(size_t)f.rank * f.max_tokens + t], epoch_signal(epoch, drops), src);
-        flagged = true;
-      }
-      if (!f.packed) list_rows(f, c, where, xdst, sdst, &n);  // packed: dispatch_pack places the rows
+      f.slot_of[((size_t)src * f.max_tokens + j) * f.topk + lane] = where;
     }
+    const unsigned drops = __ballot_sync(FULL, dropped);
+    if (drops && lane == 0) {  // tell the token's rank (read by its combine_recv after our combine signal)
+      const int t = meta_of(rec, f)[0];
+      signal_set(f.peers, &f.drop_buf[(size_t)f.rank * f.max_tokens + t], epoch_signal(epoch, drops), src);
+      flagged = true;
+    }
+    if (!f.packed) list_rows(f, c, where, xdst[b], sdst[b], &n[b]);  // packed: dispatch_pack places the rows
+  };
+  if (!streamed) {  // a record at a time: its row in flight while warp 0 takes its slots
+    for (bool first = true;; first = false) {
+      if (threadIdx.x == 0) cur[0] = take();
+      __syncthreads();
+      const int j = cur[0];
+      if (first) TRACE(MOECOMM_TRACE_DISPATCH_RECV, 1);
+      if (j < 0) break;
+      const uint8_t* rec = record(j);
+      RowCopy row;  // padded layout: the record's row and scales
+      if (!f.packed) row.load(f, rec, rec + f.x_bytes);
+      if (warp == 0) route(j, 0);
+      __syncthreads();
+      if (first) TRACE(MOECOMM_TRACE_DISPATCH_RECV, 2);
+      if (!f.packed) row.store(f, xdst[0], sdst[0], n[0], rec, rec + f.x_bytes);
+      __syncthreads();
+      if (first) TRACE(MOECOMM_TRACE_DISPATCH_RECV, 3);
+    }
+  } else {  // warp 0 takes and routes the next record (two lists in turn) while the other warps copy one
+    auto take_and_route = [&](int b) {
+      const int j = __shfl_sync(FULL, lane == 0 ? take() : 0, 0);
+      if (lane == 0) cur[b] = j;
+      if (j >= 0) route(j, b);
+    };
+    if (warp == 0) take_and_route(0);
     __syncthreads();
-    if (first) TRACE(MOECOMM_TRACE_DISPATCH_RECV, 2);
-    if (!f.packed) row.store(f, xdst, sdst, n, rec, rec + f.x_bytes);
-    __syncthreads();
-    if (first) TRACE(MOECOMM_TRACE_DISPATCH_RECV, 3);
+    TRACE(MOECOMM_TRACE_DISPATCH_RECV, 1);
+    TRACE(MOECOMM_TRACE_DISPATCH_RECV, 2);
+    for (int i = 0; cur[i & 1] >= 0; ++i) {
+      const int b = i & 1;
+      if (warp == 0) {
+        take_and_route(b ^ 1);
+      } else if (!f.packed) {
+        const uint8_t* rec = record(cur[b]);
+        RowCopy row;
+        row.load(f, rec, rec + f.x_bytes, threadIdx.x - 32, THREADS - 32);
+        row.store(f, xdst[b], sdst[b], n[b], rec, rec + f.x_bytes, threadIdx.x - 32, THREADS - 32);
+      }
+      __syncthreads();
+      if (i == 0) TRACE(MOECOMM_TRACE_DISPATCH_RECV, 3);
+    }
   }
   if (streamed && part == 0 && threadIdx.x == 0) receive(f, c, src, epoch, true);  // errors, the count for combine
   if (flagged) quiet();  // drop words to peers without a mapping
