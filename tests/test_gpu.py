@@ -54,9 +54,12 @@ def test_network_path_with_puts_only():
 
 @pytest.mark.skipif(GPUS < 2, reason="needs 2 GPUs")
 @each_transport
-@pytest.mark.parametrize("skip", [(), ("--skip", "combine", "--max-tokens", "2048")], ids=["dispatch", "combine"])
+@pytest.mark.parametrize("skip", [(), ("--skip", "dispatch", "--max-tokens", "2048"),
+                                  ("--skip", "combine", "--max-tokens", "2048")],
+                         ids=["dispatch", "streamed-dispatch", "combine"])
 def test_skipped_rank_times_out(transport, skip):
-    """A rank that skips dispatch, or (at a prefill size: the streamed combine's token side on ipc) combine."""
+    """A rank that skips dispatch, or at a prefill size dispatch (the streamed receive half: warp 0 waits for
+    each record's arrival) or combine (the streamed combine's token side on ipc)."""
     p = run_mpi(GPUS, "tests/mpi_timeout.py", "--transport", transport, *skip, timeout=120)
     assert f"CommTimeout on {GPUS - 1} ranks" in p.stdout, p.stdout[-4000:] + p.stderr[-4000:]
 
