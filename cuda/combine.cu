@@ -6,11 +6,11 @@ using namespace moecomm;
 // grid: world * parts blocks, all resident (as moecomm_dispatch, dispatch.cu). Each block sends the
 // expert outputs of its records, then sums its tokens once every expert rank has signalled. Streamed form,
 // with partial sums where f.comb_streamed (prefill-sized batches, DP size 1, the padded layout, a transport
-// that gains by it: moecomm/_abi.py, combine_streams; compiled in where MOECOMM_STREAMS_COMBINE): this rank's own partial sums are never formed. The
-// blocks of its own records go straight to the token side, which sums each token's own expert rows with
-// the peers' partial sums as these land (arrival words), while the other blocks send; those join the token
-// side once sent. Every block reads the call number before it counts itself done in the send half, so
-// before the send half's last block advances it.
+// that gains by it: moecomm/_abi.py, combine_streams; compiled in only where MOECOMM_STREAMS_COMBINE): this
+// rank's own partial sums are never formed. The blocks of its own records go straight to the token side,
+// which sums each token's own expert rows with the peers' partial sums as these land (arrival words), while
+// the other blocks send; those join the token side once sent. Every block reads the call number before it
+// counts itself done in the send half, so before the send half's last block advances it.
 extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, MOECOMM_BLOCKS_PER_SM)
     moecomm_combine(const Fixed f, const Call c) {
   TRACE_SPAN(MOECOMM_TRACE_COMBINE_SEND, 0);

@@ -162,7 +162,7 @@ __device__ void moecomm::dispatch_recv(const Fixed& f, const Call& c) {
     };
     if (warp == 0) take_and_route(0);
     __syncthreads();
-    TRACE(MOECOMM_TRACE_DISPATCH_RECV, 1);
+    TRACE(MOECOMM_TRACE_DISPATCH_RECV, 1);  // here the first record's arrival and its slots end together
     TRACE(MOECOMM_TRACE_DISPATCH_RECV, 2);
     for (int i = 0; cur[i & 1] >= 0; ++i) {
       const int b = i & 1;
