@@ -30,7 +30,9 @@ import moecomm
 from moecomm import _constants as C
 from moecomm.bench import delay_kernel, routing
 
-# What each stamp of a half ends (cuda/*.cu, TRACE(half, point)); the half's last slot is the epilogue.
+# What each stamp of a half ends (cuda/*.cu, TRACE(half, point)); the half's last slot is the epilogue. Where
+# records stream, dispatch_recv's first two stamps come together (the first record's arrival and its slots), and
+# in both receive halves "first ... copied / summed" also covers warp 0 preparing the next record or token.
 STAGES = {
     "dispatch_send": ("start", "m and epoch read", "first token routed (ids, slots)", "first token sent",
                       "all tokens sent", "fence + block count"),
