@@ -211,8 +211,9 @@ def test_combine_streams_at_prefill_sizes_in_dp1_padded_where_the_transport_gain
         return AllToAllConfig.create(2 * dp, 0, tokens, 256, 8, 7168, 56, "float8_e4m3fn", "bfloat16", None, dp,
                                      layout=layout)
     assert _jit.VARIANTS["ipc"].streams_combine and not _jit.VARIANTS["nvshmem"].streams_combine
-    for t in (IpcTransport, NvshmemTransport):
-        assert t.streams_combine.fget(types.SimpleNamespace(variant=t.variant)) == _jit.VARIANTS[t.variant].streams_combine
+    for t in (IpcTransport, NvshmemTransport):  # the property reads the variant's flag
+        carries = t.streams_combine.fget(types.SimpleNamespace(variant=t.variant))
+        assert carries == _jit.VARIANTS[t.variant].streams_combine
     assert "-DMOECOMM_STREAMS_COMBINE=0" in _jit._compile_flags("sm_90", "nvshmem")
     assert "-DMOECOMM_STREAMS_COMBINE=1" in _jit._compile_flags("sm_90", "ipc")
     assert _abi.combine_streams(cfg(4096), 132, True)
