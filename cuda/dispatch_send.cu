@@ -72,7 +72,8 @@ __device__ void moecomm::dispatch_send(const Fixed& f, const Call& c, int sender
   const int lo = f.rank * f.local_experts;
   const uint8_t* x = c.x;
   Arrivals arr{words};
-  const bool arrivals = f.streamed && senders < (int)gridDim.x, own_of = MOECOMM_STREAMS_COMBINE && f.comb_streamed;
+  const bool arrivals = f.streamed && senders < (int)gridDim.x;
+  const bool own_of = MOECOMM_STREAMS_COMBINE && f.comb_streamed;
   uint8_t* const recv_buf = f.recv_buf;
   Stage st(f);
   for (int i = blockIdx.x; (int)blockIdx.x < senders; i += senders) {

@@ -23,9 +23,10 @@
 #   bash tools/gpu_check.sh bench-both  the benchmark on each transport and the two joined, nothing else
 #   bash tools/gpu_check.sh latency  the checks a kernel change needs (quick sweeps on both transports, the
 #                                    put-only path, world size 1, the model-sized and streamed cases (--full),
-#                                    capacity, packed, replicas, telemetry, capacity and a skipped combine at a
-#                                    prefill size, masking, control, embedding), then the kernels' stage trace
-#                                    (tools/trace_kernels.py, MOECOMM_TRACE=1 builds) at 1 and 128 tokens
+#                                    capacity, packed, replicas, telemetry, capacity and a skipped dispatch or
+#                                    combine at a prefill size, masking, control, embedding), then the kernels'
+#                                    stage trace (tools/trace_kernels.py, MOECOMM_TRACE=1 builds) at 1 and 128
+#                                    tokens
 # GPU transport: $MOECOMM_TRANSPORT (nvshmem by default here; ipc for the CUDA-IPC transport). Wheels the GPU
 # machine lacks (nvshmem4py) are installed from .whl/ when present. Logs go to $OUT if set.
 set -u -o pipefail
