@@ -26,20 +26,22 @@ using namespace moecomm;
 // overflow="error", reported by dispatch_recv, which sees the expert's whole demand. With c.skip (a refused
 // call) nothing is sent and every signal carries SIG_BAD | c.reason; otherwise a signal carries the count
 // and the expert-map generation (state[GEN]).
+template <bool Pipelined>
 __device__ void moecomm::dispatch_send(const Fixed& f, const Call& c, int senders) {
   TRACE(MOECOMM_TRACE_DISPATCH_SEND, 0);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const unsigned epoch = f.state[MOECOMM_S_EPOCH_DS] + 1;
-  // Destinations of the current token, in this order: records on mapped peers, the staged record (when
-  // some peer needs a put), rows of this rank's experts. xd: where x goes, sd: where its scales go.
-  // recs: records that get the metadata (mapped, staged, and this rank's own record, metadata only).
-  __shared__ uint8_t* xd[MAX_FANOUT];
-  __shared__ uint8_t* sd[MAX_FANOUT];
-  __shared__ uint8_t* recs[MAX_FANOUT];
+  // Destinations of a token, in this order: records on mapped peers, the staged record (when some peer
+  // needs a put), rows of this rank's experts. xd: where x goes, sd: where its scales go. recs: records that
+  // get the metadata (mapped, staged, and this rank's own record, metadata only). Two lists: the pipelined
+  // loop (below) routes a token into one while the other is sent; the plain loop uses list 0.
+  __shared__ uint8_t* xd[2][MAX_FANOUT];
+  __shared__ uint8_t* sd[2][MAX_FANOUT];
+  __shared__ uint8_t* recs[2][MAX_FANOUT];
   __shared__ uint8_t* remote[MAX_FANOUT];
   __shared__ int pes[MAX_FANOUT];
   __shared__ uint64_t* words[2][ARRIVAL_BATCH * MAX_FANOUT];  // arrival words of the block's mapped records
-  __shared__ int n_direct, n_put, n_local, n_meta;  // n_put < 0: skip the token (invalid)
+  __shared__ int n_direct[2], n_put[2], n_local[2], n_meta[2], tok[2];  // n_put < 0: skip the token (invalid)
   // warp 0: a token's ids and weights (lane k: its k-th); the block's first token's are loaded at once,
   // beside bound_m and the epoch (any row < rows is readable; a skipped call has no rows)
   int e = -1;
@@ -52,7 +54,8 @@ __device__ void moecomm::dispatch_send(const Fixed& f, const Call& c, int sender
       if (c.weights) w = c.weights[(size_t)t * f.topk + lane];
     }
   };
-  load_ids((int)blockIdx.x < senders ? f.rank % f.dp + blockIdx.x * f.dp : c.rows);
+  auto token = [&](int i) { return f.rank % f.dp + i * f.dp; };  // the block's tokens: i = blockIdx.x + k * senders
+  load_ids((int)blockIdx.x < senders ? token(blockIdx.x) : c.rows);
   // warp 0, lane q: whether rank q is masked (world <= 32: looked up by a shuffle, not a load per token)
   const bool mask_lanes = f.world <= 32;
   const int masked_lane = warp == 0 && mask_lanes && lane < f.world ? f.mask[lane] : 0;
@@ -75,138 +78,177 @@ __device__ void moecomm::dispatch_send(const Fixed& f, const Call& c, int sender
   const bool arrivals = f.streamed && senders < (int)gridDim.x;
   const bool own_of = MOECOMM_STREAMS_COMBINE && f.comb_streamed;
   uint8_t* const recv_buf = f.recv_buf;
-  Stage st(f);
-  for (int i = blockIdx.x; (int)blockIdx.x < senders; i += senders) {
-    const int t = f.rank % f.dp + i * f.dp;
-    if (t >= m) break;
-    if (i != (int)blockIdx.x) load_ids(t);
-    const uint8_t* const xt = x + (size_t)t * f.x_bytes;
-    const uint8_t* const scales = (const uint8_t*)(c.x_scale + (size_t)t * (f.scale_bytes / 4));
-    RowCopy row;  // the token row and scales, in flight while warp 0 routes the token
-    row.load(f, xt, scales);
-    arr.release_pending(epoch);
-    // warp 0: check the token's experts, take slots (in parallel lanes), list the destinations
-    if (warp == 0) {
-      int dest = -1, slot_id = -1;  // the pair's physical expert slot and its rank
-      bool ok = true, first = false;
+  // Pipelined (a block with a second token, every peer mapped): warp 0 routes token i+1 into list b^1 and
+  // writes its records' metadata while the other warps send token i from list b; with arrival words the last
+  // warp only releases them (its fence off the copy). Otherwise a token at a time, its row in flight while
+  // warp 0 routes it.
+  const bool pipelined = Pipelined && (int)blockIdx.x < senders && token(blockIdx.x + senders) < m && all_mapped(f);
+  // warp 0: the metadata of token t into the records of list b
+  auto write_meta = [&](int b, int t) {
+    for (int j = 0; j < n_meta[b]; ++j) {
+      int* meta = meta_of(recs[b][j], f);
+      if (lane == 0) meta[0] = t;
       if (lane < f.topk) {
-        ok = e < f.num_experts;
-        slot_id = ok && e >= 0 ? physical(f, e, t) : -1;
-        dest = slot_id >= 0 ? slot_id / f.local_experts : -1;
-      }
-      const int dest_masked = mask_lanes ? __shfl_sync(FULL, masked_lane, dest & 31) : dest >= 0 && f.mask[dest];
-      if (dest >= 0 && dest_masked) dest = -2;  // masked: not sent, counted below
-      first = dest >= 0;
-      for (int j = 0; j < f.topk; ++j) {  // repeated experts are invalid; repeated ranks are sent once
-        const int ej = __shfl_sync(FULL, e, j), dj = __shfl_sync(FULL, dest, j);
-        if (j < lane && lane < f.topk) {
-          ok = ok && (ej != e || e < 0);
-          first = first && dj != dest;
-        }
-      }
-      if (__any_sync(FULL, !ok)) {
-        if (lane == 0) {
-          record_error(f.err, MOECOMM_ERR_BAD_EXPERT, f.rank, MOECOMM_PHASE_DISPATCH, t, (int)epoch);
-          atomicCAS(&f.state[MOECOMM_S_BAD], 0u, (unsigned)MOECOMM_ERR_BAD_EXPERT);
-          n_put = -1;
-        }
-      } else {
-        const unsigned masked = __ballot_sync(FULL, dest == -2);
-        if (lane == 0) tally(f, MOECOMM_C_MASKED_PAIRS, __popc(masked));
-        e = dest >= 0 ? slot_id : -1;  // from here on: physical slots, -1 for pairs not sent
-        // packed layout: this rank's own experts get a record too (dispatch_recv places every row once the
-        // counts are known); padded: their rows go straight into their slots
-        const bool peer = first && (dest != f.rank || f.packed), local = dest == f.rank && !f.packed;
-        uint8_t* sym = nullptr;
-        uint8_t* p = peer ? peer_ptr(f.peers, recv_buf, dest) : nullptr;  // resolved alongside the slot atomic
-        // both slot atomics in flight before either result is used
-        unsigned rec_slot = 0, slot = 0;
-        if (first) rec_slot = atomicAdd(&f.state[MOECOMM_S_FIXED + dest], 1u);
-        if (local) slot = atomicAdd(&f.state[f.s_expert + e - lo], 1u);
-        size_t rec_off = 0;
-        if (first) {
-          rec_off = ((size_t)f.rank * f.max_tokens + rec_slot) * f.rec_bytes;
-          sym = recv_buf + rec_off;
-        }
-        int where = -1;  // this rank's expert slot of the lane's expert
-        bool dropped = false;
-        if (local) {
-          if (slot < (unsigned)f.cap) where = (e - lo) * f.cap + slot;
-          else dropped = f.drop;
-        }
-        const unsigned drops = __ballot_sync(FULL, dropped);
-        if (drops && lane == 0)  // read by this rank's combine_recv after the call's combine signals
-          f.drop_buf[(size_t)f.rank * f.max_tokens + t] = epoch_signal(epoch, drops);
-        if (p) p += rec_off;
-        const unsigned direct = __ballot_sync(FULL, p != nullptr), put = __ballot_sync(FULL, peer && !p);
-        const unsigned rows_here = __ballot_sync(FULL, where >= 0), own = __ballot_sync(FULL, first && local);
-        const unsigned below = (1u << lane) - 1;
-        const int nd = __popc(direct), staged = put ? 1 : 0;
-        if (p) {
-          xd[__popc(direct & below)] = p;
-          sd[__popc(direct & below)] = p + f.x_bytes;
-          recs[__popc(direct & below)] = p;
-          if (arrivals)
-            arr.word(__popc(direct & below)) =
-                peer_ptr(f.peers, f.arrive + (size_t)f.rank * f.max_tokens + rec_slot, dest);
-        }
-        if (peer && !p) {
-          remote[__popc(put & below)] = sym;
-          pes[__popc(put & below)] = dest;
-        }
-        if (where >= 0) {
-          const int pos = nd + staged + __popc(rows_here & below);
-          xd[pos] = c.out_x + (size_t)where * f.x_bytes;
-          sd[pos] = (uint8_t*)(c.out_scale + (size_t)where * (f.scale_bytes / 4));
-        }
-        if (own) {  // this rank's record: metadata for combine, and where each of its experts put the row
-          const uint8_t* mine = (const uint8_t*)__shfl_sync(FULL, (unsigned long long)sym, __ffs(own) - 1);
-          if (lane < f.topk) f.slot_of[(mine - recv_buf) / f.rec_bytes * f.topk + lane] = where;
-          if (lane == 0) recs[nd + staged] = (uint8_t*)mine;
-        }
-        if (own_of && lane < f.topk) f.own_of[(size_t)t * f.topk + lane] = make_int2(where, __float_as_int(w));
-        if (lane == 0) {
-          n_direct = nd;
-          n_put = __popc(put);
-          n_local = __popc(rows_here);
-          n_meta = nd + staged + (own ? 1 : 0);
-        }
+        meta[1 + lane] = e;
+        ((float*)meta)[1 + f.topk + lane] = w;
       }
     }
+  };
+  // warp 0 (every lane): check token t's experts, take slots (in parallel lanes), list its destinations in
+  // list b; pipelined, also write its records' metadata (no staged record then)
+  auto route = [&](int t, int b) {
+    int dest = -1, slot_id = -1;  // the pair's physical expert slot and its rank
+    bool ok = true, first = false;
+    if (lane < f.topk) {
+      ok = e < f.num_experts;
+      slot_id = ok && e >= 0 ? physical(f, e, t) : -1;
+      dest = slot_id >= 0 ? slot_id / f.local_experts : -1;
+    }
+    const int dest_masked = mask_lanes ? __shfl_sync(FULL, masked_lane, dest & 31) : dest >= 0 && f.mask[dest];
+    if (dest >= 0 && dest_masked) dest = -2;  // masked: not sent, counted below
+    first = dest >= 0;
+    for (int j = 0; j < f.topk; ++j) {  // repeated experts are invalid; repeated ranks are sent once
+      const int ej = __shfl_sync(FULL, e, j), dj = __shfl_sync(FULL, dest, j);
+      if (j < lane && lane < f.topk) {
+        ok = ok && (ej != e || e < 0);
+        first = first && dj != dest;
+      }
+    }
+    if (__any_sync(FULL, !ok)) {
+      if (lane == 0) {
+        record_error(f.err, MOECOMM_ERR_BAD_EXPERT, f.rank, MOECOMM_PHASE_DISPATCH, t, (int)epoch);
+        atomicCAS(&f.state[MOECOMM_S_BAD], 0u, (unsigned)MOECOMM_ERR_BAD_EXPERT);
+        n_put[b] = -1;
+      }
+      return;
+    }
+    const unsigned masked = __ballot_sync(FULL, dest == -2);
+    if (lane == 0) tally(f, MOECOMM_C_MASKED_PAIRS, __popc(masked));
+    e = dest >= 0 ? slot_id : -1;  // from here on: physical slots, -1 for pairs not sent
+    // packed layout: this rank's own experts get a record too (dispatch_recv places every row once the
+    // counts are known); padded: their rows go straight into their slots
+    const bool peer = first && (dest != f.rank || f.packed), local = dest == f.rank && !f.packed;
+    uint8_t* sym = nullptr;
+    uint8_t* p = peer ? peer_ptr(f.peers, recv_buf, dest) : nullptr;  // resolved alongside the slot atomic
+    // both slot atomics in flight before either result is used
+    unsigned rec_slot = 0, slot = 0;
+    if (first) rec_slot = atomicAdd(&f.state[MOECOMM_S_FIXED + dest], 1u);
+    if (local) slot = atomicAdd(&f.state[f.s_expert + e - lo], 1u);
+    size_t rec_off = 0;
+    if (first) {
+      rec_off = ((size_t)f.rank * f.max_tokens + rec_slot) * f.rec_bytes;
+      sym = recv_buf + rec_off;
+    }
+    int where = -1;  // this rank's expert slot of the lane's expert
+    bool dropped = false;
+    if (local) {
+      if (slot < (unsigned)f.cap) where = (e - lo) * f.cap + slot;
+      else dropped = f.drop;
+    }
+    const unsigned drops = __ballot_sync(FULL, dropped);
+    if (drops && lane == 0)  // read by this rank's combine_recv after the call's combine signals
+      f.drop_buf[(size_t)f.rank * f.max_tokens + t] = epoch_signal(epoch, drops);
+    if (p) p += rec_off;
+    const unsigned direct = __ballot_sync(FULL, p != nullptr), put = __ballot_sync(FULL, peer && !p);
+    const unsigned rows_here = __ballot_sync(FULL, where >= 0), own = __ballot_sync(FULL, first && local);
+    const unsigned below = (1u << lane) - 1;
+    const int nd = __popc(direct), staged = put ? 1 : 0;
+    if (p) {
+      xd[b][__popc(direct & below)] = p;
+      sd[b][__popc(direct & below)] = p + f.x_bytes;
+      recs[b][__popc(direct & below)] = p;
+      if (arrivals)
+        arr.word(__popc(direct & below)) =
+            peer_ptr(f.peers, f.arrive + (size_t)f.rank * f.max_tokens + rec_slot, dest);
+    }
+    if (peer && !p) {
+      remote[__popc(put & below)] = sym;
+      pes[__popc(put & below)] = dest;
+    }
+    if (where >= 0) {
+      const int pos = nd + staged + __popc(rows_here & below);
+      xd[b][pos] = c.out_x + (size_t)where * f.x_bytes;
+      sd[b][pos] = (uint8_t*)(c.out_scale + (size_t)where * (f.scale_bytes / 4));
+    }
+    if (own) {  // this rank's record: metadata for combine, and where each of its experts put the row
+      const uint8_t* mine = (const uint8_t*)__shfl_sync(FULL, (unsigned long long)sym, __ffs(own) - 1);
+      if (lane < f.topk) f.slot_of[(mine - recv_buf) / f.rec_bytes * f.topk + lane] = where;
+      if (lane == 0) recs[b][nd + staged] = (uint8_t*)mine;
+    }
+    if (own_of && lane < f.topk) f.own_of[(size_t)t * f.topk + lane] = make_int2(where, __float_as_int(w));
+    if (lane == 0) {
+      n_direct[b] = nd;
+      n_put[b] = __popc(put);
+      n_local[b] = __popc(rows_here);
+      n_meta[b] = nd + staged + (own ? 1 : 0);
+    }
+    if (pipelined) {
+      __syncwarp();
+      write_meta(b, t);
+      if (arrivals) arr.stored(nd);  // warp 0's count of listed words runs a token ahead of the block's
+    }
+  };
+  // warp 0: route token i (its ids loaded here, but for the block's first) into list b; tok[b] = -1: none
+  auto next = [&](int i, int b) {
+    const int t = token(i);
+    if (lane == 0) tok[b] = t < m ? t : -1;
+    if (t >= m) return;
+    if (i != (int)blockIdx.x) load_ids(t);
+    route(t, b);
+  };
+  constexpr int copiers = THREADS - 64;  // pipelined: warps 1..6 send (the last one releases arrival words)
+  Stage st(f);
+  // Pipelined, round k sends the token routed in round k-1 (list b = k & 1) while warp 0 routes the next
+  // into list b^1; round -1 only routes the block's first. Otherwise round k routes and sends its token in
+  // list 0.
+  const int k0 = pipelined ? -1 : 0;
+  for (int k = k0; (int)blockIdx.x < senders; ++k) {
+    const int i = blockIdx.x + k * senders, b = k & 1;
+    // list b is read before this round's barrier only: warp 0 refills it in the next round
+    const int t = !pipelined ? token(i) : k < 0 ? 0 : tok[b];
+    if (t < 0 || t >= m) break;
+    const uint8_t* const xt = x + (size_t)t * f.x_bytes;
+    const uint8_t* const scales = (const uint8_t*)(c.x_scale + (size_t)t * (f.scale_bytes / 4));
+    const bool ahead = pipelined && k >= 0 && n_put[b] >= 0;  // pipelined: a valid token to send
+    const int ahead_nd = ahead ? n_direct[b] : 0;
+    RowCopy row;
+    if (!pipelined) row.load(f, xt, scales);  // the token row and scales, in flight while warp 0 routes the token
+    arr.release_pending(epoch);
+    if (warp == 0) {
+      next(pipelined ? i + senders : i, pipelined ? b ^ 1 : 0);
+    } else if (ahead && (int)threadIdx.x - 32 < copiers) {
+      row.load(f, xt, scales, threadIdx.x - 32, copiers);
+      row.store(f, xd[b], sd[b], ahead_nd + n_local[b], xt, scales, threadIdx.x - 32, copiers);
+    }
     __syncthreads();
-    if (i == (int)blockIdx.x) TRACE(MOECOMM_TRACE_DISPATCH_SEND, 2);
-    if (n_put < 0) {  // invalid token: nothing sent
+    if (k == k0) TRACE(MOECOMM_TRACE_DISPATCH_SEND, 2);
+    if (pipelined) {
+      if (arrivals && ahead && warp != 0) arr.stored(ahead_nd);
+      if (k == 0) TRACE(MOECOMM_TRACE_DISPATCH_SEND, 3);
+      continue;
+    }
+    if (n_put[0] < 0) {  // invalid token: nothing sent
       __syncthreads();
       continue;
     }
-    const int puts = n_put, nd = n_direct;
+    const int puts = n_put[0], nd = n_direct[0];
     if (puts) {  // one staged record, put to every destination without a mapping
       uint8_t* staged = st.next();
       if (threadIdx.x == 0) {
-        xd[nd] = recs[nd] = staged;
-        sd[nd] = staged + f.x_bytes;
+        xd[0][nd] = recs[0][nd] = staged;
+        sd[0][nd] = staged + f.x_bytes;
       }
       __syncthreads();
     }
-    const int n = nd + (puts ? 1 : 0) + n_local;
-    row.store(f, xd, sd, n, xt, scales);
-    if (warp == 0) {
-      for (int j = 0; j < n_meta; ++j) {
-        int* meta = meta_of(recs[j], f);
-        if (lane == 0) meta[0] = t;
-        if (lane < f.topk) {
-          meta[1 + lane] = e;
-          ((float*)meta)[1 + f.topk + lane] = w;
-        }
-      }
-    }
+    row.store(f, xd[0], sd[0], nd + (puts ? 1 : 0) + n_local[0], xt, scales);
+    if (warp == 0) write_meta(0, t);
     __syncthreads();
     if (arrivals) arr.stored(nd);
     if (puts) {
-      put_block_all(remote, pes, puts, xd[nd], f.rec_bytes);
+      put_block_all(remote, pes, puts, xd[0][nd], f.rec_bytes);
       __syncthreads();
     }
-    if (i == (int)blockIdx.x) TRACE(MOECOMM_TRACE_DISPATCH_SEND, 3);
+    if (k == 0) TRACE(MOECOMM_TRACE_DISPATCH_SEND, 3);
   }
   arr.release_last(epoch);
   TRACE(MOECOMM_TRACE_DISPATCH_SEND, 4);
@@ -238,6 +280,8 @@ __device__ void moecomm::dispatch_send(const Fixed& f, const Call& c, int sender
 extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, MOECOMM_BLOCKS_PER_SM)
     moecomm_dispatch_send(const Fixed f, const Call c) {
   TRACE_SPAN(MOECOMM_TRACE_DISPATCH_SEND, 0);
-  dispatch_send(f, c, gridDim.x);
+  dispatch_send<false>(f, c, gridDim.x);
   TRACE_SPAN(MOECOMM_TRACE_DISPATCH_SEND, 1);
 }
+template __device__ void moecomm::dispatch_send<false>(const Fixed&, const Call&, int);
+template __device__ void moecomm::dispatch_send<true>(const Fixed&, const Call&, int);

@@ -185,6 +185,7 @@ KERNELS = {k.name: k for k in (
     Kernel("moecomm_combine_send", (Fixed, Call), _per_source_blocks),
     Kernel("moecomm_combine_recv", (Fixed, Call), _token_blocks),
     Kernel("moecomm_dispatch", (Fixed, Call), _per_source_blocks),
+    Kernel("moecomm_dispatch_streamed", (Fixed, Call), _per_source_blocks),
     Kernel("moecomm_combine", (Fixed, Call), _per_source_blocks),
     Kernel("moecomm_peer_check", (PeerCheck,), threads=32),
     Kernel("moecomm_delay", (Delay,), threads=1),
@@ -192,7 +193,14 @@ KERNELS = {k.name: k for k in (
 ALLTOALL_KERNELS = ("moecomm_dispatch_send", "moecomm_dispatch_recv", "moecomm_combine_send",
                     "moecomm_combine_recv")  # the four halves
 WHOLE_KERNELS = {"dispatch": "moecomm_dispatch", "combine": "moecomm_combine"}  # a phase's halves in one launch
+STREAMED_DISPATCH = "moecomm_dispatch_streamed"  # the one-launch dispatch of streamed batches (cuda/dispatch.cu)
 PACK_KERNEL = "moecomm_dispatch_pack"  # the packed layout's third dispatch kernel (after the receive half)
+
+
+def whole_kernels(cfg, num_sms):
+    """{phase: the kernel that runs its two halves in one launch} for this configuration: the dispatch of
+    streamed (prefill-sized) batches is its own kernel, so the small batches' kernel carries none of its code."""
+    return dict(WHOLE_KERNELS, dispatch=STREAMED_DISPATCH) if streamed(cfg, num_sms) else WHOLE_KERNELS
 
 
 # The device header --------------------------------------------------------------------------------

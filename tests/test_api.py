@@ -186,14 +186,17 @@ def test_symmetric_memory_formula_r1():
 
 
 def test_dispatch_streams_only_prefill_sized_batches():
-    """The one-launch dispatch splits its grid into senders and early receivers, and records carry arrival
-    words, only where a sending block can hold more than STREAM_TOKENS tokens (R1 shapes, EP2, 132 SMs)."""
+    """The one-launch dispatch splits its grid into senders and early receivers, records carry arrival
+    words, and the streamed kernel runs, only where a sending block can hold more than STREAM_TOKENS tokens
+    (R1 shapes, EP2, 132 SMs)."""
     from moecomm import _abi, _constants as C
     from moecomm._config import AllToAllConfig
     for tokens, streams in ((1, False), (128, False), (1024, False), (4096, True)):
         c = AllToAllConfig.create(2, 0, tokens, 256, 8, 7168, 56, "float8_e4m3fn", "bfloat16", None, 1)
         grid, senders = _abi.KERNELS["moecomm_dispatch"].grid(c, 132), _abi.dispatch_senders(c, 132)
         assert _abi.streamed(c, 132) == streams
+        assert _abi.whole_kernels(c, 132) == {"dispatch": _abi.STREAMED_DISPATCH if streams else "moecomm_dispatch",
+                                              "combine": "moecomm_combine"}
         assert senders == (grid * C.SEND_SHARE // 100 if streams else grid)
         if streams:
             assert tokens > C.STREAM_TOKENS * senders

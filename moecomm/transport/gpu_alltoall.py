@@ -1,7 +1,8 @@
 """AllToAll on GPUs, for every GPU transport: the kernels of ``cuda/`` over symmetric buffers sized once
 (``transport.symmetric``), launched through ``transport.launch`` (see moecomm/transport/gpu.py). A phase
-whose two halves are requested together runs as one kernel (``moecomm_dispatch``, ``moecomm_combine``);
-split halves run the send and receive kernels.
+whose two halves are requested together runs as one kernel (``moecomm_dispatch``, or
+``moecomm_dispatch_streamed`` at prefill sizes; ``moecomm_combine``); split halves run the send and receive
+kernels.
 
 Symmetric memory per rank (bytes), W ranks, M = max_num_tokens, K = top-k, H = hidden_dim:
 
@@ -49,7 +50,7 @@ def record_bytes(cfg):
 
 def blocks(cfg, num_sms):
     """{kernel name: grid size} of the AllToAll kernels (grid rules in moecomm._abi.KERNELS)."""
-    names = _abi.ALLTOALL_KERNELS + tuple(_abi.WHOLE_KERNELS.values()) + (_abi.PACK_KERNEL,)
+    names = _abi.ALLTOALL_KERNELS + tuple(_abi.whole_kernels(cfg, num_sms).values()) + (_abi.PACK_KERNEL,)
     return {n: _abi.KERNELS[n].grid(cfg, num_sms) for n in names}
 
 
@@ -60,8 +61,8 @@ def symmetric_sizes(cfg, num_sms):
     out_row = cfg.hidden_dim * cfg.out_dtype.itemsize
     stage_row = max(record_bytes(cfg), out_row)
     grid = blocks(cfg, num_sms)  # the kernels that stage rows (a block's rows at blockIdx * STAGE_SLOTS)
-    stage_rows = max(grid[n] for n in ("moecomm_dispatch_send", "moecomm_combine_send", *_abi.WHOLE_KERNELS.values())
-                     ) * C.STAGE_SLOTS
+    stage_rows = max(grid[n] for n in ("moecomm_dispatch_send", "moecomm_combine_send",
+                                       *_abi.whole_kernels(cfg, num_sms).values())) * C.STAGE_SLOTS
     return dict(recv_buf=W * M * record_bytes(cfg), comb_buf=max(W, K) * M * out_row,
                 stage=stage_rows * stage_row, signals=3 * W * 8, arrive=2 * W * M * 8, stage_row=stage_row,
                 drop_buf=W * M * 8 if cfg.capacity is not None and cfg.overflow == "drop" else 0)
@@ -142,7 +143,7 @@ class GpuAllToAll(AllToAllBackend):
         # both halves in one launch where its grid is resident at once, else the two halves' kernels
         self._whole = {phase: (launch[n],) + (pack if phase == "dispatch" else ())
                        if _abi.resident(grid[n], transport.num_sms) else sum(self._halves[phase], ())
-                       for phase, n in _abi.WHOLE_KERNELS.items()}
+                       for phase, n in _abi.whole_kernels(cfg, transport.num_sms).items()}
         self._skip = dict(zip(("dispatch_send", "dispatch_recv", "combine_send", "combine_recv"), (
             transport.launch(n, grid[n], self.fixed, self._skipped) for n in _abi.ALLTOALL_KERNELS)))
         self._stream = cupy.cuda.get_current_stream().ptr  # of the last call (a refusal's default)
