@@ -264,8 +264,11 @@ __device__ __forceinline__ bool last_block(unsigned* done, bool system) {
 // lists the words of the row it routes in words[list]; once a batch is stored, the block's last warp
 // (RELEASER) releases that list at the top of the next row, beside warp 0's routing of it, so the fence's
 // wait is off the block's path, while warp 0 fills the other list. A block with no full batch leaves its
-// words to its signal. Every thread keeps the counts alike.
+// words to its signal. Every thread keeps the counts alike; in the pipelined send (dispatch_send<true>) warp 0
+// keeps its count a row ahead (it calls stored() as it routes a row), so the list it fills is never the one
+// being released as long as every batch after the first has two rows or more.
 constexpr int RELEASER = THREADS / 32 - 1;
+static_assert(ARRIVAL_BATCH >= 2, "the pipelined send fills one list while the other is released (Arrivals)");
 struct Arrivals {
   uint64_t* (*words)[ARRIVAL_BATCH * MAX_FANOUT];  // shared [2][...]
   int held = 0, batched = 0, batch = MOECOMM_ARRIVAL_FIRST, list = 0, pending = 0;
