@@ -45,8 +45,9 @@ def test_dp_groups():
 
 @needs_gpu
 def test_network_path_with_puts_only():
-    """Every peer treated as off-node (MOECOMM_FORCE_PUTS=1): the put path of the same kernels."""
-    p = run_mpi(GPUS, "tests/mpi_alltoall.py", "--transport", "nvshmem", "--quick", timeout=600,
+    """Every peer treated as off-node (MOECOMM_FORCE_PUTS=1): the put path of the same kernels, the
+    model-sized and streamed batches (moecomm_dispatch_streamed) included (--full)."""
+    p = run_mpi(GPUS, "tests/mpi_alltoall.py", "--transport", "nvshmem", "--quick", "--full", timeout=600,
                 env={"MOECOMM_FORCE_PUTS": "1"})
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
     assert ": 0 failures" in p.stdout

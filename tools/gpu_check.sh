@@ -111,9 +111,12 @@ nccl=$(python3 -c "import nvidia.nccl as m; print(list(m.__path__)[0] + '/lib')"
 export LD_LIBRARY_PATH=${nccl}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 if [ "${1:-}" = latency ]; then
   for t in nvshmem ipc; do step "${MPIRUN[@]}" -np "$ngpu" python3 tests/mpi_alltoall.py --transport $t --quick; done
-  MOECOMM_FORCE_PUTS=1 step "${MPIRUN[@]}" -x MOECOMM_FORCE_PUTS -np "$ngpu" python3 tests/mpi_alltoall.py --transport nvshmem --quick
+  MOECOMM_FORCE_PUTS=1 step "${MPIRUN[@]}" -x MOECOMM_FORCE_PUTS -np "$ngpu" python3 tests/mpi_alltoall.py --transport nvshmem \
+    --quick --full  # the put path, streamed batches included
   step "${MPIRUN[@]}" -np 1 python3 tests/mpi_alltoall.py --transport $T --quick --full  # world size 1
-  step "${MPIRUN[@]}" -np "$ngpu" python3 tests/mpi_alltoall.py --transport ipc --quick --full  # streamed batches
+  for t in nvshmem ipc; do  # streamed batches
+    step "${MPIRUN[@]}" -np "$ngpu" python3 tests/mpi_alltoall.py --transport $t --quick --full
+  done
   for s in mpi_capacity mpi_packed mpi_replicas mpi_telemetry; do
     expect ": 0 failures" "${MPIRUN[@]}" -np "$ngpu" python3 tests/$s.py --transport $T
   done
