@@ -115,13 +115,16 @@ __device__ void moecomm::combine_recv(const Fixed& f, const Call& c, unsigned ep
     if (stream && rank >= 0 && rank != f.rank) row_landed(f, rank, t, epoch, deadline);  // before its drop words
     token_rows(f, c, t, epoch, rank, use, own, stream, srcs[b], wts[b], &n[b], &dst[b]);
   };
-  int t = warp == 0 ? claim(0) : 0;
-  if (warp == 0 && t < m) rank = token_ranks(f, c, t, stream, use, own);  // before the wait: ids do not depend on it
-  if (!stream) {  // every block waits for every expert rank, even with no token of its own
+  auto signals = [&]() {  // every expert rank's signal (a thread per rank); a failed peer is reported
     for (int q = threadIdx.x; q < f.world; q += blockDim.x)
       if (!f.mask[q])
         peer_failed(f, c, wait_epoch(&f.comb_sig[q], epoch, deadline, f.err, q, MOECOMM_PHASE_COMBINE), q,
                     MOECOMM_PHASE_COMBINE, epoch);
+  };
+  int t = warp == 0 ? claim(0) : 0;
+  if (warp == 0 && t < m) rank = token_ranks(f, c, t, stream, use, own);  // before the wait: ids do not depend on it
+  if (!stream) {  // every block waits for every expert rank, even with no token of its own
+    signals();
     if (f.drop_buf) __syncthreads();  // warp 0 reads drop words of ranks other warps waited for
     TRACE(MOECOMM_TRACE_COMBINE_RECV, 1);
   }
@@ -144,11 +147,7 @@ __device__ void moecomm::combine_recv(const Fixed& f, const Call& c, unsigned ep
     __syncthreads();
     if (i == 0) TRACE(MOECOMM_TRACE_COMBINE_RECV, 3);
   }
-  if (stream)  // the signals: a failed peer is reported, and every expert rank was heard from
-    for (int q = threadIdx.x; q < f.world; q += blockDim.x)
-      if (!f.mask[q])
-        peer_failed(f, c, wait_epoch(&f.comb_sig[q], epoch, deadline, f.err, q, MOECOMM_PHASE_COMBINE), q,
-                    MOECOMM_PHASE_COMBINE, epoch);
+  if (stream) signals();  // after the tokens: every expert rank was heard from
   TRACE(MOECOMM_TRACE_COMBINE_RECV, 4);
 }
 
