@@ -46,7 +46,8 @@ constexpr unsigned M_INVALID = 0x80000000u;
 // one-launch kernel (a share of it where records stream: its other blocks unpack the records that have landed,
 // from HBM, while the sends keep NVLink busy; moecomm/_abi.py, dispatch_senders).
 // Pipelined: the one-launch kernel of streamed batches (moecomm_dispatch_streamed), whose sending blocks
-// route a token while they send the one before; the other kernels carry none of that code.
+// route a token while they send the one before, in a build without puts (HAS_PUTS, transport.cuh); the other
+// kernels carry none of that code.
 // combine_send returns its call number, which combine_recv waits for (the split kernel reads it back from
 // state[EPOCH_CS]). `stream`: the one-launch combine's streamed form (combine.cu).
 template <bool Pipelined>
@@ -76,13 +77,6 @@ __device__ __forceinline__ int physical(const Fixed& f, int e, int t) {
   const int* row = f.map + (size_t)e * (1 + f.world);
   const unsigned h = (unsigned)t * MOECOMM_REPLICA_TOKEN + (unsigned)(f.rank / f.dp) * MOECOMM_REPLICA_GROUP;
   return row[1 + h % (unsigned)row[0]];
-}
-
-// Warp-wide: whether every rank is mapped for loads and stores (no peer is reached by puts).
-__device__ __forceinline__ bool all_mapped(const Fixed& f) {
-  bool ok = true;
-  for (int q = threadIdx.x & 31; q < f.world; q += 32) ok = ok && peer_ptr(f.peers, f.recv_buf, q) != nullptr;
-  return __all_sync(FULL, ok);
 }
 
 // Telemetry: add to counter i (relaxed; read by the host after the work ends).

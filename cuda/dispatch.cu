@@ -15,8 +15,9 @@ extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, MOECOMM_BLOC
 }
 
 // The same for streamed batches (f.streamed; moecomm/_abi.py, whole_kernels): the first f.senders blocks
-// send their tokens, each routing one while it sends the one before (dispatch_send.cu), then unpack records;
-// the others unpack from the start, as records land.
+// send their tokens, each routing one while it sends the one before (dispatch_send.cu; in the build without
+// puts, which every group of mapped peers runs at these sizes), then unpack records; the others unpack from
+// the start, as records land.
 extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, MOECOMM_BLOCKS_PER_SM)
     moecomm_dispatch_streamed(const Fixed f, const Call c) {
   TRACE_SPAN(MOECOMM_TRACE_DISPATCH_SEND, 0);

@@ -78,11 +78,11 @@ __device__ void moecomm::dispatch_send(const Fixed& f, const Call& c, int sender
   const bool arrivals = f.streamed && senders < (int)gridDim.x;
   const bool own_of = MOECOMM_STREAMS_COMBINE && f.comb_streamed;
   uint8_t* const recv_buf = f.recv_buf;
-  // Pipelined (a block with a second token, every peer mapped): warp 0 routes token i+1 into list b^1 and
+  // Pipelined (a block with a second token, no puts): warp 0 routes token i+1 into list b^1 and
   // writes its records' metadata while the other warps send token i from list b; with arrival words the last
   // warp only releases them (its fence off the copy). Otherwise a token at a time, its row in flight while
   // warp 0 routes it.
-  const bool pipelined = Pipelined && (int)blockIdx.x < senders && token(blockIdx.x + senders) < m && all_mapped(f);
+  const bool pipelined = Pipelined && !HAS_PUTS && (int)blockIdx.x < senders && token(blockIdx.x + senders) < m;
   // warp 0: the metadata of token t into the records of list b
   auto write_meta = [&](int b, int t) {
     for (int j = 0; j < n_meta[b]; ++j) {

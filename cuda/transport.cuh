@@ -32,6 +32,12 @@ __device__ __forceinline__ T* peer_ptr(const long long* peers, T* symmetric, int
 #endif
 }
 
+// Whether this build reaches any peer by puts: the nvshmem build (peers on other nodes; every peer under
+// MOECOMM_FORCE_PUTS). The ipc build maps every peer; it is also what an NVSHMEM group whose every peer is
+// mapped runs at prefill-sized batches (moecomm/transport/gpu.py, GpuTransport.kernels), so the nvshmem
+// build's kernels of those sizes serve groups with a network peer only.
+constexpr bool HAS_PUTS = !MOECOMM_TRANSPORT_IPC;
+
 }  // namespace moecomm
 
 #if MOECOMM_TRANSPORT_IPC

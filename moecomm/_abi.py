@@ -146,8 +146,9 @@ def streamed(cfg, num_sms):
 def combine_streams(cfg, num_sms, transport_streams):
     """Whether the one-launch combine (with partial sums) streams: this rank's own partial sums are never
     formed, and the token side adds each token's own expert rows to the peers' partial sums as these land
-    (arrival words; cuda/combine.cu). Prefill-sized batches (streamed), DP size 1, the padded layout, and a
-    transport whose kernels carry it (``transport_streams``: GpuTransport.streams_combine)."""
+    (arrival words; cuda/combine.cu). Prefill-sized batches (streamed), DP size 1, the padded layout, and
+    kernels that carry it (``transport_streams``: moecomm._jit.Variant.streams_combine of the module the
+    AllToAll launches from, GpuTransport.kernels)."""
     return streamed(cfg, num_sms) and cfg.dp_size == 1 and cfg.layout == "padded" and transport_streams
 
 

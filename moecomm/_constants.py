@@ -50,7 +50,7 @@ STATE_FIXED = len(STATE_FIELDS)
 STAGE_SLOTS = 4       # staging rows per block for puts to peers without a load/store mapping
 BLOCK_THREADS = 256   # threads of every alltoall block: a block handles one token or record at a time
 BLOCKS_PER_SM = 2     # alltoall blocks resident per SM (kernels are built for it: 128 registers per thread)
-SEND_SHARE = 68       # percent of a one-launch dispatch grid that sends (the rest unpacks records as they land)
+SEND_SHARE = 64       # percent of a one-launch dispatch grid that sends (the rest unpacks records as they land)
 STREAM_TOKENS = 8     # the one-launch phases stream where a block of the send share holds more tokens than
                       # this (moecomm/_abi.py, streamed; below, claiming rows one by one costs more than it gains)
 ARRIVAL_BATCH = 4     # rows a sending block stores per fence that releases their arrival words, at most

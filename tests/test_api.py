@@ -202,21 +202,43 @@ def test_dispatch_streams_only_prefill_sized_batches():
             assert tokens > C.STREAM_TOKENS * senders
 
 
-def test_combine_streams_at_prefill_sizes_in_dp1_padded_where_the_transport_gains():
-    """The streamed one-launch combine (own partial sums never formed): prefill-sized batches, DP size 1, the
-    padded layout, and a transport whose kernels carry it (ipc, not nvshmem: compiled out there)."""
-    import types
-    from moecomm import _abi, _jit
+def _r1_cfg(tokens, dp=1, layout="padded"):
     from moecomm._config import AllToAllConfig
-    from moecomm.transport.ipc import IpcTransport
-    from moecomm.transport.nvshmem import NvshmemTransport
-    def cfg(tokens, dp=1, layout="padded"):
-        return AllToAllConfig.create(2 * dp, 0, tokens, 256, 8, 7168, 56, "float8_e4m3fn", "bfloat16", None, dp,
-                                     layout=layout)
+    return AllToAllConfig.create(2 * dp, 0, tokens, 256, 8, 7168, 56, "float8_e4m3fn", "bfloat16", None, dp,
+                                 layout=layout)
+
+
+def test_prefill_sizes_of_a_mapped_group_run_the_put_free_twin(monkeypatch):
+    """GpuTransport.kernels: an NVSHMEM group whose every peer is mapped runs the ipc build (no puts, the
+    streamed combine) at prefill-sized batches; smaller batches, a group with a network peer (or forced puts)
+    and the ipc transport run the transport's own module."""
+    import types
+    from moecomm import _constants as C, _jit
+    from moecomm.transport.gpu import GpuTransport
+    assert _jit.VARIANTS["nvshmem"].all_mapped == "ipc" and not _jit.VARIANTS["ipc"].all_mapped
     assert _jit.VARIANTS["ipc"].streams_combine and not _jit.VARIANTS["nvshmem"].streams_combine
-    for t in (IpcTransport, NvshmemTransport):  # the property reads the variant's flag
-        carries = t.streams_combine.fget(types.SimpleNamespace(variant=t.variant))
-        assert carries == _jit.VARIANTS[t.variant].streams_combine
+
+    def pick(variant, tokens, mapped):
+        t = types.SimpleNamespace(variant=variant, num_sms=132, all_mapped=mapped, module="own", _twin="twin")
+        return GpuTransport.kernels(t, _r1_cfg(tokens))
+    assert pick("nvshmem", 4096, True) == ("ipc", "twin")
+    assert pick("nvshmem", 4096, False) == ("nvshmem", "own")
+    assert pick("nvshmem", 1024, True) == ("nvshmem", "own")
+    assert pick("ipc", 4096, True) == ("ipc", "own")
+
+    def mapped(offsets):
+        return GpuTransport.all_mapped.fget(types.SimpleNamespace(peer_offsets=lambda: offsets))
+    monkeypatch.delenv(C.FORCE_PUTS_ENV, raising=False)
+    assert mapped([0, 1 << 30]) and not mapped([0, C.PEER_UNMAPPED])
+    monkeypatch.setenv(C.FORCE_PUTS_ENV, "1")
+    assert not mapped([0, 1 << 30])
+
+
+def test_combine_streams_at_prefill_sizes_in_dp1_padded_where_the_kernels_carry_it():
+    """The streamed one-launch combine (own partial sums never formed): prefill-sized batches, DP size 1, the
+    padded layout, and a module whose kernels carry it (ipc, not nvshmem: compiled out there)."""
+    from moecomm import _abi, _jit
+    cfg = _r1_cfg
     assert "-DMOECOMM_STREAMS_COMBINE=0" in _jit._compile_flags("sm_90", "nvshmem")
     assert "-DMOECOMM_STREAMS_COMBINE=1" in _jit._compile_flags("sm_90", "ipc")
     assert _abi.combine_streams(cfg(4096), 132, True)

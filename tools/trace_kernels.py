@@ -123,22 +123,23 @@ def main():
     args = p.parse_args()
     comm = moecomm.init(transport=args.transport)
     tr = comm.transport
-    err, ptr, size = driver.cuModuleGetGlobal(tr.module.handle, b"moecomm_trace")
+    W, rank, T, E, K, H, S = comm.world_size, comm.rank, args.tokens, 256, 8, 7168, 56
+    L = E // W
+    a2a = moecomm.AllToAll(comm, T, E, K, H, S, "float8_e4m3fn", "bfloat16")
+    module = a2a._backend.module  # the module its kernels come from (GpuTransport.kernels)
+    err, ptr, size = driver.cuModuleGetGlobal(module.handle, b"moecomm_trace")
     if err != driver.CUresult.CUDA_SUCCESS:
         raise SystemExit("the kernels were built without MOECOMM_TRACE=1 (set it for the build and the run)")
     slots = len(C.TRACE_HALVES) * C.TRACE_POINTS
     trace = cupy.ndarray((slots,), np.int64, cupy.cuda.MemoryPointer(
         cupy.cuda.UnownedMemory(int(ptr), int(size), tr), 0))
-    _, sptr, ssize = driver.cuModuleGetGlobal(tr.module.handle, b"moecomm_span")
+    _, sptr, ssize = driver.cuModuleGetGlobal(module.handle, b"moecomm_span")
     span = cupy.ndarray((len(C.TRACE_HALVES), C.TRACE_SPAN), np.uint64, cupy.cuda.MemoryPointer(
         cupy.cuda.UnownedMemory(int(sptr), int(ssize), tr), 0))
     span_init = cupy.asarray(np.array([[2**64 - 1, 0] * 2 + [0] * 4] * len(C.TRACE_HALVES), np.uint64))
     ends = cupy.zeros(2, np.uint64)  # the global timer just before and just after the graph's kernels
     delay_args, delay = delay_kernel(tr)
 
-    W, rank, T, E, K, H, S = comm.world_size, comm.rank, args.tokens, 256, 8, 7168, 56
-    L = E // W
-    a2a = moecomm.AllToAll(comm, T, E, K, H, S, "float8_e4m3fn", "bfloat16")
     rng = np.random.default_rng([7, T])
     idx = [routing(rng, T, K, E, "uniform") for _ in range(W)][rank]
     x = cupy.asarray(rng.integers(0, 255, (T, H), np.uint8) & 0x77)

@@ -20,10 +20,23 @@ class GpuTransport(Transport):
     variant = ""
 
     @property
-    def streams_combine(self):
-        """Whether this transport's kernels carry the streamed one-launch combine, used at prefill sizes
-        (moecomm._jit.Variant.streams_combine, moecomm._abi.combine_streams)."""
-        return _jit.VARIANTS[self.variant].streams_combine
+    def all_mapped(self):
+        """Whether every peer is load/store reachable (the peer table maps every rank, and the build does not
+        force puts: MOECOMM_FORCE_PUTS)."""
+        return C.PEER_UNMAPPED not in self.peer_offsets() and not C.device_constants()["FORCE_PUTS"]
+
+    def kernels(self, cfg):
+        """(variant, module) an AllToAll of ``cfg`` launches from. At prefill-sized batches (moecomm._abi.streamed)
+        a group whose every peer is mapped runs the variant's put-free twin (moecomm._jit.Variant.all_mapped:
+        the same sources without the put path, whose registers and stack slow the streamed kernels, and with
+        the streamed combine, which puts cannot feed; benchmarks/NOTES.md step 18), loaded at first use.
+        Smaller batches, and every batch of a group with a network peer, run the transport's own kernels."""
+        twin = _jit.VARIANTS[self.variant].all_mapped
+        if not (twin and _abi.streamed(cfg, self.num_sms) and self.all_mapped):
+            return self.variant, self.module
+        if self._twin is None:
+            self._twin = _cuda.Module(_jit.build(self.build.arch, twin).cubin)
+        return twin, self._twin
 
     def __init__(self, bootstrap, local_rank, local_size, timeout_s, device=None):
         import cupy
@@ -60,6 +73,7 @@ class GpuTransport(Transport):
         self.build = _jit.build(f"sm_{major}{minor}", self.variant)
         self.module = _cuda.Module(self.build.cubin)
         self._load_module(self.module)
+        self._twin = None  # the put-free twin's module (kernels), once an AllToAll needs it
         self.error = self._cupy.zeros(C.ERROR_WORDS, np.int32)  # device error word of eager checks
         self._checks = {"peer_check": 0, "barrier": 0}  # peer checks and device barriers so far
         n = C.PEER_CHECK_BYTES  # inbox [2, world, n] (double-buffered by check parity), outbox, signals
@@ -128,11 +142,12 @@ class GpuTransport(Transport):
         with self.context:
             self._barrier_launch(self._cupy.cuda.get_current_stream().ptr if stream is None else stream)
 
-    def launch(self, name, blocks, *params):
-        """A :class:`moecomm._cuda.Launch` of kernel ``name`` (see moecomm._abi.KERNELS) with ``params``."""
+    def launch(self, name, blocks, *params, module=None):
+        """A :class:`moecomm._cuda.Launch` of kernel ``name`` (see moecomm._abi.KERNELS) with ``params``, from
+        ``module`` (default: the transport's own)."""
         kernel = _abi.KERNELS[name]
         with self.context:
-            return _cuda.Launch(self.module.function(kernel), kernel, blocks, *params)
+            return _cuda.Launch((module or self.module).function(kernel), kernel, blocks, *params)
 
     def new_arrays(self):
         with self.context:
@@ -183,6 +198,8 @@ class GpuTransport(Transport):
         with self.context:
             self._cupy.cuda.get_current_stream().synchronize()
             self.bootstrap.barrier(self.timeout_s, "finalize")
+            if self._twin is not None:
+                self._twin.unload()
             self._stop_runtime()
         self.context.release()
 

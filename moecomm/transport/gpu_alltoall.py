@@ -1,5 +1,6 @@
 """AllToAll on GPUs, for every GPU transport: the kernels of ``cuda/`` over symmetric buffers sized once
-(``transport.symmetric``), launched through ``transport.launch`` (see moecomm/transport/gpu.py). A phase
+(``transport.symmetric``), launched through ``transport.launch`` from the module ``transport.kernels`` picks
+for the configuration (see moecomm/transport/gpu.py). A phase
 whose two halves are requested together runs as one kernel (``moecomm_dispatch``, or
 ``moecomm_dispatch_streamed`` at prefill sizes; ``moecomm_combine``); split halves run the send and receive
 kernels.
@@ -30,7 +31,7 @@ the call record and launches.
 """
 import numpy as np
 
-from .. import _abi, _cuda
+from .. import _abi, _cuda, _jit
 from .. import _constants as C
 from .._dtypes import float16
 from .base import AllToAllBackend, snapshot
@@ -80,6 +81,7 @@ class GpuAllToAll(AllToAllBackend):
     def __init__(self, transport, cfg, timeout_s, window=C.DEFAULT_WINDOW, timing=False):
         import cupy
         self.t, self.cfg, self._cupy = transport, cfg, cupy
+        variant, self.module = transport.kernels(cfg)  # every kernel of this AllToAll comes from this module
         W, M, K, L = cfg.world_size, cfg.max_num_tokens, cfg.experts_per_token, cfg.num_local_experts
         rec = record_bytes(cfg)
         sizes = symmetric_sizes(cfg, transport.num_sms)
@@ -131,11 +133,11 @@ class GpuAllToAll(AllToAllBackend):
             stage_slots=C.STAGE_SLOTS, stage_bytes=sizes["stage_row"],
             s_expert=C.STATE_FIXED + W, s_recv=C.STATE_FIXED + W + L, s_claim=C.STATE_FIXED + 2 * W + 2 * L,
             senders=_abi.dispatch_senders(cfg, transport.num_sms), streamed=int(_abi.streamed(cfg, transport.num_sms)),
-            comb_streamed=int(_abi.combine_streams(cfg, transport.num_sms, transport.streams_combine)))
+            comb_streamed=int(_abi.combine_streams(cfg, transport.num_sms, _jit.VARIANTS[variant].streams_combine)))
         self.call = _abi.Call()
         self._skipped = _abi.Call(skip=1)  # the call record of a refused call: no arrays
         grid = blocks(cfg, transport.num_sms)
-        launch = {n: transport.launch(n, g, self.fixed, self.call) for n, g in grid.items()}
+        launch = {n: transport.launch(n, g, self.fixed, self.call, module=self.module) for n, g in grid.items()}
         # the packed layout: a third dispatch kernel places the rows (no peer involved)
         pack = (launch[_abi.PACK_KERNEL],) if cfg.layout == "packed" else ()
         d_send, d_recv, c_send, c_recv = (launch[n] for n in _abi.ALLTOALL_KERNELS)
@@ -145,7 +147,8 @@ class GpuAllToAll(AllToAllBackend):
                        if _abi.resident(grid[n], transport.num_sms) else sum(self._halves[phase], ())
                        for phase, n in _abi.whole_kernels(cfg, transport.num_sms).items()}
         self._skip = dict(zip(("dispatch_send", "dispatch_recv", "combine_send", "combine_recv"), (
-            transport.launch(n, grid[n], self.fixed, self._skipped) for n in _abi.ALLTOALL_KERNELS)))
+            transport.launch(n, grid[n], self.fixed, self._skipped, module=self.module)
+            for n in _abi.ALLTOALL_KERNELS)))
         self._stream = cupy.cuda.get_current_stream().ptr  # of the last call (a refusal's default)
         transport.settle("AllToAll(...)")
 
