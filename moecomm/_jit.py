@@ -45,24 +45,24 @@ class Variant:
     headers and device library are part of it, and whether its one-launch combine carries the streamed form
     (``MOECOMM_STREAMS_COMBINE``; used where moecomm._abi.combine_streams says so). Where it does not, that
     code is compiled out: present but switched off at run time, it cost the nvshmem build's one-launch combine
-    15 us at R1-prefill (benchmarks/NOTES.md, step 15). ``all_mapped``: the variant whose kernels a group with
-    every peer mapped runs at prefill-sized batches instead (the same sources without puts;
-    moecomm/transport/gpu.py, GpuTransport.kernels), or "" for none."""
+    15 us at R1-prefill (benchmarks/NOTES.md, step 15). ``twin``: the variant whose kernels a group with every
+    peer mapped runs at prefill-sized batches instead (the same sources without puts; moecomm/transport/gpu.py,
+    GpuTransport.kernels), or "" for none."""
     sources: tuple
     defines: tuple
     nvshmem: bool
     streams_combine: bool = False
-    all_mapped: str = ""
+    twin: str = ""
 
 
 _KERNELS = ("dispatch_send.cu", "dispatch_recv.cu", "dispatch_pack.cu", "dispatch.cu", "combine_send.cu",
             "combine_recv.cu", "combine.cu", "peer_check.cu", "trace.cu")
 VARIANTS = {
     # The nvshmem build's prefill-sized kernels run only in groups with a network peer (an NVLink-only group
-    # runs the ipc build's there, all_mapped): puts carry no arrival words, so the streamed combine's token side
+    # runs the ipc build's there: its twin): puts carry no arrival words, so the streamed combine's token side
     # would wait for whole signals. Its put path also costs the streamed kernels registers and a stack (the
     # streamed combine measured +9 us at R1-prefill in this build, benchmarks/NOTES.md step 14; step 18).
-    "nvshmem": Variant(_KERNELS, ("MOECOMM_TRANSPORT_IPC=0",), True, streams_combine=False, all_mapped="ipc"),
+    "nvshmem": Variant(_KERNELS, ("MOECOMM_TRANSPORT_IPC=0",), True, streams_combine=False, twin="ipc"),
     "ipc": Variant(_KERNELS, ("MOECOMM_TRANSPORT_IPC=1",), False, streams_combine=True),
     "bench": Variant(("delay.cu",), (), False),
 }

@@ -214,8 +214,8 @@ def test_prefill_sizes_of_a_mapped_group_run_the_put_free_twin(monkeypatch):
     and the ipc transport run the transport's own module."""
     import types
     from moecomm import _constants as C, _jit
-    from moecomm.transport.gpu import GpuTransport
-    assert _jit.VARIANTS["nvshmem"].all_mapped == "ipc" and not _jit.VARIANTS["ipc"].all_mapped
+    from moecomm.transport.gpu import GpuTransport, maps_every_peer
+    assert _jit.VARIANTS["nvshmem"].twin == "ipc" and not _jit.VARIANTS["ipc"].twin
     assert _jit.VARIANTS["ipc"].streams_combine and not _jit.VARIANTS["nvshmem"].streams_combine
 
     def pick(variant, tokens, mapped):
@@ -226,12 +226,10 @@ def test_prefill_sizes_of_a_mapped_group_run_the_put_free_twin(monkeypatch):
     assert pick("nvshmem", 1024, True) == ("nvshmem", "own")
     assert pick("ipc", 4096, True) == ("ipc", "own")
 
-    def mapped(offsets):
-        return GpuTransport.all_mapped.fget(types.SimpleNamespace(peer_offsets=lambda: offsets))
     monkeypatch.delenv(C.FORCE_PUTS_ENV, raising=False)
-    assert mapped([0, 1 << 30]) and not mapped([0, C.PEER_UNMAPPED])
+    assert maps_every_peer([0, 1 << 30]) and not maps_every_peer([0, C.PEER_UNMAPPED])
     monkeypatch.setenv(C.FORCE_PUTS_ENV, "1")
-    assert not mapped([0, 1 << 30])
+    assert not maps_every_peer([0, 1 << 30])
 
 
 def test_combine_streams_at_prefill_sizes_in_dp1_padded_where_the_kernels_carry_it():

@@ -19,19 +19,14 @@ class GpuTransport(Transport):
     memory = "device"
     variant = ""
 
-    @property
-    def all_mapped(self):
-        """Whether every peer is load/store reachable (the peer table maps every rank, and the build does not
-        force puts: MOECOMM_FORCE_PUTS)."""
-        return C.PEER_UNMAPPED not in self.peer_offsets() and not C.device_constants()["FORCE_PUTS"]
-
     def kernels(self, cfg):
-        """(variant, module) an AllToAll of ``cfg`` launches from. At prefill-sized batches (moecomm._abi.streamed)
-        a group whose every peer is mapped runs the variant's put-free twin (moecomm._jit.Variant.all_mapped:
-        the same sources without the put path, whose registers and stack slow the streamed kernels, and with
-        the streamed combine, which puts cannot feed; benchmarks/NOTES.md step 18), loaded at first use.
+        """(variant, module) an AllToAll of ``cfg`` launches from. At prefill-sized batches
+        (moecomm._abi.streamed) a group whose every peer is mapped (``all_mapped``) runs the variant's put-free
+        twin (moecomm._jit.Variant.twin: the same sources without the put path, whose registers and stack slow
+        the streamed kernels, and with the streamed combine, which puts cannot feed; benchmarks/NOTES.md step
+        18), loaded at first use.
         Smaller batches, and every batch of a group with a network peer, run the transport's own kernels."""
-        twin = _jit.VARIANTS[self.variant].all_mapped
+        twin = _jit.VARIANTS[self.variant].twin
         if not (twin and _abi.streamed(cfg, self.num_sms) and self.all_mapped):
             return self.variant, self.module
         if self._twin is None:
@@ -81,6 +76,9 @@ class GpuTransport(Transport):
                       self.symmetric((self.world_size,), np.uint64))
         # [world] int64, how every kernel reaches each rank (cuda/transport.cuh, peer_ptr)
         self.peers = self._cupy.asarray(np.array(self.peer_offsets(), np.int64))
+        # whether every rank maps every peer: agreed here, so that every rank picks the same kernels (kernels)
+        mine = bytes([maps_every_peer(self.peer_offsets())])
+        self.all_mapped = all(d == b"\x01" for d in self.bootstrap.allgather(mine, self.timeout_s, "init"))
         self._peer_args = _abi.PeerCheck(err=self.error.data.ptr, peers=self.peers.data.ptr, rank=self.rank,
                                          world=self.world_size)
         self._peer_launch = self.launch("moecomm_peer_check", self.world_size, self._peer_args)
@@ -202,6 +200,12 @@ class GpuTransport(Transport):
                 self._twin.unload()
             self._stop_runtime()
         self.context.release()
+
+
+def maps_every_peer(offsets):
+    """Whether a peer table (GpuTransport.peer_offsets) maps every rank for loads and stores, in a build that
+    does not force puts (MOECOMM_FORCE_PUTS)."""
+    return C.PEER_UNMAPPED not in offsets and not C.device_constants()["FORCE_PUTS"]
 
 
 def error_from_words(words, what, capacity=0):
