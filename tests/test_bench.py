@@ -140,3 +140,16 @@ def test_trace_figures_time_each_reached_stage():
     tl = tool.timeline(spans)
     assert tl["dispatch_send kernel first entry"] == 1.0 and tl["combine_send kernel last exit"] == 29.0
     assert tl["stamp after"] == 30.0 and not any(k.startswith("dispatch_recv") for k in tl)
+
+
+@pytest.mark.parametrize("tool", ["hbm_floor.py", "exchange_floor.py"])
+def test_floor_tools_load_and_describe_themselves(tool):
+    """tools/hbm_floor.py and tools/exchange_floor.py measure on GPUs only (tools/gpu_check.sh floors); here:
+    they import without one and their usage names what they measure."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    path = Path(__file__).resolve().parent.parent / "tools" / tool
+    p = subprocess.run([sys.executable, str(path), "--help"], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert "floor" in p.stdout and "--json" in p.stdout

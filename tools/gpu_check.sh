@@ -21,6 +21,9 @@
 #                                    control, masking, timeout, embedding, examples and demo; the nvshmem
 #                                    quick sweep; the benchmark on each and the two joined (bench-both.json)
 #   bash tools/gpu_check.sh bench-both  the benchmark on each transport and the two joined, nothing else
+#   bash tools/gpu_check.sh floors   build, peer check, then the floors the phases are measured against: HBM
+#                                    rates of R1-prefill's memory patterns (tools/hbm_floor.py) and two bare
+#                                    exchanges of a small batch's rows on each transport (tools/exchange_floor.py)
 #   bash tools/gpu_check.sh latency  the checks a kernel change needs (quick sweeps on both transports, the
 #                                    put-only path, world size 1, the model-sized and streamed cases (--full),
 #                                    capacity, packed, replicas, telemetry, capacity and a skipped dispatch or
@@ -158,6 +161,13 @@ if [ "${1:-}" = transports ] || [ "${1:-}" = bench-both ]; then
   done
   step python3 -m moecomm.bench --merge "$out/bench-nvshmem.json" "$out/bench-ipc.json" --json "$out/bench-both.json" \
     --plot "$out/bench-both.png"
+  exit $status
+fi
+if [ "${1:-}" = floors ]; then  # what the phases could reach at best: HBM rates of their patterns, bare exchanges
+  step python3 tools/hbm_floor.py --json "$out/hbm-floor.json"
+  for t in ipc nvshmem; do
+    step "${MPIRUN[@]}" -x LD_LIBRARY_PATH -np 2 python3 tools/exchange_floor.py --transport $t --json "$out/exchange-floor-$t.json"
+  done
   exit $status
 fi
 if [ "${1:-}" = profile ]; then

@@ -1,0 +1,138 @@
+"""The memory floor of R1-prefill's two phases on one GPU: HBM rates of their access patterns, measured.
+
+    python tools/hbm_floor.py [--iters 50] [--json hbm-floor.json]
+
+At prefill sizes each phase moves a few hundred MB through HBM beside its NVLink traffic. This tool times,
+on one GPU with nothing else running, kernels that do nothing but each phase's memory pattern at full
+occupancy (every thread a 16-byte chunk, grid-stride), with R1-prefill's shapes at EP2 per rank:
+
+* dispatch: token rows (fp8 + scales, 7392 B) read once and written into four expert rows each (a rank's own
+  tokens, then the records it received), and the records landing from the peer (a memset of their bytes);
+* combine: bf16 rows (14336 B) summed four at a time (the expert side: a peer's record) and five at a time
+  (the token side: four own expert rows and the peer's partial sum), one row written per sum, and the
+  partial sums landing from the peer (a memset).
+
+It prints each pattern's rate (bytes read + written per second) and the phase's time at those rates: a floor
+that no kernel moving the same bytes can go below on this GPU (the NVLink floor, 369 GB/s of SM stores in
+FIELD-NOTES, is the other). CUDA events, warm-up, median over ``--iters``; no MPI, no NVSHMEM.
+"""
+import argparse
+import json
+import sys
+
+import numpy as np
+
+KERNELS = r"""
+// dst rows dest[r * fan + k] = src row r, k < fan (rows of `chunks` 16-byte chunks)
+extern "C" __global__ void fanout(const int4* src, int4* dst, const int* dest, long rows, int chunks, int fan) {
+  for (long g = blockIdx.x * (long)blockDim.x + threadIdx.x; g < rows * chunks; g += (long)gridDim.x * blockDim.x) {
+    const long r = g / chunks, c = g % chunks;
+    const int4 v = src[g];
+    for (int k = 0; k < fan; ++k) dst[(long)dest[r * fan + k] * chunks + c] = v;
+  }
+}
+// dst row r = sum over j < n of src rows rows_of[r * n + j] (bf16, accumulated in float)
+extern "C" __global__ void wsum(const int4* src, int4* dst, const int* rows_of, long rows, int chunks, int n) {
+  for (long g = blockIdx.x * (long)blockDim.x + threadIdx.x; g < rows * chunks; g += (long)gridDim.x * blockDim.x) {
+    const long r = g / chunks, c = g % chunks;
+    float a[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    for (int j = 0; j < n; ++j) {
+      const int4 v = src[(long)rows_of[r * n + j] * chunks + c];
+      const unsigned u[4] = {(unsigned)v.x, (unsigned)v.y, (unsigned)v.z, (unsigned)v.w};
+      for (int i = 0; i < 4; ++i) {
+        a[2 * i] += __uint_as_float(u[i] << 16);
+        a[2 * i + 1] += __uint_as_float(u[i] & 0xffff0000u);
+      }
+    }
+    unsigned o[4];
+    for (int i = 0; i < 4; ++i) o[i] = (__float_as_uint(a[2 * i]) >> 16) | (__float_as_uint(a[2 * i + 1]) & 0xffff0000u);
+    dst[g] = make_int4((int)o[0], (int)o[1], (int)o[2], (int)o[3]);
+  }
+}
+"""
+
+TOKENS, PEER_RECORDS, LOCAL = 4096, 4081, 4  # R1-prefill at EP2, uniform routing: records to the peer, own experts per token
+X_ROW, Y_ROW = 7168 + 56 * 4, 7168 * 2       # a token row (fp8 + float32 scales); an expert output row (bf16)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--json", default=None, help="write the figures here")
+    args = p.parse_args(argv)
+    import cupy as cp
+    from moecomm.bench import environment, stats
+    from moecomm.transport.gpu_alltoall import record_bytes
+    from moecomm._config import AllToAllConfig
+    cfg = AllToAllConfig.create(2, 0, TOKENS, 256, 8, 7168, 56, "float8_e4m3fn", "bfloat16", None, 1)
+    rec = record_bytes(cfg)
+    mod = cp.RawModule(code=KERNELS)
+    fanout, wsum = mod.get_function("fanout"), mod.get_function("wsum")
+    sms = cp.cuda.Device().attributes["MultiProcessorCount"]
+    grid, threads = (8 * sms,), (256,)
+    rng = np.random.default_rng(0)
+
+    def timed(fn):
+        ev = [cp.cuda.Event() for _ in range(2)]
+        for _ in range(5):
+            fn()
+        t = []
+        for _ in range(args.iters):
+            ev[0].record()
+            fn()
+            ev[1].record()
+            ev[1].synchronize()
+            t.append(cp.cuda.get_elapsed_time(ev[0], ev[1]) * 1e3)
+        return stats(t)
+
+    def rows(n_src, n_dst, per):  # per[r] distinct random rows of n_dst for each of n_src rows
+        return cp.asarray(rng.permutation(n_dst)[:n_src * per].astype(np.int32))
+
+    out = {}
+    # dispatch: own tokens and received records fanned out to LOCAL expert rows each; records landing
+    src_rows = TOKENS + PEER_RECORDS
+    x = cp.zeros((src_rows, X_ROW // 16, 4), np.int32)
+    expert_rows = cp.zeros((src_rows * LOCAL, X_ROW // 16, 4), np.int32)
+    dest = rows(src_rows, src_rows * LOCAL, LOCAL)
+    landing = cp.zeros(PEER_RECORDS * rec, np.uint8)
+    fan_bytes = src_rows * X_ROW * (1 + LOCAL)
+    out["fanout"] = dict(timed(lambda: fanout(grid, threads, (x, expert_rows, dest, np.int64(src_rows),
+                                                                 np.int32(X_ROW // 16), np.int32(LOCAL)))),
+                         bytes=fan_bytes)
+    out["landing_dispatch"] = dict(timed(lambda: landing.fill(0)), bytes=landing.nbytes)  # a memset
+    del x, expert_rows, landing
+    # combine: the expert side sums LOCAL rows per peer record, the token side LOCAL + 1 per token
+    y = cp.zeros((src_rows * LOCAL, Y_ROW // 16, 4), np.int32)
+    partial = cp.zeros((PEER_RECORDS, Y_ROW // 16, 4), np.int32)
+    tokens_out = cp.zeros((TOKENS, Y_ROW // 16, 4), np.int32)
+    of4 = rows(PEER_RECORDS, src_rows * LOCAL, LOCAL)
+    of5 = rows(TOKENS, src_rows * LOCAL, LOCAL + 1)
+    out["sum4"] = dict(timed(lambda: wsum(grid, threads, (y, partial, of4, np.int64(PEER_RECORDS),
+                                                            np.int32(Y_ROW // 16), np.int32(LOCAL)))),
+                       bytes=PEER_RECORDS * Y_ROW * (LOCAL + 1))
+    out["sum5"] = dict(timed(lambda: wsum(grid, threads, (y, tokens_out, of5, np.int64(TOKENS),
+                                                            np.int32(Y_ROW // 16), np.int32(LOCAL + 1)))),
+                       bytes=TOKENS * Y_ROW * (LOCAL + 2))
+    landing = cp.zeros(PEER_RECORDS * Y_ROW, np.uint8)
+    out["landing_combine"] = dict(timed(lambda: landing.fill(0)), bytes=landing.nbytes)
+    big = cp.zeros(1 << 30, np.uint8)
+    copy = cp.empty_like(big)
+    out["copy_1GiB"] = dict(timed(lambda: copy.__setitem__(Ellipsis, big)), bytes=2 * big.nbytes)
+    for k, v in out.items():
+        v["TBps"] = v["bytes"] / v["median_us"] / 1e6
+    floors = {"dispatch": sum(out[k]["median_us"] for k in ("fanout", "landing_dispatch")),
+              "combine": sum(out[k]["median_us"] for k in ("sum4", "sum5", "landing_combine"))}
+    print(f"{'pattern':<18} {'MB':>8} {'median us':>10} {'TB/s':>6}")
+    for k, v in out.items():
+        print(f"{k:<18} {v['bytes'] / 1e6:>8.1f} {v['median_us']:>10.1f} {v['TBps']:>6.2f}")
+    print(f"HBM floor of R1-prefill per rank at EP2: dispatch {floors['dispatch']:.1f} us, "
+          f"combine {floors['combine']:.1f} us")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"command": "python " + " ".join(sys.argv), "environment": environment(),
+                       "patterns": out, "floors_us": floors, "record_bytes": rec, "grid": [grid[0], threads[0]]},
+                      f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
