@@ -5,11 +5,18 @@ benchmark.
 
 Per token, each rank sends one row to the other and receives one, twice: a dispatch-sized row (fp8 + scales,
 7392 B) in the first kernel, a combine-sized row (bf16, 14336 B) in the second. Each kernel is the least a
-phase of moecomm must do: a block per row stores it into the peer's buffer, fences once, adds its arrival to
-a counter on the peer, waits until the peer's blocks have all arrived, and copies its received row out. No
-routing, no expert layout, no counts, no error words. The two kernels are one CUDA graph, replayed after a
+phase must do, in one of two protocols:
+
+* ``fence`` (moecomm's): a block per row stores it into the peer's buffer, fences once, adds its arrival to a
+  counter on the peer, waits until the peer's blocks have all arrived, and copies its received row out;
+* ``ll`` (NCCL's LL): every 4 bytes of the row travel with the call number in one 8-byte store (twice the
+  bytes, no fence, no counter); the receiver polls its words until each carries the call, and writes the
+  data out.
+
+No routing, no expert layout, no counts, no error words. The two kernels are one CUDA graph, replayed after a
 device barrier and a delay like ``moecomm.bench``'s graph total (medians and p99 over ``--iters``, max over
-ranks; the graph launch floor beside them), and the received rows are checked against the peer's.
+ranks; the graph launch floor beside them); the barrier before every replay is also what lets a call reuse
+the last call's buffers. The received rows are checked against the peer's.
 """
 import argparse
 import json
@@ -20,7 +27,7 @@ import numpy as np
 import moecomm
 from moecomm.bench import Bench, environment, stats
 
-KERNEL = r"""
+KERNELS = r"""
 // grid: one block per row. Rows of `chunks` 16-byte chunks: x (this rank's) -> peer_inbox; inbox -> out.
 // arrivals: the peer's blocks add 1 per call to this rank's *arrived; calls[b]: calls block b has made.
 extern "C" __global__ void exchange(const int4* x, int4* peer_inbox, unsigned long long* peer_arrived,
@@ -43,7 +50,48 @@ extern "C" __global__ void exchange(const int4* x, int4* peer_inbox, unsigned lo
   __syncthreads();
   for (int c = threadIdx.x; c < chunks; c += blockDim.x) out[row + c] = inbox[row + c];
 }
+
+// LL: row word i of x travels as (call << 32 | word) in one 8-byte store into peer_inbox; each thread polls its
+// words of inbox (up to LL_WORDS, all loads in flight together) until every one carries the call.
+#define LL_WORDS 16
+extern "C" __global__ void exchange_ll(const unsigned* x, unsigned long long* peer_inbox,
+                                       const unsigned long long* inbox, unsigned* out, unsigned* calls,
+                                       int* failed, int words) {
+  __shared__ unsigned call;
+  if (threadIdx.x == 0) call = ++calls[blockIdx.x];
+  __syncthreads();
+  const unsigned e = call;
+  const long row = (long)blockIdx.x * words;
+  for (int i = threadIdx.x; i < words; i += blockDim.x)
+    asm volatile("st.volatile.global.u64 [%0], %1;" ::"l"(peer_inbox + row + i),
+                 "l"((unsigned long long)e << 32 | x[row + i]) : "memory");
+  unsigned long long v[LL_WORDS];
+#pragma unroll
+  for (int u = 0; u < LL_WORDS; ++u) v[u] = 0;
+  const long long t0 = clock64();
+  for (;;) {
+    bool done = true;
+#pragma unroll
+    for (int u = 0; u < LL_WORDS; ++u) {
+      const int i = threadIdx.x + u * blockDim.x;
+      if (i < words && (unsigned)(v[u] >> 32) != e)
+        asm volatile("ld.volatile.global.u64 %0, [%1];" : "=l"(v[u]) : "l"(inbox + row + i) : "memory");
+    }
+#pragma unroll
+    for (int u = 0; u < LL_WORDS; ++u)
+      done = done && (threadIdx.x + u * blockDim.x >= words || (unsigned)(v[u] >> 32) == e);
+    if (done) break;
+    if (clock64() - t0 > 4000000000ll) {  // ~2 s
+      *failed = 1;
+      break;
+    }
+  }
+#pragma unroll
+  for (int u = 0; u < LL_WORDS; ++u)
+    if (threadIdx.x + u * blockDim.x < words) out[row + threadIdx.x + u * blockDim.x] = (unsigned)v[u];
+}
 """
+THREADS, LL_WORDS = 256, 16
 ROWS = {"dispatch": 7168 + 56 * 4, "combine": 7168 * 2}  # R1: fp8 row + float32 scales; a bf16 output row
 
 
@@ -63,41 +111,49 @@ def main(argv=None):
         sys.exit("exchange_floor.py runs on 2 ranks")
     peer = 1 - rank
     bench = Bench(comm, args)
-    kernel = cp.RawModule(code=KERNEL).get_function("exchange")
-    results = {"launch_floor": bench.launch_floor()}
+    module = cp.RawModule(code=KERNELS)
+    kernels = {"fence": module.get_function("exchange"), "ll": module.get_function("exchange_ll")}
+    results = {"launch_floor": bench.launch_floor(), "fence": {}, "ll": {}}
+    rng = np.random.default_rng(rank)
     with bench.stream:
         for m in [int(x) for x in args.tokens.split(",")]:
-            phases = []
-            for name, row in ROWS.items():
-                chunks = row // 16
-                inbox = t.symmetric((m, chunks, 4), np.int32)
-                arrived = t.symmetric((1,), np.uint64)
-                arrived.fill(0)
-                x = cp.asarray(np.random.default_rng([rank, m, row]).integers(-2**31, 2**31 - 1, (m, chunks, 4),
-                                                                              dtype=np.int32))
-                out, calls, failed = cp.zeros_like(x), cp.zeros(m, np.uint64), cp.zeros(1, np.int32)
-                args_ = (x, t.peer_array(inbox, peer), t.peer_array(arrived, peer), inbox, arrived, out, calls,
-                         failed, np.int32(chunks))
-                phases.append((name, args_, inbox, arrived, x, out, failed))
-            t.settle("exchange_floor: buffers")
-            graph = bench.capture(lambda: [kernel((m,), (256,), a) for _, a, *_ in phases])
-            total = stats(bench.time_graphs([graph], 0))
-            cp.cuda.get_current_stream().synchronize()
-            for name, _, inbox, arrived, x, out, failed in phases:
-                theirs = comm.allgather(cp.asnumpy(x))[peer]
-                if int(failed.get()[0]) or not np.array_equal(cp.asnumpy(out), theirs):
-                    sys.exit(f"rank {rank}: {name} rows of {m} tokens wrong or late")
-            results[str(m)] = total
-            t.settle("exchange_floor: done")
-            for _, _, inbox, arrived, *_ in reversed(phases):
-                t.free(arrived)
-                t.free(inbox)
+            for protocol, kernel in kernels.items():
+                phases, symmetric = [], []
+                for name, row in ROWS.items():
+                    words = row // 4
+                    assert words <= THREADS * LL_WORDS
+                    x = cp.asarray(rng.integers(0, 2**32, (m, words), dtype=np.uint32))
+                    out, failed = cp.zeros_like(x), cp.zeros(1, np.int32)
+                    if protocol == "fence":
+                        inbox, arrived = t.symmetric((m, words), np.uint32), t.symmetric((1,), np.uint64)
+                        arrived.fill(0)
+                        symmetric += [inbox, arrived]
+                        args_ = (x, t.peer_array(inbox, peer), t.peer_array(arrived, peer), inbox, arrived, out,
+                                 cp.zeros(m, np.uint64), failed, np.int32(row // 16))
+                    else:
+                        inbox = t.symmetric((m, words), np.uint64)
+                        inbox.fill(0)
+                        symmetric.append(inbox)
+                        args_ = (x, t.peer_array(inbox, peer), inbox, out, cp.zeros(m, np.uint32), failed,
+                                 np.int32(words))
+                    phases.append((name, args_, x, out, failed))
+                t.settle("exchange_floor: buffers")
+                graph = bench.capture(lambda: [kernel((m,), (THREADS,), a) for _, a, *_ in phases])
+                results[protocol][str(m)] = stats(bench.time_graphs([graph], 0))
+                cp.cuda.get_current_stream().synchronize()
+                for name, _, x, out, failed in phases:
+                    theirs = comm.allgather(cp.asnumpy(x))[peer]
+                    if int(failed.get()[0]) or not np.array_equal(cp.asnumpy(out), theirs):
+                        sys.exit(f"rank {rank}: {protocol} {name} rows of {m} tokens wrong or late")
+                t.settle("exchange_floor: done")
+                for a in reversed(symmetric):
+                    t.free(a)
     if rank == 0:
         floor = results["launch_floor"]["median_us"]
         print(f"graph launch floor {floor:.1f} us; two bare exchanges (dispatch-, combine-sized rows) per replay:")
-        for m, r in results.items():
-            if m != "launch_floor":
-                print(f"  {m:>5} tokens: median {r['median_us']:.1f} us, p99 {r['p99_us']:.1f}")
+        for protocol in kernels:
+            for m, r in results[protocol].items():
+                print(f"  {protocol:<5} {m:>5} tokens: median {r['median_us']:.1f} us, p99 {r['p99_us']:.1f}")
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"command": "mpirun -np 2 python " + " ".join(sys.argv), "transport": args.transport,
