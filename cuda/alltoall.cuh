@@ -301,11 +301,11 @@ struct Arrivals {
 
 // Wait (bounded) until sig's epoch reaches `epoch` (the call number); returns the signal, or 0 after a
 // timeout or abort.
-__device__ __forceinline__ uint64_t wait_epoch(const uint64_t* sig, unsigned epoch, uint64_t deadline,
-                                               int* err, int peer, int phase) {
+__device__ __forceinline__ uint64_t wait_epoch(const Fixed& f, const uint64_t* sig, unsigned epoch, uint64_t deadline,
+                                               int peer, int phase) {
   uint64_t v;
   for (unsigned spin = 1; ((v = load_acquire(sig)) >> 32) < epoch; ++spin)
-    if (give_up(spin, deadline, err, peer, phase, (int)epoch)) return 0;  // timed out, or another wait did
+    if (give_up(spin, deadline, f.err, f.gone, peer, phase, (int)epoch)) return 0;  // timed out, or another wait did
   return v;
 }
 

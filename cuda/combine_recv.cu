@@ -8,7 +8,7 @@ using namespace moecomm;
 static __device__ __forceinline__ void row_landed(const Fixed& f, int q, int t, unsigned epoch, uint64_t deadline) {
   const uint64_t* word = &f.comb_arrive[(size_t)q * f.max_tokens + t];
   for (unsigned spin = 1; load_acquire(word) != epoch && (load_acquire(&f.comb_sig[q]) >> 32) < epoch; ++spin)
-    if (give_up(spin, deadline, f.err, q, MOECOMM_PHASE_COMBINE, (int)epoch)) return;
+    if (give_up(spin, deadline, f.err, f.gone, q, MOECOMM_PHASE_COMBINE, (int)epoch)) return;
 }
 
 // Warp 0 (every lane), token t < m: the rank of the lane's expert (lane < topk; -1 where none: id -1, an
@@ -78,20 +78,16 @@ static __device__ __forceinline__ void token_rows(const Fixed& f, const Call& c,
 // [rows, hidden] out_dtype (a token whose ids are all -1 gets zeros) and, when given, of c.out_dropped
 // [rows, topk] uint8 (1: the pair was dropped for capacity, from f.drop_buf; it adds nothing). Experts of
 // masked ranks add nothing and masked ranks are not waited for. With c.skip, a bound_m other than the
-// dispatched m (reported by combine_send) or a dispatch whose send half failed, nothing is written.
+// dispatched m or above c.rows (both reported by combine_send) or a dispatch whose send half failed, nothing
+// is written.
 // Telemetry: bytes received per peer.
 __device__ void moecomm::combine_recv(const Fixed& f, const Call& c, unsigned epoch, bool stream) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   TRACE(MOECOMM_TRACE_COMBINE_RECV, 0);
   const uint64_t deadline = now_ns() + f.timeout_ns;
   int m = c.skip ? 0 : *c.bound_m;
-  if (m != (int)f.state[MOECOMM_S_M] || f.state[MOECOMM_S_M] == M_INVALID) {
-    m = 0;  // dispatch_send or combine_send reported it
-  } else if (m > c.rows) {
-    if (blockIdx.x == 0 && threadIdx.x == 0)
-      record_error(f.err, MOECOMM_ERR_BAD_M, f.rank, MOECOMM_PHASE_COMBINE, m, (int)epoch);
-    m = 0;
-  }
+  if (m != (int)f.state[MOECOMM_S_M] || f.state[MOECOMM_S_M] == M_INVALID || m > c.rows)
+    m = 0;  // dispatch_send or combine_send reported it (to every rank)
   __shared__ const uint8_t* srcs[2][MOECOMM_MAX_TOPK];  // two lists of rows to add (comb_buf, or expert_y)
   __shared__ float wts[2][MOECOMM_MAX_TOPK];
   __shared__ int n[2], cur[2];
@@ -118,7 +114,7 @@ __device__ void moecomm::combine_recv(const Fixed& f, const Call& c, unsigned ep
   auto signals = [&]() {  // every expert rank's signal (a thread per rank); a failed peer is reported
     for (int q = threadIdx.x; q < f.world; q += blockDim.x)
       if (!f.mask[q])
-        peer_failed(f, c, wait_epoch(&f.comb_sig[q], epoch, deadline, f.err, q, MOECOMM_PHASE_COMBINE), q,
+        peer_failed(f, c, wait_epoch(f, &f.comb_sig[q], epoch, deadline, q, MOECOMM_PHASE_COMBINE), q,
                     MOECOMM_PHASE_COMBINE, epoch);
   };
   int t = warp == 0 ? claim(0) : 0;

@@ -14,8 +14,10 @@ using namespace moecomm;
 //      f.comb_buf[me][token]; 0: send each expert's row to f.comb_buf[token][k].
 // Sets f.comb_sig[me] on every unmasked rank to (epoch | 1) when done, or to (epoch | SIG_BAD | reason)
 // when this rank sends nothing: c.skip (a refused call; reason c.reason), a bound_m that differs from
-// the dispatched m (ERR_M_DIFFERS, recorded here too), or a dispatch whose receive half failed
-// (state[BAD_RECV]: capacity exceeded, the demand written to every peer's f.why[me] first).
+// the dispatched m (ERR_M_DIFFERS, recorded here too) or exceeds c.rows, the fewest rows of the call's
+// per-token arrays (ERR_BAD_M, recorded here too: its token side would not have rows for the sums), or a
+// dispatch whose receive half failed (state[BAD_RECV]: capacity exceeded, the demand written to every peer's
+// f.why[me] first).
 // Telemetry: bytes sent per peer. Returns the call number (the epoch its signals carry).
 __device__ unsigned moecomm::combine_send(const Fixed& f, const Call& c, bool stream) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -25,11 +27,15 @@ __device__ unsigned moecomm::combine_send(const Fixed& f, const Call& c, bool st
   const int m = c.skip ? 0 : *c.bound_m;
   const unsigned dispatched = f.state[MOECOMM_S_M];
   const bool differs = !c.skip && dispatched != M_INVALID && m != (int)dispatched;
+  const bool short_rows = !c.skip && !differs && dispatched != M_INVALID && m > c.rows;
   const unsigned bad_recv = f.state[MOECOMM_S_BAD_RECV];
-  const unsigned reason = c.skip ? (unsigned)c.reason : differs ? (unsigned)MOECOMM_ERR_M_DIFFERS : bad_recv;
+  const unsigned reason = c.skip ? (unsigned)c.reason
+      : differs ? (unsigned)MOECOMM_ERR_M_DIFFERS : short_rows ? (unsigned)MOECOMM_ERR_BAD_M : bad_recv;
   if (blockIdx.x == 0 && threadIdx.x == 0) {
     f.state[MOECOMM_S_TOKENS_EVEN + (epoch + 1) % 2] = 0;  // the next call's token claims (combine_recv)
     if (differs) record_error(f.err, MOECOMM_ERR_M_DIFFERS, f.rank, MOECOMM_PHASE_COMBINE, m, (int)epoch);
+    if (short_rows)
+      record_error(f.err, MOECOMM_ERR_BAD_M, f.rank, MOECOMM_PHASE_COMBINE, m, (int)epoch, min(c.rows, f.max_tokens));
   }
   // the records received from src, loaded beside the reason, not after it: dispatch_recv kept the count, or,
   // for this rank's own records in the padded layout (their rows placed by dispatch_send), the own signal of
@@ -37,7 +43,7 @@ __device__ unsigned moecomm::combine_send(const Fixed& f, const Call& c, bool st
   const bool own = src == f.rank;
   const unsigned received = own && stream ? 0
       : own && !f.packed
-      ? own_count(wait_epoch(&f.sig[f.rank], epoch, now_ns() + f.timeout_ns, f.err, f.rank, MOECOMM_PHASE_COMBINE))
+      ? own_count(wait_epoch(f, &f.sig[f.rank], epoch, now_ns() + f.timeout_ns, f.rank, MOECOMM_PHASE_COMBINE))
       : f.state[f.s_recv + src];
   const unsigned count = c.skip || reason ? 0 : received;
   unsigned long long rows_sent = 0;  // per rank of the source's DP group (thread 0's tally)

@@ -96,14 +96,20 @@ __device__ __forceinline__ void record_error(int* err, int code, int peer, int p
 }
 
 // The bound of every wait loop: call it once per spin (spin counting from 1). True when the wait must stop:
-// another thread has recorded a timeout (so one failure stops every waiter), or the deadline has passed (a
-// timeout naming `peer` is recorded). The clock and the error word (possibly in mapped host memory) are read
-// once per POLL_CHECK spins.
+// another thread has recorded a timeout (so one failure stops every waiter), `peer` has left the job (its word
+// in `gone`, the transport's [world] departure words, set by that rank as it goes: a timeout naming it with
+// detail MOECOMM_TIMEOUT_LEFT is recorded), or the deadline has passed (a timeout naming `peer` is recorded).
+// The clock, the error word (possibly in mapped host memory) and the departure word are read once per
+// POLL_CHECK spins.
 constexpr unsigned POLL_CHECK = 256;
-__device__ __forceinline__ bool give_up(unsigned spin, uint64_t deadline_ns, int* err, int peer, int phase,
-                                        int call) {
+__device__ __forceinline__ bool give_up(unsigned spin, uint64_t deadline_ns, int* err, const uint64_t* gone, int peer,
+                                        int phase, int call) {
   if (spin % POLL_CHECK) return false;
   if (load_volatile(err) == MOECOMM_ERR_TIMEOUT) return true;
+  if (*(const volatile uint64_t*)&gone[peer]) {
+    record_error(err, MOECOMM_ERR_TIMEOUT, peer, phase, MOECOMM_TIMEOUT_LEFT, call);
+    return true;
+  }
   if (now_ns() <= deadline_ns) return false;
   record_error(err, MOECOMM_ERR_TIMEOUT, peer, phase, 0, call);
   return true;
@@ -111,9 +117,9 @@ __device__ __forceinline__ bool give_up(unsigned spin, uint64_t deadline_ns, int
 
 // Spin until *sig >= expected. Returns false when the wait gives up (give_up).
 __device__ __forceinline__ bool wait_geq(const uint64_t* sig, uint64_t expected, uint64_t deadline_ns,
-                                         int* err, int peer, int phase, int call) {
+                                         int* err, const uint64_t* gone, int peer, int phase, int call) {
   for (unsigned spin = 1; load_acquire(sig) < expected; ++spin)
-    if (give_up(spin, deadline_ns, err, peer, phase, call)) return false;
+    if (give_up(spin, deadline_ns, err, gone, peer, phase, call)) return false;
   return true;
 }
 

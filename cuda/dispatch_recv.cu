@@ -8,7 +8,7 @@ using namespace moecomm;
 // state[s_recv + s] for combine_send when `keep`.
 static __device__ __forceinline__ unsigned receive(const Fixed& f, const Call& c, int s, unsigned epoch, bool keep) {
   const uint64_t v = f.mask[s] ? 0
-      : wait_epoch(&f.sig[s], epoch, now_ns() + f.timeout_ns, f.err, s, MOECOMM_PHASE_DISPATCH);
+      : wait_epoch(f, &f.sig[s], epoch, now_ns() + f.timeout_ns, s, MOECOMM_PHASE_DISPATCH);
   peer_failed(f, c, v, s, MOECOMM_PHASE_DISPATCH, epoch);
   unsigned got = (v & SIG_BAD) || c.skip ? 0 : (unsigned)v & SIG_COUNT;
   const unsigned theirs = ((unsigned)v >> MOECOMM_SIG_COUNT_BITS) & SIG_GEN;
@@ -41,7 +41,7 @@ static __device__ bool arrived(const Fixed& f, int src, int j, unsigned epoch, u
       if ((v >> 32) >= epoch) seen = v;
     }
     if (seen) return j < (int)own_count(seen);
-    if (give_up(spin, deadline, f.err, src, MOECOMM_PHASE_DISPATCH, (int)epoch)) return false;
+    if (give_up(spin, deadline, f.err, f.gone, src, MOECOMM_PHASE_DISPATCH, (int)epoch)) return false;
   }
 }
 

@@ -66,7 +66,7 @@ __device__ void moecomm::dispatch_send(const Fixed& f, const Call& c, int sender
     if (c.skip) {
       if (c.reason) atomicCAS(&f.state[MOECOMM_S_BAD], 0u, (unsigned)c.reason);
     } else if (bad_m) {
-      record_error(f.err, MOECOMM_ERR_BAD_M, f.rank, MOECOMM_PHASE_DISPATCH, m, (int)epoch);
+      record_error(f.err, MOECOMM_ERR_BAD_M, f.rank, MOECOMM_PHASE_DISPATCH, m, (int)epoch, min(c.rows, f.max_tokens));
       atomicCAS(&f.state[MOECOMM_S_BAD], 0u, (unsigned)MOECOMM_ERR_BAD_M);
     }
   }

@@ -14,7 +14,7 @@ extern "C" __global__ void moecomm_peer_check(const moecomm::PeerCheck p) {
   __syncwarp();
   if (threadIdx.x == 0) {
     moecomm::quiet();
-    moecomm::wait_geq(&p.signals[peer], p.expected, deadline, p.err, peer, MOECOMM_PHASE_PEER_CHECK,
+    moecomm::wait_geq(&p.signals[peer], p.expected, deadline, p.err, p.gone, peer, MOECOMM_PHASE_PEER_CHECK,
                       (int)p.expected);
   }
 }

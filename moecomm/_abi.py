@@ -55,6 +55,7 @@ FIXED_FIELDS = (
     ("map", "const int*"),          # [num_experts, 1 + world] replicas of each logical expert: count, then
                                     # physical slots (rank * local_experts + slot); null without an expert map
     ("peers", "const long long*"),  # [world] the transport's peer table (MOECOMM_PEER_UNMAPPED: puts)
+    ("gone", "const uint64_t*"),    # symmetric [world]: gone[q] != 0 once rank q has left (every wait reads it)
     ("timeout_ns", "unsigned long long"),
     ("world", "int"), ("rank", "int"), ("dp", "int"), ("num_experts", "int"), ("local_experts", "int"),
     ("topk", "int"), ("max_tokens", "int"), ("hidden", "int"),
@@ -103,6 +104,7 @@ PEER_CHECK_FIELDS = (
     ("signals", "uint64_t*"),       # symmetric [world]: checks whose data from each peer has landed
     ("err", "int*"),
     ("peers", "const long long*"),  # [world] the transport's peer table
+    ("gone", "const uint64_t*"),    # symmetric [world]: gone[q] != 0 once rank q has left
     ("expected", "unsigned long long"), ("nbytes", "unsigned long long"),
     ("row_bytes", "unsigned long long"), ("timeout_ns", "unsigned long long"),
     ("rank", "int"), ("world", "int"),

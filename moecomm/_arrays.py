@@ -14,10 +14,13 @@ Device arrays are read by the first rule that fits their type (chosen once per t
 
 Any exception a producer raises while being read becomes :class:`InvalidArgument` naming the argument.
 bfloat16 and float8 may arrive as raw types of the same size (``V2``/``u2`` for bf16, ``u1``/``i1``/``V1``
-for fp8), since not every framework names them.
+for fp8), since not every framework names them. An output must be writable: a read-only numpy array, a
+``__cuda_array_interface__`` marked read-only and a JAX array (immutable; ``moecomm.jax`` hands out its
+own outputs) are refused.
 """
 import ctypes
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -49,6 +52,16 @@ class DeviceBuffer:
     @property
     def nbytes(self):
         return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
+
+
+class Checked(NamedTuple):
+    """An argument as read and checked: ``value`` is what the transport takes (a numpy view on the host
+    transport, the device address on GPUs), ``address`` its first byte, ``shape`` and ``dtype`` (the dtype it
+    is read as)."""
+    value: object
+    address: int
+    shape: tuple
+    dtype: np.dtype
 
 
 class Accepted(dict):
@@ -95,14 +108,17 @@ class HostArrays:
     memory = "host"
 
     def begin(self, stream, first):
+        """The call's stream: none on the host."""
         return None
 
-    def read(self, obj, name, accept, shape):
-        """Return ``(value, address, shape, dtype)`` of a checked numpy array."""
+    def read(self, obj, name, accept, shape, output=False):
+        """A checked numpy array (:class:`Checked`); ``output``: it must be writable."""
         if not isinstance(obj, np.ndarray):
             raise InvalidArgument(f"{name}: the host transport takes numpy arrays, got {type(obj).__name__}")
         dt = check(name, obj.dtype, obj.shape, obj.flags.c_contiguous, accept, shape)
-        return obj.view(dt), obj.__array_interface__["data"][0], obj.shape, dt
+        if output and not obj.flags.writeable:
+            raise InvalidArgument(f"{name}: an output, but the array is read-only")
+        return Checked(obj.view(dt), obj.__array_interface__["data"][0], obj.shape, dt)
 
     def order(self):
         pass
@@ -128,7 +144,7 @@ class _DLTensor(ctypes.Structure):
                 ("strides", ctypes.POINTER(ctypes.c_int64)), ("byte_offset", ctypes.c_uint64)]
 
 
-_DL_CUDA, _DL_CUDA_MANAGED = 2, 13
+_DL_CPU, _DL_CUDA, _DL_CUDA_MANAGED = 1, 2, 13
 # (DLPack type code, bits) -> numpy dtype name; codes from dlpack.h (kDLInt 0, kDLUInt 1, kDLFloat 2,
 # kDLBfloat 4, kDLFloat8_e4m3fn 10).
 _DL_DTYPES = {(0, 8): "int8", (0, 16): "int16", (0, 32): "int32", (0, 64): "int64",
@@ -152,19 +168,20 @@ def _c_contiguous(shape, strides_elems):
     return True
 
 
-# A reader returns (ptr, shape, dtype, contiguous, device, producer): device None when unknown (checked by
-# pointer) or -1 (not checked), producer the stream the data was written on (an int handle, None when
-# already ordered or unknown, or _CUPY / _TORCH for "that framework's current stream"). The caller holds
-# the array for the call; a DLPack capsule may go once read (the producer's array keeps the memory).
+# A reader returns (ptr, shape, dtype, contiguous, device, producer, readonly): device None when unknown
+# (checked by pointer) or -1 (not checked), producer the stream the data was written on (an int handle, None
+# when already ordered or unknown, or _CUPY / _TORCH for "that framework's current stream"), readonly whether
+# the producer says the memory must not be written. The caller holds the array for the call; a DLPack
+# capsule may go once read (the producer's array keeps the memory).
 _CUPY, _TORCH = "cupy", "torch"
 
 
 def _read_buffer(b):
-    return b.ptr, b.shape, b.dtype, True, b.device if b.device >= 0 else -1, None
+    return b.ptr, b.shape, b.dtype, True, b.device if b.device >= 0 else -1, None, False
 
 
 def _read_cupy(a):
-    return a.data.ptr, a.shape, a.dtype, a._c_contiguous, a.data.device_id, _CUPY
+    return a.data.ptr, a.shape, a.dtype, a._c_contiguous, a.data.device_id, _CUPY, False
 
 
 _TORCH_DTYPES = {}  # torch.dtype -> numpy dtype (None: not one we read), filled as dtypes are seen
@@ -182,28 +199,51 @@ def _read_torch(t):
     """PyTorch tensors (and anything that quacks like one: data_ptr, is_contiguous, get_device, dtype).
     get_device() is -1 for CPU tensors: their pointer is then checked (and refused)."""
     dev = t.get_device()
-    return t.data_ptr(), t.shape, _torch_dtype(t.dtype), t.is_contiguous(), dev if dev >= 0 else None, _TORCH
+    return (t.data_ptr(), t.shape, _torch_dtype(t.dtype), t.is_contiguous(), dev if dev >= 0 else None, _TORCH,
+            False)
 
 
 def _dlpack_stream(stream):
     return 1 if stream == 0 else stream  # DLPack: 1 is the legacy default stream, 0 is not allowed
 
 
-def _read_dlpack(obj, stream):
-    capsule = obj.__dlpack__(stream=_dlpack_stream(stream))
-    t = _DLTensor.from_address(_CAPSULE_POINTER(capsule, b"dltensor"))  # DLManagedTensor starts with it
-    if t.device.device_type not in (_DL_CUDA, _DL_CUDA_MANAGED):
-        raise InvalidArgument(f"DLPack device type {t.device.device_type} is not CUDA memory")
+def _dltensor(capsule):
+    """The DLTensor of a DLPack capsule (a DLManagedTensor starts with it): (address, shape, dtype or None,
+    C-contiguous, DLDevice)."""
+    t = _DLTensor.from_address(_CAPSULE_POINTER(capsule, b"dltensor"))
     name = _DL_DTYPES.get((t.dtype.code, t.dtype.bits))
     dtype = _named(name) if name is not None and t.dtype.lanes == 1 else None
     shape = tuple(t.shape[i] for i in range(t.ndim))
     contiguous = not t.strides or _c_contiguous(shape, [t.strides[i] for i in range(t.ndim)])
-    return int(t.data or 0) + int(t.byte_offset), shape, dtype, contiguous, t.device.device_id, None
+    return int(t.data or 0) + int(t.byte_offset), shape, dtype, contiguous, t.device
+
+
+def _read_dlpack(obj, stream):
+    ptr, shape, dtype, contiguous, device = _dltensor(obj.__dlpack__(stream=_dlpack_stream(stream)))
+    if device.device_type not in (_DL_CUDA, _DL_CUDA_MANAGED):
+        raise InvalidArgument(f"DLPack device type {device.device_type} is not CUDA memory")
+    # JAX arrays are immutable (XLA may share their memory): never an output (moecomm.jax makes its own)
+    readonly = type(obj).__module__.startswith(("jax", "jaxlib"))
+    return ptr, shape, dtype, contiguous, device.device_id, None, readonly
+
+
+def host_view(obj):
+    """A writable numpy view of a host buffer that exposes ``__dlpack__`` (XLA's CPU buffers in
+    ``moecomm.jax``), bfloat16 and float8 included (numpy's own DLPack import refuses those)."""
+    capsule = obj.__dlpack__()
+    ptr, shape, dtype, contiguous, device = _dltensor(capsule)
+    if device.device_type != _DL_CPU or dtype is None or not contiguous:
+        raise InvalidArgument(f"expected a C-contiguous host buffer of a known dtype, got DLPack device type "
+                              f"{device.device_type}, dtype {dtype}")
+    n = int(np.prod(shape, dtype=np.int64))
+    raw = (ctypes.c_char * max(1, n * dtype.itemsize)).from_address(ptr) if ptr else bytearray(dtype.itemsize)
+    view = np.frombuffer(raw, dtype, count=n).reshape(shape)
+    return view
 
 
 def _read_cai(obj, stream):
     cai = obj.__cuda_array_interface__
-    ptr = int(cai["data"][0])
+    ptr, readonly = int(cai["data"][0]), bool(cai["data"][1])
     shape = tuple(int(n) for n in cai["shape"])
     dtype = np.dtype(cai["typestr"])
     strides = cai.get("strides")
@@ -211,7 +251,7 @@ def _read_cai(obj, stream):
     producer = cai.get("stream")  # v3: None = no ordering needed; 1/2 = legacy/per-thread default
     if producer == 1:
         producer = 0
-    return ptr, shape, dtype, contiguous, None, producer
+    return ptr, shape, dtype, contiguous, None, producer, readonly
 
 
 def _reader_for(cls):
@@ -259,8 +299,9 @@ class DeviceArrays:
         self._stream, self._implied = 0, None  # _implied: the framework whose stream was taken as ours
 
     def begin(self, stream, first):
-        """The launch stream (a handle) for ``stream``: None means the current stream of the framework of
-        ``first`` (the call's first array) on this device: PyTorch's for a tensor, else CuPy's."""
+        """Start reading a call's arrays; returns its launch stream (a handle) for ``stream``: None means the
+        current stream of the framework of ``first`` (the call's first array) on this device: PyTorch's for a
+        tensor, else CuPy's. DLPack producers are asked to order their work before it in :meth:`read`."""
         self._producers.clear()
         if stream is None:  # that framework's arrays are then written on the launch stream itself
             self._implied = _TORCH if _reader(first) is _read_torch else _CUPY
@@ -276,10 +317,10 @@ class DeviceArrays:
         import cupy
         return cupy.cuda.get_current_stream(self.device).ptr
 
-    def read(self, obj, name, accept, shape):
-        """Return ``(value, address, shape, dtype)``: value and address the device address of a checked
-        array; dtype the one it is read as (a key of ``accept``'s values). ``shape``'s first size may be
-        None (any number of rows)."""
+    def read(self, obj, name, accept, shape, output=False):
+        """A checked device array (:class:`Checked`): value and address its device address, dtype the one it
+        is read as (a key of ``accept``'s values). ``shape``'s first size may be None (any number of rows);
+        ``output``: it must be writable."""
         reader = _READERS.get(type(obj)) or _reader(obj)
         if reader is None:
             raise InvalidArgument(
@@ -287,9 +328,9 @@ class DeviceArrays:
                 f"__cuda_array_interface__ or moecomm.DeviceBuffer), got {type(obj).__name__}")
         try:
             if reader in _STREAM_READERS:
-                ptr, shp, dt, contiguous, dev, producer = reader(obj, self._stream)
+                ptr, shp, dt, contiguous, dev, producer, readonly = reader(obj, self._stream)
             else:
-                ptr, shp, dt, contiguous, dev, producer = reader(obj)
+                ptr, shp, dt, contiguous, dev, producer, readonly = reader(obj)
         except InvalidArgument as e:
             raise InvalidArgument(f"{name}: {e}") from None
         except Exception as e:  # the producer's own error (torch raises KeyError for bf16 CAI, ...)
@@ -299,9 +340,13 @@ class DeviceArrays:
         if (got is None or not contiguous or ptr & 15 or not (dev == self.device or dev == -1)
                 or not (shp == shape or fits(shp, shape))):
             got = self._refuse(name, ptr, shp, dt, contiguous, dev, accept, shape)
+        if output and readonly:
+            raise InvalidArgument(f"{name}: an output, but the {type(obj).__name__} is read-only"
+                                  + (" (JAX arrays are immutable: use moecomm.jax)" if "jax" in type(obj).__module__
+                                     else ""))
         if producer is not None:
             self._producers.add(producer)
-        return ptr, ptr, shp, got
+        return Checked(ptr, ptr, shp, got)
 
     def _refuse(self, name, ptr, shape, dtype, contiguous, device, accept, want):
         """Raise what is wrong with an argument the fast check refused; return its dtype when only its

@@ -150,7 +150,10 @@ class AllToAllConfig:
         return (self.num_local_experts, self.expert_capacity, self.hidden_dim_scale)
 
     def key(self):
-        """A tuple that must be equal on every rank (rank excluded)."""
-        return (self.world_size, self.max_num_tokens, self.num_experts, self.experts_per_token,
-                self.hidden_dim, self.hidden_dim_scale, str(self.in_dtype), str(self.out_dtype),
-                str(self.scale_dtype), self.dp_size, self.slots_per_rank, self.capacity, self.overflow, self.layout)
+        """The fields that must be equal on every rank (rank excluded), by name."""
+        return {"world_size": self.world_size, "max_num_tokens": self.max_num_tokens, "num_experts": self.num_experts,
+                "experts_per_token": self.experts_per_token, "hidden_dim": self.hidden_dim,
+                "hidden_dim_scale": self.hidden_dim_scale, "in_dtype": str(self.in_dtype),
+                "out_dtype": str(self.out_dtype), "scale_dtype": str(self.scale_dtype), "dp_size": self.dp_size,
+                "slots_per_rank": self.slots_per_rank, "capacity": self.capacity, "overflow": self.overflow,
+                "layout": self.layout}

@@ -12,10 +12,11 @@ from ._errors import InvalidArgument
 # amount (a count that goes with detail: a demand).
 # The first error wins, except that a timeout replaces any other (it breaks the communicator).
 ERR_NONE = 0
-ERR_TIMEOUT = 1       # a bounded wait expired; peer = rank waited for
+ERR_TIMEOUT = 1       # a bounded wait expired; peer = rank waited for; detail TIMEOUT_LEFT: that rank left
+TIMEOUT_LEFT = 1      # (the detail of ERR_TIMEOUT) the rank waited for has left the job (its gone word is set)
 ERR_BAD_EXPERT = 2    # an expert id outside [-1, num_experts) or repeated in a token (-1: no expert);
                       # peer = this rank, detail = token index
-ERR_BAD_M = 3         # bound_m outside [0, min(rows, max_num_tokens)]; detail = m
+ERR_BAD_M = 3         # bound_m outside [0, min(rows, max_num_tokens)]; detail = m, amount = that bound
 ERR_OVERFLOW = 4      # more records or expert slots than the buffers hold (a peer broke the protocol)
 ERR_M_DIFFERS = 5     # combine's bound_m differs from the dispatched m; detail = combine's m
 ERR_PEER = 6          # rank `peer` flagged its part of the call as failed; detail = its reason (below)
@@ -23,6 +24,7 @@ ERR_REFUSED = 7       # (in a reason only) AllToAll refused an argument on that 
 ERR_CAPACITY = 8      # overflow="error": a local expert (detail: its id) got more pairs (amount) than its
                       # capacity; packed layout: detail -1, the rank's rows
 ERR_GENERATION = 9    # a peer's dispatch carried another expert-map generation; detail = its generation
+ERR_ENDED = 10        # (in a reason only) that rank ended the call part-way after an error of it (synchronize)
 ERROR_WORDS = 6
 # A rank whose part of a call failed still takes part ("no data") and flags its signals with a reason:
 # an ERR_* code, and for ERR_REFUSED the refused argument's number in ARGUMENTS shifted by REASON_ARG_SHIFT
@@ -74,6 +76,8 @@ DEFAULT_WINDOW = 64
 SIG_COUNT_BITS, SIG_GEN_BITS = 24, 7
 
 PHASES = ("peer_check", "dispatch", "combine")
+# The four halves of a call, in the order every rank issues them (moecomm._calls.CallOrder).
+HALVES = ("dispatch_send", "dispatch_recv", "combine_send", "combine_recv")
 PHASE_PEER_CHECK, PHASE_DISPATCH, PHASE_COMBINE = range(len(PHASES))
 
 # Bounded waits. Default in seconds, overridable per object and by one environment variable.
@@ -128,7 +132,6 @@ FORCE_PUTS_ENV = "MOECOMM_FORCE_PUTS"
 # global-timer first/last block entry, first/last block exit, block 0's SM clock and global timer at entry
 # and exit.
 TRACE_ENV = "MOECOMM_TRACE"
-TRACE_HALVES = ("dispatch_send", "dispatch_recv", "combine_send", "combine_recv")
 TRACE_POINTS = 8
 TRACE_SPAN = 8
 
@@ -138,12 +141,12 @@ def device_constants():
     values = {
         "FORCE_PUTS": int(os.environ.get(FORCE_PUTS_ENV, "0") == "1"),
         "TRACE": int(os.environ.get(TRACE_ENV, "0") == "1"),
-        "TRACE_HALVES": len(TRACE_HALVES), "TRACE_POINTS": TRACE_POINTS,
+        "TRACE_HALVES": len(HALVES), "TRACE_POINTS": TRACE_POINTS,
         "TRACE_SPAN": TRACE_SPAN,
-        "ERR_NONE": ERR_NONE, "ERR_TIMEOUT": ERR_TIMEOUT, "ERR_BAD_EXPERT": ERR_BAD_EXPERT,
+        "ERR_NONE": ERR_NONE, "ERR_TIMEOUT": ERR_TIMEOUT, "TIMEOUT_LEFT": TIMEOUT_LEFT, "ERR_BAD_EXPERT": ERR_BAD_EXPERT,
         "ERR_BAD_M": ERR_BAD_M, "ERR_OVERFLOW": ERR_OVERFLOW, "ERR_M_DIFFERS": ERR_M_DIFFERS,
         "ERR_PEER": ERR_PEER, "ERR_REFUSED": ERR_REFUSED, "ERR_CAPACITY": ERR_CAPACITY,
-        "ERR_GENERATION": ERR_GENERATION, "ERROR_WORDS": ERROR_WORDS, "REASON_ARG_SHIFT": REASON_ARG_SHIFT,
+        "ERR_GENERATION": ERR_GENERATION, "ERR_ENDED": ERR_ENDED, "ERROR_WORDS": ERROR_WORDS, "REASON_ARG_SHIFT": REASON_ARG_SHIFT,
         "SIG_COUNT_BITS": SIG_COUNT_BITS, "SIG_GEN_BITS": SIG_GEN_BITS,
         "REPLICA_TOKEN": f"{REPLICA_TOKEN}u", "REPLICA_GROUP": f"{REPLICA_GROUP}u",
         "MAX_TOPK": MAX_TOPK, "MAX_EXPERTS": MAX_EXPERTS, "ROW_ALIGN": ROW_ALIGN,
@@ -155,5 +158,5 @@ def device_constants():
     values.update({f"S_{name}": i for i, name in enumerate(STATE_FIELDS)})
     values.update({f"C_{name}": i for i, name in enumerate(COUNTER_FIELDS)})
     values.update({f"B_{name.upper()}": i for i, name in enumerate(BYTE_FIELDS)})
-    values.update({f"TRACE_{name.upper()}": i for i, name in enumerate(TRACE_HALVES)})
+    values.update({f"TRACE_{name.upper()}": i for i, name in enumerate(HALVES)})
     return values

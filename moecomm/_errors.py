@@ -37,6 +37,22 @@ class CommTimeout(MoeCommError):
         self.phase = phase
 
 
+class PeerExited(CommTimeout):
+    """A rank this one waited for has left the job: it finalized, or its program ended on an exception it
+    did not handle, and it told its peers before going (a killed rank cannot: it is named by CommTimeout
+    after the timeout). Raised within about a second on the ranks that wait for it; the communicator is
+    broken, as after any CommTimeout.
+
+    Attributes:
+        peer: the rank that left; phase: what was waiting; reason: what that rank said ("finalize", or the
+            exception it raised).
+    """
+
+    def __init__(self, message, peer=-1, phase="", reason=""):
+        super().__init__(message, peer, phase)
+        self.reason = reason
+
+
 class PeerError(MoeCommError):
     """Another rank's part of a collective call failed (its reason is in the message): that rank sent
     nothing, the call is over and the next call works. Raised on the ranks whose own arguments were fine

@@ -5,12 +5,54 @@ point, so that a rank that does not answer can be named (a collective would only
 """
 import time
 
-from ._errors import CommTimeout, OutOfStep
+from ._errors import CommTimeout, OutOfStep, PeerExited
 
 TAG_CONTROL, TAG_SUBSET = 0x6C00, 0x6C01            # control collectives of the bootstrap: all ranks, a subset
+TAG_LEAVE = 0x6C02                                   # a rank's departure notice (Departures)
 TAG_PEER_CHECK = 0x6D20                              # host transport's peer check
 TAG_EXCHANGE, GENERATIONS = 0x4000, 1024             # host transport's exchanges: 6 tags per generation
 POLL_S = 50e-6
+DEPARTURE_POLL_S = 2e-3  # how often a wait looks for departure notices of the ranks it waits for
+
+
+class Departures:
+    """Departure notices over an mpi4py communicator: a rank that leaves (finalize, or an exception it did
+    not handle) sends every other rank one message (tag TAG_LEAVE) with its reason; every bounded wait of
+    moecomm on MPI looks for the notices of the ranks it waits for and raises PeerExited naming a rank that
+    left, instead of waiting for it until the timeout. Once this rank has left itself, the waits that follow
+    (the teardown) expect the peers' notices and do not raise on them."""
+
+    def __init__(self, mpi):
+        self.mpi, self.rank, self.size = mpi, mpi.Get_rank(), mpi.Get_size()
+        self.left, self.gone, self._sends, self._next_poll = False, {}, [], 0.0
+
+    def leave(self, reason):
+        """Send this rank's notice to every other rank (once; completes at once: a small message)."""
+        if not self.left:
+            self.left = True
+            self._sends = [self.mpi.isend(reason, dest=q, tag=TAG_LEAVE) for q in range(self.size) if q != self.rank]
+            deadline = time.monotonic() + 1.0  # eager sends complete locally; never wait long for a dead peer
+            while self._sends and time.monotonic() < deadline and not all(r.Test() for r in self._sends):
+                time.sleep(POLL_S)
+
+    def seen(self, ranks):
+        """{rank: reason} of ``ranks`` whose notice has come (never waits)."""
+        for q in ranks:
+            if q != self.rank and q not in self.gone and self.mpi.iprobe(source=q, tag=TAG_LEAVE):
+                self.gone[q] = self.mpi.recv(source=q, tag=TAG_LEAVE)
+        return {q: self.gone[q] for q in ranks if q in self.gone}
+
+    def check(self, ranks, what):
+        """Raise PeerExited if one of ``ranks`` has left (looked for at most every DEPARTURE_POLL_S)."""
+        now = time.monotonic()
+        if self.left or now < self._next_poll:
+            return
+        self._next_poll = now + DEPARTURE_POLL_S
+        gone = self.seen(ranks)
+        if gone:
+            q = min(gone)
+            raise PeerExited(f"{what}: rank {q} left the job ({gone[q]}); it will not take part in this call",
+                             peer=q, phase=what, reason=gone[q])
 
 
 def exchange_tag(phase, generation):
@@ -20,11 +62,14 @@ def exchange_tag(phase, generation):
     return TAG_EXCHANGE + 6 * (generation % GENERATIONS) + 2 * phase
 
 
-def wait_all(requests, peers, deadline, timeout_s, what):
+def wait_all(requests, peers, deadline, timeout_s, what, departures=None):
     """Wait for MPI ``requests`` (``peers[i]`` is the rank behind request i) until ``deadline``
-    (time.monotonic()); on expiry raise CommTimeout naming the first silent rank."""
+    (time.monotonic()); on expiry raise CommTimeout naming the first silent rank. With ``departures`` (a
+    :class:`Departures`), a silent rank that has left is named at once (PeerExited)."""
     from mpi4py import MPI
     while not MPI.Request.Testall(requests):
+        if departures is not None:
+            departures.check(sorted({p for p, r in zip(peers, requests) if not r.Test()}), what)
         if time.monotonic() > deadline:
             silent = sorted({p for p, r in zip(peers, requests) if not r.Test()})
             raise CommTimeout(f"{what}: no message from rank(s) {silent} within {timeout_s:g} s "
@@ -44,6 +89,7 @@ class Control:
     def __init__(self, mpi):
         self.mpi, self.rank, self.size = mpi, mpi.Get_rank(), mpi.Get_size()
         self._step = 0
+        self.departures = Departures(mpi)
 
     def allgather(self, data, what, timeout_s, ranks=None):
         """Every rank's ``data`` (bytes), by rank (of ``ranks`` only, in their order, when given). Raises
@@ -69,10 +115,12 @@ class Control:
                                     f"{what!r} (step {step_now}): the ranks' calls differ")
                 got[s] = payload
                 missing.remove(s)
+            if missing:
+                self.departures.check(missing, what)
             if missing and time.monotonic() > deadline:
                 raise CommTimeout(f"{what}: no answer from rank(s) {missing} within {timeout_s:g} s (a rank may "
                                   f"have died, stalled or skipped the call)", peer=missing[0], phase=what)
             if missing:
                 time.sleep(POLL_S)
-        wait_all(sends, others, deadline, timeout_s, what)
+        wait_all(sends, others, deadline, timeout_s, what, self.departures)
         return [got[r] for r in ranks]

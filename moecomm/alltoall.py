@@ -1,15 +1,19 @@
 """The public dispatch/combine API, after pplx-kernels' ``AllToAll`` (framework-neutral)."""
 import hashlib
 from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
+from . import _constants as C
 from ._arrays import Accepted, accepted
-from .balance import ExpertMap
+from ._calls import CallOrder
 from ._config import AllToAllConfig, positive_int
-from ._constants import ARGUMENTS, timeout_seconds
+from ._constants import ARGUMENTS, HALVES, timeout_seconds
 from ._dtypes import float32
 from ._errors import CommTimeout, InvalidArgument, MoeCommError, OutOfStep
+from .balance import ExpertMap
 
 # expert ids: uint32 is read as int32, as the kernels read it (0xffffffff is -1: no expert)
 _INDICES = Accepted({np.dtype(np.int32): np.dtype(np.int32), np.dtype(np.uint32): np.dtype(np.int32),
@@ -19,6 +23,54 @@ _COUNTS = accepted(np.int32)
 _FLAGS = accepted(np.uint8)
 _FLOAT32 = accepted(float32)
 _ONE = (1,)
+
+
+@dataclass
+class DispatchArgs:
+    """The arrays of one dispatch call, as :meth:`AllToAll.dispatch` takes them (shapes and dtypes there).
+    ``moved_outputs``: a receive half may be given other output arrays than its send half, holding what
+    the send half wrote (``moecomm.jax``: XLA may copy a buffer between the halves)."""
+    out_expert_num_tokens: object
+    out_expert_x: object
+    out_expert_x_scale: object
+    dp_x: object
+    dp_x_scale: object
+    indices: object
+    bound_m: object
+    weights: object = None
+    out_expert_offsets: object = None
+    stream: object = None
+    moved_outputs: bool = False
+    phase = "dispatch"
+
+    @property
+    def first(self):
+        """The array whose framework gives the stream when ``stream`` is None."""
+        return self.dp_x
+
+
+@dataclass
+class CombineArgs:
+    """The arrays of one combine call, as :meth:`AllToAll.combine` takes them (shapes and dtypes there)."""
+    out_tokens: object
+    indices: object
+    weights: object
+    expert_y: object
+    bound_m: object
+    out_dropped: object = None
+    stream: object = None
+    phase = "combine"
+
+    @property
+    def first(self):
+        return self.out_tokens
+
+
+class Refusal(NamedTuple):
+    """Why a rank takes part in a call with no data: ``text`` (its error's message) and ``code`` (the reason
+    its signals carry to the peers: an ERR_* code, ERR_REFUSED with the argument's number)."""
+    text: str
+    code: int
 
 
 class AllToAll:
@@ -93,55 +145,47 @@ class AllToAll:
                                                  layout)
             window = positive_int("telemetry_window", telemetry_window, minimum=0)
             self.timeout_s = comm.timeout_s if timeout is None else timeout_seconds(timeout)[0]
-            mine = (None, c.key() + (window, bool(timing)))
+            mine = (None, dict(c.key(), telemetry_window=window, timing=bool(timing)))
         except InvalidArgument as e:
             error, mine = e, (str(e), None)
         everyone = comm.allgather(mine, "AllToAll(...)")
         _agree("AllToAll", error, mine[1], everyone, range(comm.world_size))
         transport = comm.transport
         self._context = transport.context
-        with self._context or nullcontext(), comm._failing():
-            self._ident = comm._new_alltoall_id()
+        with self._context or nullcontext(), comm.breaking():
+            self._ident = comm.register(self)
             self._backend = transport.new_alltoall(c, self.timeout_s, self._ident, window, bool(timing))
             self._arrays = transport.new_arrays()
         if c.slots_per_rank is not None:
             self.expert_map = ExpertMap.static(c.num_experts, c.world_size, c.slots_per_rank)
             with self._context or nullcontext():
                 self._backend.set_expert_map(self.expert_map)
-        self._call = self._backend.call
+        self._record = self._backend.record()  # the call record every call fills and passes to the backend
         self._none = None if transport.memory == "host" else 0  # an absent array in the call record
         self._in, self._out = accepted(c.in_dtype), accepted(c.out_dtype)
         # expected shapes, computed once (None: any number of rows, at most max_num_tokens)
-        self._token_shape, self._counts_shape = (None, c.hidden_dim), (c.num_local_experts,)
+        self._token_shape, self._token_scale_shape = (None, c.hidden_dim), (None, c.hidden_dim_scale)
+        self._ids_shape, self._counts_shape = (None, c.experts_per_token), (c.num_local_experts,)
+        self._offsets_shape = (c.num_local_experts + 1,)
         self._expert_shape, self._expert_scale_shape = c.expert_x_shape(), c.expert_x_scale_shape()
-        self._posted = {"dispatch": False, "combine": False}  # a send half waits for its receive half
-        self._dispatch_weights = None   # whether the last dispatch send carried router weights
-        self._dispatch_outputs = None   # addresses of the output arrays given to the last dispatch send
-        self._combine_due = False       # a dispatch was sent and its combine not yet
-        self._combine_weights = None    # whether the posted combine send was given weights
-        self._call_stream = None        # the current call's stream, once read
-        self._serving_since = None      # comm._breaks when mask_ranks last resynchronized this AllToAll
+        self._order = CallOrder()
+        self._serving_since = None      # comm.breaks when mask_ranks last resynchronized this AllToAll
         self._generation = 0            # restarts of the call sequence (mask_ranks), agreed by the ranks
 
     # ------------------------------------------------------------------------------------------
     def _live(self):
         if self._backend is None:
-            raise InvalidArgument("this AllToAll was destroyed")
-        if self.comm.broken is not None and self._serving_since != self.comm._breaks:
-            self.comm._live()  # raises CommBroken
-
-    def _rows(self, name, shape):
-        """The row count of a [rows, hidden] argument, which sets the call's."""
-        if shape[0] > self.cfg.max_num_tokens:
-            raise InvalidArgument(f"{name}: expected a 2-D array of at most max_num_tokens="
-                                  f"{self.cfg.max_num_tokens} rows, got shape {tuple(shape)}")
-        return shape[0]
+            raise InvalidArgument("this AllToAll was destroyed" + (" (its communicator was finalized)"
+                                                                    if self.comm.transport is None else ""))
+        if self.comm.broken is not None and self._serving_since != self.comm.breaks:
+            self.comm.check_live()  # raises CommBroken
 
     def dispatch(self, out_expert_num_tokens, out_expert_x, out_expert_x_scale, dp_x, dp_x_scale,
                  indices, bound_m, do_send=True, do_recv=True, weights=None, stream=None, out_expert_offsets=None):
         """Send each token to the ranks of its experts and lay it out per local expert. Collective.
 
-        Args (``m`` = tokens this call, read from ``bound_m``; rows = dp_x.shape[0] >= m):
+        Args (``m`` = tokens this call, read from ``bound_m``; each per-token array has its own number of
+        rows, at least m and at most max_num_tokens, as in pplx-kernels):
             out_expert_num_tokens: [num_local_experts] int32, written: tokens received per local expert.
             out_expert_x: [num_local_experts, capacity, hidden_dim] in_dtype (capacity: max_num_tokens *
                 (world_size // dp_size) unless set), written: slots 0..count-1 of each expert hold its
@@ -172,111 +216,25 @@ class AllToAll:
 
         Raises InvalidArgument (this rank's argument was refused: it takes part with no data and the call
         is over, no combine follows), PeerError (another rank's was), InvalidRouting (an expert id out of
-        range or repeated within a row, or bound_m out of range, on any rank), CommTimeout (a peer did
-        not answer in time), OutOfStep (calls that do not belong together met), CommBroken (the
-        communicator broke earlier). On GPUs the kernels record PeerError and InvalidRouting, which are
-        raised once the call is over (after combine's receive half is issued) or by synchronize(); a
-        dispatch raises only what was refused on this rank and timeouts.
+        range or repeated within a row, or bound_m outside [0, the fewest rows of a per-token array], on any
+        rank), CommTimeout (a peer did not answer in time; PeerExited: it left the job), OutOfStep (calls
+        that do not belong together met), CommBroken (the communicator broke earlier). On GPUs the kernels
+        record PeerError and InvalidRouting, which are raised once the call is over (after combine's receive
+        half is issued) or by synchronize(); a dispatch raises only what was refused on this rank and
+        timeouts.
         """
-        self._dispatch_call(out_expert_num_tokens, out_expert_x, out_expert_x_scale, dp_x, dp_x_scale, indices,
-                            bound_m, do_send, do_recv, weights, stream, True, out_expert_offsets)
-
-    def _dispatch_call(self, out_expert_num_tokens, out_expert_x, out_expert_x_scale, dp_x, dp_x_scale,
-                       indices, bound_m, do_send, do_recv, weights, stream, same_outputs, out_expert_offsets=None):
-        """dispatch() with positional arguments; ``same_outputs=False`` lets a receive half take other output
-        arrays that already hold what the send half wrote (moecomm.jax: XLA may copy between halves)."""
-        self._run(self._dispatch, out_expert_num_tokens, out_expert_x, out_expert_x_scale, dp_x, dp_x_scale,
-                  indices, bound_m, do_send, do_recv, weights, stream, same_outputs, out_expert_offsets)
-
-    def _run(self, call, *args):
-        """Run one call in the rank's CUDA context; a timeout or calls out of step break the communicator."""
-        self._live()
-        previous = self._context.enter() if self._context else None
-        try:
-            call(*args)
-        except (CommTimeout, OutOfStep) as e:
-            self.comm.fail(e)
-            raise
-        finally:
-            if previous is not None:
-                self._context.leave(previous)
-
-    def _dispatch(self, out_expert_num_tokens, out_expert_x, out_expert_x_scale, dp_x, dp_x_scale, indices,
-                  bound_m, do_send, do_recv, weights, stream, same_outputs, out_expert_offsets):
-        self._call_stream = None
-        try:
-            s, outputs = self._dispatch_args(out_expert_num_tokens, out_expert_x, out_expert_x_scale, dp_x,
-                                             dp_x_scale, indices, bound_m, do_send, do_recv, weights, stream,
-                                             same_outputs, out_expert_offsets)
-        except InvalidArgument as e:
-            self._refuse("dispatch", do_send, e)
-        self._arrays.order()
-        if do_send:
-            self._dispatch_weights = weights is not None
-            self._dispatch_outputs = outputs
-            self._combine_due = True
-        self._posted["dispatch"] = (self._posted["dispatch"] or do_send) and not do_recv
-        try:
-            self._backend.dispatch(bool(do_send), bool(do_recv), s)
-        except MoeCommError:  # the call is over on every rank (or the communicator broke)
-            self._combine_due = self._posted["dispatch"] = False
-            raise
-
-    def _dispatch_args(self, out_expert_num_tokens, out_expert_x, out_expert_x_scale, dp_x, dp_x_scale,
-                       indices, bound_m, do_send, do_recv, weights, stream, same_outputs, out_expert_offsets):
-        """Read and check dispatch's arguments into the call record; returns (stream, output addresses)."""
-        c, call, read, none = self.cfg, self._call, self._arrays.read, self._none
-        s = self._call_stream = self._arrays.begin(stream, dp_x)
-        unscaled = c.hidden_dim_scale is None
-        if (out_expert_x_scale is None) != unscaled or (dp_x_scale is None) != unscaled:
-            if unscaled:
-                raise InvalidArgument("this AllToAll has no scales (hidden_dim_scale=None): pass None for "
-                                      "out_expert_x_scale and dp_x_scale")
-            raise InvalidArgument(f"{'dp_x_scale' if dp_x_scale is None else 'out_expert_x_scale'}: "
-                                  f"required, got None")
-        call.x, _, shape, _ = read(dp_x, "dp_x", self._in, self._token_shape)
-        rows = self._rows("dp_x", shape)
-        per_token = (rows, c.experts_per_token)
-        call.indices, _, _, dt = read(indices, "indices", _INDICES, per_token)
-        call.idx64 = dt.itemsize == 8
-        call.bound_m = read(bound_m, "bound_m", _BOUND_M, _ONE)[0]
-        call.weights = none if weights is None else read(weights, "weights", _FLOAT32, per_token)[0]
-        call.x_scale = none if unscaled else read(dp_x_scale, "dp_x_scale", _FLOAT32, (rows, c.hidden_dim_scale))[0]
-        call.out_num, a_num, _, _ = read(out_expert_num_tokens, "out_expert_num_tokens", _COUNTS,
-                                         self._counts_shape)
-        call.out_x, a_x, _, _ = read(out_expert_x, "out_expert_x", self._in, self._expert_shape)
-        call.out_scale, a_scale = (none, 0) if unscaled else read(
-            out_expert_x_scale, "out_expert_x_scale", _FLOAT32, self._expert_scale_shape)[:2]
-        call.out_offsets = none
-        if (out_expert_offsets is None) != (c.layout == "padded"):
-            raise InvalidArgument("out_expert_offsets: " + ("required by the packed layout" if c.layout == "packed"
-                                                            else "only for the packed layout, pass None"))
-        if out_expert_offsets is not None:
-            call.out_offsets = read(out_expert_offsets, "out_expert_offsets", _COUNTS, (c.num_local_experts + 1,))[0]
-        call.rows = rows
-        outputs = (a_num, a_x, a_scale)
-        if (same_outputs and do_recv and not do_send and self._posted["dispatch"]
-                and outputs != self._dispatch_outputs):
-            raise InvalidArgument("dispatch: the receive half got other output arrays than the send half "
-                                  "(out_expert_num_tokens, out_expert_x, out_expert_x_scale must be the same)")
-        self._split("dispatch", do_send, do_recv)
-        if do_send and self._combine_due:
-            raise InvalidArgument("dispatch: the previous dispatch has not been combined (each dispatch is "
-                                  "followed by its combine before the next dispatch); this dispatch ends "
-                                  "that call instead, as a refused combine")
-        if do_send and self._posted["combine"]:
-            raise InvalidArgument("dispatch: the previous combine's receive half has not run yet")
-        return s, outputs
+        self.run(DispatchArgs(out_expert_num_tokens, out_expert_x, out_expert_x_scale, dp_x, dp_x_scale, indices,
+                              bound_m, weights, out_expert_offsets, stream), do_send, do_recv)
 
     def combine(self, out_tokens, indices, weights, expert_y, bound_m, do_send=True, do_recv=True,
                 stream=None, out_dropped=None):
         """Send expert outputs back and form each token's router-weighted sum. Collective.
 
-        Args:
+        Args (each per-token array has its own number of rows, at least m and at most max_num_tokens):
             out_tokens: [rows, hidden_dim] out_dtype, written: rows 0..m-1 get
                 sum_k weights[t, k] * expert_y(expert k of token t), accumulated in float32 (zeros for a
-                token whose ids are all -1).
-            indices: [rows, experts_per_token] int32/uint32/int64, as given to dispatch.
+                token whose ids are all -1); rows >= m are left as they were.
+            indices: [rows, experts_per_token] int32/uint32/int64, as given to dispatch (its first m rows).
             weights: [rows, experts_per_token] float32, or None to use the weights sent with dispatch
                 (summed on the expert side).
             expert_y: [num_local_experts, capacity, hidden_dim] out_dtype, laid out like out_expert_x.
@@ -291,91 +249,151 @@ class AllToAll:
         the message names the call). A refused combine ends its call (no retry); a combine without a
         dispatch to combine is refused.
         """
-        self._combine_call(out_tokens, indices, weights, expert_y, bound_m, do_send, do_recv, stream, out_dropped)
+        self.run(CombineArgs(out_tokens, indices, weights, expert_y, bound_m, out_dropped, stream), do_send, do_recv)
 
-    def _combine_call(self, out_tokens, indices, weights, expert_y, bound_m, do_send, do_recv, stream,
-                      out_dropped=None):
-        """combine() with positional arguments (moecomm.jax)."""
-        self._run(self._combine, out_tokens, indices, weights, expert_y, bound_m, do_send, do_recv, stream,
-                  out_dropped)
-
-    def _combine(self, out_tokens, indices, weights, expert_y, bound_m, do_send, do_recv, stream, out_dropped):
-        self._call_stream = None
+    def run(self, args, do_send=True, do_recv=True):
+        """Run the halves ``do_send`` / ``do_recv`` of the phase ``args`` describes (a :class:`DispatchArgs` or
+        :class:`CombineArgs`): what :meth:`dispatch` and :meth:`combine` do, for framework layers
+        (``moecomm.jax``, ``moecomm.torch``) that build the arguments themselves. Collective; raises as
+        :meth:`dispatch`."""
+        self._live()
+        phase, send, recv = args.phase, bool(do_send), bool(do_recv)
+        if not (send or recv):
+            raise InvalidArgument(f"{phase}: do_send and do_recv are both False: nothing to run")
+        previous = self._context.enter() if self._context else None
         try:
-            s = self._combine_args(out_tokens, indices, weights, expert_y, bound_m, do_send, do_recv, stream,
-                                   out_dropped)
+            self._run(args, send, recv)
+        except (CommTimeout, OutOfStep) as e:
+            self.comm.fail(e)
+            raise
+        finally:
+            if previous is not None:
+                self._context.leave(previous)
+
+    def _run(self, args, send, recv):
+        stream = None
+        try:
+            stream = self._arrays.begin(args.stream, args.first)
+            weights, outputs = self._read(args, stream, send, recv)
+            self._order.check(args.phase, send, recv)
         except InvalidArgument as e:
-            self._refuse("combine", do_send, e)
+            self._refuse(args.phase, send, e, stream)
         self._arrays.order()
-        if do_send:
-            self._combine_weights = weights is not None
-            self._combine_due = False
-        self._posted["combine"] = (self._posted["combine"] or do_send) and not do_recv
+        self._order.issue(args.phase, send, recv, weights, outputs)
         try:
-            self._backend.combine(bool(do_send), bool(do_recv), s)
+            getattr(self._backend, args.phase)(self._record, send, recv, stream)
         except MoeCommError:  # the call is over on every rank (or the communicator broke)
-            self._posted["combine"] = False
+            self._order.end()
             raise
 
-    def _combine_args(self, out_tokens, indices, weights, expert_y, bound_m, do_send, do_recv, stream, out_dropped):
-        """Read and check combine's arguments into the call record; returns the stream."""
-        c, call, read = self.cfg, self._call, self._arrays.read
-        s = self._call_stream = self._arrays.begin(stream, out_tokens)
-        call.out_tokens, _, shape, _ = read(out_tokens, "out_tokens", self._out, self._token_shape)
-        rows = self._rows("out_tokens", shape)
-        per_token = (rows, c.experts_per_token)
-        call.indices, _, _, dt = read(indices, "indices", _INDICES, per_token)
-        call.idx64 = dt.itemsize == 8
-        call.weights = self._none if weights is None else read(weights, "weights", _FLOAT32, per_token)[0]
-        call.y = read(expert_y, "expert_y", self._out, self._expert_shape)[0]
-        call.bound_m = read(bound_m, "bound_m", _BOUND_M, _ONE)[0]
-        call.rows, call.partials = rows, weights is None
-        call.out_dropped = self._none if out_dropped is None else read(out_dropped, "out_dropped", _FLAGS,
-                                                                           per_token)[0]
-        if do_send and not self._combine_due:
-            raise InvalidArgument("combine: no dispatch to combine (each dispatch is followed by exactly one "
-                                  "combine)")
-        if do_send and self._posted["dispatch"]:
-            raise InvalidArgument("combine: the dispatch's receive half has not run yet")
-        if weights is None and not self._dispatch_weights:
+    def _rows(self, *arrays):
+        """The rows of a call: the fewest of its per-token arrays (``(name, Checked or None)``), each of which
+        may have at most max_num_tokens."""
+        rows = self.cfg.max_num_tokens
+        for name, a in arrays:
+            if a is not None and a.shape[0] > self.cfg.max_num_tokens:
+                raise InvalidArgument(f"{name}: expected at most max_num_tokens={self.cfg.max_num_tokens} rows, got "
+                                      f"shape {tuple(a.shape)}")
+            rows = min(rows, a.shape[0]) if a is not None else rows
+        return rows
+
+    def _read(self, args, stream, send, recv):
+        """Read and check a call's arguments into the backend's call record; returns (whether router weights
+        were given, the output arrays' addresses for the same-outputs rule)."""
+        c, rec, none = self.cfg, self._record, self._none
+
+        def read(obj, name, accept, shape, output=False, optional=False):
+            return None if obj is None and optional else self._arrays.read(obj, name, accept, shape, output)
+
+        def value(checked):
+            return none if checked is None else checked.value
+
+        if args.phase == "dispatch":
+            unscaled = c.hidden_dim_scale is None
+            if (args.out_expert_x_scale is None) != unscaled or (args.dp_x_scale is None) != unscaled:
+                if unscaled:
+                    raise InvalidArgument("this AllToAll has no scales (hidden_dim_scale=None): pass None for "
+                                          "out_expert_x_scale and dp_x_scale")
+                raise InvalidArgument(f"{'dp_x_scale' if args.dp_x_scale is None else 'out_expert_x_scale'}: "
+                                      f"required, got None")
+            if (args.out_expert_offsets is None) != (c.layout == "padded"):
+                raise InvalidArgument("out_expert_offsets: " + ("required by the packed layout" if c.layout == "packed"
+                                                                else "only for the packed layout, pass None"))
+            x = read(args.dp_x, "dp_x", self._in, self._token_shape)
+            indices = read(args.indices, "indices", _INDICES, self._ids_shape)
+            weights = read(args.weights, "weights", _FLOAT32, self._ids_shape, optional=True)
+            x_scale = read(args.dp_x_scale, "dp_x_scale", _FLOAT32, self._token_scale_shape, optional=True)
+            rec.rows = self._rows(("dp_x", x), ("indices", indices), ("weights", weights), ("dp_x_scale", x_scale))
+            rec.x, rec.x_scale, rec.weights = x.value, value(x_scale), value(weights)
+            rec.indices, rec.idx64 = indices.value, int(indices.dtype.itemsize == 8)
+            rec.bound_m = read(args.bound_m, "bound_m", _BOUND_M, _ONE).value
+            num = read(args.out_expert_num_tokens, "out_expert_num_tokens", _COUNTS, self._counts_shape, True)
+            out_x = read(args.out_expert_x, "out_expert_x", self._in, self._expert_shape, True)
+            out_scale = read(args.out_expert_x_scale, "out_expert_x_scale", _FLOAT32, self._expert_scale_shape, True,
+                             optional=True)
+            offsets = read(args.out_expert_offsets, "out_expert_offsets", _COUNTS, self._offsets_shape, True,
+                           optional=True)
+            rec.out_num, rec.out_x, rec.out_scale, rec.out_offsets = num.value, out_x.value, value(out_scale), value(offsets)
+            outputs = (num.address, out_x.address, 0 if out_scale is None else out_scale.address)
+            if (recv and not send and not args.moved_outputs and self._order.posted("dispatch")
+                    and outputs != self._order.dispatch_outputs):
+                raise InvalidArgument("dispatch: the receive half got other output arrays than the send half "
+                                      "(out_expert_num_tokens, out_expert_x, out_expert_x_scale must be the same)")
+            return weights is not None, outputs
+        out = read(args.out_tokens, "out_tokens", self._out, self._token_shape, True)
+        indices = read(args.indices, "indices", _INDICES, self._ids_shape)
+        weights = read(args.weights, "weights", _FLOAT32, self._ids_shape, optional=True)
+        dropped = read(args.out_dropped, "out_dropped", _FLAGS, self._ids_shape, True, optional=True)
+        rec.rows = self._rows(("out_tokens", out), ("indices", indices), ("weights", weights), ("out_dropped", dropped))
+        rec.out_tokens, rec.indices, rec.idx64 = out.value, indices.value, int(indices.dtype.itemsize == 8)
+        rec.weights, rec.out_dropped, rec.partials = value(weights), value(dropped), int(weights is None)
+        rec.y = read(args.expert_y, "expert_y", self._out, self._expert_shape).value
+        rec.bound_m = read(args.bound_m, "bound_m", _BOUND_M, _ONE).value
+        if weights is None and self._order.open and not self._order.dispatch_weights:
             raise InvalidArgument("combine: weights=None needs the router weights to have been passed to "
                                   "dispatch(weights=...)")
-        if do_recv and not do_send and (weights is not None) != self._combine_weights:
+        if recv and not send and self._order.posted("combine") and (weights is not None) != self._order.combine_weights:
             raise InvalidArgument("combine: give weights to both halves or to neither")
-        self._split("combine", do_send, do_recv)
-        return s
+        return weights is not None, None
 
-    def _refuse(self, phase, do_send, error):
+    def _refuse(self, phase, send, error, stream):
         """Raise ``error``, a refused argument of a call. When the call would have opened a send half, the
         peers are meeting this rank in it: take part with no data first, so that they raise PeerError naming
         this rank instead of waiting for it, and the calls stay paired. A refused dispatch ends its call
         (no combine follows); a refused combine, or a dispatch that comes while a combine is due, ends the
         due call."""
-        if do_send and not any(self._posted.values()):
-            argument = _argument_of(error)
-            if self._combine_due:
-                self._combine_due = False
-                self._backend.refuse("combine", str(error), argument, self._call_stream)
+        if send and not (self._order.posted("dispatch") or self._order.posted("combine")):
+            halves = ()
+            if self._order.combine_due():
+                halves = HALVES[2:]
             elif phase == "dispatch":
-                self._backend.refuse("dispatch", str(error), argument, self._call_stream)
+                halves = HALVES
+            if halves:
+                code = C.ERR_REFUSED | _argument_of(error) << C.REASON_ARG_SHIFT
+                self._backend.skip(halves, stream, Refusal(str(error), code))
+                self._order.end()
         raise error
-
-    def _split(self, phase, do_send, do_recv):
-        """Refuse an order of send and receive halves that would deadlock or lose data."""
-        posted = self._posted[phase]
-        if do_send and posted:
-            raise InvalidArgument(f"{phase}: a send is already posted; call {phase}(do_send=False) first")
-        if do_recv and not (posted or do_send):
-            raise InvalidArgument(f"{phase}: do_recv without a prior do_send")
 
     def synchronize(self, stream=None):
         """Wait for this AllToAll's work on ``stream`` and raise any error its kernels recorded
         (CommTimeout naming the peer, InvalidRouting, ...). Dispatch and combine never synchronize; errors
-        of earlier calls are also raised at the start of the next call. Not collective."""
+        of earlier calls are also raised at the start of the next call. Not collective.
+
+        An error of the call in progress (a dispatch whose combine has not run, say) ends that call: its
+        remaining halves are issued with no data, flagged so that the peers raise too (they raise the same
+        error where their kernels recorded it, else PeerError), and the next dispatch starts a new call."""
         self._live()
-        with self._context or nullcontext(), self.comm._failing():
+        with self._context or nullcontext(), self.comm.breaking():
             s = None if self._context is None else self._arrays.begin(stream, None)
-            self._backend.synchronize(s)
+            try:
+                self._backend.synchronize(s)
+            except CommTimeout:
+                raise
+            except MoeCommError as e:
+                if self._order.open and getattr(e, "call", None) == self._order.number:
+                    self._backend.skip(self._order.remaining(), s, Refusal(str(e), C.ERR_ENDED))
+                    self._order.end()
+                raise
 
     def mask_ranks(self, ranks):
         """Stop exchanging with ``ranks`` (a dead rank, say), or with no rank (``[]``: unmask all). Collective
@@ -405,24 +423,24 @@ class AllToAll:
                                       f"({self.cfg.rank}), got {list(masked)}")
             if self.cfg.dp_size != 1:
                 raise InvalidArgument(f"mask_ranks: needs dp_size == 1, this AllToAll has {self.cfg.dp_size}")
-            if self._combine_due or any(self._posted.values()):
+            if self._order.open:
                 raise InvalidArgument("mask_ranks: a call is in progress (a dispatch without its combine, or a "
                                       "send half without its receive half)")
         except (TypeError, ValueError) as e:
             error, masked = (e if isinstance(e, InvalidArgument) else
                              InvalidArgument(f"mask_ranks: expected an iterable of ranks, got {ranks!r}")), None
         taking_part = [q for q in range(W) if masked is None or q not in masked]
-        wants = self.comm._subset_allgather((str(error) if error else None, masked, self._generation), taking_part,
-                                            f"mask_ranks of AllToAll #{self._ident}")
+        wants = self.comm.gather_among((str(error) if error else None, masked, self._generation), taking_part,
+                                       f"mask_ranks of AllToAll #{self._ident}")
         _agree("mask_ranks", error, masked, [(reason, theirs) for reason, theirs, _ in wants], taking_part)
         generation = max(g for _, _, g in wants) + 1  # a rank back from the dead may have missed some
-        with self._context or nullcontext(), self.comm._failing():
-            self._backend.set_mask(masked, generation,
-                                   lambda: self.comm._subset_barrier(taking_part, "mask_ranks"))
+        with self._context or nullcontext(), self.comm.breaking():
+            self._backend.set_mask(masked, generation, lambda: self.comm.gather_among(None, taking_part, "mask_ranks"))
         self.masked, self._generation = masked, generation
+        self._order.restart()
         self.comm.fail(MoeCommError(f"mask_ranks({list(masked)}) on AllToAll #{self._ident}: the communicator "
                                     f"serves only through masked AllToAlls"))
-        self._serving_since = self.comm._breaks
+        self._serving_since = self.comm.breaks
 
     def set_expert_map(self, expert_map):
         """Switch to another :class:`moecomm.balance.ExpertMap` (collective: every rank passes an equal map,
@@ -448,7 +466,7 @@ class AllToAll:
             if expert_map.generation == self.expert_map.generation:
                 raise InvalidArgument(f"set_expert_map: generation {expert_map.generation} is the current map's; "
                                       f"give the new map another")
-            if self._combine_due or any(self._posted.values()):
+            if self._order.open:
                 raise InvalidArgument("set_expert_map: a call is in progress (a dispatch without its combine)")
             mine = (None, f"map generation {expert_map.generation}, slots digest "
                           f"{hashlib.sha256(expert_map.slots.tobytes()).hexdigest()[:16]}")
@@ -489,9 +507,10 @@ class AllToAll:
         Safe to call twice; later calls raise InvalidArgument."""
         if self._backend is not None:
             backend, self._backend = self._backend, None
-            with self._context or nullcontext(), self.comm._failing():
+            with self._context or nullcontext(), self.comm.breaking():
                 backend.destroy(collective=self.comm.broken is None and not self.masked)
                 self._arrays.close()
+            self.comm.unregister(self)
 
 
     def __enter__(self):
@@ -511,7 +530,8 @@ def _argument_of(error):
 def _agree(what, error, value, gathered, ranks):
     """The end of a collective check: ``gathered`` holds every taking-part rank's (its refusal's text or
     None, its value), in the order of ``ranks``. Raise this rank's own ``error``, else InvalidArgument
-    naming the first rank that refused or whose value differs from this rank's ``value``: every rank raises."""
+    naming the first rank that refused or whose value differs from this rank's ``value`` (for a dict, the
+    fields that differ): every rank raises."""
     if error is not None:
         raise error
     for q, (reason, _) in zip(ranks, gathered):
@@ -519,5 +539,9 @@ def _agree(what, error, value, gathered, ranks):
             raise InvalidArgument(f"{what}: rank {q} refused its arguments: {reason}")
     for q, (_, theirs) in zip(ranks, gathered):
         if theirs != value:
-            raise InvalidArgument(f"{what}: rank {q} has {theirs}, this rank {value}: every rank taking part "
+            if isinstance(value, dict):
+                fields = [k for k in value if theirs.get(k) != value[k]]
+                theirs = ", ".join(f"{k}={theirs.get(k)!r}" for k in fields)
+                value = ", ".join(f"{k}={value[k]!r}" for k in fields)
+            raise InvalidArgument(f"{what}: rank {q} has {theirs}; this rank {value}: every rank taking part "
                                   f"must pass the same")

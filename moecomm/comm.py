@@ -15,16 +15,20 @@ import os
 import pickle
 import socket
 import sys
+import time
 import weakref
 
 from ._constants import timeout_seconds
-from ._errors import CommBroken, CommTimeout, InvalidArgument, MoeCommError, OutOfStep
+from ._errors import CommBroken, CommTimeout, InvalidArgument, MoeCommError, OutOfStep, PeerExited
 
 log = logging.getLogger("moecomm")
 
 TRANSPORTS = ("auto", "host", "nvshmem", "ipc")
 GPU_TRANSPORTS = {"nvshmem": ("nvshmem", "NvshmemTransport"), "ipc": ("ipc", "IpcTransport")}
 TRANSPORT_ENV = "MOECOMM_TRANSPORT"  # what "auto" means when set
+_POLL_S = 1e-3  # how often finalize looks for the peers' departures
+FINALIZE = "finalize"  # the departure reason of a rank that finalizes (it takes part in the teardown)
+_REASON_CHARS = 400  # of a departure's reason, at most
 
 
 class Bootstrap(abc.ABC):
@@ -36,6 +40,7 @@ class Bootstrap(abc.ABC):
     """
     rank = 0
     world_size = 1
+    announces = False  # whether leave() reaches the peers (then finalize waits for their notices)
 
     @abc.abstractmethod
     def allgather(self, data: bytes, timeout_s: float, what: str) -> list:
@@ -55,10 +60,21 @@ class Bootstrap(abc.ABC):
         raise MoeCommError(f"{what}: the {type(self).__name__} bootstrap cannot gather among a subset of ranks "
                            f"(mask_ranks needs an MPI bootstrap)")
 
+    def leave(self, reason: str) -> None:
+        """Tell every other rank, without waiting, that this one is leaving and why (its process is ending:
+        finalize, or an exception it did not handle). A bootstrap that cannot leaves it out: the peers then
+        learn of it from their timeouts."""
+
+    def departed(self, ranks) -> dict:
+        """{rank: reason} of the ``ranks`` that have said they are leaving (:meth:`leave`); never waits."""
+        return {}
+
 
 class MpiBootstrap(Bootstrap):
     """An mpi4py communicator (``mpi`` attribute: the communicator itself). Its control collectives are
     point to point with deadlines (:class:`moecomm._mpi.Control`): a silent rank is named."""
+
+    announces = True
 
     def __init__(self, mpi):
         from ._mpi import Control
@@ -70,6 +86,17 @@ class MpiBootstrap(Bootstrap):
 
     def subset_allgather(self, data, ranks, timeout_s, what):
         return self._control.allgather(data, what, timeout_s, ranks)
+
+    @property
+    def departures(self):
+        """The :class:`moecomm._mpi.Departures` of this communicator (the host transport's waits watch it)."""
+        return self._control.departures
+
+    def leave(self, reason):
+        self.departures.leave(reason)
+
+    def departed(self, ranks):
+        return self.departures.seen(ranks)
 
 
 class TorchBootstrap(Bootstrap):
@@ -149,8 +176,9 @@ class Communicator:
 
     def __init__(self, bootstrap, transport_name, timeout_s, device=None):
         self.bootstrap, self.timeout_s, self.broken, self.transport = bootstrap, timeout_s, None, None
-        self._alltoalls = 0
-        self._breaks = 0  # times fail() was called (an AllToAll resynchronized since the last one may serve)
+        self._alltoalls = 0  # AllToAlls constructed (each one's number: messages carry it)
+        self._live_alltoalls = []  # weak references to those not destroyed, in construction order
+        self.breaks = 0  # times fail() was called (an AllToAll resynchronized since the last one may serve)
         self.mpi = getattr(bootstrap, "mpi", None)
         self.rank, self.world_size = bootstrap.rank, bootstrap.world_size
         nodes = self._allgather(_node_id(), "init")
@@ -160,10 +188,10 @@ class Communicator:
             transport_name = "ipc" if self.local_size == self.world_size else "nvshmem"
         log.info("moecomm rank %d/%d: transport %s, timeout %.3g s", self.rank, self.world_size, transport_name,
                  timeout_s)
-        with self._failing():
+        with self.breaking():
             if transport_name == "host":
                 from .transport.host import HostTransport
-                self.transport = HostTransport(self.mpi)
+                self.transport = HostTransport(self.mpi, bootstrap.departures)
             else:
                 module, cls = GPU_TRANSPORTS[transport_name]
                 transport = getattr(importlib.import_module(f".transport.{module}", __package__), cls)
@@ -173,28 +201,26 @@ class Communicator:
 
     def allgather(self, obj, what="allgather"):
         """Gather one picklable object from every rank (collective, bounded by the timeout)."""
-        self._live()
+        self.check_live()
         return self._allgather(obj, what)
 
     def _allgather(self, obj, what):
-        with self._failing():
+        with self.breaking():
             return [pickle.loads(b) for b in self.bootstrap.allgather(pickle.dumps(obj), self.timeout_s, what)]
 
-    def _subset_allgather(self, obj, ranks, what):
-        """Gather one picklable object from each of ``ranks`` (bounded; works on a broken communicator)."""
+    def gather_among(self, obj, ranks, what):
+        """Gather one picklable object from each of ``ranks`` (bounded; works on a broken communicator: the
+        other ranks may be dead). For AllToAll.mask_ranks."""
         if self.transport is None:
             raise InvalidArgument("this Communicator was finalized")
-        with self._failing():
+        with self.breaking():
             data = self.bootstrap.subset_allgather(pickle.dumps(obj), ranks, self.timeout_s, what)
         return [pickle.loads(b) for b in data]
 
-    def _subset_barrier(self, ranks, what):
-        self._subset_allgather(None, ranks, what)
-
     def barrier(self):
         """Wait for every rank (collective, bounded by the timeout)."""
-        self._live()
-        with self._failing():
+        self.check_live()
+        with self.breaking():
             self.bootstrap.barrier(self.timeout_s, "barrier")
 
     def check_peers(self, nbytes=4096, timeout=None):
@@ -203,11 +229,11 @@ class Communicator:
         On GPUs this launches the peer-check kernel (NVSHMEM put with signal, bounded wait). Raises
         CommTimeout naming a silent peer, MoeCommError on wrong bytes.
         """
-        self._live()
+        self.check_live()
         if int(nbytes) <= 0:
             raise InvalidArgument(f"nbytes must be > 0, got {nbytes}")
         t = self.timeout_s if timeout is None else timeout_seconds(timeout)[0]
-        with self._failing():
+        with self.breaking():
             self.transport.check_peers(int(nbytes), t)
 
     def symmetric(self, shape, dtype):
@@ -229,28 +255,35 @@ class Communicator:
         self._gpu("free").free(array)
 
     def _gpu(self, what):
-        self._live()
+        self.check_live()
         if self.transport.memory != "device":
             raise InvalidArgument(f"{what}: symmetric memory needs a GPU transport (nvshmem or ipc), this "
                                   f"communicator uses {self.transport.name!r}")
         return self.transport
 
-    def _new_alltoall_id(self):
-        """The next AllToAll's number on this communicator (the same on every rank: construction is
-        collective and in the same order everywhere); host-transport messages carry it."""
+    # what moecomm.AllToAll uses ----------------------------------------------------------------
+    def register(self, alltoall):
+        """Count a new AllToAll (finalize destroys it if it is still alive); returns its number on this
+        communicator, the same on every rank (construction is collective and in the same order everywhere)."""
         self._alltoalls += 1
+        self._live_alltoalls.append(weakref.ref(alltoall))
         return self._alltoalls
 
-    def _live(self):
+    def unregister(self, alltoall):
+        """A destroyed AllToAll."""
+        self._live_alltoalls = [r for r in self._live_alltoalls if r() not in (None, alltoall)]
+
+    def check_live(self):
+        """Raise unless the communicator can be used: finalized (InvalidArgument), broken (CommBroken)."""
         if self.transport is None:
             raise InvalidArgument("this Communicator was finalized")
         if self.broken is not None:
             raise CommBroken(f"this Communicator is broken ({self.broken}); finalize it and start a new one")
 
     @contextlib.contextmanager
-    def _failing(self):
-        """Mark the communicator broken when what runs inside raises CommTimeout or finds the ranks out of
-        step (messages of that call may still be in flight)."""
+    def breaking(self):
+        """Mark the communicator broken when what runs inside raises CommTimeout (PeerExited included) or
+        finds the ranks out of step (messages of that call may still be in flight)."""
         try:
             yield
         except (CommTimeout, OutOfStep) as e:
@@ -259,25 +292,63 @@ class Communicator:
 
     def fail(self, error):
         """Mark the communicator broken by ``error`` (the first reason is kept)."""
-        self._breaks += 1
+        self.breaks += 1
         if self.broken is None:
             self.broken = f"{type(error).__name__}: {error}"
             _exit_guard.broken = True
             log.error("moecomm rank %d: communicator broken: %s", self.rank, self.broken)
 
     def finalize(self):
-        """Release the transport (NVSHMEM included). Collective: a bounded barrier first, so that a rank
-        that is gone is named here (CommTimeout) rather than waited for at exit; local only when the
-        communicator is broken. Safe to call twice."""
-        if self.transport is not None:
-            t = self.transport
-            try:
-                if self.broken is None:
-                    self.barrier()
-            finally:
-                self.transport = None
-                with self._failing():
-                    t.finalize(collective=self.broken is None)
+        """Destroy the AllToAlls still alive (later calls of theirs raise InvalidArgument), then release the
+        transport (NVSHMEM included). Collective: every rank says it is leaving and waits, bounded, until
+        every other rank has said so too, so that a rank still running is named here (CommTimeout) rather
+        than waited for at exit, and a rank still waiting for this one in a call is told (PeerExited); local
+        only when the communicator is broken. Safe to call twice."""
+        if self.transport is None:
+            return
+        try:
+            for ref in list(self._live_alltoalls):
+                if ref() is not None:
+                    ref().destroy()
+            if self.broken is None:
+                self._leave_together()
+        finally:
+            t, self.transport = self.transport, None
+            with self.breaking():
+                t.finalize(collective=self.broken is None)
+
+    def _leave_together(self):
+        """Tell every rank this one leaves, then wait (bounded) until every other rank has told this one (a
+        bootstrap without notices: a barrier). A rank that left after an error makes the teardown local."""
+        if not self.bootstrap.announces:
+            with self.breaking():
+                self.bootstrap.barrier(self.timeout_s, "finalize")
+            return
+        self.bootstrap.leave(FINALIZE)
+        self.transport.leave()
+        others = [q for q in range(self.world_size) if q != self.rank]
+        deadline = time.monotonic() + self.timeout_s
+        while len(gone := self.bootstrap.departed(others)) < len(others):
+            if time.monotonic() > deadline:
+                still = sorted(set(others) - set(gone))
+                error = CommTimeout(f"finalize: rank(s) {still} did not finalize within {self.timeout_s:g} s (still "
+                                    f"running; they were told that this rank left)", peer=still[0], phase="finalize")
+                self.fail(error)
+                raise error
+            time.sleep(_POLL_S)
+        failed = {q: why for q, why in gone.items() if why != FINALIZE}
+        if failed:  # it takes no part in the teardown
+            log.warning("moecomm rank %d: finalize: rank(s) left after an error: %s", self.rank, failed)
+            self.fail(MoeCommError(f"rank(s) {sorted(failed)} left after an error"))
+
+    def abandon(self, reason):
+        """Leave without waiting for anyone (the process is ending after an error): the peers are told, with
+        ``reason``, and raise PeerExited naming this rank; nothing collective follows."""
+        if self.transport is None:
+            return
+        self.bootstrap.leave(reason)
+        self.transport.leave()
+        self.fail(MoeCommError(f"this rank left ({reason})"))
 
     def __enter__(self):
         return self
@@ -287,12 +358,14 @@ class Communicator:
 
 
 class _ExitGuard:
-    """At interpreter exit: finalize live communicators; if a wait for a peer failed (in init or in a
-    communicator), end the process without MPI's finalization, which waits for every rank, dead ones
+    """At interpreter exit: a rank ending on an exception it did not handle tells its peers (each live
+    communicator's :meth:`Communicator.abandon`, with the exception) and ends without MPI's finalization;
+    otherwise live communicators are finalized (collectively). If a wait for a peer failed (in init or in a
+    communicator), the process ends without MPI's finalization, which waits for every rank, dead ones
     included. Installed by the first init()."""
 
     def __init__(self):
-        self.comms, self.unhandled, self.broken, self._previous_hook = [], False, False, None
+        self.comms, self.unhandled, self.broken, self._previous_hook = [], None, False, None
 
     def install(self):
         if self._previous_hook is None:
@@ -304,14 +377,18 @@ class _ExitGuard:
         self.comms.append(weakref.ref(comm))
 
     def _excepthook(self, kind, value, tb):
-        self.unhandled = True
+        self.unhandled = f"it raised {kind.__name__}: {value}"[:_REASON_CHARS]
         self._previous_hook(kind, value, tb)
 
     def at_exit(self):
         comms = [c for c in (r() for r in self.comms) if c is not None]
         for comm in comms:
             try:
-                comm.finalize()
+                if self.unhandled:
+                    comm.abandon(self.unhandled)
+                    self.broken = True
+                else:
+                    comm.finalize()
             except MoeCommError as e:
                 log.error("moecomm rank %d: finalize at exit: %s", comm.rank, e)
         if self.broken:

@@ -1,23 +1,35 @@
-"""JAX: dispatch and combine as JAX operations, inside ``jax.jit`` or eagerly, on XLA's stream.
+"""JAX: dispatch and combine as JAX operations, inside ``jax.jit`` (and ``lax.scan``, ``fori_loop``,
+``cond``, ``jax.checkpoint``) or eagerly, on GPUs (on XLA's stream) and on the host transport (JAX's CPU
+backend, numpy under the hood).
 
     import moecomm, moecomm.jax
     comm = moecomm.init()
-    layer = moecomm.jax.AllToAll(moecomm.AllToAll(comm, ...))   # GPU transport
+    layer = moecomm.jax.AllToAll(moecomm.AllToAll(comm, ...))
     counts, expert_x, expert_x_scale = layer.dispatch(dp_x, dp_x_scale, indices, bound_m, weights)
     out_tokens = layer.combine(indices, None, expert_y, bound_m)     # weights went with dispatch
 
-Built on ``jax.experimental.buffer_callback``: XLA allocates the outputs and the kernels write them in
-place on XLA's stream (no copies, no host synchronization). Shapes are static, as in
-:class:`moecomm.AllToAll` (worst-case expert slots; ``bound_m`` is a [1] int32 device array). Split
-halves: :meth:`AllToAll.dispatch_send` returns a handle that :meth:`AllToAll.dispatch_recv` completes
-(other JAX work may sit between them), likewise ``combine_send`` / ``combine_recv``.
+Built on ``jax.experimental.buffer_callback``: XLA allocates the outputs and moecomm writes them in place
+(GPU kernels on XLA's stream: no copies, no host synchronization). Shapes are static, as in
+:class:`moecomm.AllToAll` (worst-case expert slots; ``bound_m`` is a [1] int32 array). Split halves:
+:meth:`AllToAll.dispatch_send` returns a handle that :meth:`AllToAll.dispatch_recv` completes (other JAX
+work may sit between them), likewise ``combine_send`` / ``combine_recv``.
 
-The operations are not marked as having side effects: each one's output feeds the next (dispatch ->
-experts -> combine -> the layer's output; a send half's handle -> its receive half), so XLA can drop them
-only all together, and alike on every rank, which run the same program. Marked effectful, a jitted step
-with one callback cost 134 us per call instead of 40 us (jax 0.11.2, H200). They are not command-buffer
-compatible: every call runs host code (argument checks, the split-order state, the deferred error word),
-which a replayed command buffer would skip.
+Every operation is marked as having a side effect. An AllToAll keeps state from one call to the next (its
+buffers, the call sequence every rank must follow), which XLA cannot see: to XLA a pure operation may be
+computed twice, dropped or merged with another. Seen on one H200 (jax 0.11.2): a scan whose body's combine
+output is both the carry and a per-layer output ran that combine twice, the second time with no dispatch
+to combine. Marked effectful, each operation runs exactly once per execution, and its data dependencies
+(dispatch -> experts -> combine, a send half's handle -> its receive half) order the calls of one AllToAll.
+Independent AllToAlls in one jitted function run in the order XLA schedules them, which is the same on every
+rank (every rank runs the same program); give them a data dependency if another order is wanted. They are
+not command-buffer compatible: every call runs host code (argument checks, the call order, the deferred
+error word), which a replayed command buffer would skip.
+
+Numerics of stacked layers: a router in front of each layer re-routes its input through top-k, so two
+computations of the same stack that round differently (moecomm's kernels sum in another order than XLA; at
+2+ ranks with router weights sent with dispatch, the expert side rounds its partial sums to out_dtype) can
+pick another expert for a token whose top-k is nearly tied, and from there that token differs by a lot.
+Compare stacks layer by layer on the same inputs, or with routing that does not depend on the activations.
 
 Every rank's JAX must see its own GPU. JAX preallocates 75 % of every GPU it sees, so with several ranks
 per node give each process one GPU before anything initialises CUDA (``CUDA_VISIBLE_DEVICES``, as
@@ -31,7 +43,8 @@ import jax
 import numpy as np
 from jax.experimental.buffer_callback import buffer_callback
 
-from ._arrays import DeviceBuffer
+from ._arrays import DeviceBuffer, host_view
+from .alltoall import CombineArgs, DispatchArgs
 
 
 class DispatchHandle(NamedTuple):
@@ -56,16 +69,19 @@ class CombineHandle(NamedTuple):
 
 
 class AllToAll:
-    """JAX operations over a :class:`moecomm.AllToAll` of the GPU transport (shapes and dtypes as there).
+    """JAX operations over a :class:`moecomm.AllToAll` (shapes and dtypes as there): JAX on GPUs over a GPU
+    transport, JAX's CPU backend over the host transport.
 
     Args:
-        a2a: the moecomm.AllToAll; its calls keep their rules (a dispatch, then its combine; collective).
+        a2a: the moecomm.AllToAll (padded layout); its calls keep their rules (a dispatch, then its combine;
+            collective).
     """
 
     def __init__(self, a2a):
-        if a2a.comm.transport.memory != "device":
-            raise ValueError("moecomm.jax needs a GPU transport (the host transport takes numpy arrays)")
         self.a2a, c = a2a, a2a.cfg
+        if c.layout != "padded":
+            raise ValueError("moecomm.jax takes AllToAlls of the padded layout")
+        self._host = a2a.comm.transport.memory == "host"
         self._device = a2a.comm.device
         expert = jax.ShapeDtypeStruct(c.expert_x_shape(), c.in_dtype)
         scale = jax.ShapeDtypeStruct(c.expert_x_scale_shape(), np.float32) if c.hidden_dim_scale else None
@@ -74,16 +90,18 @@ class AllToAll:
 
     # ------------------------------------------------------------------------------------------
     def _buffer(self, b):
-        """A JAX callback Buffer as a DeviceBuffer (its memory is XLA's, on this rank's device)."""
+        """A JAX callback Buffer as moecomm reads it: a DeviceBuffer on GPUs (its memory is XLA's, on this
+        rank's device), a numpy view on the host transport."""
         if b is None:
             return None
+        if self._host:
+            return host_view(b)
         return DeviceBuffer(b.__cuda_array_interface__["data"][0], tuple(b.shape), np.dtype(b.dtype),
                             self._device)
 
-    @staticmethod
-    def _stream(ctx):
-        """XLA's stream for this execution."""
-        return ctx.stream
+    def _stream(self, ctx):
+        """XLA's stream for this execution (none on the host)."""
+        return None if self._host else ctx.stream
 
     def _dispatch_op(self, send, recv, inputs, outputs=None):
         """One buffer_callback running the given halves of dispatch on ``inputs`` (dp_x, dp_x_scale,
@@ -93,10 +111,11 @@ class AllToAll:
             x, xs, idx, m, w = (self._buffer(b) for b in args[-5:])
             n, ex, exs = (self._buffer(b) for b in (out if self._scaled else (*out, None)))
             # after a send half, XLA may have copied its outputs: their contents are what the send wrote
-            self.a2a._dispatch_call(n, ex, exs, x, xs, idx, m, send, recv, w, self._stream(ctx), outputs is None)
+            self.a2a.run(DispatchArgs(n, ex, exs, x, xs, idx, m, w, None, self._stream(ctx),
+                                      moved_outputs=outputs is not None), send, recv)
         structs = self._dispatch_out if self._scaled else self._dispatch_out[:2]
         aliases = None if outputs is None else {i: i for i in range(len(structs))}
-        out = buffer_callback(run, structs, has_side_effect=False, input_output_aliases=aliases)(
+        out = buffer_callback(run, structs, has_side_effect=True, input_output_aliases=aliases)(
             *(outputs or ()), *inputs)
         return tuple(out) if self._scaled else (*out, None)
 
@@ -117,19 +136,21 @@ class AllToAll:
 
     def _combine_op(self, send, recv, inputs, out_tokens=None):
         """One buffer_callback running the given halves of combine on ``inputs`` (indices, weights,
-        expert_y, bound_m); a receive half after a send half writes into the send's ``out_tokens``."""
+        expert_y, bound_m), writing into ``out_tokens`` (a send half's, for its receive half), else into
+        zeros (rows >= m stay zero: no uninitialised memory reaches JAX)."""
         def run(ctx, out, *args):
             idx, w, y, m = (self._buffer(b) for b in args[-4:])
-            self.a2a._combine_call(self._buffer(out), idx, w, y, m, send, recv, self._stream(ctx))
+            self.a2a.run(CombineArgs(self._buffer(out), idx, w, y, m, None, self._stream(ctx)), send, recv)
         c = self.a2a.cfg
-        struct = jax.ShapeDtypeStruct((inputs[0].shape[0], c.hidden_dim), c.out_dtype)
-        return buffer_callback(run, struct, has_side_effect=False,
-                               input_output_aliases=None if out_tokens is None else {0: 0})(
-            *(() if out_tokens is None else (out_tokens,)), *inputs)
+        shape = (inputs[0].shape[0], c.hidden_dim)
+        if out_tokens is None:
+            out_tokens = jax.numpy.zeros(shape, c.out_dtype)
+        return buffer_callback(run, jax.ShapeDtypeStruct(shape, c.out_dtype), has_side_effect=True,
+                               input_output_aliases={0: 0})(out_tokens, *inputs)
 
     def combine(self, indices, weights, expert_y, bound_m):
         """Both halves of :meth:`moecomm.AllToAll.combine`. Returns out_tokens [rows, hidden] out_dtype
-        (rows = indices.shape[0]; rows >= m are left as XLA allocated them)."""
+        (rows = indices.shape[0]; rows >= m are zeros)."""
         return self._combine_op(True, True, (indices, weights, expert_y, bound_m))
 
     def combine_send(self, indices, weights, expert_y, bound_m):

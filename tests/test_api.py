@@ -50,6 +50,11 @@ def _roundtrip(a2a, args):
     np.testing.assert_allclose(out.astype(np.float32), want.astype(np.float32), rtol=2 ** -7, atol=1e-6)
 
 
+def _readonly(a):
+    a.flags.writeable = False
+    return a
+
+
 BAD_DISPATCH = {
     "dp_x dtype": (dict(dp_x=np.zeros((M, H), np.float32)), "dp_x: dtype float32"),
     "dp_x hidden": (dict(dp_x=np.zeros((M, H // 2), moecomm.float8_e4m3fn)), "dp_x: shape"),
@@ -68,8 +73,9 @@ BAD_DISPATCH = {
     "list input": (dict(dp_x=[[0.0] * H] * M), "takes numpy arrays"),
     "m too large": (dict(bound_m=np.array([M + 1], np.int32)), "bound_m"),
     "bad expert": (dict(indices=np.full((M, K), E, np.int32)), "outside [0, 8)"),
-    "weights rows": (dict(weights=np.zeros((M - 1, K), np.float32)), "weights: shape (15, 2) does not match "
-                     "expected (16, 2)"),
+    "weights rows < m": (dict(weights=np.zeros((M - 1, K), np.float32)), "bound_m=16 must be in [0, 15]"),
+    "indices rows < m": (dict(indices=np.zeros((M - 4, K), np.int32)), "bound_m=16 must be in [0, 12]"),
+    "read-only output": (dict(out_expert_x=_readonly(np.zeros((E, M, H), moecomm.float8_e4m3fn))), "read-only"),
     "repeated expert": (dict(indices=np.zeros((M, K), np.int32)), "more than once"),
 }
 

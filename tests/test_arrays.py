@@ -10,7 +10,8 @@ import pytest
 
 import moecomm
 from moecomm import _abi, _arrays
-from moecomm._constants import ARGUMENTS
+from moecomm import _constants as C
+from moecomm._constants import ARGUMENTS, HALVES
 from moecomm.transport.base import AllToAllBackend, Transport
 
 LAUNCH = 0x100  # the launch stream of these tests
@@ -195,14 +196,17 @@ class FakeBackend(AllToAllBackend):
     def __init__(self):
         self.call, self.launches = _abi.Call(), []
 
-    def dispatch(self, do_send, do_recv, stream):
-        self.launches.append(("dispatch", do_send, do_recv, stream, bytes(self.call)))
+    def record(self):
+        return self.call
 
-    def combine(self, do_send, do_recv, stream):
-        self.launches.append(("combine", do_send, do_recv, stream, bytes(self.call)))
+    def dispatch(self, record, do_send, do_recv, stream):
+        self.launches.append(("dispatch", do_send, do_recv, stream, bytes(record)))
 
-    def refuse(self, phase, reason, argument, stream):
-        self.launches.append(("refuse", phase, argument, stream))
+    def combine(self, record, do_send, do_recv, stream):
+        self.launches.append(("combine", do_send, do_recv, stream, bytes(record)))
+
+    def skip(self, halves, stream, refusal=None):
+        self.launches.append(("skip", halves, refusal.code if refusal else 0, stream))
 
     def set_mask(self, masked, generation, barrier):
         pass
@@ -233,9 +237,9 @@ class FakeTransport(Transport):
 
 @pytest.fixture
 def fake():
-    comm = SimpleNamespace(world_size=1, rank=0, timeout_s=1.0, transport=FakeTransport(), broken=None,
-                           allgather=lambda obj, what: [obj], _failing=contextlib.nullcontext,
-                           _new_alltoall_id=lambda: 1, fail=lambda e: None)
+    comm = SimpleNamespace(world_size=1, rank=0, timeout_s=1.0, transport=FakeTransport(), broken=None, breaks=0,
+                           allgather=lambda obj, what: [obj], breaking=contextlib.nullcontext,
+                           register=lambda a: 1, unregister=lambda a: None, fail=lambda e: None)
     return moecomm.AllToAll(comm, M, E, K, H, S, "float8_e4m3fn", "bfloat16")
 
 
@@ -264,13 +268,18 @@ BAD = {
 }
 
 
+def refused(arg):
+    """The reason a skipped call's signals carry for a refused argument."""
+    return C.ERR_REFUSED | ARGUMENTS.index(arg) << C.REASON_ARG_SHIFT
+
+
 @pytest.mark.parametrize("arg", list(BAD))
 def test_bad_dispatch_argument_is_named_and_nothing_launches(fake, arg):
     with pytest.raises(moecomm.InvalidArgument, match=f"^{arg}: "):
         fake.dispatch(**dict(_buffers(), **{arg: BAD[arg]}), stream=LAUNCH)
     launches = fake.comm.transport.backend.launches
     # the refused call is run with no data, the argument named by its number, on the call's stream
-    assert launches == [("refuse", "dispatch", ARGUMENTS.index(arg), LAUNCH)]
+    assert launches == [("skip", HALVES, refused(arg), LAUNCH)]
     fake.dispatch(**_buffers(), stream=LAUNCH)  # the next good call goes through
     assert launches[-1][3] == LAUNCH
     call = _abi.Call.from_buffer_copy(launches[-1][4])
@@ -280,7 +289,7 @@ def test_bad_dispatch_argument_is_named_and_nothing_launches(fake, arg):
 
 BAD_COMBINE = {
     "out_tokens": FakeTensor((M, H), "float16", ptr=0x9000),
-    "indices": FakeTensor((M - 1, K), "int32", ptr=0x6000),
+    "indices": FakeTensor((M - 1, K + 1), "int32", ptr=0x6000),
     "weights": FakeTensor((M, K), "bfloat16", ptr=0x8000),
     "expert_y": moecomm.DeviceBuffer(0xa000, (E, M, H), moecomm.float8_e4m3fn, 0),
     "bound_m": FakeCAI((2,), "<i4", ptr=0x7000),
@@ -296,7 +305,7 @@ def test_bad_combine_argument_is_named(fake, arg):
                 bound_m=FakeTensor((1,), "int32", ptr=0x7000))
     with pytest.raises(moecomm.InvalidArgument, match=f"^{arg}: "):
         fake.combine(**dict(good, **{arg: BAD_COMBINE[arg]}), stream=LAUNCH)
-    assert fake.comm.transport.backend.launches[-1] == ("refuse", "combine", ARGUMENTS.index(arg), LAUNCH)
+    assert fake.comm.transport.backend.launches[-1] == ("skip", HALVES[2:], refused(arg), LAUNCH)
     fake.dispatch(**_buffers(), stream=LAUNCH)  # the refused combine ended the call
     fake.combine(**good, stream=LAUNCH)
     call = _abi.Call.from_buffer_copy(fake.comm.transport.backend.launches[-1][4])

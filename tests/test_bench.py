@@ -112,8 +112,8 @@ def test_trace_figures_time_each_reached_stage():
     from moecomm import _constants as C
     tool = _trace_tool()
     mhz, replays = 1000.0, 5  # 1000 clocks per microsecond
-    rows = np.zeros((replays, len(C.TRACE_HALVES), C.TRACE_POINTS), np.int64)
-    for h, half in enumerate(C.TRACE_HALVES):
+    rows = np.zeros((replays, len(C.HALVES), C.TRACE_POINTS), np.int64)
+    for h, half in enumerate(C.HALVES):
         n = len(tool.STAGES[half])
         rows[:, h, :n] = 10_000 + 1000 * np.arange(n) * (h + 1)  # each stage (h + 1) us after the last
     rows[:, 1, 2:4] = 0  # dispatch_recv's stamping block had no records: "routed" and "copied" unreached
@@ -129,7 +129,7 @@ def test_trace_figures_time_each_reached_stage():
     text = tool.table([figures, figures])
     assert "rank 1" in text and "first record copied" not in text
     # kernel spans: the one-launch dispatch (slot of dispatch_send) and combine (combine_send) ran, 2 GHz
-    spans = np.zeros((replays, 2 + len(C.TRACE_HALVES) * C.TRACE_SPAN), np.int64)
+    spans = np.zeros((replays, 2 + len(C.HALVES) * C.TRACE_SPAN), np.int64)
     spans[:, 0], spans[:, 1] = 1_000_000, 1_030_000  # the stamps before and after the graph's kernels (ns)
     for h, start in ((0, 1_001_000), (2, 1_016_000)):
         s = spans[:, 2 + h * C.TRACE_SPAN:2 + (h + 1) * C.TRACE_SPAN]

@@ -46,11 +46,11 @@ STAGES = {
 
 def figures(rows, mhz):
     """{half: {stage: [median, p90] microseconds}} from the stamps of many replays, ``rows`` [replays,
-    len(TRACE_HALVES), TRACE_POINTS] int64 SM clocks at ``mhz``: each stage the stamping block reached timed
+    len(HALVES), TRACE_POINTS] int64 SM clocks at ``mhz``: each stage the stamping block reached timed
     from the previous one it reached (a stage it did not reach, its stamp 0 in every replay, is left out), the
     block's span, and the last block's epilogue where the half times one."""
     out = {}
-    for h, half in enumerate(C.TRACE_HALVES):
+    for h, half in enumerate(C.HALVES):
         reached = [i for i, _ in enumerate(STAGES[half]) if rows[:, h, i].all()]
         names = [STAGES[half][i] for i in reached]
         stamps = rows[:, h, reached]
@@ -77,8 +77,8 @@ STAMP = cupy.RawKernel(r"""extern "C" __global__ void stamp(unsigned long long* 
 def kernels(spans):
     """``spans`` [replays, 2 + halves * TRACE_SPAN] as [replays, halves, TRACE_SPAN], and the halves whose
     kernel ran (named by the half it starts with: block 0 stamped its exit in every replay)."""
-    s = spans[:, 2:].reshape(len(spans), len(C.TRACE_HALVES), C.TRACE_SPAN)
-    return s, [h for h in range(len(C.TRACE_HALVES)) if s[:, h, 5].all()]
+    s = spans[:, 2:].reshape(len(spans), len(C.HALVES), C.TRACE_SPAN)
+    return s, [h for h in range(len(C.HALVES)) if s[:, h, 5].all()]
 
 
 def spans_clock(spans):
@@ -96,7 +96,7 @@ def timeline(spans):
     out = {}
     for h in ran:
         for i, what in enumerate(("first entry", "last entry", "first exit", "last exit")):
-            out[f"{C.TRACE_HALVES[h]} kernel {what}"] = float(np.median(s[:, h, i] - spans[:, 0]) / 1e3)
+            out[f"{C.HALVES[h]} kernel {what}"] = float(np.median(s[:, h, i] - spans[:, 0]) / 1e3)
     out["stamp after"] = float(np.median(spans[:, 1] - spans[:, 0]) / 1e3)
     return out
 
@@ -104,7 +104,7 @@ def timeline(spans):
 def table(everyone):
     """The figures of every rank (a list of figures()), a stage per line, a column per rank."""
     lines = []
-    for half in C.TRACE_HALVES:
+    for half in C.HALVES:
         lines.append(f"{half}" + "".join(f"{'rank ' + str(r):>16s}" for r in range(len(everyone))))
         for stage in dict.fromkeys(s for f in everyone for s in f[half]):
             cells = "  ".join(f"{f[half][stage][0]:6.2f} ({f[half][stage][1]:5.2f})" if stage in f[half]
@@ -126,17 +126,17 @@ def main():
     W, rank, T, E, K, H, S = comm.world_size, comm.rank, args.tokens, 256, 8, 7168, 56
     L = E // W
     a2a = moecomm.AllToAll(comm, T, E, K, H, S, "float8_e4m3fn", "bfloat16")
-    module = a2a._backend.module  # the module its kernels come from (GpuTransport.kernels)
+    _, module = tr.kernels(a2a.cfg)  # the module its kernels come from
     err, ptr, size = driver.cuModuleGetGlobal(module.handle, b"moecomm_trace")
     if err != driver.CUresult.CUDA_SUCCESS:
         raise SystemExit("the kernels were built without MOECOMM_TRACE=1 (set it for the build and the run)")
-    slots = len(C.TRACE_HALVES) * C.TRACE_POINTS
+    slots = len(C.HALVES) * C.TRACE_POINTS
     trace = cupy.ndarray((slots,), np.int64, cupy.cuda.MemoryPointer(
         cupy.cuda.UnownedMemory(int(ptr), int(size), tr), 0))
     _, sptr, ssize = driver.cuModuleGetGlobal(module.handle, b"moecomm_span")
-    span = cupy.ndarray((len(C.TRACE_HALVES), C.TRACE_SPAN), np.uint64, cupy.cuda.MemoryPointer(
+    span = cupy.ndarray((len(C.HALVES), C.TRACE_SPAN), np.uint64, cupy.cuda.MemoryPointer(
         cupy.cuda.UnownedMemory(int(sptr), int(ssize), tr), 0))
-    span_init = cupy.asarray(np.array([[2**64 - 1, 0] * 2 + [0] * 4] * len(C.TRACE_HALVES), np.uint64))
+    span_init = cupy.asarray(np.array([[2**64 - 1, 0] * 2 + [0] * 4] * len(C.HALVES), np.uint64))
     ends = cupy.zeros(2, np.uint64)  # the global timer just before and just after the graph's kernels
     delay_args, delay = delay_kernel(tr)
 
@@ -181,7 +181,7 @@ def main():
                 rows.append(trace.get())
                 spans.append(np.concatenate([ends.get(), span.get().ravel()]))
         a2a.synchronize(stream)
-    rows = np.array(rows).reshape(len(rows), len(C.TRACE_HALVES), C.TRACE_POINTS)
+    rows = np.array(rows).reshape(len(rows), len(C.HALVES), C.TRACE_POINTS)
     spans = np.array(spans, np.int64)
     hz = spans_clock(spans)
     mhz = cupy.cuda.runtime.getDeviceProperties(tr.device)["clockRate"] / 1e3

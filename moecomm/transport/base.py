@@ -4,12 +4,14 @@ A transport moves bytes between the ranks of one communicator. :class:`moecomm.A
 checks every argument in Python (dtype, shape, contiguity, device, the order of split halves) and then
 calls a backend made by :meth:`Transport.new_alltoall`, so a backend never sees bad input.
 
-Arguments reach a backend through its *call record* (``backend.call``), which AllToAll fills before each
-call with the fields of :data:`moecomm._abi.CALL_FIELDS`: ``x``, ``x_scale``, ``indices``, ``weights``,
-``bound_m``, ``out_num``, ``out_x``, ``out_scale`` (dispatch), ``indices``, ``weights``, ``bound_m``,
-``y``, ``out_tokens`` (combine), and the ints ``rows``, ``idx64``, ``partials``. A transport with
-``memory == "host"`` gets numpy arrays (None where absent); one with ``memory == "device"`` gets device
-addresses (0 where absent) in a :class:`moecomm._abi.Call` structure that it hands to its kernels as is.
+Arguments reach a backend as its *call record* (made once by ``backend.record()``), which AllToAll fills
+for each call with the fields of :data:`moecomm._abi.CALL_FIELDS` and passes to ``dispatch`` / ``combine``:
+``x``, ``x_scale``, ``indices``, ``weights``, ``bound_m``, ``out_num``, ``out_x``, ``out_scale``,
+``out_offsets`` (dispatch), ``indices``, ``weights``, ``bound_m``, ``y``, ``out_tokens``, ``out_dropped``
+(combine), and the ints ``rows`` (the fewest rows of the call's per-token arrays), ``idx64``, ``partials``.
+A transport with ``memory == "host"`` gets numpy arrays (None where absent); one with ``memory == "device"``
+gets device addresses (0 where absent) in a :class:`moecomm._abi.Call` structure that it hands to its
+kernels as is.
 
 A GPU transport is three pieces (the ``ipc`` transport is the example to copy, ~150 lines in all):
 
@@ -30,10 +32,11 @@ combine; kernels report errors (timeouts naming the peer, refusals, routing) in 
 without synchronizing; a send half may already write this rank's own outputs; moecomm's barriers are
 bounded host barriers over the bootstrap, the benchmark's device barrier is the peer-check kernel.
 
-The call contract, the same on every transport: each dispatch is followed by exactly one combine; a
-call whose arguments AllToAll refused still takes part with no data (:meth:`AllToAllBackend.refuse`), so
-the ranks' calls always pair up; a call that raises a non-fatal error (refusal, bad routing) is over on
-every rank. A host transport raises the peers' errors in the call itself; a device transport never
+The call contract, the same on every transport: each dispatch is followed by exactly one combine, and
+every rank issues each of a call's four halves (:data:`moecomm._constants.HALVES`) once; a half a rank
+cannot run with data (its arguments were refused, or the call failed part-way) is issued with no data
+(:meth:`AllToAllBackend.skip`), so the ranks' calls always pair up; a call that raises a non-fatal error
+(refusal, bad routing) is over on every rank. A host transport raises the peers' errors in the call itself; a device transport never
 synchronizes, so its kernels record them and the backend raises them once the call is over on this rank
 (after issuing combine's receive half) or in ``synchronize``, and raises a timeout at the next call.
 """
@@ -51,31 +54,35 @@ def host_call_record():
     return SimpleNamespace(**{f: (0 if t == "int" else None) for f, t in CALL_FIELDS})
 
 
+def first_send(halves):
+    """The first send half among ``halves`` (the one that tells the peers why a rank skips), or None."""
+    return next((h for h in halves if h.endswith("_send")), None)
+
+
 class AllToAllBackend(abc.ABC):
-    """One AllToAll's transport-side state: buffers sized at construction, reused by every call.
-
-    Attributes:
-        call: the call record AllToAll fills before each dispatch or combine (see the module doc).
-    """
-    call = None
+    """One AllToAll's transport-side state: buffers sized at construction, reused by every call."""
 
     @abc.abstractmethod
-    def dispatch(self, do_send: bool, do_recv: bool, stream) -> None:
-        """Send (``do_send``) and/or receive and unpack (``do_recv``) the call record's dispatch arrays.
+    def record(self):
+        """The call record (see the module doc), made once: AllToAll fills it for every call."""
+
+    @abc.abstractmethod
+    def dispatch(self, record, do_send: bool, do_recv: bool, stream) -> None:
+        """Send (``do_send``) and/or receive and unpack (``do_recv``) the dispatch arrays of ``record``, on
+        ``stream`` (device transports). Collective."""
+
+    @abc.abstractmethod
+    def combine(self, record, do_send: bool, do_recv: bool, stream) -> None:
+        """Send expert outputs back and/or receive and sum them (the combine arrays of ``record``).
         Collective."""
 
     @abc.abstractmethod
-    def combine(self, do_send: bool, do_recv: bool, stream) -> None:
-        """Send expert outputs back and/or receive and sum them (the call record's combine arrays).
-        Collective."""
-
-    @abc.abstractmethod
-    def refuse(self, phase: str, reason: str, argument: int, stream) -> None:
-        """Take part, with no data, in the rest of a call from ``phase`` ("dispatch": the combine too, or
-        "combine") whose arguments AllToAll refused, so that the peers raise :class:`moecomm.PeerError`
-        naming this rank (AllToAll then raises its InvalidArgument). ``reason`` is the error's text,
-        ``argument`` the refused argument's number in ``moecomm._constants.ARGUMENTS``, ``stream`` the
-        call's stream or None (then the last call's)."""
+    def skip(self, halves: tuple, stream, refusal=None) -> None:
+        """Take part, with no data, in ``halves`` (names of :data:`moecomm._constants.HALVES`, in order) of
+        the current call. With a ``refusal`` (:class:`moecomm.alltoall.Refusal`: text and code), the first
+        send half among them tells the peers why, so that they raise (PeerError naming this rank, unless they
+        recorded an error of that call already); ``stream`` is the call's, or None (then the device's
+        current one)."""
 
     @abc.abstractmethod
     def set_mask(self, masked: tuple, generation: int, barrier) -> None:
@@ -134,6 +141,10 @@ class Transport(abc.ABC):
     def finalize(self, collective: bool) -> None:
         """Release everything the transport holds. Collective (bounded by the communicator's timeout),
         unless ``collective`` is False (the communicator is broken): then release only what needs no peer."""
+
+    def leave(self) -> None:
+        """This rank is leaving (Communicator.finalize, or its program ends on an error): tell the peers
+        through the transport where waits of theirs do not watch the bootstrap (their kernels)."""
 
 
 def snapshot(counters, received, dropped, bytes_by_peer, ring, times_us=None):

@@ -11,8 +11,9 @@ from .. import _abi, _cuda, _jit
 from .. import _constants as C
 from .._arrays import DeviceArrays
 from .._errors import (CapacityExceeded, CommTimeout, ExpertMapMismatch, InvalidArgument, InvalidRouting, MoeCommError,
-                       PeerError)
+                       PeerError, PeerExited)
 from .base import Transport, peer_pattern
+from .gpu_alltoall import GpuAllToAll
 
 
 class GpuTransport(Transport):
@@ -74,17 +75,20 @@ class GpuTransport(Transport):
         n = C.PEER_CHECK_BYTES  # inbox [2, world, n] (double-buffered by check parity), outbox, signals
         self._peer = (self.symmetric((2, self.world_size, n), np.uint8), self.symmetric((n,), np.uint8),
                       self.symmetric((self.world_size,), np.uint64))
+        # [world] uint64: gone[q] != 0 once rank q has left (leave()); every bounded wait of the kernels reads it
+        self.gone = self.symmetric((self.world_size,), np.uint64)
+        self.gone.fill(0)
         # [world] int64, how every kernel reaches each rank (cuda/transport.cuh, peer_ptr)
         self.peers = self._cupy.asarray(np.array(self.peer_offsets(), np.int64))
         # whether every rank maps every peer: agreed here, so that every rank picks the same kernels (kernels)
         mine = bytes([maps_every_peer(self.peer_offsets())])
         self.all_mapped = all(d == b"\x01" for d in self.bootstrap.allgather(mine, self.timeout_s, "init"))
-        self._peer_args = _abi.PeerCheck(err=self.error.data.ptr, peers=self.peers.data.ptr, rank=self.rank,
-                                         world=self.world_size)
+        self._peer_args = _abi.PeerCheck(err=self.error.data.ptr, peers=self.peers.data.ptr, gone=self.gone.data.ptr,
+                                         rank=self.rank, world=self.world_size)
         self._peer_launch = self.launch("moecomm_peer_check", self.world_size, self._peer_args)
         self._barrier_signals = self.symmetric((self.world_size,), np.uint64)
-        self._barrier_args = _abi.PeerCheck(err=self.error.data.ptr, peers=self.peers.data.ptr, rank=self.rank,
-                                            world=self.world_size,
+        self._barrier_args = _abi.PeerCheck(err=self.error.data.ptr, peers=self.peers.data.ptr,
+                                            gone=self.gone.data.ptr, rank=self.rank, world=self.world_size,
                                             signals=self._barrier_signals.data.ptr, inbox=self._peer[0].data.ptr,
                                             outbox=self._peer[1].data.ptr, timeout_ns=int(self.timeout_s * 1e9))
         self._barrier_launch = self.launch("moecomm_peer_check", self.world_size, self._barrier_args)
@@ -152,8 +156,26 @@ class GpuTransport(Transport):
             return DeviceArrays(self.device, _cuda.StreamOrder(), _cuda.pointer_device)
 
     def new_alltoall(self, cfg, timeout_s, ident, window, timing):
-        from .gpu_alltoall import GpuAllToAll
         return GpuAllToAll(self, cfg, timeout_s, window, timing)
+
+    def leave(self):
+        """Set gone[this rank] on every peer this rank maps (copies on a stream of its own, so that kernels of
+        this rank still waiting do not hold them up): their kernels' waits for this rank end at once (a peer
+        reached only by puts learns of it from its own timeout, its host from the bootstrap)."""
+        cp = self._cupy
+        with self.context:
+            one = np.ones(1, np.uint64)
+            stream = cp.cuda.Stream(non_blocking=True)
+            mine = self.gone.data.ptr + 8 * self.rank
+            for q, offset in enumerate(self.peer_offsets()):
+                if q != self.rank and offset != C.PEER_UNMAPPED:
+                    cp.cuda.runtime.memcpyAsync(mine + offset, one.ctypes.data, 8, cp.cuda.runtime.memcpyHostToDevice,
+                                                stream.ptr)
+            stream.synchronize()
+
+    def error_from_words(self, words, what, capacity=0):
+        """:func:`error_from_words`, with the reason a departed peer gave (the bootstrap's notice)."""
+        return error_from_words(words, what, capacity, self.bootstrap.departed)
 
     def check_peers(self, nbytes, timeout_s):
         """Peer-check kernel: no host collective and no barrier, so a silent peer can only time out.
@@ -183,7 +205,7 @@ class GpuTransport(Transport):
         words = self.error.get()
         if words[0] != C.ERR_NONE:
             self.error.fill(0)
-            raise error_from_words(words, "check_peers")
+            raise self.error_from_words(words, "check_peers")
         got = box[:, :nbytes].get()
         expect = peer_pattern(np.arange(self.world_size), 0, nbytes) ^ (c & 0xFF)
         wrong = [int(p) for p in np.nonzero((got != expect).any(axis=1))[0]]
@@ -208,13 +230,22 @@ def maps_every_peer(offsets):
     return C.PEER_UNMAPPED not in offsets and not C.device_constants()["FORCE_PUTS"]
 
 
-def error_from_words(words, what, capacity=0):
+def error_from_words(words, what, capacity=0, departed=None):
     """The exception for a device error word ``(code, peer, phase, detail, call, amount)`` recorded by a
     kernel; the kinds and classes are those the host transport raises for the same fault. ``capacity``: the
-    AllToAll's, named by CapacityExceeded."""
-    code, peer, phase, detail, call, amount = (int(v) for v in words)
+    AllToAll's, named by CapacityExceeded; ``departed``: the bootstrap's departure notices ({rank: reason}
+    of given ranks), for a peer that left. The exception's ``call`` attribute is the call's number."""
+    error = _error(*(int(v) for v in words), what, capacity, departed)
+    error.call = int(words[4])
+    return error
+
+
+def _error(code, peer, phase, detail, call, amount, what, capacity, departed):
     phase_name = C.PHASES[phase] if 0 <= phase < len(C.PHASES) else str(phase)
     where = f"{what} {phase_name} (call {call})"
+    if code == C.ERR_TIMEOUT and detail == C.TIMEOUT_LEFT:
+        reason = (departed([peer]) if departed else {}).get(peer, "it said it was leaving")
+        return PeerExited(f"{where}: rank {peer} left the job ({reason})", peer=peer, phase=phase_name, reason=reason)
     if code == C.ERR_TIMEOUT:
         return CommTimeout(f"{where}: timed out waiting for rank {peer}", peer=peer, phase=phase_name)
     if code == C.ERR_PEER:
@@ -232,8 +263,8 @@ def error_from_words(words, what, capacity=0):
         return InvalidRouting(f"{where}: this rank dispatched an expert id out of range or repeated in a row "
                               f"(token {detail}); no rank unpacked its tokens")
     if code == C.ERR_BAD_M:
-        return InvalidRouting(f"{where}: this rank passed bound_m={detail}, outside [0, min(rows, "
-                              f"max_num_tokens)]")
+        return InvalidRouting(f"{where}: this rank passed bound_m={detail}, outside [0, {amount}] (at most "
+                              f"max_num_tokens and the rows of each per-token array of the call)")
     if code == C.ERR_M_DIFFERS:
         return InvalidArgument(f"{where}: bound_m={detail} differs from the dispatched m; nothing was sent")
     if code == C.ERR_OVERFLOW:
@@ -260,6 +291,8 @@ def _peer_error(where, peer, reason, argument):
                               f"tokens were not sent")
     if reason == C.ERR_M_DIFFERS:
         text = "bound_m differs from the dispatched m"
+    elif reason == C.ERR_ENDED:
+        text = "it ended the call after an error of it"
     elif reason == C.ERR_REFUSED:
         name = C.ARGUMENTS[argument] if 0 <= argument < len(C.ARGUMENTS) else f"argument {argument}"
         text = f"refused {name}"

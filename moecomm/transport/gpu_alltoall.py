@@ -34,8 +34,7 @@ import numpy as np
 from .. import _abi, _cuda, _jit
 from .. import _constants as C
 from .._dtypes import float16
-from .base import AllToAllBackend, snapshot
-from .gpu import error_from_words
+from .base import AllToAllBackend, first_send, snapshot
 
 
 def _align16(n):
@@ -121,7 +120,8 @@ class GpuAllToAll(AllToAllBackend):
             comb_sig=self.sig[1].data.ptr, slot_of=self.slot_of.data.ptr, mask=self.mask.data.ptr,
             counters=self.counters.data.ptr, ring=self.ring.data.ptr, why=self.sig[2].data.ptr,
             drop_buf=0 if self.drop_buf is None else self.drop_buf.data.ptr,
-            map=0 if self.map is None else self.map.data.ptr, peers=transport.peers.data.ptr, timeout_ns=int(timeout_s * 1e9),
+            map=0 if self.map is None else self.map.data.ptr, peers=transport.peers.data.ptr,
+            gone=transport.gone.data.ptr, timeout_ns=int(timeout_s * 1e9),
             world=W, rank=cfg.rank, dp=cfg.dp_size, num_experts=cfg.num_experts, local_experts=L, topk=K,
             max_tokens=M, hidden=cfg.hidden_dim, x_bytes=cfg.hidden_dim * cfg.in_dtype.itemsize,
             scale_bytes=0 if cfg.hidden_dim_scale is None else 4 * cfg.hidden_dim_scale,
@@ -134,10 +134,10 @@ class GpuAllToAll(AllToAllBackend):
             s_expert=C.STATE_FIXED + W, s_recv=C.STATE_FIXED + W + L, s_claim=C.STATE_FIXED + 2 * W + 2 * L,
             senders=_abi.dispatch_senders(cfg, transport.num_sms), streamed=int(_abi.streamed(cfg, transport.num_sms)),
             comb_streamed=int(_abi.combine_streams(cfg, transport.num_sms, _jit.VARIANTS[variant].streams_combine)))
-        self.call = _abi.Call()
-        self._skipped = _abi.Call(skip=1)  # the call record of a refused call: no arrays
+        self._call = _abi.Call()  # the call record (record()): every launch below reads it
+        self._skipped = _abi.Call(skip=1)  # the call record of a half issued with no data
         grid = blocks(cfg, transport.num_sms)
-        launch = {n: transport.launch(n, g, self.fixed, self.call, module=self.module) for n, g in grid.items()}
+        launch = {n: transport.launch(n, g, self.fixed, self._call, module=self.module) for n, g in grid.items()}
         # the packed layout: a third dispatch kernel places the rows (no peer involved)
         pack = (launch[_abi.PACK_KERNEL],) if cfg.layout == "packed" else ()
         d_send, d_recv, c_send, c_recv = (launch[n] for n in _abi.ALLTOALL_KERNELS)
@@ -146,11 +146,12 @@ class GpuAllToAll(AllToAllBackend):
         self._whole = {phase: (launch[n],) + (pack if phase == "dispatch" else ())
                        if _abi.resident(grid[n], transport.num_sms) else sum(self._halves[phase], ())
                        for phase, n in _abi.whole_kernels(cfg, transport.num_sms).items()}
-        self._skip = dict(zip(("dispatch_send", "dispatch_recv", "combine_send", "combine_recv"), (
-            transport.launch(n, grid[n], self.fixed, self._skipped, module=self.module)
-            for n in _abi.ALLTOALL_KERNELS)))
-        self._stream = cupy.cuda.get_current_stream().ptr  # of the last call (a refusal's default)
+        self._skip = dict(zip(C.HALVES, (transport.launch(n, grid[n], self.fixed, self._skipped, module=self.module)
+                                         for n in _abi.ALLTOALL_KERNELS)))
         transport.settle("AllToAll(...)")
+
+    def record(self):
+        return self._call
 
     # ------------------------------------------------------------------------------------------
     def check_error(self, timeout_only=False):
@@ -164,24 +165,24 @@ class GpuAllToAll(AllToAllBackend):
             if code != C.ERR_TIMEOUT and words[4] <= self._raised_call:
                 return
             self._raised_call = int(words[4])
-            raise error_from_words(words, "AllToAll", self.cfg.expert_capacity)
+            raise self.t.error_from_words(words, "AllToAll", self.cfg.expert_capacity)
 
     def synchronize(self, stream):
         _cuda.stream_synchronize(stream)
         self.check_error()
 
-    def dispatch(self, do_send, do_recv, stream):
+    def dispatch(self, record, do_send, do_recv, stream):
         self._launch("dispatch", do_send, do_recv, stream)
 
-    def combine(self, do_send, do_recv, stream):
+    def combine(self, record, do_send, do_recv, stream):
         self._launch("combine", do_send, do_recv, stream)
         if do_recv:
             self.check_error()
 
     def _launch(self, phase, do_send, do_recv, stream):
-        """Launch the phase's send and/or receive kernels on ``stream`` (timed with timing=True)."""
+        """Launch the phase's send and/or receive kernels on ``stream`` (timed with timing=True); they read
+        the call record (record(), filled by AllToAll)."""
         self.check_error(timeout_only=True)
-        self._stream = stream
         send, recv = self._halves[phase]
         if do_send and do_recv:
             send, recv = self._whole[phase], ()
@@ -196,18 +197,13 @@ class GpuAllToAll(AllToAllBackend):
             if self._timing:
                 self._timing.end(phase, stream)
 
-    def refuse(self, phase, reason, argument, stream):
-        """Run the rest of the call with no data: from the dispatch (then the combine too) or the combine,
-        flagging the refused phase's signals with (ERR_REFUSED, argument)."""
-        s = self._stream if stream is None else stream
-        flagged = C.ERR_REFUSED | argument << C.REASON_ARG_SHIFT
-        halves = ("combine_send", "combine_recv")
-        if phase == "dispatch":
-            halves = ("dispatch_send", "dispatch_recv") + halves
+    def skip(self, halves, stream, refusal=None):
+        """Launch ``halves`` with no data (Call.skip); the first send half's signals carry the refusal's code."""
+        s = self._cupy.cuda.get_current_stream().ptr if stream is None else stream
+        flagged = first_send(halves) if refusal is not None else None
         for half in halves:
-            self._skipped.reason = flagged if half.startswith(phase) else 0
+            self._skipped.reason = refusal.code if half == flagged else 0
             self._skip[half](s)
-        self._stream = s
 
     def set_mask(self, masked, generation, barrier):
         """Mask ``masked`` (ranks) from the next call on, after a resynchronization among the ranks outside
@@ -247,7 +243,7 @@ class GpuAllToAll(AllToAllBackend):
         table[:, 0] = expert_map.replicas()
         table[:, 1:1 + t.shape[1]] = t
         self._generation = expert_map.generation % (1 << C.SIG_GEN_BITS)
-        _cuda.stream_synchronize(self._stream)  # the last call no longer reads the map
+        _cuda.context_synchronize()  # the last call no longer reads the map
         self.map.set(table)
         self.state[C.STATE_FIELDS.index("GEN")] = self._generation
         self._cupy.cuda.get_current_stream().synchronize()

@@ -25,7 +25,7 @@ from .._constants import BYTE_FIELDS, COUNTER_FIELDS
 from .._errors import (CapacityExceeded, ExpertMapMismatch, InvalidArgument, InvalidRouting, MoeCommError, OutOfStep,
                        PeerError)
 from .._mpi import TAG_PEER_CHECK, exchange_tag, wait_all
-from .base import AllToAllBackend, Transport, host_call_record, peer_pattern, snapshot
+from .base import AllToAllBackend, Transport, first_send, host_call_record, peer_pattern, snapshot
 
 _OK, _BAD_ROUTING, _BAD_M, _BAD_ARG = 0, 1, 2, 3  # statuses in a header
 _PHASES = ("dispatch", "combine", "demand")  # demand: pairs per expert, exchanged first when capacity is set
@@ -42,8 +42,8 @@ class _Exchange:
     headers; ``finish`` waits and returns the received rows grouped by source rank and the counts.
     """
 
-    def __init__(self, comm, timeout_s, alltoall, phase):
-        self.comm, self.timeout_s, self.alltoall, self.phase = comm, timeout_s, alltoall, phase
+    def __init__(self, comm, departures, timeout_s, alltoall, phase):
+        self.comm, self.departures, self.timeout_s, self.alltoall, self.phase = comm, departures, timeout_s, alltoall, phase
         self.map_generation = 0  # of the expert map in use (AllToAll.set_expert_map), carried by every header
         self.tag = exchange_tag(_PHASES.index(phase), 0)
         self.calls = 0
@@ -78,7 +78,7 @@ class _Exchange:
         heads[:, :8 * _FIELDS].view(np.int64)[:, 5] = self.map_generation
         recvs = self._receives = [c.Irecv(heads[s], source=s, tag=self.tag) for s in live]
         sends = [c.Isend(head[d], dest=d, tag=self.tag) for d in live]
-        wait_all(recvs + sends, live * 2, deadline, self.timeout_s, self.phase)
+        wait_all(recvs + sends, live * 2, deadline, self.timeout_s, self.phase, self.departures)
         got = heads[:, :8 * _FIELDS].view(np.int64)
         for s in live:
             if tuple(got[s, :3]) != me:
@@ -113,7 +113,7 @@ class _Exchange:
 
     def finish(self, pending):
         reqs, peers, _rows, recv, src_counts, deadline = pending
-        wait_all(reqs, peers, deadline, self.timeout_s, self.phase)
+        wait_all(reqs, peers, deadline, self.timeout_s, self.phase, self.departures)
         return recv, src_counts
 
     def refuse(self, reason):
@@ -139,6 +139,13 @@ def _raise_status(statuses, reasons, own, phase):
     raise InvalidRouting(f"{phase}: peers reported bad input ({detail}); nothing was exchanged")
 
 
+def _bad_m(m, rows):
+    """The message of a bound_m out of range (``rows``: at most max_num_tokens and the fewest rows of the
+    call's per-token arrays)."""
+    return (f"bound_m={m} must be in [0, {rows}]: at most max_num_tokens and the rows of each per-token array of "
+            f"the call")
+
+
 def _records(*parts):
     """Join per-row arrays into one uint8 [n, bytes] record array."""
     n = parts[0].shape[0]
@@ -159,10 +166,9 @@ class _Received:
 
 
 class HostAllToAll(AllToAllBackend):
-    def __init__(self, comm, cfg, timeout_s, ident, window, timing):
+    def __init__(self, comm, departures, cfg, timeout_s, ident, window, timing):
         self.comm, self.cfg, self.timeout_s = comm, cfg, timeout_s
-        self.call = host_call_record()
-        self._exchanges = {phase: _Exchange(comm, timeout_s, ident, phase) for phase in _PHASES}
+        self._exchanges = {phase: _Exchange(comm, departures, timeout_s, ident, phase) for phase in _PHASES}
         self._dispatch_pending = None
         self._combine_pending = None
         self._received = None
@@ -179,14 +185,17 @@ class HostAllToAll(AllToAllBackend):
         self._times = {"dispatch": deque(maxlen=window), "combine": deque(maxlen=window)} if timing else None
         self._started = {}
 
+    def record(self):
+        return host_call_record()
+
     # dispatch -------------------------------------------------------------------------------
-    def dispatch(self, do_send, do_recv, stream=None):
+    def dispatch(self, record, do_send, do_recv, stream=None):
         if do_send:
             self._started["dispatch"] = time.perf_counter()
-            self._dispatch_pending = self._dispatch_send(self.call)
+            self._dispatch_pending = self._dispatch_send(record)
         if do_recv:
             pending, self._dispatch_pending = self._dispatch_pending, None
-            self._dispatch_recv(self.call, pending)
+            self._dispatch_recv(record, pending)
             self._timed("dispatch")
 
     def _timed(self, phase):
@@ -209,9 +218,8 @@ class HostAllToAll(AllToAllBackend):
         m = int(a.bound_m[0])
         status, message = _OK, None
         self._demand = None
-        if not 0 <= m <= min(cfg.max_num_tokens, a.rows):
-            status = _BAD_M
-            message = f"bound_m={m} must be in [0, min(max_num_tokens, dp_x rows)={min(cfg.max_num_tokens, a.rows)}]"
+        if not 0 <= m <= a.rows:
+            status, message = _BAD_M, _bad_m(m, a.rows)
         else:
             message = reference.routing_error(a.indices[:m], cfg.num_experts)
             status = _BAD_ROUTING if message else _OK
@@ -280,9 +288,11 @@ class HostAllToAll(AllToAllBackend):
             self._counters[_C["OVERFLOW_PAIRS"]] += int(np.maximum(mine - cap, 0).sum())
             q = int(np.argmax(total > cap))
             what = f"rank {q}" if packed else f"expert {q} (rank {q // L})"
-            raise CapacityExceeded(f"dispatch: {what} got {int(total[q])} (token, expert) pairs, capacity {cap} "
-                                   f"({int((total > cap).sum())} over); nothing was exchanged",
-                                   expert=-1 if packed else q, demand=int(total[q]), capacity=cap)
+            over = total > cap
+            others = f", {int(over.sum()) - 1} more {'ranks' if packed else 'experts'} over" if over.sum() > 1 else ""
+            raise CapacityExceeded(f"dispatch: {what} got {int(total[q])} (token, expert) pairs, capacity {cap}"
+                                   f"{others}; {int((total - cap)[over].sum())} pairs over in all; nothing was "
+                                   f"exchanged", expert=-1 if packed else q, demand=int(total[q]), capacity=cap)
         before = demand[:cfg.rank].sum(axis=0)  # slots taken by lower source ranks
         flat = key.ravel()  # token order, then top-k order; the sentinel len(before) marks no pair
         order = np.argsort(flat, kind="stable")
@@ -333,23 +343,23 @@ class HostAllToAll(AllToAllBackend):
         self._received = _Received(src_rank, token, pair_j, pair_k, where, weights)
 
     # combine --------------------------------------------------------------------------------
-    def combine(self, do_send, do_recv, stream=None):
+    def combine(self, record, do_send, do_recv, stream=None):
         if do_send:
             self._started["combine"] = time.perf_counter()
-            self._combine_pending = self._combine_send(self.call)
+            self._combine_pending = self._combine_send(record)
         if do_recv:
             pending, self._combine_pending = self._combine_pending, None
-            self._combine_recv(self.call, pending)
+            self._combine_recv(record, pending)
             self._timed("combine")
 
     def _combine_send(self, a):
         cfg, rv = self.cfg, self._received
         ex, m = self._exchanges["combine"], int(a.bound_m[0])
-        if m != self._dispatched_m:  # refused in the exchange, so that every rank raises
-            message = f"bound_m={m} differs from the dispatched m={self._dispatched_m}"
-            _, statuses, reasons = ex.post(np.zeros((0, 0), np.uint8), np.zeros(cfg.world_size, np.int64),
-                                           _BAD_ARG, message)
-            _raise_status(statuses, reasons, (_BAD_ARG, message), "combine")
+        bad = ((_BAD_ARG, f"bound_m={m} differs from the dispatched m={self._dispatched_m}")
+               if m != self._dispatched_m else (_BAD_M, _bad_m(m, a.rows)) if m > a.rows else None)
+        if bad:  # refused in the exchange, so that every rank raises
+            _, statuses, reasons = ex.post(np.zeros((0, 0), np.uint8), np.zeros(cfg.world_size, np.int64), *bad)
+            _raise_status(statuses, reasons, bad, "combine")
         y = a.y[rv.where].astype(np.float32)  # [p, H]
         if a.partials:  # sum this rank's experts per token, weighted, on the expert side
             part = np.zeros((rv.token.size, cfg.hidden_dim), np.float32)
@@ -392,9 +402,14 @@ class HostAllToAll(AllToAllBackend):
             if self._dropped is not None and cfg.dp_size == 1:
                 a.out_dropped[:m] = self._dropped
 
-    def refuse(self, phase, reason, argument, stream):
-        first = "demand" if phase == "dispatch" and self.cfg.capacity is not None else phase  # the call's first
-        self._exchanges[first].refuse(reason)
+    def skip(self, halves, stream=None, refusal=None):
+        """Errors end a host call on every rank in its exchange, so only a refusal has anything to send: a
+        header on the first exchange of the first send half, no data."""
+        half = first_send(halves)
+        if refusal is not None and half is not None:
+            phase = half[:-len("_send")]
+            first = "demand" if phase == "dispatch" and self.cfg.capacity is not None else phase  # the call's first
+            self._exchanges[first].refuse(refusal.text)
 
     def set_mask(self, masked, generation, barrier):
         barrier()
@@ -420,15 +435,16 @@ class HostAllToAll(AllToAllBackend):
 
 
 class HostTransport(Transport):
-    """CPU ranks exchanging numpy arrays over an mpi4py communicator."""
+    """CPU ranks exchanging numpy arrays over an mpi4py communicator; its waits watch the bootstrap's
+    departure notices (``departures``: :class:`moecomm._mpi.Departures`)."""
     name = "host"
     memory = "host"
 
-    def __init__(self, comm):
-        self.comm = comm
+    def __init__(self, comm, departures):
+        self.comm, self.departures = comm, departures
 
     def new_alltoall(self, cfg, timeout_s, ident, window, timing):
-        return HostAllToAll(self.comm, cfg, timeout_s, ident, window, timing)
+        return HostAllToAll(self.comm, self.departures, cfg, timeout_s, ident, window, timing)
 
     def new_arrays(self):
         return HostArrays()
@@ -439,7 +455,7 @@ class HostTransport(Transport):
         recv = np.empty_like(send)
         reqs = [self.comm.Irecv(recv[s], source=s, tag=TAG_PEER_CHECK) for s in range(w)]
         reqs += [self.comm.Isend(send[d], dest=d, tag=TAG_PEER_CHECK) for d in range(w)]
-        wait_all(reqs, list(range(w)) * 2, time.monotonic() + timeout_s, timeout_s, "peer_check")
+        wait_all(reqs, list(range(w)) * 2, time.monotonic() + timeout_s, timeout_s, "peer_check", self.departures)
         expect = peer_pattern(np.arange(w), me, nbytes)
         wrong = [int(p) for p in np.nonzero((recv != expect).any(axis=1))[0]]
         if wrong:

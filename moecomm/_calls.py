@@ -1,0 +1,86 @@
+"""The call-order rules of one AllToAll on one rank, in one place.
+
+A *call* is a dispatch followed by its combine. Each phase runs as its two halves at once or as a send half
+and later its receive half, so a call issues the four halves of :data:`moecomm._constants.HALVES` in order,
+each exactly once on every rank: that is what keeps the ranks' kernels and exchanges paired. A half a rank
+cannot run with data (its arguments were refused, or the call failed part-way) is still issued with no data
+(``AllToAllBackend.skip``), so the pairing holds after any error.
+"""
+from ._constants import HALVES
+from ._errors import InvalidArgument
+
+
+class CallOrder:
+    """Which halves of the current call this rank has issued, and what its send halves were given.
+
+    Attributes:
+        number: calls started since construction or the last :meth:`restart` (a call starts with its
+            dispatch send half); the call number the kernels record in their error words.
+        issued: the halves of the current call issued so far, in order (empty between calls).
+        dispatch_weights: whether the current call's dispatch send carried router weights.
+        dispatch_outputs: addresses of the output arrays its dispatch send half was given.
+        combine_weights: whether its combine send half was given weights.
+    """
+
+    def __init__(self):
+        self.restart()
+
+    def restart(self):
+        """Forget every call: the call sequence starts over (AllToAll.mask_ranks resets the device's too)."""
+        self.number = 0
+        self.end()
+
+    def end(self):
+        """The current call is over (its remaining halves are not issued, or were issued with no data)."""
+        self.issued = ()
+        self.dispatch_weights = self.dispatch_outputs = self.combine_weights = None
+
+    @property
+    def open(self):
+        """Whether a call is in progress (started, not all four halves issued)."""
+        return bool(self.issued)
+
+    def remaining(self):
+        """The halves of the current call not yet issued, in order (empty between calls)."""
+        return HALVES[len(self.issued):] if self.issued else ()
+
+    def posted(self, phase):
+        """Whether ``phase``'s send half was issued and its receive half not yet."""
+        return f"{phase}_send" in self.issued and f"{phase}_recv" not in self.issued
+
+    def check(self, phase, send, recv):
+        """Raise InvalidArgument when issuing ``phase``'s send and/or receive half now breaks the order."""
+        if send and self.posted(phase):
+            raise InvalidArgument(f"{phase}: a send is already posted; call {phase}(do_send=False) first")
+        if recv and not send and not self.posted(phase):
+            raise InvalidArgument(f"{phase}: do_recv without a prior do_send")
+        if phase == "dispatch" and send and self.open:
+            if self.posted("combine"):
+                raise InvalidArgument("dispatch: the previous combine's receive half has not run yet")
+            raise InvalidArgument("dispatch: the previous dispatch has not been combined (each dispatch is followed "
+                                  "by its combine before the next dispatch); this dispatch ends that call instead, "
+                                  "as a refused combine")
+        if phase == "combine" and send:
+            if not self.open:
+                raise InvalidArgument("combine: no dispatch to combine (each dispatch is followed by exactly one "
+                                      "combine)")
+            if self.posted("dispatch"):
+                raise InvalidArgument("combine: the dispatch's receive half has not run yet")
+
+    def combine_due(self):
+        """Whether the current call's dispatch has run and its combine has not started."""
+        return self.issued == HALVES[:2]
+
+    def issue(self, phase, send, recv, weights=False, outputs=None):
+        """Record ``phase``'s halves as issued (a dispatch send half starts a new call), and what its send half
+        was given: router weights or not, and (dispatch) the output arrays' addresses."""
+        if phase == "dispatch" and send:
+            self.end()
+            self.number += 1
+            self.dispatch_weights, self.dispatch_outputs = weights, outputs
+        elif send:
+            self.combine_weights = weights
+        halves = tuple(f"{phase}_{h}" for h, on in (("send", send), ("recv", recv)) if on)
+        self.issued += halves
+        if self.issued == HALVES:
+            self.end()
