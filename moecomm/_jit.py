@@ -199,6 +199,14 @@ def _nvrtc_options(toolchain, src, arch, variant):
                                                                           toolchain.cuda_include]]
 
 
+def supported_archs():
+    """The ``sm_XY`` targets this NVRTC builds for (its own list)."""
+    from cuda.bindings import nvrtc
+    err, archs = nvrtc.nvrtcGetSupportedArchs()
+    _check_nvrtc(err, "nvrtcGetSupportedArchs")
+    return [f"sm_{a}" for a in archs]
+
+
 def build_key(arch, variant="nvshmem", toolchain=None, src=None):
     """The cache key of one variant: every input that changes its cubin, by version and content (no paths),
     so two environments with the same toolchain versions share cache entries."""

@@ -14,8 +14,10 @@ from ._errors import CompileError
 
 
 def _arch(text):
-    if not re.fullmatch(r"sm_\d+a?", text):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a CUDA architecture like sm_90 or sm_90a")
+    supported = _jit.supported_archs()
+    if not re.fullmatch(r"sm_\d+a?", text) or text.rstrip("a") not in supported:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a CUDA architecture this NVRTC builds for (one of "
+                                         f"{', '.join(supported)}, with an 'a' suffix where the GPU has one)")
     return text
 
 

@@ -312,6 +312,8 @@ class Communicator:
                     ref().destroy()
             if self.broken is None:
                 self._leave_together()
+            else:  # a peer still waiting in a call with this rank is told (it raises PeerExited)
+                self.bootstrap.leave(f"its communicator broke ({self.broken})"[:_REASON_CHARS])
         finally:
             t, self.transport = self.transport, None
             with self.breaking():
@@ -337,9 +339,12 @@ class Communicator:
                 raise error
             time.sleep(_POLL_S)
         failed = {q: why for q, why in gone.items() if why != FINALIZE}
-        if failed:  # it takes no part in the teardown
-            log.warning("moecomm rank %d: finalize: rank(s) left after an error: %s", self.rank, failed)
-            self.fail(MoeCommError(f"rank(s) {sorted(failed)} left after an error"))
+        if failed:  # it takes no part in the teardown, which is then local
+            q = min(failed)
+            error = PeerExited(f"finalize: rank {q} left the job ({failed[q]})", peer=q, phase="finalize",
+                               reason=failed[q])
+            self.fail(error)
+            raise error
 
     def abandon(self, reason):
         """Leave without waiting for anyone (the process is ending after an error): the peers are told, with

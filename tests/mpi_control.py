@@ -19,6 +19,13 @@ once the call is over (after combine's receive half is issued) or by synchronize
   the call), and the next call works;
 * a combine whose bound_m differs from the dispatched m on the last rank: InvalidArgument there, PeerError
   on the others;
+* an output the last rank cannot write (read-only): InvalidArgument there, PeerError on the others; an
+  out_tokens with fewer rows than m on the last rank: InvalidRouting on every rank; the next call works;
+* a repeated expert id on the last rank, raised by synchronize() right after the dispatch (on GPUs; the host
+  transport raises in the dispatch): that ends the call, and the next dispatch (no combine in between) works
+  on every rank;
+* pplx-kernels' calling convention (out_tokens of max_num_tokens rows, indices and weights of m rows,
+  uint32 ids and bound_m, weights at combine) and DeepEP's (int64 ids with -1 slots) match the reference;
 * two AllToAlls called in different orders on different ranks: OutOfStep (host) or CommTimeout (GPU: each
   AllToAll has its own buffers and signals, so the calls cannot pair; they wait for each other until the
   timeout) on every rank, after which the communicator is broken (CommBroken at once) and finalize()
@@ -98,6 +105,55 @@ BAD_ROUTING = {  # dispatch argument -> a value the kernels (or the host transpo
     "indices": lambda a: a["indices"] + E_PER_RANK * 100,
     "bound_m": lambda a: xp.array([M + 1], np.int32),
 }
+
+
+class ReadOnly:
+    """A device array seen through ``__cuda_array_interface__`` marked read-only (or a read-only numpy view)."""
+
+    def __init__(self, a):
+        self.a = a
+
+    @property
+    def __cuda_array_interface__(self):
+        cai = dict(self.a.__cuda_array_interface__)
+        cai["data"] = (cai["data"][0], True)
+        return cai
+
+
+def readonly(a):
+    if isinstance(a, np.ndarray):
+        v = a.view()
+        v.flags.writeable = False
+        return v
+    return ReadOnly(a)
+
+
+def conventions(comm, a2a, seed):
+    """pplx-kernels' calls (per-token arrays sized on their own, uint32, weights at combine) and DeepEP's
+    (int64 ids, -1 slots): failures as strings."""
+    W, r, E = comm.world_size, comm.rank, E_PER_RANK * comm.world_size
+    everyone = [good(W, q, seed) for q in range(W)]
+    ms = [M - 1 - q % 3 for q in range(W)]
+    for q, a in enumerate(everyone):  # DeepEP: int64 ids, some slots -1
+        a["indices"] = a["indices"][:ms[q]].astype(np.int64)
+        a["indices"][::3, 0] = -1
+    ref = reference.dispatch([a["dp_x"][:ms[q]] for q, a in enumerate(everyone)], None,
+                             [a["indices"] for a in everyone], E, W, M)
+    want = reference.combine([a["indices"] for a in everyone], [a["weights"][:ms[q]] for q, a in enumerate(everyone)],
+                             [q["expert_x"] for q in ref], [q["origin"] for q in ref], E, W, np.float16)[r]
+    fails, mine = [], everyone[r]
+    for name, ids in (("pplx (uint32 ids)", mine["indices"].astype(np.uint32)), ("DeepEP (int64 ids)", mine["indices"])):
+        args = on_device(dict(mine, indices=ids, bound_m=np.array([ms[r]], np.uint32), weights=None,
+                              dp_x=mine["dp_x"][:ms[r] + 1]))  # each per-token array sized on its own
+        a2a.dispatch(**args)
+        out = xp.zeros((M, H), np.float16)  # max_num_tokens rows
+        a2a.combine(out, args["indices"], xp.asarray(mine["weights"][:ms[r]]), args["out_expert_x"], args["bound_m"])
+        a2a.synchronize()
+        if not np.array_equal(host(args["out_expert_num_tokens"]), ref[r]["expert_num_tokens"]):
+            fails.append(f"{name}: counts {host(args['out_expert_num_tokens'])}, want {ref[r]['expert_num_tokens']}")
+        if not np.allclose(host(out)[:ms[r]].astype(np.float32), want.astype(np.float32), rtol=2 ** -9, atol=1e-3):
+            fails.append(f"{name}: combined tokens differ from the reference")
+    return fails
 
 
 def expect(fails, label, steps, a2a, kinds, peer=None, limit=TIMEOUT):
@@ -201,6 +257,41 @@ def main():
     if not roundtrip(comm, a2a, 401):
         fails.append("the call after a combine with another bound_m is wrong")
     checks += 1
+
+    # an output the last rank cannot write; an out_tokens shorter than m on the last rank
+    args = on_device(good(W, r, 450))
+    if r == last:
+        args["out_expert_x"] = readonly(args["out_expert_x"])
+        expect(fails, "dispatch into a read-only out_expert_x", [lambda: a2a.dispatch(**args)], None,
+               moecomm.InvalidArgument)
+    else:
+        expect(fails, f"dispatch into a read-only out_expert_x on rank {last}", whole_call(args), a2a,
+               moecomm.PeerError, last)
+    if not roundtrip(comm, a2a, 451):
+        fails.append("the call after a read-only output is wrong")
+    args = on_device(good(W, r, 452))
+    short = dict(out_tokens=xp.zeros((M - 2 if r == last else M, H), np.float16), indices=args["indices"], weights=None,
+                 expert_y=args["out_expert_x"], bound_m=args["bound_m"])
+    expect(fails, f"combine into an out_tokens shorter than m on rank {last}", whole_call(args, short), a2a,
+           moecomm.InvalidRouting)
+    if not roundtrip(comm, a2a, 453):
+        fails.append("the call after a short out_tokens is wrong")
+    checks += 2
+
+    # a repeated expert id on the last rank, raised by synchronize() before any combine: the call is over
+    args = on_device(good(W, r, 470))
+    if r == last:
+        args["indices"][:, 1] = args["indices"][:, 0]
+    e = expect(fails, f"synchronize() after a dispatch with a repeated expert id on rank {last}",
+               [lambda: a2a.dispatch(**args)], a2a, (moecomm.InvalidRouting, moecomm.PeerError))
+    if e is not None and transport == "host" and not isinstance(e, moecomm.InvalidRouting):
+        fails.append(f"the host transport raised {type(e).__name__} for bad routing: {e}")
+    if not roundtrip(comm, a2a, 471):
+        fails.append("the dispatch after an error raised by synchronize() is refused or wrong")
+    checks += 1
+
+    fails += conventions(comm, a2a, 480)
+    checks += 4
 
     # every rank dispatches twice without combining: the second dispatch ends the call
     args = on_device(good(W, r, 500))

@@ -1,5 +1,7 @@
 """Fault injection: the last rank exits (or stalls) at one point of a run; every other rank must raise
-CommTimeout naming it within the timeout + 1 s and then exit within 5 s (no wait at exit).
+CommTimeout naming it within the timeout + 1 s and then exit within 5 s (no wait at exit). With ``--mode
+raise`` the last rank raises an ordinary exception there instead (its program fails): it tells its peers as
+it goes, and they raise PeerExited naming it (and saying what it raised) long before the timeout.
 
     mpiexec -disable-auto-cleanup -n 3 python tests/mpi_faults.py --fault dispatch_send --mode exit --result DIR
     mpirun -n 2 python tests/mpi_faults.py --transport nvshmem --fault combine_recv --mode stall --result DIR
@@ -27,7 +29,7 @@ POINTS = ("init", "construction", "dispatch_send", "dispatch_recv", "combine_sen
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--fault", choices=POINTS, required=True)
-    p.add_argument("--mode", choices=["exit", "stall"], default="exit")
+    p.add_argument("--mode", choices=["exit", "stall", "raise"], default="exit")
     p.add_argument("--timeout", type=float, default=1.0)
     p.add_argument("--transport", default="host")
     p.add_argument("--result", required=True)
@@ -41,6 +43,8 @@ def main():
         """Enter a step; the faulty rank leaves (or stalls, then leaves) here without a word."""
         step.update(name=point, t=time.monotonic())
         if faulty and args.fault == point:
+            if args.mode == "raise":
+                raise ValueError(f"injected fault at {point}")  # unhandled: the program ends on it
             if args.mode == "stall":
                 time.sleep(4 * args.timeout)
             os._exit(0)
@@ -81,7 +85,8 @@ def main():
         comm.finalize()
     except moecomm.MoeCommError as e:
         record.update(raised=type(e).__name__, peer=getattr(e, "peer", None), step=step["name"],
-                      after_s=round(time.monotonic() - step["t"], 3), message=str(e))
+                      after_s=round(time.monotonic() - step["t"], 3), message=str(e),
+                      reason=getattr(e, "reason", None))
     record["left_main_at"] = time.time()
     with open(os.path.join(args.result, f"rank{rank}.json"), "w") as f:
         json.dump(record, f)

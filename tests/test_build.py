@@ -65,9 +65,12 @@ def test_ipc_module_has_no_nvshmem(built, monkeypatch):
     assert b"nvshmem" in _jit.build("sm_90", "nvshmem").cubin.lower()
 
 
-def test_cli_refuses_a_bad_arch_in_one_line(tmp_path):
-    p = _cli(tmp_path, "--arch", "foo")
-    assert p.returncode == 2 and "'foo' is not a CUDA architecture" in p.stderr and "Traceback" not in p.stderr
+@pytest.mark.parametrize("arch", ["foo", "sm_42"])
+def test_cli_refuses_a_bad_arch_in_one_line(tmp_path, arch):
+    """A malformed name, and a well-formed one NVRTC does not build for, are usage errors, not NVRTC's."""
+    p = _cli(tmp_path, "--arch", arch)
+    assert p.returncode == 2 and f"'{arch}' is not a CUDA architecture" in p.stderr, p.stderr
+    assert "Traceback" not in p.stderr and "nvrtc: error" not in p.stderr
 
 
 def test_concurrent_builds_share_one_compile(tmp_path):

@@ -16,12 +16,12 @@ POINTS = ("init", "construction", "dispatch_send", "dispatch_recv", "combine_sen
           "finalize")
 
 
-def _run(tmp_path, fault, mode):
+def _run(tmp_path, fault, mode, timeout=TIMEOUT):
     cmd = mpi_launcher()
     if "--oversubscribe" in cmd:
         pytest.skip("needs MPICH's mpiexec (-disable-auto-cleanup keeps the job alive when a rank leaves)")
     cmd += ["-disable-auto-cleanup", "-n", str(RANKS), sys.executable, str(ROOT / "tests/mpi_faults.py"),
-            "--fault", fault, "--mode", mode, "--timeout", str(TIMEOUT), "--result", str(tmp_path)]
+            "--fault", fault, "--mode", mode, "--timeout", str(timeout), "--result", str(tmp_path)]
     env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
     ended = time.time()
@@ -39,6 +39,21 @@ def test_a_rank_that_exits_is_named_and_nobody_hangs(tmp_path, fault):
         assert r["raised"] == "CommTimeout" and r["peer"] == RANKS - 1, (r, log)
         assert r["after_s"] <= TIMEOUT + 1, (r, log)
         assert ended - r["left_main_at"] <= 5, (r, ended, log)
+
+
+@pytest.mark.parametrize("fault", POINTS[1:])
+def test_a_rank_whose_program_fails_says_so(tmp_path, fault):
+    """The last rank raises ValueError (unhandled) at each point after init: the others raise PeerExited
+    naming it, with its exception, within about a second although their timeout is 10 s; nobody blames a
+    healthy rank, and everyone is gone well before the timeout."""
+    p, records, ended = _run(tmp_path, fault, "raise", timeout=10)
+    log = p.stdout[-2000:] + p.stderr[-2000:]
+    assert len(records) == RANKS - 1, log
+    for r in records:
+        assert r["raised"] == "PeerExited" and r["peer"] == RANKS - 1, (r, log)
+        assert "injected fault" in r["reason"] and r["after_s"] <= 1.5, (r, log)
+        assert ended - r["left_main_at"] <= 5, (r, ended, log)
+    assert "no answer from rank(s) [0" not in log and "timed out" not in log, log
 
 
 @pytest.mark.parametrize("fault", ["dispatch_send", "combine_recv"])
