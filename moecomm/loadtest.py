@@ -216,10 +216,18 @@ def scenario_mask(comm, layer, routing, args):
     import moecomm
     world, last, third = comm.bootstrap.mpi, comm.world_size - 1, max(1, args.steps // 3)
     record = {"scenario": "mask", "ranks": comm.world_size}
+    if comm.world_size < 2:
+        return dict(record, skipped="needs at least 2 ranks (one stalls, the others mask it)")
     layer.align = False  # a device barrier would wait for the stalled rank too
     times, counts = run_steps(comm, layer, routing, third, args)
-    if comm.rank == last:
-        world.recv(source=0, tag=TAG_RETURN)  # stalled until called back
+    if comm.rank == last:  # stalled until called back (bounded: the others detect, mask and serve meanwhile)
+        deadline = time.monotonic() + 20 * comm.timeout_s + 120
+        while not world.iprobe(source=0, tag=TAG_RETURN):
+            if time.monotonic() > deadline:
+                raise moecomm.CommTimeout("loadtest mask: rank 0 never called the stalled rank back", peer=0,
+                                          phase="mask")
+            time.sleep(1e-3)
+        world.recv(source=0, tag=TAG_RETURN)
     else:
         t0 = time.perf_counter()
         try:

@@ -305,11 +305,12 @@ def graph_case(comm, iters=20):
     L, dt = E // W, np.float16
     a2a = moecomm.AllToAll(comm, M, E, K, H, None, dt, dt)
     stream = cupy.cuda.Stream(non_blocking=True)
-    x_d, idx_d = cupy.zeros((M, H), dt), cupy.zeros((M, K), np.int32)
-    w_d, m_d = cupy.zeros((M, K), np.float32), cupy.zeros(1, np.int32)
-    n_d, ex_d = cupy.zeros(L, np.int32), cupy.zeros((L, M * W, H), dt)
-    y_d, out_d = cupy.zeros((L, M * W, H), dt), cupy.zeros((M, H), dt)
-    factor = cupy.asarray(np.array([1.0 + ((rank * L + le) % 7) / 8.0 for le in range(L)], dt))[:, None, None]
+    with stream:  # zeroed on the stream that reads them (a non-blocking stream does not wait for the null one)
+        x_d, idx_d = cupy.zeros((M, H), dt), cupy.zeros((M, K), np.int32)
+        w_d, m_d = cupy.zeros((M, K), np.float32), cupy.zeros(1, np.int32)
+        n_d, ex_d = cupy.zeros(L, np.int32), cupy.zeros((L, M * W, H), dt)
+        y_d, out_d = cupy.zeros((L, M * W, H), dt), cupy.zeros((M, H), dt)
+        factor = cupy.asarray(np.array([1.0 + ((rank * L + le) % 7) / 8.0 for le in range(L)], dt))[:, None, None]
 
     def step():
         a2a.dispatch(n_d, ex_d, None, x_d, None, idx_d, m_d, weights=w_d, stream=stream)

@@ -152,3 +152,14 @@ def test_abi_header_states_every_struct_field():
             assert f"decltype({struct.__name__}::{field})" in text
     for name, k in _abi.KERNELS.items():
         assert f'extern "C" __global__ void {name}(' in text
+
+
+def test_gpu_check_says_what_it_does_and_needs():
+    """tools/gpu_check.sh --help prints its modes without running anything; without a GPU it says so."""
+    import subprocess
+    p = subprocess.run(["bash", "tools/gpu_check.sh", "--help"], capture_output=True, text=True, cwd=ROOT, timeout=30)
+    assert p.returncode == 0 and "ranks" in p.stdout and "===" not in p.stdout, p.stdout + p.stderr
+    if subprocess.run(["bash", "-c", "nvidia-smi -L"], capture_output=True).returncode != 0:
+        p = subprocess.run(["bash", "tools/gpu_check.sh", "quick"], capture_output=True, text=True, cwd=ROOT,
+                           timeout=30)
+        assert p.returncode == 2 and "no GPU visible" in p.stderr, p.stdout + p.stderr

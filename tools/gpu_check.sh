@@ -24,6 +24,10 @@
 #   bash tools/gpu_check.sh floors   build, peer check, then the floors the phases are measured against: HBM
 #                                    rates of R1-prefill's memory patterns (tools/hbm_floor.py) and two bare
 #                                    exchanges of a small batch's rows on each transport (tools/exchange_floor.py)
+#   bash tools/gpu_check.sh ranks    more ranks than GPUs: 2, 4 and 8 ranks ($RANKS) time-sliced on GPU 0 over ipc
+#                                    (correct and slow): quick sweeps, control, masking, DP groups, the JAX
+#                                    matrix, a rank whose program fails; then world size 1 on both transports
+#   bash tools/gpu_check.sh --help   this text
 #   bash tools/gpu_check.sh latency  the checks a kernel change needs (quick sweeps on both transports, the
 #                                    put-only path, world size 1, the model-sized and streamed cases (--full),
 #                                    capacity, packed, replicas, telemetry, capacity and a skipped dispatch or
@@ -31,8 +35,25 @@
 #                                    stage trace (tools/trace_kernels.py, MOECOMM_TRACE=1 builds) at 1 and 128
 #                                    tokens
 # GPU transport: $MOECOMM_TRANSPORT (nvshmem by default here; ipc for the CUDA-IPC transport). Wheels the GPU
-# machine lacks (nvshmem4py) are installed from .whl/ when present. Logs go to $OUT if set.
+# machine lacks (nvshmem4py) are installed from .whl/ when present. Logs go to $OUT if set. Launcher: mpirun or
+# mpiexec from PATH, Open MPI (root: --allow-run-as-root) or MPICH (which passes the environment itself).
 set -u -o pipefail
+case "${1:-}" in -h|--help|help) sed -n '2,/^# GPU transport/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0;; esac
+ngpu=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
+if [ "$ngpu" -lt 1 ]; then
+  echo "gpu_check.sh: no GPU visible (nvidia-smi -L lists none); it runs the GPU checks. The CPU tests: python -m pytest -q tests" >&2
+  exit 2
+fi
+launcher=$(command -v mpirun || command -v mpiexec) || { echo "gpu_check.sh: needs mpirun or mpiexec on PATH" >&2; exit 2; }
+# one command line for either MPI: Open MPI exports the variables named by -x; MPICH passes the whole
+# environment and knows no -x, so a small wrapper drops those pairs
+wrapper=/tmp/moecomm-mpirun
+if "$launcher" --version 2>&1 | grep -q "Open MPI\|OpenRTE"; then
+  printf '#!/usr/bin/env bash\nexec %q --oversubscribe %s "$@"\n' "$launcher" "$([ "$(id -u)" = 0 ] && echo --allow-run-as-root)" > "$wrapper"
+else
+  printf '#!/usr/bin/env bash\na=(); while [ $# -gt 0 ]; do if [ "$1" = -x ]; then shift 2; else a+=("$1"); shift; fi; done\nexec %q "${a[@]}"\n' "$launcher" > "$wrapper"
+fi
+chmod +x "$wrapper"
 out=${OUT:-/tmp/moecomm-out}; mkdir -p "$out"
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -41,11 +62,11 @@ fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 # NVLink multicast stays off on shared machines; one node: no network transport, bootstrap over loopback.
 export NVSHMEM_DISABLE_NVLS=1 NCCL_NVLS_ENABLE=0 NVSHMEM_REMOTE_TRANSPORT=none NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME=lo
-export MOECOMM_CACHE_DIR=/tmp/moecomm-cache MOECOMM_TRANSPORT=${MOECOMM_TRANSPORT:-nvshmem}
+export MOECOMM_CACHE_DIR=${MOECOMM_CACHE_DIR:-/tmp/moecomm-cache} MOECOMM_TRANSPORT=${MOECOMM_TRANSPORT:-nvshmem}
 T=$MOECOMM_TRANSPORT
-ngpu=$(nvidia-smi -L | wc -l)
-MPIRUN=(mpirun --allow-run-as-root --oversubscribe -x PYTHONPATH -x PYTHONUNBUFFERED -x NVSHMEM_DISABLE_NVLS
-  -x NCCL_NVLS_ENABLE -x NVSHMEM_REMOTE_TRANSPORT -x NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME -x MOECOMM_CACHE_DIR -x MOECOMM_TRANSPORT)
+MPIRUN=("$wrapper" -x PYTHONPATH -x PYTHONUNBUFFERED -x NVSHMEM_DISABLE_NVLS -x NCCL_NVLS_ENABLE
+  -x NVSHMEM_REMOTE_TRANSPORT -x NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME -x MOECOMM_CACHE_DIR -x MOECOMM_TRANSPORT
+  -x MOECOMM_IPC_HEAP_MB -x XLA_PYTHON_CLIENT_PREALLOCATE -x CUDA_VISIBLE_DEVICES)
 status=0
 step() { echo "=== $*"; timeout ${STEP_TIMEOUT:-240} "$@" 2>&1 | tee -a "$out/gpu_check.log"; local rc=${PIPESTATUS[0]}; echo "=== rc=$rc: $*"; [ "$rc" = 0 ] || status=1; }
 # A run that breaks its communicator by design ends without MPI's finalization, which Open MPI's launcher
@@ -54,7 +75,24 @@ expect() { local want=$1; shift; echo "=== $*"; timeout ${STEP_TIMEOUT:-240} "$@
   if grep -q -- "$want" /tmp/step.txt; then echo "=== ok ($want): $*"; else echo "=== FAILED (no '$want'): $*"; status=1; fi; }
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; nvidia-smi topo -m;
   python3 -c "import cupy, cuda.bindings, cuda.core, mpi4py, numpy; import importlib.metadata as m; print({p: m.version(p) for p in ['cupy-cuda13x','cuda-bindings','cuda-core','nvidia-cuda-nvrtc','nvidia-nvjitlink','nvidia-nvshmem-cu13','nvshmem4py-cu13','mpi4py','numpy']})"; } 2>&1 | tee "$out/gpu_env.txt"
-step python3 -m moecomm.build --arch sm_90
+step python3 -m moecomm.build --arch sm_90 ${BUILD_VARIANTS:+--variants $BUILD_VARIANTS}
+if [ "${1:-}" = ranks ]; then  # more ranks than GPUs: every rank on GPU 0, time-sliced, over ipc
+  for t in ipc nvshmem; do step "${MPIRUN[@]}" -np 1 python3 tests/mpi_alltoall.py --transport $t --quick; done
+  export MOECOMM_TRANSPORT=ipc MOECOMM_IPC_HEAP_MB=${MOECOMM_IPC_HEAP_MB:-1024} XLA_PYTHON_CLIENT_PREALLOCATE=false
+  export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0}
+  rm -rf /tmp/faults && mkdir -p /tmp/faults  # the last rank's program fails: the others name it at once
+  timeout 120 "${MPIRUN[@]}" --mca orte_abort_on_non_zero_status 0 -np 3 python3 tests/mpi_faults.py --transport ipc \
+    --fault dispatch_send --mode raise --timeout 10 --result /tmp/faults >> "$out/gpu_check.log" 2>&1
+  expect '"raised": "PeerExited", "peer": 2' cat /tmp/faults/rank0.json
+  for n in ${RANKS:-2 4 8}; do
+    step "${MPIRUN[@]}" -np $n python3 tests/mpi_alltoall.py --transport ipc --quick
+    expect ": 0 failures" "${MPIRUN[@]}" -np $n python3 tests/mpi_control.py --transport ipc
+    [ $n -le 4 ] && expect ": 0 failures" "${MPIRUN[@]}" -np $n python3 tests/mpi_jax.py
+    [ $n = 4 ] && expect ": 0 failures" "${MPIRUN[@]}" -np 4 python3 tests/mpi_mask.py --transport ipc
+    [ $n = 4 ] && step "${MPIRUN[@]}" -np 4 python3 tests/mpi_alltoall.py --transport ipc --dp-only
+  done
+  exit $status
+fi
 expect ": 0 failures" "${MPIRUN[@]}" -np "$ngpu" python3 tests/mpi_peer_check.py
 [ "${1:-}" = peer ] && exit $status
 if [ "${1:-}" = faults ]; then
@@ -198,6 +236,7 @@ step "${MPIRUN[@]}" -np "$ngpu" python3 tests/mpi_embedding.py
 step "${MPIRUN[@]}" -np "$ngpu" python3 examples/torch_moe.py
 step "${MPIRUN[@]}" -np "$ngpu" python3 examples/jax_moe.py
 step "${MPIRUN[@]}" -np "$ngpu" python3 examples/jax_moe.py --jax-first
+expect ": 0 failures" "${MPIRUN[@]}" -np "$ngpu" python3 tests/mpi_jax.py
 step python3 -m torch.distributed.run --nproc-per-node "$ngpu" tests/torchrun_bootstrap.py
 expect "CommTimeout on $((ngpu - 1)) ranks" "${MPIRUN[@]}" -np "$ngpu" python3 tests/mpi_timeout.py --transport $T
 step "${MPIRUN[@]}" -np "$ngpu" python3 examples/demo.py
