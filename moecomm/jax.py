@@ -14,12 +14,14 @@ Built on ``jax.experimental.buffer_callback``: XLA allocates the outputs and moe
 :meth:`AllToAll.dispatch_send` returns a handle that :meth:`AllToAll.dispatch_recv` completes (other JAX
 work may sit between them), likewise ``combine_send`` / ``combine_recv``.
 
-Every operation is marked as having a side effect. An AllToAll keeps state from one call to the next (its
-buffers, the call sequence every rank must follow), which XLA cannot see: to XLA a pure operation may be
-computed twice, dropped or merged with another. Seen on one H200 (jax 0.11.2): a scan whose body's combine
-output is both the carry and a per-layer output ran that combine twice, the second time with no dispatch
-to combine. Marked effectful, each operation runs exactly once per execution, and its data dependencies
-(dispatch -> experts -> combine, a send half's handle -> its receive half) order the calls of one AllToAll.
+An AllToAll keeps state from one call to the next (its buffers, the call sequence every rank must follow),
+which XLA cannot see: to XLA a pure operation may be computed twice, dropped or merged with another. So every
+operation is marked as having a side effect (never dropped or merged) and sits between optimization barriers:
+XLA's GPU compiler otherwise fuses a scan's per-layer slicing into a copy of the call and keeps the original
+too (seen on one H200 with jax 0.11.2: a dispatch run twice in a row; a scan whose per-layer outputs were
+returned ran its combine twice, the second time with no dispatch to combine). So each operation runs exactly
+once per execution, and its data dependencies (dispatch -> experts -> combine, a send half's handle -> its
+receive half) order the calls of one AllToAll.
 Independent AllToAlls in one jitted function run in the order XLA schedules them, which is the same on every
 rank (every rank runs the same program); give them a data dependency if another order is wanted. They are
 not command-buffer compatible: every call runs host code (argument checks, the call order, the deferred
@@ -45,6 +47,15 @@ from jax.experimental.buffer_callback import buffer_callback
 
 from ._arrays import DeviceBuffer, host_view
 from .alltoall import CombineArgs, DispatchArgs
+
+
+def _fenced(op, *args):
+    """``op(*args)`` with an optimization barrier on each side. XLA's GPU compiler fuses the slicing of a
+    custom call's operand (a scan's per-layer slice) or of its result (a scan's stacked outputs) into a copy of
+    the call, and keeps the original where it has another use or a side effect: the call then runs twice
+    (seen with jax 0.11.2: a dispatch twice in a row, or a combine with no dispatch). Behind barriers XLA sees
+    whole buffers on both sides and never copies the call."""
+    return jax.lax.optimization_barrier(op(*jax.lax.optimization_barrier(args)))
 
 
 class DispatchHandle(NamedTuple):
@@ -115,8 +126,8 @@ class AllToAll:
                                       moved_outputs=outputs is not None), send, recv)
         structs = self._dispatch_out if self._scaled else self._dispatch_out[:2]
         aliases = None if outputs is None else {i: i for i in range(len(structs))}
-        out = buffer_callback(run, structs, has_side_effect=True, input_output_aliases=aliases)(
-            *(outputs or ()), *inputs)
+        out = _fenced(buffer_callback(run, structs, has_side_effect=True, input_output_aliases=aliases),
+                      *(outputs or ()), *inputs)
         return tuple(out) if self._scaled else (*out, None)
 
     def dispatch(self, dp_x, dp_x_scale, indices, bound_m, weights=None):
@@ -145,8 +156,8 @@ class AllToAll:
         shape = (inputs[0].shape[0], c.hidden_dim)
         if out_tokens is None:
             out_tokens = jax.numpy.zeros(shape, c.out_dtype)
-        return buffer_callback(run, jax.ShapeDtypeStruct(shape, c.out_dtype), has_side_effect=True,
-                               input_output_aliases={0: 0})(out_tokens, *inputs)
+        return _fenced(buffer_callback(run, jax.ShapeDtypeStruct(shape, c.out_dtype), has_side_effect=True,
+                                       input_output_aliases={0: 0}), out_tokens, *inputs)
 
     def combine(self, indices, weights, expert_y, bound_m):
         """Both halves of :meth:`moecomm.AllToAll.combine`. Returns out_tokens [rows, hidden] out_dtype

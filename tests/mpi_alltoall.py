@@ -267,11 +267,8 @@ def bad_input_case(comm, A):
         except moecomm.InvalidRouting as e:
             if comm.rank == W - 1 and "token 3" not in str(e):
                 fails.append(f"corrupted index: message does not name the token: {e}")
-        if A is not Host:  # the device transport raises at synchronization; combine keeps the protocol
-            a2a.combine(A.empty((M, H), moecomm.bfloat16), A.put(idx), A.put(np.ones((M, K), np.float32)),
-                        A.empty((E // W, M * W, H), moecomm.bfloat16), A.put(np.array([M], np.int32)))
-            a2a.synchronize()
-        # the next valid call on the same AllToAll is correct
+        # the call is over on every rank (a GPU rank's synchronize() finished it with no data): the next valid
+        # call on the same AllToAll is correct
         good = [routing(np.random.default_rng([8, r]), M, K, E, W, r, "uniform") for r in range(W)]
         xs = [random_tokens(np.random.default_rng([9, r]), M, H, moecomm.bfloat16) for r in range(W)]
         a2a.dispatch(*outs, A.put(xs[comm.rank]), None, A.put(good[comm.rank]), A.put(np.array([M], np.int32)),

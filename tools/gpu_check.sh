@@ -44,9 +44,10 @@ if [ "$ngpu" -lt 1 ]; then
   echo "gpu_check.sh: no GPU visible (nvidia-smi -L lists none); it runs the GPU checks. The CPU tests: python -m pytest -q tests" >&2
   exit 2
 fi
-launcher=$(command -v mpirun || command -v mpiexec) || { echo "gpu_check.sh: needs mpirun or mpiexec on PATH" >&2; exit 2; }
+launcher=$(basename "$(command -v mpirun || command -v mpiexec)") || { echo "gpu_check.sh: needs mpirun or mpiexec on PATH" >&2; exit 2; }
 # one command line for either MPI: Open MPI exports the variables named by -x; MPICH passes the whole
-# environment and knows no -x, so a small wrapper drops those pairs
+# environment and knows no -x, so a small wrapper drops those pairs. The launcher is called by name: Open MPI
+# called by its absolute path puts its own bin/ first on the ranks' PATH (another python3)
 wrapper=/tmp/moecomm-mpirun
 if "$launcher" --version 2>&1 | grep -q "Open MPI\|OpenRTE"; then
   printf '#!/usr/bin/env bash\nexec %q --oversubscribe %s "$@"\n' "$launcher" "$([ "$(id -u)" = 0 ] && echo --allow-run-as-root)" > "$wrapper"
