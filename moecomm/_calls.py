@@ -9,14 +9,17 @@ cannot run with data (its arguments were refused, or the call failed part-way) i
 from ._constants import HALVES
 from ._errors import InvalidArgument
 
+_PHASE_START = {"dispatch": 0, "combine": 2}  # the position in HALVES of each phase's send half
+_HALVES = len(HALVES)
+
 
 class CallOrder:
-    """Which halves of the current call this rank has issued, and what its send halves were given.
+    """How far this rank is in the current call, and what the call's send halves were given.
 
     Attributes:
         number: calls started since construction or the last :meth:`restart` (a call starts with its
-            dispatch send half); the call number the kernels record in their error words.
-        issued: the halves of the current call issued so far, in order (empty between calls).
+            dispatch send half, with data or without); the call number the kernels record in their error words.
+        done: halves of the current call issued so far (0 between calls; they are issued in HALVES order).
         dispatch_weights: whether the current call's dispatch send carried router weights.
         dispatch_outputs: addresses of the output arrays its dispatch send half was given.
         combine_weights: whether its combine send half was given weights.
@@ -32,55 +35,64 @@ class CallOrder:
 
     def end(self):
         """The current call is over (its remaining halves are not issued, or were issued with no data)."""
-        self.issued = ()
+        self.done = 0
         self.dispatch_weights = self.dispatch_outputs = self.combine_weights = None
 
     @property
     def open(self):
         """Whether a call is in progress (started, not all four halves issued)."""
-        return bool(self.issued)
+        return self.done > 0
 
     def remaining(self):
         """The halves of the current call not yet issued, in order (empty between calls)."""
-        return HALVES[len(self.issued):] if self.issued else ()
+        return HALVES[self.done:] if self.done else ()
 
     def posted(self, phase):
         """Whether ``phase``'s send half was issued and its receive half not yet."""
-        return f"{phase}_send" in self.issued and f"{phase}_recv" not in self.issued
+        return self.done == _PHASE_START[phase] + 1
+
+    def combine_due(self):
+        """Whether the current call's dispatch has run and its combine has not started."""
+        return self.done == 2
 
     def check(self, phase, send, recv):
         """Raise InvalidArgument when issuing ``phase``'s send and/or receive half now breaks the order."""
-        if send and self.posted(phase):
+        posted = self.done == _PHASE_START[phase] + 1
+        if send and posted:
             raise InvalidArgument(f"{phase}: a send is already posted; call {phase}(do_send=False) first")
-        if recv and not send and not self.posted(phase):
+        if recv and not send and not posted:
             raise InvalidArgument(f"{phase}: do_recv without a prior do_send")
-        if phase == "dispatch" and send and self.open:
-            if self.posted("combine"):
+        if phase == "dispatch" and send and self.done:
+            if self.done == 3:
                 raise InvalidArgument("dispatch: the previous combine's receive half has not run yet")
             raise InvalidArgument("dispatch: the previous dispatch has not been combined (each dispatch is followed "
                                   "by its combine before the next dispatch); this dispatch ends that call instead, "
                                   "as a refused combine")
         if phase == "combine" and send:
-            if not self.open:
+            if not self.done:
                 raise InvalidArgument("combine: no dispatch to combine (each dispatch is followed by exactly one "
                                       "combine)")
-            if self.posted("dispatch"):
+            if self.done == 1:
                 raise InvalidArgument("combine: the dispatch's receive half has not run yet")
-
-    def combine_due(self):
-        """Whether the current call's dispatch has run and its combine has not started."""
-        return self.issued == HALVES[:2]
 
     def issue(self, phase, send, recv, weights=False, outputs=None):
         """Record ``phase``'s halves as issued (a dispatch send half starts a new call), and what its send half
         was given: router weights or not, and (dispatch) the output arrays' addresses."""
-        if phase == "dispatch" and send:
+        if send:
+            if phase == "dispatch":
+                self.number += 1
+                self.dispatch_weights, self.dispatch_outputs = weights, outputs
+            else:
+                self.combine_weights = weights
+            self.done = _PHASE_START[phase] + send + recv
+        else:
+            self.done += 1
+        if self.done == _HALVES:
             self.end()
+
+    def skipped(self, halves):
+        """``halves`` (the rest of the current call, or a whole call from its dispatch send) were issued with no
+        data: the call is over."""
+        if halves and halves[0] == HALVES[0]:
             self.number += 1
-            self.dispatch_weights, self.dispatch_outputs = weights, outputs
-        elif send:
-            self.combine_weights = weights
-        halves = tuple(f"{phase}_{h}" for h, on in (("send", send), ("recv", recv)) if on)
-        self.issued += halves
-        if self.issued == HALVES:
-            self.end()
+        self.end()

@@ -23,9 +23,11 @@ _COUNTS = accepted(np.int32)
 _FLAGS = accepted(np.uint8)
 _FLOAT32 = accepted(float32)
 _ONE = (1,)
+_DISPATCH_ROWS = ("dp_x", "indices", "weights", "dp_x_scale")  # the per-token arrays of each phase
+_COMBINE_ROWS = ("out_tokens", "indices", "weights", "out_dropped")
 
 
-@dataclass
+@dataclass(slots=True)
 class DispatchArgs:
     """The arrays of one dispatch call, as :meth:`AllToAll.dispatch` takes them (shapes and dtypes there).
     ``moved_outputs``: a receive half may be given other output arrays than its send half, holding what
@@ -49,7 +51,7 @@ class DispatchArgs:
         return self.dp_x
 
 
-@dataclass
+@dataclass(slots=True)
 class CombineArgs:
     """The arrays of one combine call, as :meth:`AllToAll.combine` takes them (shapes and dtypes there)."""
     out_tokens: object
@@ -161,7 +163,8 @@ class AllToAll:
             with self._context or nullcontext():
                 self._backend.set_expert_map(self.expert_map)
         self._record = self._backend.record()  # the call record every call fills and passes to the backend
-        self._none = None if transport.memory == "host" else 0  # an absent array in the call record
+        none = None if transport.memory == "host" else 0  # an absent array in the call record
+        self._absent = (none, 0, None, None)  # what an absent optional argument reads as
         self._in, self._out = accepted(c.in_dtype), accepted(c.out_dtype)
         # expected shapes, computed once (None: any number of rows, at most max_num_tokens)
         self._token_shape, self._token_scale_shape = (None, c.hidden_dim), (None, c.hidden_dim_scale)
@@ -256,7 +259,8 @@ class AllToAll:
         :class:`CombineArgs`): what :meth:`dispatch` and :meth:`combine` do, for framework layers
         (``moecomm.jax``, ``moecomm.torch``) that build the arguments themselves. Collective; raises as
         :meth:`dispatch`."""
-        self._live()
+        if self._backend is None or self.comm.broken is not None:
+            self._live()
         phase, send, recv = args.phase, bool(do_send), bool(do_recv)
         if not (send or recv):
             raise InvalidArgument(f"{phase}: do_send and do_recv are both False: nothing to run")
@@ -286,28 +290,29 @@ class AllToAll:
             self._order.end()
             raise
 
-    def _rows(self, *arrays):
-        """The rows of a call: the fewest of its per-token arrays (``(name, Checked or None)``), each of which
-        may have at most max_num_tokens."""
-        rows = self.cfg.max_num_tokens
-        for name, a in arrays:
-            if a is not None and a.shape[0] > self.cfg.max_num_tokens:
-                raise InvalidArgument(f"{name}: expected at most max_num_tokens={self.cfg.max_num_tokens} rows, got "
-                                      f"shape {tuple(a.shape)}")
-            rows = min(rows, a.shape[0]) if a is not None else rows
+    def _rows(self, names, *shapes):
+        """The rows of a call: the fewest of its per-token arrays (``shapes``: theirs, None where one was not
+        given; ``names``: their names), each of which may have at most max_num_tokens."""
+        rows = most = shapes[0][0]
+        for shape in shapes[1:]:
+            if shape is not None:
+                n = shape[0]
+                if n < rows:
+                    rows = n
+                elif n > most:
+                    most = n
+        if most > self.cfg.max_num_tokens:
+            name, shape = next((n, s) for n, s in zip(names, shapes) if s is not None and s[0] > self.cfg.max_num_tokens)
+            raise InvalidArgument(f"{name}: expected at most max_num_tokens={self.cfg.max_num_tokens} rows, got "
+                                  f"shape {tuple(shape)}")
         return rows
 
     def _read(self, args, stream, send, recv):
         """Read and check a call's arguments into the backend's call record; returns (whether router weights
-        were given, the output arrays' addresses for the same-outputs rule)."""
-        c, rec, none = self.cfg, self._record, self._none
-
-        def read(obj, name, accept, shape, output=False, optional=False):
-            return None if obj is None and optional else self._arrays.read(obj, name, accept, shape, output)
-
-        def value(checked):
-            return none if checked is None else checked.value
-
+        were given, the output arrays' addresses for the same-outputs rule). The reader returns (value, address,
+        shape, dtype) of each; an absent optional argument reads as ``self._absent`` (the record's None: None on
+        the host, 0 on GPUs)."""
+        c, rec, read, absent = self.cfg, self._record, self._arrays.read, self._absent
         if args.phase == "dispatch":
             unscaled = c.hidden_dim_scale is None
             if (args.out_expert_x_scale is None) != unscaled or (args.dp_x_scale is None) != unscaled:
@@ -319,42 +324,45 @@ class AllToAll:
             if (args.out_expert_offsets is None) != (c.layout == "padded"):
                 raise InvalidArgument("out_expert_offsets: " + ("required by the packed layout" if c.layout == "packed"
                                                                 else "only for the packed layout, pass None"))
-            x = read(args.dp_x, "dp_x", self._in, self._token_shape)
-            indices = read(args.indices, "indices", _INDICES, self._ids_shape)
-            weights = read(args.weights, "weights", _FLOAT32, self._ids_shape, optional=True)
-            x_scale = read(args.dp_x_scale, "dp_x_scale", _FLOAT32, self._token_scale_shape, optional=True)
-            rec.rows = self._rows(("dp_x", x), ("indices", indices), ("weights", weights), ("dp_x_scale", x_scale))
-            rec.x, rec.x_scale, rec.weights = x.value, value(x_scale), value(weights)
-            rec.indices, rec.idx64 = indices.value, int(indices.dtype.itemsize == 8)
-            rec.bound_m = read(args.bound_m, "bound_m", _BOUND_M, _ONE).value
-            num = read(args.out_expert_num_tokens, "out_expert_num_tokens", _COUNTS, self._counts_shape, True)
-            out_x = read(args.out_expert_x, "out_expert_x", self._in, self._expert_shape, True)
-            out_scale = read(args.out_expert_x_scale, "out_expert_x_scale", _FLOAT32, self._expert_scale_shape, True,
-                             optional=True)
-            offsets = read(args.out_expert_offsets, "out_expert_offsets", _COUNTS, self._offsets_shape, True,
-                           optional=True)
-            rec.out_num, rec.out_x, rec.out_scale, rec.out_offsets = num.value, out_x.value, value(out_scale), value(offsets)
-            outputs = (num.address, out_x.address, 0 if out_scale is None else out_scale.address)
+            rec.x, _, x_shape, _ = read(args.dp_x, "dp_x", self._in, self._token_shape)
+            rec.indices, _, ids_shape, ids_dtype = read(args.indices, "indices", _INDICES, self._ids_shape)
+            rec.weights, _, w_shape, _ = (absent if args.weights is None else
+                                          read(args.weights, "weights", _FLOAT32, self._ids_shape))
+            rec.x_scale, _, s_shape, _ = (absent if unscaled else
+                                          read(args.dp_x_scale, "dp_x_scale", _FLOAT32, self._token_scale_shape))
+            rec.rows = self._rows(_DISPATCH_ROWS, x_shape, ids_shape, w_shape, s_shape)
+            rec.idx64 = int(ids_dtype.itemsize == 8)
+            rec.bound_m, _, _, _ = read(args.bound_m, "bound_m", _BOUND_M, _ONE)
+            rec.out_num, num_at, _, _ = read(args.out_expert_num_tokens, "out_expert_num_tokens", _COUNTS,
+                                             self._counts_shape, True)
+            rec.out_x, x_at, _, _ = read(args.out_expert_x, "out_expert_x", self._in, self._expert_shape, True)
+            rec.out_scale, scale_at, _, _ = (absent if unscaled else read(
+                args.out_expert_x_scale, "out_expert_x_scale", _FLOAT32, self._expert_scale_shape, True))
+            rec.out_offsets, _, _, _ = (absent if args.out_expert_offsets is None else read(
+                args.out_expert_offsets, "out_expert_offsets", _COUNTS, self._offsets_shape, True))
+            outputs = (num_at, x_at, scale_at)
             if (recv and not send and not args.moved_outputs and self._order.posted("dispatch")
                     and outputs != self._order.dispatch_outputs):
                 raise InvalidArgument("dispatch: the receive half got other output arrays than the send half "
                                       "(out_expert_num_tokens, out_expert_x, out_expert_x_scale must be the same)")
-            return weights is not None, outputs
-        out = read(args.out_tokens, "out_tokens", self._out, self._token_shape, True)
-        indices = read(args.indices, "indices", _INDICES, self._ids_shape)
-        weights = read(args.weights, "weights", _FLOAT32, self._ids_shape, optional=True)
-        dropped = read(args.out_dropped, "out_dropped", _FLAGS, self._ids_shape, True, optional=True)
-        rec.rows = self._rows(("out_tokens", out), ("indices", indices), ("weights", weights), ("out_dropped", dropped))
-        rec.out_tokens, rec.indices, rec.idx64 = out.value, indices.value, int(indices.dtype.itemsize == 8)
-        rec.weights, rec.out_dropped, rec.partials = value(weights), value(dropped), int(weights is None)
-        rec.y = read(args.expert_y, "expert_y", self._out, self._expert_shape).value
-        rec.bound_m = read(args.bound_m, "bound_m", _BOUND_M, _ONE).value
-        if weights is None and self._order.open and not self._order.dispatch_weights:
+            return args.weights is not None, outputs
+        rec.out_tokens, _, out_shape, _ = read(args.out_tokens, "out_tokens", self._out, self._token_shape, True)
+        rec.indices, _, ids_shape, ids_dtype = read(args.indices, "indices", _INDICES, self._ids_shape)
+        rec.weights, _, w_shape, _ = absent if args.weights is None else read(args.weights, "weights", _FLOAT32,
+                                                                              self._ids_shape)
+        rec.out_dropped, _, d_shape, _ = absent if args.out_dropped is None else read(
+            args.out_dropped, "out_dropped", _FLAGS, self._ids_shape, True)
+        rec.rows = self._rows(_COMBINE_ROWS, out_shape, ids_shape, w_shape, d_shape)
+        rec.idx64, rec.partials = int(ids_dtype.itemsize == 8), int(args.weights is None)
+        rec.y, _, _, _ = read(args.expert_y, "expert_y", self._out, self._expert_shape)
+        rec.bound_m, _, _, _ = read(args.bound_m, "bound_m", _BOUND_M, _ONE)
+        if args.weights is None and self._order.open and not self._order.dispatch_weights:
             raise InvalidArgument("combine: weights=None needs the router weights to have been passed to "
                                   "dispatch(weights=...)")
-        if recv and not send and self._order.posted("combine") and (weights is not None) != self._order.combine_weights:
+        if (recv and not send and self._order.posted("combine")
+                and (args.weights is not None) != self._order.combine_weights):
             raise InvalidArgument("combine: give weights to both halves or to neither")
-        return weights is not None, None
+        return args.weights is not None, None
 
     def _refuse(self, phase, send, error, stream):
         """Raise ``error``, a refused argument of a call. When the call would have opened a send half, the
@@ -371,7 +379,7 @@ class AllToAll:
             if halves:
                 code = C.ERR_REFUSED | _argument_of(error) << C.REASON_ARG_SHIFT
                 self._backend.skip(halves, stream, Refusal(str(error), code))
-                self._order.end()
+                self._order.skipped(halves)
         raise error
 
     def synchronize(self, stream=None):
@@ -391,8 +399,9 @@ class AllToAll:
                 raise
             except MoeCommError as e:
                 if self._order.open and getattr(e, "call", None) == self._order.number:
-                    self._backend.skip(self._order.remaining(), s, Refusal(str(e), C.ERR_ENDED))
-                    self._order.end()
+                    remaining = self._order.remaining()
+                    self._backend.skip(remaining, s, Refusal(str(e), C.ERR_ENDED))
+                    self._order.skipped(remaining)
                 raise
 
     def mask_ranks(self, ranks):

@@ -5,6 +5,8 @@ provides its device runtime (moecomm/transport/base.py lists the pieces; ipc.py 
 ``symmetric``, ``free``, ``peer_array``, ``peer_offsets`` and ``_stop_runtime``. Everything runs in the primary context of
 the rank's GPU (``self.context``), entered by moecomm's entry points.
 """
+import time
+
 import numpy as np
 
 from .. import _abi, _cuda, _jit
@@ -14,6 +16,9 @@ from .._errors import (CapacityExceeded, CommTimeout, ExpertMapMismatch, Invalid
                        PeerError, PeerExited)
 from .base import Transport, peer_pattern
 from .gpu_alltoall import GpuAllToAll
+
+
+DEPARTURE_WAIT_S = 0.5  # how long an error naming a departed peer waits for that peer's notice (its reason)
 
 
 class GpuTransport(Transport):
@@ -174,7 +179,12 @@ class GpuTransport(Transport):
             stream.synchronize()
 
     def error_from_words(self, words, what, capacity=0):
-        """:func:`error_from_words`, with the reason a departed peer gave (the bootstrap's notice)."""
+        """:func:`error_from_words`, with the reason a departed peer gave: its notice through the bootstrap,
+        which may land just after its departure word (waited for up to DEPARTURE_WAIT_S)."""
+        if int(words[0]) == C.ERR_TIMEOUT and int(words[3]) == C.TIMEOUT_LEFT:
+            deadline = time.monotonic() + DEPARTURE_WAIT_S
+            while not self.bootstrap.departed([int(words[1])]) and time.monotonic() < deadline:
+                time.sleep(1e-3)
         return error_from_words(words, what, capacity, self.bootstrap.departed)
 
     def check_peers(self, nbytes, timeout_s):
