@@ -8,12 +8,13 @@
 from ._arrays import DeviceBuffer
 from ._dtypes import bfloat16, float8_e4m3fn, float16, float32
 from ._errors import (CapacityExceeded, CommBroken, CommTimeout, CompileError, ExpertMapMismatch, InvalidArgument,
-                      InvalidRouting, MoeCommError, OutOfStep, PeerError)
-from .alltoall import AllToAll
+                      InvalidRouting, MoeCommError, OutOfStep, PeerError, PeerExited)
+from .alltoall import AllToAll, CombineArgs, DispatchArgs
 from .comm import Bootstrap, Communicator, init
 
 __version__ = "0.1.0"
 
-__all__ = ["AllToAll", "Bootstrap", "CapacityExceeded", "CommBroken", "CommTimeout", "Communicator", "CompileError", "DeviceBuffer",
-           "ExpertMapMismatch", "InvalidArgument", "InvalidRouting", "MoeCommError", "OutOfStep", "PeerError", "bfloat16", "float16",
-           "float8_e4m3fn", "float32", "init"]
+__all__ = ["AllToAll", "Bootstrap", "CapacityExceeded", "CombineArgs", "CommBroken", "CommTimeout", "Communicator",
+           "CompileError", "DeviceBuffer", "DispatchArgs", "ExpertMapMismatch", "InvalidArgument", "InvalidRouting",
+           "MoeCommError", "OutOfStep", "PeerError", "PeerExited", "bfloat16", "float16", "float8_e4m3fn", "float32",
+           "init"]

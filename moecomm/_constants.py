@@ -136,25 +136,23 @@ TRACE_POINTS = 8
 TRACE_SPAN = 8
 
 
+# Exported to device code as MOECOMM_<name> (moecomm/_abi.py writes them into the generated moecomm_abi.h):
+# every ERR_*, PHASE_* and DT_* constant above, these scalars, these literals (with their C suffixes), the
+# build options and the indices of the field tables (S_*, C_*, B_*, TRACE_<half>).
+_DEVICE_SCALARS = ("TIMEOUT_LEFT", "ERROR_WORDS", "REASON_ARG_SHIFT", "SIG_COUNT_BITS", "SIG_GEN_BITS", "MAX_TOPK",
+                   "MAX_EXPERTS", "ROW_ALIGN", "BLOCK_THREADS", "BLOCKS_PER_SM", "ARRIVAL_BATCH", "ARRIVAL_FIRST",
+                   "TRACE_POINTS", "TRACE_SPAN")
+_DEVICE_LITERALS = {"REPLICA_TOKEN": "u", "REPLICA_GROUP": "u", "PEER_UNMAPPED": "ll"}
+
+
 def device_constants():
     """The constants above (and the build options from the environment) by device name (MOECOMM_<name>)."""
-    values = {
-        "FORCE_PUTS": int(os.environ.get(FORCE_PUTS_ENV, "0") == "1"),
-        "TRACE": int(os.environ.get(TRACE_ENV, "0") == "1"),
-        "TRACE_HALVES": len(HALVES), "TRACE_POINTS": TRACE_POINTS,
-        "TRACE_SPAN": TRACE_SPAN,
-        "ERR_NONE": ERR_NONE, "ERR_TIMEOUT": ERR_TIMEOUT, "TIMEOUT_LEFT": TIMEOUT_LEFT, "ERR_BAD_EXPERT": ERR_BAD_EXPERT,
-        "ERR_BAD_M": ERR_BAD_M, "ERR_OVERFLOW": ERR_OVERFLOW, "ERR_M_DIFFERS": ERR_M_DIFFERS,
-        "ERR_PEER": ERR_PEER, "ERR_REFUSED": ERR_REFUSED, "ERR_CAPACITY": ERR_CAPACITY,
-        "ERR_GENERATION": ERR_GENERATION, "ERR_ENDED": ERR_ENDED, "ERROR_WORDS": ERROR_WORDS, "REASON_ARG_SHIFT": REASON_ARG_SHIFT,
-        "SIG_COUNT_BITS": SIG_COUNT_BITS, "SIG_GEN_BITS": SIG_GEN_BITS,
-        "REPLICA_TOKEN": f"{REPLICA_TOKEN}u", "REPLICA_GROUP": f"{REPLICA_GROUP}u",
-        "MAX_TOPK": MAX_TOPK, "MAX_EXPERTS": MAX_EXPERTS, "ROW_ALIGN": ROW_ALIGN,
-        "PEER_UNMAPPED": f"{PEER_UNMAPPED}ll",
-        "PHASE_PEER_CHECK": PHASE_PEER_CHECK, "PHASE_DISPATCH": PHASE_DISPATCH, "PHASE_COMBINE": PHASE_COMBINE,
-        "DT_BF16": DT_BF16, "DT_FP16": DT_FP16, "S_FIXED": STATE_FIXED, "BLOCK_THREADS": BLOCK_THREADS,
-        "BLOCKS_PER_SM": BLOCKS_PER_SM, "ARRIVAL_BATCH": ARRIVAL_BATCH, "ARRIVAL_FIRST": ARRIVAL_FIRST,
-    }
+    names = globals()
+    values = {n: v for n, v in names.items() if n.startswith(("ERR_", "PHASE_", "DT_")) and isinstance(v, int)}
+    values.update({n: names[n] for n in _DEVICE_SCALARS})
+    values.update({n: f"{names[n]}{suffix}" for n, suffix in _DEVICE_LITERALS.items()})
+    values.update(FORCE_PUTS=int(os.environ.get(FORCE_PUTS_ENV, "0") == "1"),
+                  TRACE=int(os.environ.get(TRACE_ENV, "0") == "1"), TRACE_HALVES=len(HALVES), S_FIXED=STATE_FIXED)
     values.update({f"S_{name}": i for i, name in enumerate(STATE_FIELDS)})
     values.update({f"C_{name}": i for i, name in enumerate(COUNTER_FIELDS)})
     values.update({f"B_{name.upper()}": i for i, name in enumerate(BYTE_FIELDS)})

@@ -6,7 +6,8 @@ define); ``bench`` holds the benchmark's delay kernel alone, so it is never part
 
 Compile path (chosen on purpose): every ``.cu`` file of a variant is compiled by NVRTC to LTO-IR with
 relocatable device code (``-rdc=true -dlto``) and linked by nvJitLink; the ``nvshmem`` variant links
-NVSHMEM's static device library ``libnvshmem_device.a``. Linking the real device library, rather than NVSHMEM's header-only mode, keeps the
+NVSHMEM's static device library ``libnvshmem_device.a``. Linking the real device library, rather than NVSHMEM's
+header-only mode, keeps the
 IBGDA (GPU-initiated InfiniBand) and proxy code paths in the kernels, so a peer reachable only over the
 network goes through the same kernels as an NVLink peer. The header-only mode has no IBGDA code.
 
@@ -129,7 +130,8 @@ class Toolchain:
         if not ((nvshmem / "include" / "nvshmem.h").is_file() and lib.is_file()):
             return cls(None, None, cccl, cuda_inc, versions)
         ver = _header_defines(nvshmem / "include" / "non_abi" / "nvshmem_version.h")
-        versions["nvshmem"] = "{}.{}.{}".format(ver["NVSHMEM_VENDOR_MAJOR_VERSION"], ver["NVSHMEM_VENDOR_MINOR_VERSION"],
+        versions["nvshmem"] = "{}.{}.{}".format(ver["NVSHMEM_VENDOR_MAJOR_VERSION"],
+                                                ver["NVSHMEM_VENDOR_MINOR_VERSION"],
                                                 ver["NVSHMEM_VENDOR_PATCH_VERSION"])
         versions["nvshmem_device_lib_sha256"] = _file_digest(lib)
         return cls(nvshmem / "include", lib, cccl, cuda_inc, versions)

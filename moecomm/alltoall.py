@@ -302,7 +302,8 @@ class AllToAll:
                 elif n > most:
                     most = n
         if most > self.cfg.max_num_tokens:
-            name, shape = next((n, s) for n, s in zip(names, shapes) if s is not None and s[0] > self.cfg.max_num_tokens)
+            name, shape = next((n, s) for n, s in zip(names, shapes)
+                               if s is not None and s[0] > self.cfg.max_num_tokens)
             raise InvalidArgument(f"{name}: expected at most max_num_tokens={self.cfg.max_num_tokens} rows, got "
                                   f"shape {tuple(shape)}")
         return rows

@@ -331,7 +331,8 @@ class Bench:
                     cp.zeros(int(rc.sum()) * back_row, np.uint8), cp.zeros(int(sc.sum()) * back_row, np.uint8)]
 
             def a2a(send, recv, scounts, rcounts, row):
-                so, ro = np.concatenate([[0], np.cumsum(scounts)]) * row, np.concatenate([[0], np.cumsum(rcounts)]) * row
+                so = np.concatenate([[0], np.cumsum(scounts)]) * row
+                ro = np.concatenate([[0], np.cumsum(rcounts)]) * row
                 nccl.groupStart()
                 for p in range(W):
                     comm.send(send.data.ptr + int(so[p]), int(scounts[p]) * row, nccl.NCCL_UINT8, p, s.ptr)
@@ -403,7 +404,8 @@ def table(results):
         e, g, n = r["eager"], r.get("graph", {}).get("total"), r.get("nccl")
         split = r.get("graph", {}).get("split_total")
         lines.append(
-            f"{_label(r):<20} {r['tokens']:>5} " + " ".join(f"{e[p]['median_us']:>{8 if i else 12}.1f}" for i, p in enumerate(PHASES))
+            f"{_label(r):<20} {r['tokens']:>5} "
+            + " ".join(f"{e[p]['median_us']:>{8 if i else 12}.1f}" for i, p in enumerate(PHASES))
             + f" {e['total']['median_us']:>10.1f} {e['total']['p99_us']:>8.1f}"
             + (f" {g['median_us']:>10.1f} {g['p99_us']:>8.1f}" if g else f" {'-':>10} {'-':>8}")
             + (f" {split['median_us']:>8.1f}" if split else f" {'-':>8}")
@@ -425,9 +427,10 @@ def table(results):
         lines += ["", head, "-" * len(head)]
         for r in hosts:
             h, g = r["host_us"], r.get("graph", {}).get("total")
-            lines.append(f"{_label(r):<28} {r['tokens']:>5} " + " ".join(
-                f"{h[k]['dispatch']['median_us']:>6.1f}/{h[k]['combine']['median_us']:<7.1f}" if k in h else f"{'-':>14}"
-                for k in kinds) + f" {r['eager_layer']['median_us']:>12.1f}" + (f" {g['median_us']:>8.1f}" if g else ""))
+            per_kind = " ".join(f"{h[k]['dispatch']['median_us']:>6.1f}/{h[k]['combine']['median_us']:<7.1f}"
+                                if k in h else f"{'-':>14}" for k in kinds)
+            lines.append(f"{_label(r):<28} {r['tokens']:>5} {per_kind} {r['eager_layer']['median_us']:>12.1f}"
+                         + (f" {g['median_us']:>8.1f}" if g else ""))
     return "\n".join(lines)
 
 

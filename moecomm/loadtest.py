@@ -24,7 +24,8 @@ each step starting at a device barrier so that the ranks' host skew is not count
 (token, expert) pairs per rank (max and mean over ranks), the imbalance max/mean, and the hot experts
 (:mod:`moecomm.telemetry`). ``--ep-size`` splits the job into data-parallel replicas of ``ep-size`` ranks,
 each with every expert: run once at full width and once narrower to compare EP width against replicas at
-the same GPU count (the figures are those of the group of world rank 0). Output: a table, ``--json`` (command, environment, per-step records, summaries) and
+the same GPU count (the figures are those of the group of world rank 0). Output: a table, ``--json`` (command,
+environment, per-step records, summaries) and
 ``--plot`` (imbalance and step time over the steps of each scenario; time against tokens for ``ramp``).
 With ``--spare-slots``, each routing scenario runs a second time with replicated experts: the first
 ``--replan`` steps on the static map, then replicas planned from the last ``--replan`` steps' load
@@ -378,8 +379,9 @@ def _line(r):
     if "skipped" in r:
         return f"{r['scenario']:<12} skipped: {r['skipped']}"
     if r["scenario"] == "capacity":
-        return f"{'capacity':<12} " + "  ".join(f"{pt['factor']:g}x ({pt['capacity']} slots): {pt['dropped_share']:.1%} "
-                                                 f"dropped, {pt['time_us']['p50']:.0f} us" for pt in r["points"])
+        return f"{'capacity':<12} " + "  ".join(
+            f"{pt['factor']:g}x ({pt['capacity']} slots): {pt['dropped_share']:.1%} dropped, "
+            f"{pt['time_us']['p50']:.0f} us" for pt in r["points"])
     if "replicas" in r:
         rr = r["replicas"]
         return (_line({k: v for k, v in r.items() if k != "replicas"}) + f"\n{'  replicas':<12} p50 "

@@ -101,7 +101,8 @@ class Torch(Device):
     def empty(cls, shape, dtype):
         import torch
         nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
-        return torch.full((nbytes,), POISON, dtype=torch.uint8, device="cuda").view(cls._torch(dtype)).view(tuple(shape))
+        raw = torch.full((nbytes,), POISON, dtype=torch.uint8, device="cuda")
+        return raw.view(cls._torch(dtype)).view(tuple(shape))
 
     @staticmethod
     def work():
@@ -214,7 +215,8 @@ def run_case(comm, A, c, seed, tol):
                 n = int(got_n[le])
                 if not np.array_equal(
                         reference.canonical_rows(n, got_x[le], None if got_s is None else got_s[le]),
-                        reference.canonical_rows(n, r["expert_x"][le], None if got_s is None else r["expert_x_scale"][le])):
+                        reference.canonical_rows(n, r["expert_x"][le],
+                                                 None if got_s is None else r["expert_x_scale"][le])):
                     fails.append(f"iter {it}: expert {le} tokens differ from the reference")
                     break
             # combine: expert outputs computed from what arrived, by the same row-wise function

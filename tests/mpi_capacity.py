@@ -123,7 +123,8 @@ def main():
     all_ids = np.concatenate([d[2].ravel() for d in drawn])
     over = np.maximum(np.bincount(all_ids[all_ids >= 0], minlength=E) - CAP, 0)[r * E_PER_RANK:(r + 1) * E_PER_RANK]
     if error.stats()["OVERFLOW_PAIRS"] != over.sum():
-        fails.append(f"stats() counts {error.stats()['OVERFLOW_PAIRS']} pairs past capacity here, expected {over.sum()}")
+        fails.append(f"stats() counts {error.stats()['OVERFLOW_PAIRS']} pairs past capacity here, expected "
+                     f"{over.sum()}")
     drawn = draw(W, 51, hot=None)
     for d in drawn:  # 2 tokens per rank: at most 2 * W <= CAP pairs per expert
         d[2][2:] = -1

@@ -142,7 +142,8 @@ def conventions(comm, a2a, seed):
     want = reference.combine([a["indices"] for a in everyone], [a["weights"][:ms[q]] for q, a in enumerate(everyone)],
                              [q["expert_x"] for q in ref], [q["origin"] for q in ref], E, W, np.float16)[r]
     fails, mine = [], everyone[r]
-    for name, ids in (("pplx (uint32 ids)", mine["indices"].astype(np.uint32)), ("DeepEP (int64 ids)", mine["indices"])):
+    for name, ids in (("pplx (uint32 ids)", mine["indices"].astype(np.uint32)),
+                      ("DeepEP (int64 ids)", mine["indices"])):
         args = on_device(dict(mine, indices=ids, bound_m=np.array([ms[r]], np.uint32), weights=None,
                               dp_x=mine["dp_x"][:ms[r] + 1]))  # each per-token array sized on its own
         a2a.dispatch(**args)

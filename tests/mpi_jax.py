@@ -75,15 +75,15 @@ def main():
         y = y_all[ids, jnp.arange(x.shape[0])[:, None]]
         return (wts[..., None] * y.astype(jnp.float32)).sum(1).astype(jnp.bfloat16)
 
-    def layer_l(x, m, l, lay=layer, at_combine=False):  # layer l, routed from its input
-        return moe(lay, x, m, *route(x, w_router[l]), w_local[l], at_combine)
+    def layer_l(x, m, n, lay=layer, at_combine=False):  # layer n, routed from its input
+        return moe(lay, x, m, *route(x, w_router[n]), w_local[n], at_combine)
 
-    def ref_l(x, l):
-        return ref(x, *route(x, w_router[l]), w_experts[l])
+    def ref_l(x, n):
+        return ref(x, *route(x, w_router[n]), w_experts[n])
 
     def scan_stack(x, m, unroll=1):  # per-layer outputs returned too: each combine feeds carry and ys
-        def body(c, l):
-            o = layer_l(c, m, l)
+        def body(c, n):
+            o = layer_l(c, m, n)
             return o, o
         return jax.lax.scan(body, x, jnp.arange(LAYERS), unroll=unroll)
 
@@ -92,7 +92,7 @@ def main():
                             (ids, wts, jnp.arange(LAYERS)))[0]
 
     def fixed_fori(x, m, ids, wts):
-        return jax.lax.fori_loop(0, LAYERS, lambda l, c: moe(layer, c, m, ids[l], wts[l], w_local[l]), x)
+        return jax.lax.fori_loop(0, LAYERS, lambda n, c: moe(layer, c, m, ids[n], wts[n], w_local[n]), x)
 
     def fixed_ref(x, ids, wts):
         return jax.lax.scan(lambda c, p: (ref(c, p[0], p[1], w_experts[p[2]]), None), x,

@@ -320,7 +320,8 @@ def test_offsets_go_with_the_packed_layout(comm):
     packed = moecomm.AllToAll(comm, M, E, K, H, S, "float8_e4m3fn", "bfloat16", layout="packed")
     rows = packed.cfg.expert_capacity
     assert rows == M * K and packed.cfg.expert_x_shape() == (M * K, H)
-    args.update(out_expert_x=np.zeros((rows, H), moecomm.float8_e4m3fn), out_expert_x_scale=np.zeros((rows, S), np.float32))
+    args.update(out_expert_x=np.zeros((rows, H), moecomm.float8_e4m3fn),
+                out_expert_x_scale=np.zeros((rows, S), np.float32))
     with pytest.raises(moecomm.InvalidArgument, match="out_expert_offsets: required by the packed layout"):
         packed.dispatch(**args)
     offsets = np.zeros(E + 1, np.int32)

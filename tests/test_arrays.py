@@ -64,7 +64,8 @@ class FakeTensor:
     """What the tensor reader uses of a torch.Tensor: data_ptr(), shape, dtype, is_contiguous(),
     get_device() (-1 for CPU tensors)."""
     def __init__(self, shape, dtype, ptr=0x7100_0000, contiguous=True, device=0):
-        self.shape, self.dtype, self._ptr, self._c, self._dev = tuple(shape), _TORCH_DTYPES[dtype], ptr, contiguous, device
+        self.shape, self.dtype, self._ptr = tuple(shape), _TORCH_DTYPES[dtype], ptr
+        self._c, self._dev = contiguous, device
 
     def data_ptr(self):
         return self._ptr

@@ -48,13 +48,13 @@ def test_table_lists_totals_and_phases_alone():
     assert lines[2].split()[:3] == ["nvshmem", "r1-decode", "128"] and "2.00" in lines[2]
     assert lines[2].split()[9:12] == ["4.0", "4.0", "5.5"]  # graph total, its p99, the four half calls
     assert "n/a" in lines[3]
-    alone = lines[lines.index(next(l for l in lines if l.startswith("graph, each phase alone"))) + 2]
+    alone = lines[lines.index(next(line for line in lines if line.startswith("graph, each phase alone"))) + 2]
     assert alone.split() == ["nvshmem", "r1-decode", "128", "1.0", "2.0", "3.0", "4.0", "10.0"]
 
 
 def test_table_lists_host_time_per_call():
     lines = bench.table([_result(128)]).splitlines()
-    row = lines[lines.index(next(l for l in lines if l.startswith("host us per call"))) + 2]
+    row = lines[lines.index(next(line for line in lines if line.startswith("host us per call"))) + 2]
     assert row.split() == ["nvshmem", "r1-decode", "128", "9.5/8.2", "7.0", "4.0"]
 
 
@@ -86,7 +86,8 @@ def test_merge_joins_runs_of_two_transports(tmp_path):
     for name in ("nvshmem", "ipc"):
         doc = {"command": f"bench --transport {name}", "transport": name, "results": [_result(128)]}
         (tmp_path / f"{name}.json").write_text(json.dumps(doc))
-    p = _cli("--merge", str(tmp_path / "nvshmem.json"), str(tmp_path / "ipc.json"), "--json", str(tmp_path / "both.json"),
+    p = _cli("--merge", str(tmp_path / "nvshmem.json"), str(tmp_path / "ipc.json"),
+             "--json", str(tmp_path / "both.json"),
              "--plot", str(tmp_path / "both.png"))
     assert p.returncode == 0, p.stderr
     both = json.loads((tmp_path / "both.json").read_text())

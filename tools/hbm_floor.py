@@ -45,13 +45,15 @@ extern "C" __global__ void wsum(const int4* src, int4* dst, const int* rows_of, 
       }
     }
     unsigned o[4];
-    for (int i = 0; i < 4; ++i) o[i] = (__float_as_uint(a[2 * i]) >> 16) | (__float_as_uint(a[2 * i + 1]) & 0xffff0000u);
+    for (int i = 0; i < 4; ++i)
+      o[i] = (__float_as_uint(a[2 * i]) >> 16) | (__float_as_uint(a[2 * i + 1]) & 0xffff0000u);
     dst[g] = make_int4((int)o[0], (int)o[1], (int)o[2], (int)o[3]);
   }
 }
 """
 
-TOKENS, PEER_RECORDS, LOCAL = 4096, 4081, 4  # R1-prefill at EP2, uniform routing: records to the peer, own experts per token
+# R1-prefill at EP2, uniform routing: tokens, records to the peer, own experts per token
+TOKENS, PEER_RECORDS, LOCAL = 4096, 4081, 4
 X_ROW, Y_ROW = 7168 + 56 * 4, 7168 * 2       # a token row (fp8 + float32 scales); an expert output row (bf16)
 
 
@@ -96,8 +98,9 @@ def main(argv=None):
     dest = rows(src_rows, src_rows * LOCAL, LOCAL)
     landing = cp.zeros(PEER_RECORDS * rec, np.uint8)
     fan_bytes = src_rows * X_ROW * (1 + LOCAL)
-    out["fanout"] = dict(timed(lambda: fanout(grid, threads, (x, expert_rows, dest, np.int64(src_rows),
-                                                                 np.int32(X_ROW // 16), np.int32(LOCAL)))),
+    out["fanout"] = dict(timed(lambda x=x, expert_rows=expert_rows: fanout(
+                             grid, threads, (x, expert_rows, dest, np.int64(src_rows), np.int32(X_ROW // 16),
+                                             np.int32(LOCAL)))),
                          bytes=fan_bytes)
     out["landing_dispatch"] = dict(timed(lambda: landing.fill(0)), bytes=landing.nbytes)  # a memset
     del x, expert_rows, landing

@@ -39,7 +39,8 @@ def main():
             ranks = world * (1 - comb(E - L, k) / comb(E, k))
             out_row = c.hidden_dim * c.out_dtype.itemsize
             print(f"R1 EP{world} {tokens:>5} tok     {symmetric_bytes(c) / 2**20:>11.1f} MiB {ranks:>12.2f} "
-                  f"{tokens * ranks * (world - 1) / world * record_bytes(c) / 2**20:>12.2f} MiB {tokens * ranks * out_row / 2**20:>11.2f} MiB"
+                  f"{tokens * ranks * (world - 1) / world * record_bytes(c) / 2**20:>12.2f} MiB "
+                  f"{tokens * ranks * out_row / 2**20:>11.2f} MiB"
                   f" {tokens * k * out_row / 2**20:>13.2f} MiB")
     print(f"\n{'out_expert_x + scales':<22} {'worst-case slots':>17} {'worst case':>11} "
           f"{f'capacity {args.capacity_factor:g}x mean':>21} {'memory':>10}")
@@ -47,7 +48,8 @@ def main():
         for world in (2, 8, 16, 32, 64):
             c = r1(world, tokens)
             row = c.hidden_dim * c.in_dtype.itemsize + 4 * c.hidden_dim_scale
-            cap = min(c.expert_capacity, ceil(args.capacity_factor * tokens * world * c.experts_per_token / c.num_experts))
+            demand = args.capacity_factor * tokens * world * c.experts_per_token / c.num_experts
+            cap = min(c.expert_capacity, ceil(demand))
             worst = c.num_local_experts * c.expert_capacity * row
             print(f"R1 EP{world:<3} {tokens:>5} tok    {c.expert_capacity:>17} {worst / 2**30:>8.2f} GiB "
                   f"{cap:>15} slots {c.num_local_experts * cap * row / 2**30:>6.2f} GiB")

@@ -257,8 +257,8 @@ def main():
         a.destroy()
     if comm.rank == 0:
         summary = dict(transport=args.transport, ranks=W, minutes=args.minutes, **stats,
-                       memory_mib=[dict(rank=q, rss_first=f[0], rss_last=l[0], gpu_first=f[1], gpu_last=l[1])
-                                   for q, (f, l) in enumerate(memory) if f is not None], examples=examples)
+                       memory_mib=[dict(rank=q, rss_first=f[0], rss_last=e[0], gpu_first=f[1], gpu_last=e[1])
+                                   for q, (f, e) in enumerate(memory) if f is not None], examples=examples)
         print(f"soak: {args.transport}, {W} ranks, {time.monotonic() - t0:.0f} s: {stats['calls']} calls, "
               f"{stats['mismatches']} mismatches, {stats['injected']} faults injected, "
               f"{stats['raised_everywhere']} raised as expected on every rank")

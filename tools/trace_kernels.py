@@ -61,7 +61,8 @@ def figures(rows, mhz):
         stage["stamping block, start to end"] = [span, span]
         last = rows[:, h, -1]
         if last.any():
-            stage["last block: signals, counters"] = [float(np.median(last) / mhz), float(np.percentile(last, 90) / mhz)]
+            stage["last block: signals, counters"] = [float(np.median(last) / mhz),
+                                                      float(np.percentile(last, 90) / mhz)]
         out[half] = stage
     return out
 

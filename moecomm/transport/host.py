@@ -43,7 +43,8 @@ class _Exchange:
     """
 
     def __init__(self, comm, departures, timeout_s, alltoall, phase):
-        self.comm, self.departures, self.timeout_s, self.alltoall, self.phase = comm, departures, timeout_s, alltoall, phase
+        self.comm, self.departures, self.timeout_s = comm, departures, timeout_s
+        self.alltoall, self.phase = alltoall, phase
         self.map_generation = 0  # of the expert map in use (AllToAll.set_expert_map), carried by every header
         self.tag = exchange_tag(_PHASES.index(phase), 0)
         self.calls = 0
