@@ -1,6 +1,7 @@
 // moecomm device-side transport layer: the operations kernels use to reach peers, and nothing else.
 //
-// One header per transport implements them; the build defines which (moecomm/_jit.py, VARIANTS):
+// One header per transport implements them; the build names it, MOECOMM_TRANSPORT_HEADER, and says whether it
+// puts, MOECOMM_HAS_PUTS (moecomm/_jit.py, VARIANTS: a transport's registry entry):
 //   put_signal_warp  copy bytes to a peer's symmetric buffer, then add to a signal there (ordered after data)
 //   put_block        copy bytes to a peer's symmetric buffer, all threads of a block together
 //                    (non-blocking; complete with quiet)
@@ -24,7 +25,7 @@ namespace moecomm {
 // network-only, so the put path that InfiniBand/EFA peers take is exercised on a single NVLink node.
 template <typename T>
 __device__ __forceinline__ T* peer_ptr(const long long* peers, T* symmetric, int pe) {
-#if MOECOMM_FORCE_PUTS && !MOECOMM_TRANSPORT_IPC
+#if MOECOMM_FORCE_PUTS && MOECOMM_HAS_PUTS
   return nullptr;
 #else
   const long long d = peers[pe];
@@ -36,12 +37,8 @@ __device__ __forceinline__ T* peer_ptr(const long long* peers, T* symmetric, int
 // MOECOMM_FORCE_PUTS). The ipc build maps every peer; it is also what an NVSHMEM group whose every peer is
 // mapped runs at prefill-sized batches (moecomm/transport/gpu.py, GpuTransport.kernels), so the nvshmem
 // build's kernels of those sizes serve groups with a network peer only.
-constexpr bool HAS_PUTS = !MOECOMM_TRANSPORT_IPC;
+constexpr bool HAS_PUTS = MOECOMM_HAS_PUTS;
 
 }  // namespace moecomm
 
-#if MOECOMM_TRANSPORT_IPC
-#include "transport_ipc.cuh"
-#else
-#include "transport_nvshmem.cuh"
-#endif
+#include MOECOMM_TRANSPORT_HEADER

@@ -119,6 +119,56 @@ Delay = _struct("Delay", DELAY_FIELDS, "Parameters of the benchmark's device del
 STRUCTS = (Fixed, Call, PeerCheck, Delay)
 
 
+# Layouts of device memory the kernels index ---------------------------------------------------------
+class Layout(dict):
+    """{array name: its first index} of arrays laid out one after the other; ``size``: the words in all."""
+
+    def __init__(self, start, arrays):
+        super().__init__()
+        for name, n in arrays:
+            self[name] = start
+            start += n
+        self.size = start
+
+
+def state_layout(cfg):
+    """The arrays after the STATE_FIELDS words of an AllToAll's uint32 device state (Fixed.s_<name>):
+    records sent per destination rank, pairs per local expert (its demand), records received per source,
+    pairs kept per local expert (packed layout), records claimed per source (streamed dispatch_recv)."""
+    W, L = cfg.world_size, cfg.num_local_experts
+    return Layout(C.STATE_FIXED, (("send", W), ("expert", L), ("recv", W), ("kept", L), ("claim", W)))
+
+
+def counter_layout(cfg):
+    """The arrays after the COUNTER_FIELDS of an AllToAll's uint64 device counters (Fixed.c_<name>): tokens
+    received and pairs dropped per local expert, bytes per peer [BYTE_FIELDS, world]."""
+    W, L = cfg.world_size, cfg.num_local_experts
+    return Layout(len(C.COUNTER_FIELDS), (("received", L), ("dropped", L), ("bytes", len(C.BYTE_FIELDS) * W)))
+
+
+def _align16(n):
+    return (n + 15) // 16 * 16
+
+
+@dataclass(frozen=True)
+class RecordLayout:
+    """One dispatch record, in bytes: the token row (x_bytes), its scales at ``scale_off`` (scale_bytes), then
+    at ``meta_off`` int32 token, int32 expert ids [topk], float32 weights [topk]; ``size`` in all, each part
+    16-byte aligned."""
+    x_bytes: int
+    scale_off: int
+    scale_bytes: int
+    meta_off: int
+    size: int
+
+    @classmethod
+    def of(cls, cfg):
+        x = cfg.hidden_dim * cfg.in_dtype.itemsize
+        scales = 0 if cfg.hidden_dim_scale is None else 4 * cfg.hidden_dim_scale
+        meta = _align16(x) + _align16(scales)
+        return cls(x, _align16(x), scales, meta, meta + _align16(4 + 8 * cfg.experts_per_token))
+
+
 # Grid rules -------------------------------------------------------------------------------------
 def _send_blocks(cfg, num_sms):
     """A block per token of this rank's DP share, up to BLOCKS_PER_SM per SM (no block of a half waits for
@@ -194,8 +244,7 @@ KERNELS = {k.name: k for k in (
     Kernel("moecomm_peer_check", (PeerCheck,), threads=32),
     Kernel("moecomm_delay", (Delay,), threads=1),
 )}
-ALLTOALL_KERNELS = ("moecomm_dispatch_send", "moecomm_dispatch_recv", "moecomm_combine_send",
-                    "moecomm_combine_recv")  # the four halves
+ALLTOALL_KERNELS = tuple(f"moecomm_{half}" for half in C.HALVES)  # the four halves' kernels, in order
 WHOLE_KERNELS = {"dispatch": "moecomm_dispatch", "combine": "moecomm_combine"}  # a phase's halves in one launch
 STREAMED_DISPATCH = "moecomm_dispatch_streamed"  # the one-launch dispatch of streamed batches (cuda/dispatch.cu)
 PACK_KERNEL = "moecomm_dispatch_pack"  # the packed layout's third dispatch kernel (after the receive half)

@@ -41,9 +41,7 @@ DT_BF16, DT_FP16 = 0, 1
 # combine_send ends) and block counters, the reason this rank's dispatch send failed (0: none), the
 # dispatched m, the reason its receive half failed (capacity: the combine flags it to the peers) and its
 # detail (the demand), the expert-map generation (set by set_expert_map, carried by every dispatch signal),
-# the packed layout's row counter, then arrays: per-destination send counters [world] at FIXED,
-# per-local-expert pair counters at EXPERT, records received per source [world] at RECV, per-local-expert
-# kept pairs at KEPT (packed layout), records claimed per source [world] at CLAIM (offsets depend on the
+# the packed layout's row counter, then the arrays of moecomm._abi.state_layout (their offsets depend on the
 # sizes). TOKENS_EVEN / TOKENS_ODD: tokens the streamed combine_recv has claimed in even / odd calls (each
 # combine_send zeroes the next call's).
 STATE_FIELDS = ("EPOCH_DS", "EPOCH_DR", "EPOCH_CS", "DONE_DS", "DONE_DR", "DONE_CS", "BAD", "M", "BAD_RECV", "WHY",
@@ -58,9 +56,9 @@ STREAM_TOKENS = 8     # the one-launch phases stream where a block of the send s
 ARRIVAL_BATCH = 4     # rows a sending block stores per fence that releases their arrival words, at most
 ARRIVAL_FIRST = 1     # rows of a sending block's first release; each next release covers twice as many, up to
                       # ARRIVAL_BATCH (the receivers start early, the fences stay few; cuda/alltoall.cuh)
-# Cumulative uint64 counters of one AllToAll, kept on the device (AllToAll.stats()), then arrays (offsets
-# in moecomm/transport/gpu_alltoall.py): tokens received and pairs dropped per local expert [L], bytes per
-# peer [BYTE_FIELDS, world].
+# Cumulative uint64 counters of one AllToAll, kept on the device (AllToAll.stats()), then the arrays of
+# moecomm._abi.counter_layout: tokens received and pairs dropped per local expert [L], bytes per peer
+# [BYTE_FIELDS, world].
 COUNTER_FIELDS = ("MASKED_PAIRS",     # (token, expert) pairs not sent because the expert's rank is masked
                   "DROPPED_PAIRS",    # pairs routed to this rank's experts past their capacity (overflow="drop")
                   "OVERFLOW_PAIRS",   # the same under overflow="error" (those calls raised CapacityExceeded)

@@ -42,18 +42,24 @@ FORMAT = "moecomm-build-v3"  # bump when the payload layout or the build recipe 
 
 @dataclass(frozen=True)
 class Variant:
-    """One module: its ``.cu`` files, the defines that select its device transport, whether NVSHMEM's
-    headers and device library are part of it, and whether its one-launch combine carries the streamed form
-    (``MOECOMM_STREAMS_COMBINE``; used where moecomm._abi.combine_streams says so). Where it does not, that
-    code is compiled out: present but switched off at run time, it cost the nvshmem build's one-launch combine
-    15 us at R1-prefill (benchmarks/NOTES.md, step 15). ``twin``: the variant whose kernels a group with every
-    peer mapped runs at prefill-sized batches instead (the same sources without puts; moecomm/transport/gpu.py,
-    GpuTransport.kernels), or "" for none."""
+    """One module, and for a GPU transport its registry entry: its ``.cu`` files; ``header``, the device
+    transport header it is built against (``cuda/transport_<name>.cuh``, included by ``cuda/transport.cuh``
+    as MOECOMM_TRANSPORT_HEADER), or "" for a module without one; ``puts``, whether that transport reaches peers
+    by puts (MOECOMM_HAS_PUTS: peers on other nodes); ``nvshmem``, whether NVSHMEM's headers and device library
+    are part of it; ``streams_combine``, whether its one-launch combine carries the streamed form
+    (``MOECOMM_STREAMS_COMBINE``; used where moecomm._abi.combine_streams says so; where it does not, that code is
+    compiled out: present but switched off at run time, it cost the nvshmem build's one-launch combine 15 us at
+    R1-prefill); ``twin``, the variant whose kernels a group with every peer mapped runs at prefill-sized batches
+    instead (the same sources without puts; moecomm/transport/gpu.py, GpuTransport.kernels), or "" for none;
+    ``transport``, the GPU transport's class as ``(module in moecomm.transport, class name)`` (what
+    ``moecomm.init(transport=<name>)`` starts), or None."""
     sources: tuple
-    defines: tuple
-    nvshmem: bool
+    header: str = ""
+    puts: bool = False
+    nvshmem: bool = False
     streams_combine: bool = False
     twin: str = ""
+    transport: object = None
 
 
 _KERNELS = ("dispatch_send.cu", "dispatch_recv.cu", "dispatch_pack.cu", "dispatch.cu", "combine_send.cu",
@@ -62,11 +68,13 @@ VARIANTS = {
     # The nvshmem build's prefill-sized kernels run only in groups with a network peer (an NVLink-only group
     # runs the ipc build's there: its twin): puts carry no arrival words, so the streamed combine's token side
     # would wait for whole signals. Its put path also costs the streamed kernels registers and a stack (the
-    # streamed combine measured +9 us at R1-prefill in this build, benchmarks/NOTES.md step 14; step 18).
-    "nvshmem": Variant(_KERNELS, ("MOECOMM_TRANSPORT_IPC=0",), True, streams_combine=False, twin="ipc"),
-    "ipc": Variant(_KERNELS, ("MOECOMM_TRANSPORT_IPC=1",), False, streams_combine=True),
-    "bench": Variant(("delay.cu",), (), False),
+    # streamed combine measured +9 us at R1-prefill in this build).
+    "nvshmem": Variant(_KERNELS, "transport_nvshmem.cuh", puts=True, nvshmem=True, twin="ipc",
+                       transport=("nvshmem", "NvshmemTransport")),
+    "ipc": Variant(_KERNELS, "transport_ipc.cuh", streams_combine=True, transport=("ipc", "IpcTransport")),
+    "bench": Variant(("delay.cu",)),
 }
+GPU_TRANSPORTS = {name: v.transport for name, v in VARIANTS.items() if v.transport}  # name: (module, class)
 
 
 def source_dir():
@@ -191,8 +199,13 @@ class Build:
 def _compile_flags(arch, variant):
     cc = arch.split("_")[1]
     return ([f"-arch=compute_{cc}", "-rdc=true", "-dlto", "-std=c++17", "-default-device", "-lineinfo"]
-            + [f"-D{d}" for d in VARIANTS[variant].defines]
-            + [f"-DMOECOMM_STREAMS_COMBINE={int(VARIANTS[variant].streams_combine)}"])
+            + _defines(VARIANTS[variant]))
+
+
+def _defines(v):
+    """The -D options of a variant (the build-cache key covers them)."""
+    header = [f'-DMOECOMM_TRANSPORT_HEADER="{v.header}"'] if v.header else []
+    return header + [f"-DMOECOMM_HAS_PUTS={int(v.puts)}", f"-DMOECOMM_STREAMS_COMBINE={int(v.streams_combine)}"]
 
 
 def _nvrtc_options(toolchain, src, arch, variant):

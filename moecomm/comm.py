@@ -19,12 +19,12 @@ import time
 import weakref
 
 from ._constants import timeout_seconds
+from ._jit import GPU_TRANSPORTS
 from ._errors import CommBroken, CommTimeout, InvalidArgument, MoeCommError, OutOfStep, PeerExited
 
 log = logging.getLogger("moecomm")
 
-TRANSPORTS = ("auto", "host", "nvshmem", "ipc")
-GPU_TRANSPORTS = {"nvshmem": ("nvshmem", "NvshmemTransport"), "ipc": ("ipc", "IpcTransport")}
+TRANSPORTS = ("auto", "host", *GPU_TRANSPORTS)
 TRANSPORT_ENV = "MOECOMM_TRANSPORT"  # what "auto" means when set
 _POLL_S = 1e-3  # how often finalize looks for the peers' departures
 FINALIZE = "finalize"  # the departure reason of a rank that finalizes (it takes part in the teardown)

@@ -13,18 +13,18 @@ A transport with ``memory == "host"`` gets numpy arrays (None where absent); one
 gets device addresses (0 where absent) in a :class:`moecomm._abi.Call` structure that it hands to its
 kernels as is.
 
-A GPU transport is three pieces (the ``ipc`` transport is the example to copy, ~150 lines in all):
+A GPU transport is two files and one registry entry (the ``ipc`` transport is the example to copy, ~150
+lines in all):
 
 1. a device header ``cuda/transport_<name>.cuh`` with the operations the kernels use to reach peers
-   (``signal_set``, ``put_block``, ``put_signal_warp``, ``quiet``: ``cuda/transport.cuh``
-   states their meaning) and a define selecting it in ``cuda/transport.cuh``;
-2. a module variant in :data:`moecomm._jit.VARIANTS` (its sources, defines, libraries);
-3. a subclass of :class:`moecomm.transport.gpu.GpuTransport` (``moecomm/transport/<name>.py``) providing the
+   (``signal_set``, ``put_block``, ``put_signal_warp``, ``quiet``: ``cuda/transport.cuh`` states their meaning);
+2. a subclass of :class:`moecomm.transport.gpu.GpuTransport` (``moecomm/transport/<name>.py``) providing the
    device runtime: bring-up over the bootstrap (``_start_runtime``, bounded), what the runtime must know
    of the loaded module (``_load_module``), symmetric allocation at the same offset on every rank
    (``symmetric``/``free``, collective), a peer's copy (``peer_array``), the peer table the kernels reach
    peers through (``peer_offsets``), teardown (``_stop_runtime``);
-   and its name in ``moecomm.comm.GPU_TRANSPORTS``.
+3. its entry in :data:`moecomm._jit.VARIANTS`: the header, whether it puts, its class (which makes
+   ``moecomm.init(transport="<name>")`` start it).
 
 Everything else is shared (moecomm/transport/gpu.py, gpu_alltoall.py): device arrays arrive as addresses
 in the call record; work is ordered on the caller's stream and the host never synchronizes in dispatch or

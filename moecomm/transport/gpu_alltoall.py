@@ -37,15 +37,10 @@ from .._dtypes import float16
 from .base import AllToAllBackend, first_send, snapshot
 
 
-def _align16(n):
-    return (n + 15) // 16 * 16
-
-
 def record_bytes(cfg):
-    """Bytes of one dispatch record: token row, scales, token index + expert ids + weights."""
-    scales = 0 if cfg.hidden_dim_scale is None else 4 * cfg.hidden_dim_scale
-    return (_align16(cfg.hidden_dim * cfg.in_dtype.itemsize) + _align16(scales)
-            + _align16(4 + 8 * cfg.experts_per_token))
+    """Bytes of one dispatch record (moecomm._abi.RecordLayout): token row, scales, token index + expert ids +
+    weights."""
+    return _abi.RecordLayout.of(cfg).size
 
 
 def blocks(cfg, num_sms):
@@ -82,14 +77,13 @@ class GpuAllToAll(AllToAllBackend):
         self.t, self.cfg, self._cupy = transport, cfg, cupy
         variant, self.module = transport.kernels(cfg)  # every kernel of this AllToAll comes from this module
         W, M, K, L = cfg.world_size, cfg.max_num_tokens, cfg.experts_per_token, cfg.num_local_experts
-        rec = record_bytes(cfg)
+        rec, state, counters = _abi.RecordLayout.of(cfg), _abi.state_layout(cfg), _abi.counter_layout(cfg)
         sizes = symmetric_sizes(cfg, transport.num_sms)
-        self.state = cupy.zeros(C.STATE_FIXED + 3 * W + 2 * L, np.uint32)
+        self.state = cupy.zeros(state.size, np.uint32)
         self.slot_of = cupy.empty(W * M * K, np.int32)
         self.own_of = cupy.empty(M * K * 2, np.int32)
         self.mask = cupy.zeros(W, np.int32)
-        nc = len(C.COUNTER_FIELDS)  # then received [L], dropped [L], bytes [BYTE_FIELDS, W]
-        self.counters = cupy.zeros(nc + 2 * L + len(C.BYTE_FIELDS) * W, np.uint64)
+        self.counters = cupy.zeros(counters.size, np.uint64)
         self.ring = cupy.zeros((window, L), np.uint32)
         self.map = None if cfg.slots_per_rank is None else cupy.zeros((cfg.num_experts, 1 + W), np.int32)
         self._generation = 0
@@ -123,15 +117,14 @@ class GpuAllToAll(AllToAllBackend):
             map=0 if self.map is None else self.map.data.ptr, peers=transport.peers.data.ptr,
             gone=transport.gone.data.ptr, timeout_ns=int(timeout_s * 1e9),
             world=W, rank=cfg.rank, dp=cfg.dp_size, num_experts=cfg.num_experts, local_experts=L, topk=K,
-            max_tokens=M, hidden=cfg.hidden_dim, x_bytes=cfg.hidden_dim * cfg.in_dtype.itemsize,
-            scale_bytes=0 if cfg.hidden_dim_scale is None else 4 * cfg.hidden_dim_scale,
-            meta_off=rec - _align16(4 + 8 * K), rec_bytes=rec,
+            max_tokens=M, hidden=cfg.hidden_dim, x_bytes=rec.x_bytes, scale_bytes=rec.scale_bytes,
+            meta_off=rec.meta_off, rec_bytes=rec.size,
             out_code=C.DT_FP16 if cfg.out_dtype == float16 else C.DT_BF16,
             out_row_bytes=cfg.hidden_dim * cfg.out_dtype.itemsize, cap=cfg.expert_capacity, drop=int(drops),
-            packed=int(cfg.layout == "packed"), s_kept=C.STATE_FIXED + 2 * W + L,
-            window=window, c_received=nc, c_dropped=nc + L, c_bytes=nc + 2 * L,
-            stage_slots=C.STAGE_SLOTS, stage_bytes=sizes["stage_row"],
-            s_expert=C.STATE_FIXED + W, s_recv=C.STATE_FIXED + W + L, s_claim=C.STATE_FIXED + 2 * W + 2 * L,
+            packed=int(cfg.layout == "packed"), window=window, stage_slots=C.STAGE_SLOTS,
+            stage_bytes=sizes["stage_row"],
+            c_received=counters["received"], c_dropped=counters["dropped"], c_bytes=counters["bytes"],
+            s_expert=state["expert"], s_recv=state["recv"], s_kept=state["kept"], s_claim=state["claim"],
             senders=_abi.dispatch_senders(cfg, transport.num_sms), streamed=int(_abi.streamed(cfg, transport.num_sms)),
             comb_streamed=int(_abi.combine_streams(cfg, transport.num_sms, _jit.VARIANTS[variant].streams_combine)))
         self._call = _abi.Call()  # the call record (record()): every launch below reads it
@@ -229,9 +222,10 @@ class GpuAllToAll(AllToAllBackend):
     def snapshot(self):
         """The telemetry, after this rank's work on the GPU (see moecomm.transport.base.snapshot)."""
         _cuda.context_synchronize()
-        W, L, nc = self.cfg.world_size, self.cfg.num_local_experts, len(C.COUNTER_FIELDS)
+        at, W = _abi.counter_layout(self.cfg), self.cfg.world_size
         c = self.counters.get().astype(np.int64)
-        return snapshot(c[:nc], c[nc:nc + L], c[nc + L:nc + 2 * L], c[nc + 2 * L:].reshape(-1, W), self.ring.get(),
+        return snapshot(c[:at["received"]], c[at["received"]:at["dropped"]], c[at["dropped"]:at["bytes"]],
+                        c[at["bytes"]:].reshape(-1, W), self.ring.get(),
                         self._timing.times_us() if self._timing else None)
 
     def set_expert_map(self, expert_map):

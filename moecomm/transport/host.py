@@ -21,13 +21,15 @@ import numpy as np
 
 from .. import reference
 from .._arrays import HostArrays
+from .. import _constants as C
 from .._constants import BYTE_FIELDS, COUNTER_FIELDS
 from .._errors import (CapacityExceeded, ExpertMapMismatch, InvalidArgument, InvalidRouting, MoeCommError, OutOfStep,
                        PeerError)
 from .._mpi import TAG_PEER_CHECK, exchange_tag, wait_all
 from .base import AllToAllBackend, Transport, first_send, host_call_record, peer_pattern, snapshot
 
-_OK, _BAD_ROUTING, _BAD_M, _BAD_ARG = 0, 1, 2, 3  # statuses in a header
+# a header's status: the device error codes, as the kernels flag a failed call (moecomm._constants)
+_OK, _BAD_ROUTING, _BAD_M, _BAD_ARG = C.ERR_NONE, C.ERR_BAD_EXPERT, C.ERR_BAD_M, C.ERR_REFUSED
 _PHASES = ("dispatch", "combine", "demand")  # demand: pairs per expert, exchanged first when capacity is set
 _C = {name: i for i, name in enumerate(COUNTER_FIELDS)}
 _FIELDS, _HEADER = 6, 256  # header: int64 [alltoall, phase, call, status, count, map generation], then the
