@@ -12,7 +12,7 @@ from ._errors import (CapacityExceeded, CommBroken, CommTimeout, CompileError, E
 from .alltoall import AllToAll, CombineArgs, DispatchArgs
 from .comm import Bootstrap, Communicator, init
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = ["AllToAll", "Bootstrap", "CapacityExceeded", "CombineArgs", "CommBroken", "CommTimeout", "Communicator",
            "CompileError", "DeviceBuffer", "DispatchArgs", "ExpertMapMismatch", "InvalidArgument", "InvalidRouting",

@@ -120,6 +120,9 @@ def main():
         if not (0 <= e.expert < E and demand[e.expert] > CAP and (e.demand, e.capacity) == (demand[e.expert], CAP)):
             fails.append(f"CapacityExceeded names expert {e.expert} demand {e.demand} capacity {e.capacity}; demands "
                          f"{demand.tolist()}, capacity {CAP}")
+        pairs_over = int(np.maximum(demand - CAP, 0).sum())
+        if transport == "host" and f"{pairs_over} pairs over in all" not in str(e):  # the host sees every demand
+            fails.append(f"CapacityExceeded does not count the {pairs_over} pairs over: {e}")
     all_ids = np.concatenate([d[2].ravel() for d in drawn])
     over = np.maximum(np.bincount(all_ids[all_ids >= 0], minlength=E) - CAP, 0)[r * E_PER_RANK:(r + 1) * E_PER_RANK]
     if error.stats()["OVERFLOW_PAIRS"] != over.sum():

@@ -302,11 +302,17 @@ def main():
         fails.append("the call after a refused second dispatch is wrong")
     checks += 1
 
-    # construction with a bad argument on the last rank
+    # construction with a bad argument on the last rank; a valid configuration that differs on the last rank
     expect(fails, "AllToAll with a bad hidden_dim on one rank",
            [lambda: moecomm.AllToAll(comm, M, E_PER_RANK * W, K, H + (1 if r == last else 0), None, "fp16", "fp16")],
            None, moecomm.InvalidArgument)
-    checks += 1
+    e = expect(fails, "AllToAlls whose max_num_tokens differs on one rank",
+               [lambda: moecomm.AllToAll(comm, M + (8 if r == last else 0), E_PER_RANK * W, K, H, None, "fp16",
+                                         "fp16")],
+               None, moecomm.InvalidArgument)
+    if W > 1 and e is not None and ("max_num_tokens=" not in str(e) or "hidden_dim" in str(e)):
+        fails.append(f"the message does not name just the field that differs: {e}")
+    checks += 2
 
     # two AllToAlls in different orders on different ranks
     b2b = moecomm.AllToAll(comm, M, E_PER_RANK * W, K, H, None, "fp16", "fp16")

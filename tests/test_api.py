@@ -117,6 +117,26 @@ def test_bad_config(comm, case):
     assert message in str(e.value)
 
 
+def test_finalize_ends_its_alltoalls():
+    """finalize() without destroy(): the AllToAll is destroyed with its communicator and says so."""
+    c = moecomm.init(transport="host")
+    a = moecomm.AllToAll(c, M, E, K, H, S, "float8_e4m3fn", "bfloat16")
+    c.finalize()
+    with pytest.raises(moecomm.InvalidArgument, match="destroyed .its communicator was finalized"):
+        a.dispatch(**_good())
+    a.destroy()  # still safe
+
+
+def test_load_tool_ends_on_one_process(tmp_path):
+    """The mask scenario needs a second rank: on one process it says so instead of waiting for itself."""
+    import subprocess
+    import sys
+    p = subprocess.run([sys.executable, "-m", "moecomm.loadtest", "--scenarios", "mask", "--steps", "6", "--tokens",
+                        "8", "--experts", "8", "--topk", "2", "--hidden", "64", "--json", str(tmp_path / "l.json"),
+                        "--plot", str(tmp_path / "l.png")], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and "needs at least 2 ranks" in p.stdout, p.stdout + p.stderr
+
+
 def test_combine_needs_weights_and_dispatch(comm):
     a = moecomm.AllToAll(comm, M, E, K, H, S, "float8_e4m3fn", "bfloat16")
     args = _good()

@@ -154,3 +154,13 @@ def test_floor_tools_load_and_describe_themselves(tool):
     p = subprocess.run([sys.executable, str(path), "--help"], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
     assert "floor" in p.stdout and "--json" in p.stdout
+
+
+def test_host_ab_describes_itself():
+    """tools/host_ab.py (host time of two trees, interleaved, on a GPU) loads without a GPU and says what it does."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    path = Path(__file__).resolve().parent.parent / "tools" / "host_ab.py"
+    p = subprocess.run([sys.executable, str(path), "--help"], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and "--base" in p.stdout, p.stderr

@@ -13,8 +13,9 @@ occupancy (every thread a 16-byte chunk, grid-stride), with R1-prefill's shapes 
   partial sums landing from the peer (a memset).
 
 It prints each pattern's rate (bytes read + written per second) and the phase's time at those rates: a floor
-that no kernel moving the same bytes can go below on this GPU (the NVLink floor, 369 GB/s of SM stores in
-FIELD-NOTES, is the other). CUDA events, warm-up, median over ``--iters``; no MPI, no NVSHMEM.
+that no kernel moving the same bytes can go below on this GPU (the NVLink floor, 369 GB/s of SM stores
+measured on 2xH200, is the other; benchmarks/NOTES.md). CUDA events, warm-up, median over ``--iters``; no MPI,
+no NVSHMEM.
 """
 import argparse
 import json

@@ -30,7 +30,7 @@ class GpuTransport(Transport):
         """(variant, module) an AllToAll of ``cfg`` launches from. At prefill-sized batches
         (moecomm._abi.streamed) a group whose every peer is mapped (``all_mapped``) runs the variant's put-free
         twin (moecomm._jit.Variant.twin: the same sources without the put path, whose registers and stack slow
-        the streamed kernels, and with the streamed combine, which puts cannot feed; benchmarks/NOTES.md step
+        the streamed kernels, and with the streamed combine, which puts cannot feed; benchmarks/NOTES.md, row
         18), loaded at first use.
         Smaller batches, and every batch of a group with a network peer, run the transport's own kernels."""
         twin = _jit.VARIANTS[self.variant].twin
