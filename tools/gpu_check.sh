@@ -24,9 +24,10 @@
 #   bash tools/gpu_check.sh floors   build, peer check, then the floors the phases are measured against: HBM
 #                                    rates of R1-prefill's memory patterns (tools/hbm_floor.py) and two bare
 #                                    exchanges of a small batch's rows on each transport (tools/exchange_floor.py)
-#   bash tools/gpu_check.sh ranks    more ranks than GPUs: 2, 4 and 8 ranks ($RANKS) time-sliced on GPU 0 over ipc
-#                                    (correct and slow): quick sweeps, control, masking, DP groups, the JAX
-#                                    matrix, a rank whose program fails; then world size 1 on both transports
+#   bash tools/gpu_check.sh ranks    world size 1 on both transports, then more ranks than GPUs: 2, 4 and 8 ranks
+#                                    ($RANKS) time-sliced on GPU 0 over ipc (correct and slow): quick sweeps,
+#                                    control, the JAX matrix, telemetry, capacity, packed, replicas, masking, DP
+#                                    groups, a rank whose program fails
 #   bash tools/gpu_check.sh --help   this text
 #   bash tools/gpu_check.sh latency  the checks a kernel change needs (quick sweeps on both transports, the
 #                                    put-only path, world size 1, the model-sized and streamed cases (--full),
@@ -89,6 +90,11 @@ if [ "${1:-}" = ranks ]; then  # more ranks than GPUs: every rank on GPU 0, time
     step "${MPIRUN[@]}" -np $n python3 tests/mpi_alltoall.py --transport ipc --quick
     expect ": 0 failures" "${MPIRUN[@]}" -np $n python3 tests/mpi_control.py --transport ipc
     [ $n -le 4 ] && expect ": 0 failures" "${MPIRUN[@]}" -np $n python3 tests/mpi_jax.py
+    if [ $n = 2 ]; then  # telemetry, capacity policies, the packed layout, expert maps
+      for s in mpi_telemetry mpi_capacity mpi_packed mpi_replicas; do
+        expect ": 0 failures" "${MPIRUN[@]}" -np 2 python3 tests/$s.py --transport ipc
+      done
+    fi
     [ $n = 4 ] && expect ": 0 failures" "${MPIRUN[@]}" -np 4 python3 tests/mpi_mask.py --transport ipc
     [ $n = 4 ] && step "${MPIRUN[@]}" -np 4 python3 tests/mpi_alltoall.py --transport ipc --dp-only
   done
