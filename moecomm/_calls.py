@@ -75,9 +75,10 @@ class CallOrder:
             if self.done == 1:
                 raise InvalidArgument("combine: the dispatch's receive half has not run yet")
 
-    def issue(self, phase, send, recv, weights=False, outputs=None):
-        """Record ``phase``'s halves as issued (a dispatch send half starts a new call), and what its send half
-        was given: router weights or not, and (dispatch) the output arrays' addresses."""
+    def advance(self, phase, send, recv, weights=False, outputs=None):
+        """:meth:`check`, then record ``phase``'s halves as issued (a dispatch send half starts a new call) and
+        what its send half was given: router weights or not, and (dispatch) the output arrays' addresses."""
+        self.check(phase, send, recv)
         if send:
             if phase == "dispatch":
                 self.number += 1

@@ -1,7 +1,6 @@
 """The public dispatch/combine API, after pplx-kernels' ``AllToAll`` (framework-neutral)."""
 import hashlib
 from contextlib import nullcontext
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
@@ -27,8 +26,7 @@ _DISPATCH_ROWS = ("dp_x", "indices", "weights", "dp_x_scale")  # the per-token a
 _COMBINE_ROWS = ("out_tokens", "indices", "weights", "out_dropped")
 
 
-@dataclass(slots=True)
-class DispatchArgs:
+class DispatchArgs(NamedTuple):
     """The arrays of one dispatch call, as :meth:`AllToAll.dispatch` takes them (shapes and dtypes there).
     ``moved_outputs``: a receive half may be given other output arrays than its send half, holding what
     the send half wrote (``moecomm.jax``: XLA may copy a buffer between the halves)."""
@@ -43,7 +41,7 @@ class DispatchArgs:
     out_expert_offsets: object = None
     stream: object = None
     moved_outputs: bool = False
-    phase = "dispatch"
+    phase = "dispatch"  # a class attribute, not a field
 
     @property
     def first(self):
@@ -51,8 +49,7 @@ class DispatchArgs:
         return self.dp_x
 
 
-@dataclass(slots=True)
-class CombineArgs:
+class CombineArgs(NamedTuple):
     """The arrays of one combine call, as :meth:`AllToAll.combine` takes them (shapes and dtypes there)."""
     out_tokens: object
     indices: object
@@ -66,6 +63,9 @@ class CombineArgs:
     @property
     def first(self):
         return self.out_tokens
+
+
+_new_tuple = tuple.__new__  # the call path makes its records with it: a NamedTuple's constructor costs ~1 us
 
 
 class Refusal(NamedTuple):
@@ -226,8 +226,9 @@ class AllToAll:
         half is issued) or by synchronize(); a dispatch raises only what was refused on this rank and
         timeouts.
         """
-        self.run(DispatchArgs(out_expert_num_tokens, out_expert_x, out_expert_x_scale, dp_x, dp_x_scale, indices,
-                              bound_m, weights, out_expert_offsets, stream), do_send, do_recv)
+        self.run(_new_tuple(DispatchArgs, (out_expert_num_tokens, out_expert_x, out_expert_x_scale, dp_x, dp_x_scale,
+                                           indices, bound_m, weights, out_expert_offsets, stream, False)),
+                 do_send, do_recv)
 
     def combine(self, out_tokens, indices, weights, expert_y, bound_m, do_send=True, do_recv=True,
                 stream=None, out_dropped=None):
@@ -252,7 +253,8 @@ class AllToAll:
         the message names the call). A refused combine ends its call (no retry); a combine without a
         dispatch to combine is refused.
         """
-        self.run(CombineArgs(out_tokens, indices, weights, expert_y, bound_m, out_dropped, stream), do_send, do_recv)
+        self.run(_new_tuple(CombineArgs, (out_tokens, indices, weights, expert_y, bound_m, out_dropped, stream)),
+                 do_send, do_recv)
 
     def run(self, args, do_send=True, do_recv=True):
         """Run the halves ``do_send`` / ``do_recv`` of the phase ``args`` describes (a :class:`DispatchArgs` or
@@ -265,43 +267,37 @@ class AllToAll:
         if not (send or recv):
             raise InvalidArgument(f"{phase}: do_send and do_recv are both False: nothing to run")
         previous = self._context.enter() if self._context else None
+        stream = None
         try:
-            self._run(args, send, recv)
+            try:
+                stream = self._arrays.begin(args.stream, args.first)
+                weights, outputs = self._read(args, stream, send, recv)
+                self._order.advance(phase, send, recv, weights, outputs)  # checks the order, then records it
+            except InvalidArgument as e:
+                self._refuse(phase, send, e, stream)
+            self._arrays.order()
+            (self._backend.dispatch if phase == "dispatch" else self._backend.combine)(self._record, send, recv, stream)
         except (CommTimeout, OutOfStep) as e:
+            self._order.end()
             self.comm.fail(e)
+            raise
+        except MoeCommError:  # the call is over on every rank
+            self._order.end()
             raise
         finally:
             if previous is not None:
                 self._context.leave(previous)
 
-    def _run(self, args, send, recv):
-        stream = None
-        try:
-            stream = self._arrays.begin(args.stream, args.first)
-            weights, outputs = self._read(args, stream, send, recv)
-            self._order.check(args.phase, send, recv)
-        except InvalidArgument as e:
-            self._refuse(args.phase, send, e, stream)
-        self._arrays.order()
-        self._order.issue(args.phase, send, recv, weights, outputs)
-        try:
-            getattr(self._backend, args.phase)(self._record, send, recv, stream)
-        except MoeCommError:  # the call is over on every rank (or the communicator broke)
-            self._order.end()
-            raise
-
-    def _rows(self, names, *shapes):
-        """The rows of a call: the fewest of its per-token arrays (``shapes``: theirs, None where one was not
-        given; ``names``: their names), each of which may have at most max_num_tokens."""
-        rows = most = shapes[0][0]
-        for shape in shapes[1:]:
-            if shape is not None:
-                n = shape[0]
-                if n < rows:
-                    rows = n
-                elif n > most:
-                    most = n
+    def _rows(self, names, a, b, c, d):
+        """The rows of a call: the fewest of its four per-token arrays (``a`` .. ``d``: their shapes, the last two
+        None where not given; ``names``: their names), each of which may have at most max_num_tokens."""
+        rows, most = (a[0], b[0]) if a[0] < b[0] else (b[0], a[0])
+        if c is not None:
+            rows, most = min(rows, c[0]), max(most, c[0])
+        if d is not None:
+            rows, most = min(rows, d[0]), max(most, d[0])
         if most > self.cfg.max_num_tokens:
+            shapes = (a, b, c, d)
             name, shape = next((n, s) for n, s in zip(names, shapes)
                                if s is not None and s[0] > self.cfg.max_num_tokens)
             raise InvalidArgument(f"{name}: expected at most max_num_tokens={self.cfg.max_num_tokens} rows, got "
