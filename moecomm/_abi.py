@@ -5,8 +5,8 @@ Python packs kernel parameters into ctypes structures built from the field lists
 the ``MOECOMM_*`` constants, the structs with ``static_assert``s of each struct's size and each field's
 size and alignment as ctypes computed them (so the offsets agree too), and a declaration of every kernel. A
 ``.cu`` file whose kernel signature differs from its declaration here, or a struct laid out differently by the
-device compiler, fails to build; at load time
-:meth:`moecomm._cuda.Module.function` also checks each kernel's parameter sizes against these structs.
+device compiler, fails to build; at load time :meth:`moecomm._cuda.Module.function` also checks each
+kernel's parameter sizes against these structs.
 
 The dispatch/combine kernels all take the same two parameters: ``Fixed`` (set once per AllToAll: its
 layout, device state and buffers) and ``Call`` (the arrays of the current call, rewritten by every

@@ -53,7 +53,6 @@ class DeviceBuffer:
         return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
 
 
-
 class Accepted(dict):
     """{dtype an argument may arrive as: the dtype it is read as}, and ``names``, what to tell a caller."""
 
@@ -229,8 +228,7 @@ def host_view(obj):
                               f"{device.device_type}, dtype {dtype}")
     n = int(np.prod(shape, dtype=np.int64))
     raw = (ctypes.c_char * max(1, n * dtype.itemsize)).from_address(ptr) if ptr else bytearray(dtype.itemsize)
-    view = np.frombuffer(raw, dtype, count=n).reshape(shape)
-    return view
+    return np.frombuffer(raw, dtype, count=n).reshape(shape)
 
 
 def _read_cai(obj, stream):

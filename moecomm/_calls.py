@@ -57,7 +57,7 @@ class CallOrder:
 
     def check(self, phase, send, recv):
         """Raise InvalidArgument when issuing ``phase``'s send and/or receive half now breaks the order."""
-        posted = self.done == _PHASE_START[phase] + 1
+        posted = self.posted(phase)
         if send and posted:
             raise InvalidArgument(f"{phase}: a send is already posted; call {phase}(do_send=False) first")
         if recv and not send and not posted:

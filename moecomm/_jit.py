@@ -7,9 +7,8 @@ define); ``bench`` holds the benchmark's delay kernel alone, so it is never part
 Compile path (chosen on purpose): every ``.cu`` file of a variant is compiled by NVRTC to LTO-IR with
 relocatable device code (``-rdc=true -dlto``) and linked by nvJitLink; the ``nvshmem`` variant links
 NVSHMEM's static device library ``libnvshmem_device.a``. Linking the real device library, rather than NVSHMEM's
-header-only mode, keeps the
-IBGDA (GPU-initiated InfiniBand) and proxy code paths in the kernels, so a peer reachable only over the
-network goes through the same kernels as an NVLink peer. The header-only mode has no IBGDA code.
+header-only mode, keeps the IBGDA (GPU-initiated InfiniBand) and proxy code paths in the kernels, so a peer
+reachable only over the network goes through the same kernels as an NVLink peer. The header-only mode has no IBGDA code.
 
 Three header fixes are needed for NVSHMEM 3.4 under NVRTC:
 

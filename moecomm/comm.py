@@ -19,8 +19,8 @@ import time
 import weakref
 
 from ._constants import timeout_seconds
-from ._jit import GPU_TRANSPORTS
 from ._errors import CommBroken, CommTimeout, InvalidArgument, MoeCommError, OutOfStep, PeerExited
+from ._jit import GPU_TRANSPORTS
 
 log = logging.getLogger("moecomm")
 

@@ -25,8 +25,8 @@ each step starting at a device barrier so that the ranks' host skew is not count
 (:mod:`moecomm.telemetry`). ``--ep-size`` splits the job into data-parallel replicas of ``ep-size`` ranks,
 each with every expert: run once at full width and once narrower to compare EP width against replicas at
 the same GPU count (the figures are those of the group of world rank 0). Output: a table, ``--json`` (command,
-environment, per-step records, summaries) and
-``--plot`` (imbalance and step time over the steps of each scenario; time against tokens for ``ramp``).
+environment, per-step records, summaries) and ``--plot`` (imbalance and step time over the steps of each
+scenario; time against tokens for ``ramp``).
 With ``--spare-slots``, each routing scenario runs a second time with replicated experts: the first
 ``--replan`` steps on the static map, then replicas planned from the last ``--replan`` steps' load
 (:func:`moecomm.balance.plan`, kept close to the map in use) and switched every ``--replan`` steps.

@@ -36,10 +36,10 @@ The call contract, the same on every transport: each dispatch is followed by exa
 every rank issues each of a call's four halves (:data:`moecomm._constants.HALVES`) once; a half a rank
 cannot run with data (its arguments were refused, or the call failed part-way) is issued with no data
 (:meth:`AllToAllBackend.skip`), so the ranks' calls always pair up; a call that raises a non-fatal error
-(refusal, bad routing) is over on every rank. A host transport raises the peers' errors in the call itself; a
-device transport never
-synchronizes, so its kernels record them and the backend raises them once the call is over on this rank
-(after issuing combine's receive half) or in ``synchronize``, and raises a timeout at the next call.
+(refusal, bad routing) is over on every rank. A host transport raises the peers' errors in the call itself;
+a device transport never synchronizes, so its kernels record them and the backend raises them once the call
+is over on this rank (after issuing combine's receive half) or in ``synchronize``, and raises a timeout at
+the next call.
 """
 import abc
 from types import SimpleNamespace

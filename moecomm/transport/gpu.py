@@ -3,8 +3,7 @@ barriers, the peer check, device error words. A GPU transport subclasses :class:
 provides its device runtime (moecomm/transport/base.py lists the pieces; ipc.py is the small example):
 ``variant`` (its module in :data:`moecomm._jit.VARIANTS`), ``_start_runtime``, ``_load_module``,
 ``symmetric``, ``free``, ``peer_array``, ``peer_offsets`` and ``_stop_runtime``. Everything runs in the primary
-context of
-the rank's GPU (``self.context``), entered by moecomm's entry points.
+context of the rank's GPU (``self.context``), entered by moecomm's entry points.
 """
 import time
 

@@ -19,9 +19,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .. import _constants as C
 from .. import reference
 from .._arrays import HostArrays
-from .. import _constants as C
 from .._constants import BYTE_FIELDS, COUNTER_FIELDS
 from .._errors import (CapacityExceeded, ExpertMapMismatch, InvalidArgument, InvalidRouting, MoeCommError, OutOfStep,
                        PeerError)
