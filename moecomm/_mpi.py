@@ -42,13 +42,19 @@ class Departures:
                 self.gone[q] = self.mpi.recv(source=q, tag=TAG_LEAVE)
         return {q: self.gone[q] for q in ranks if q in self.gone}
 
-    def check(self, ranks, what):
-        """Raise PeerExited if one of ``ranks`` has left (looked for at most every DEPARTURE_POLL_S)."""
+    def check(self, ranks, what, still_missing):
+        """Raise PeerExited naming a rank of ``ranks`` that has left while ``still_missing()``, asked after its
+        notice was read, still names it (looked for at most every DEPARTURE_POLL_S). A rank sends its notice
+        after its last message, and MPI delivers one sender's messages in order: a message that is missing
+        once the notice is here will never come, while one that was merely late is found by the second look."""
         now = time.monotonic()
         if self.left or now < self._next_poll:
             return
         self._next_poll = now + DEPARTURE_POLL_S
         gone = self.seen(ranks)
+        if gone:
+            still = set(still_missing())
+            gone = {q: why for q, why in gone.items() if q in still}
         if gone:
             q = min(gone)
             raise PeerExited(f"{what}: rank {q} left the job ({gone[q]}); it will not take part in this call",
@@ -67,14 +73,18 @@ def wait_all(requests, peers, deadline, timeout_s, what, departures=None):
     (time.monotonic()); on expiry raise CommTimeout naming the first silent rank. With ``departures`` (a
     :class:`Departures`), a silent rank that has left is named at once (PeerExited)."""
     from mpi4py import MPI
+
+    def silent():  # the ranks behind the requests not complete yet
+        return sorted({p for p, r in zip(peers, requests) if not r.Test()})
+
     while not MPI.Request.Testall(requests):
         if departures is not None:
-            departures.check(sorted({p for p, r in zip(peers, requests) if not r.Test()}), what)
+            departures.check(silent(), what, silent)
         if time.monotonic() > deadline:
-            silent = sorted({p for p, r in zip(peers, requests) if not r.Test()})
-            raise CommTimeout(f"{what}: no message from rank(s) {silent} within {timeout_s:g} s "
+            ranks = silent()
+            raise CommTimeout(f"{what}: no message from rank(s) {ranks} within {timeout_s:g} s "
                               f"(a rank may have died, stalled or skipped the call)",
-                              peer=silent[0] if silent else -1, phase=what)
+                              peer=ranks[0] if ranks else -1, phase=what)
         time.sleep(POLL_S)
 
 
@@ -104,7 +114,8 @@ class Control:
         others = [q for q in ranks if q != self.rank]
         sends = [self.mpi.isend(mine, dest=d, tag=tag) for d in others]
         got, missing = {self.rank: bytes(data)}, list(others)
-        while missing:
+
+        def receive():  # take the messages that have come; the ranks still missing
             for s in list(missing):
                 message = self.mpi.improbe(source=s, tag=tag)
                 if message is None:
@@ -115,8 +126,10 @@ class Control:
                                     f"{what!r} (step {step_now}): the ranks' calls differ")
                 got[s] = payload
                 missing.remove(s)
-            if missing:
-                self.departures.check(missing, what)
+            return missing
+
+        while receive():
+            self.departures.check(missing, what, receive)
             if missing and time.monotonic() > deadline:
                 raise CommTimeout(f"{what}: no answer from rank(s) {missing} within {timeout_s:g} s (a rank may "
                                   f"have died, stalled or skipped the call)", peer=missing[0], phase=what)
