@@ -10,7 +10,8 @@ from ._errors import CommTimeout, OutOfStep, PeerExited
 TAG_CONTROL, TAG_SUBSET = 0x6C00, 0x6C01            # control collectives of the bootstrap: all ranks, a subset
 TAG_LEAVE = 0x6C02                                   # a rank's departure notice (Departures)
 TAG_PEER_CHECK = 0x6D20                              # host transport's peer check
-TAG_EXCHANGE, GENERATIONS = 0x4000, 1024             # host transport's exchanges: 6 tags per generation
+TAG_EXCHANGE, PHASES, GENERATIONS = 0x4000, 6, 512  # host transport's exchanges: 2 tags per phase and
+                                                     # generation, below TAG_CONTROL
 POLL_S = 50e-6
 DEPARTURE_POLL_S = 2e-3  # how often a wait looks for departure notices of the ranks it waits for
 
@@ -62,10 +63,11 @@ class Departures:
 
 
 def exchange_tag(phase, generation):
-    """The tag of a host-transport exchange's headers (its rows use tag + 1) for ``phase`` (0: dispatch,
-    1: combine, 2: dispatch demand) in ``generation`` (AllToAll.mask_ranks starts a new one): messages left
-    behind by a failed call of an earlier generation can never be received by a later one."""
-    return TAG_EXCHANGE + 6 * (generation % GENERATIONS) + 2 * phase
+    """The tag of a host-transport exchange's headers (its rows use tag + 1) for ``phase`` (0 .. PHASES - 1:
+    the host transport's exchanges, moecomm.transport.host) in ``generation`` (AllToAll.mask_ranks starts a
+    new one): messages left behind by a failed call of an earlier generation can never be received by a
+    later one."""
+    return TAG_EXCHANGE + 2 * PHASES * (generation % GENERATIONS) + 2 * phase
 
 
 def wait_all(requests, peers, deadline, timeout_s, what, departures=None):

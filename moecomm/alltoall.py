@@ -10,7 +10,7 @@ from ._arrays import Accepted, accepted
 from ._calls import CallOrder
 from ._config import AllToAllConfig, positive_int
 from ._constants import ARGUMENTS, HALVES, timeout_seconds
-from ._dtypes import float32
+from ._dtypes import bfloat16, float16, float32
 from ._errors import CommTimeout, InvalidArgument, MoeCommError, OutOfStep
 from .balance import ExpertMap
 
@@ -21,6 +21,7 @@ _BOUND_M = accepted(np.int32, np.uint32)
 _COUNTS = accepted(np.int32)
 _FLAGS = accepted(np.uint8)
 _FLOAT32 = accepted(float32)
+_GRAD = accepted(bfloat16, float16, float32)  # gradients: the caller's float dtype
 _ONE = (1,)
 _DISPATCH_ROWS = ("dp_x", "indices", "weights", "dp_x_scale")  # the per-token arrays of each phase
 _COMBINE_ROWS = ("out_tokens", "indices", "weights", "out_dropped")
@@ -73,6 +74,36 @@ class Refusal(NamedTuple):
     its signals carry to the peers: an ERR_* code, ERR_REFUSED with the argument's number)."""
     text: str
     code: int
+
+
+class RoutingPlan(NamedTuple):
+    """Where a dispatch put each (token, expert) pair, as arrays the caller keeps (:meth:`AllToAll.plan`
+    writes them; :meth:`AllToAll.plan_shapes` gives their shapes), so that the backward of that dispatch and
+    its combine, run later, follow the same placement (slots are filled in arrival order, so another dispatch
+    of the same tokens may place them differently).
+
+    Attributes:
+        expert: [max_num_tokens, experts_per_token] int32, the physical expert each pair this rank sent went
+            to; -1 for a -1 id, a pair not sent (its expert's rank masked, dropped for capacity, or sent by
+            another rank of the DP group) and rows >= m.
+        origin: out_expert_x's shape without its last dimension, then 3: int32 (source rank, token,
+            top-k position) of the pair each slot (padded) or row (packed) holds; -1 where empty.
+    """
+    expert: object
+    origin: object
+
+
+class _Backward(NamedTuple):
+    """The arrays of a backward call, as the backend reads them (numpy on the host transport)."""
+    m: int
+    expert: object
+    origin: object
+    grad: object
+    out: object = None
+    out_grad_y: object = None
+    out_grad_weights: object = None
+    weights: object = None
+    y: object = None
 
 
 class AllToAll:
@@ -400,6 +431,122 @@ class AllToAll:
                     self._backend.skip(remaining, s, Refusal(str(e), C.ERR_ENDED))
                     self._order.skipped(remaining)
                 raise
+
+    # gradients --------------------------------------------------------------------------------
+    def plan_shapes(self):
+        """The shapes of a :class:`RoutingPlan` of this AllToAll (its arrays are int32)."""
+        c = self.cfg
+        return RoutingPlan((c.max_num_tokens, c.experts_per_token), tuple(c.expert_x_shape()[:-1]) + (3,))
+
+    def plan(self, out_plan):
+        """Write the placement of the last dispatch into ``out_plan`` (a :class:`RoutingPlan` of int32 arrays
+        shaped as :meth:`plan_shapes` says), from the dispatch's receive half until the next dispatch. Not
+        collective; the plan stays valid after other calls (it is data). Host transport only in this
+        release (GPU transports raise InvalidArgument)."""
+        self._gradients()
+        rp = self._read_plan(out_plan, output=True)
+        with self._context or nullcontext():
+            self._backend.write_plan(rp.expert, rp.origin)
+
+    def dispatch_backward(self, out_grad_x, plan, grad_expert_x, bound_m):
+        """The backward of a dispatch: each token's gradient is the sum of the gradients of the slots the
+        dispatch put it in (over its experts; nothing from -1 ids or dropped pairs). Collective; it needs no
+        call order (the plan says everything) and may run between any calls.
+
+        Args:
+            out_grad_x: [rows, hidden_dim] bfloat16, float16 or float32, written: rows 0..m-1 (accumulated in
+                float32), on every rank of the token's DP group; rows >= m are left as they were. With an
+                FP8 dispatch this is the gradient of the unquantised tokens (straight-through).
+            plan: the :class:`RoutingPlan` of that dispatch (:meth:`plan`), the same call on every rank.
+            grad_expert_x: out_expert_x's shape, bfloat16, float16 or float32: the gradient of each slot.
+            bound_m: [1] int32 holding that dispatch's m.
+
+        Raises InvalidArgument for a refused argument (the peers raise PeerError naming this rank), and as
+        :meth:`dispatch` for timeouts. Host transport only in this release.
+        """
+        self._backward("dispatch_backward", lambda: self._read_backward(
+            plan, bound_m, (grad_expert_x, "grad_expert_x", self._expert_shape),
+            out=(out_grad_x, "out_grad_x", self._token_shape)))
+
+    def combine_backward(self, out_grad_expert_y, out_grad_weights, plan, grad_out, weights, expert_y, bound_m):
+        """The backward of a combine: ``grad_expert_y[slot of (t, k)] = weights[t, k] * grad_out[t]`` and
+        ``grad_weights[t, k] = <grad_out[t], expert_y[slot of (t, k)]>`` (reduced where the rows are and
+        sent back as one number per pair). The same for weights given at combine and weights sent with
+        dispatch. Collective; needs no call order.
+
+        Args:
+            out_grad_expert_y: expert_y's shape, bfloat16, float16 or float32, written whole: each slot's
+                gradient, zeros in empty slots.
+            out_grad_weights: [rows, experts_per_token] float32, written: rows 0..m-1 (0 for -1 ids and pairs
+                without a slot), on every rank of the token's DP group.
+            plan: the :class:`RoutingPlan` of the combined dispatch, the same call on every rank.
+            grad_out: [rows, hidden_dim] bfloat16, float16 or float32, the gradient of combine's out_tokens
+                (rows 0..m-1 are read).
+            weights: [rows, experts_per_token] float32, the router weights of the forward (given to combine,
+                or sent with dispatch).
+            expert_y: the expert outputs the forward combined ([num_local_experts, capacity, hidden_dim]
+                out_dtype).
+            bound_m: [1] int32 holding the forward's m.
+
+        Raises as :meth:`dispatch_backward`.
+        """
+        self._backward("combine_backward", lambda: self._read_backward(
+            plan, bound_m, (grad_out, "grad_out", self._token_shape),
+            out_grad_y=(out_grad_expert_y, "out_grad_expert_y", self._expert_shape),
+            out_grad_weights=(out_grad_weights, "out_grad_weights", self._ids_shape, _FLOAT32),
+            weights=(weights, "weights", self._ids_shape, _FLOAT32),
+            y=(expert_y, "expert_y", self._expert_shape, self._out)))
+
+    def _backward(self, phase, read):
+        """Run backward ``phase`` on the arguments ``read()`` returns; a refused argument takes part with no
+        data first, so that the peers raise PeerError naming this rank."""
+        self._gradients()
+        with self._context or nullcontext():
+            try:
+                args = read()
+            except InvalidArgument as e:
+                with self.comm.breaking():
+                    self._backend.skip_backward(phase, Refusal(str(e), C.ERR_REFUSED))
+                raise
+            try:
+                getattr(self._backend, phase)(args)
+            except (CommTimeout, OutOfStep) as e:
+                self.comm.fail(e)
+                raise
+
+    def _gradients(self):
+        """Raise unless this AllToAll is live and its transport computes gradients."""
+        self._live()
+        if not self._backend.gradients:
+            raise InvalidArgument(f"gradients (plan, dispatch_backward, combine_backward) are not implemented on "
+                                  f"the {self.comm.transport.name} transport in this release: use the host transport")
+
+    def _read_plan(self, plan, output=False):
+        """``plan`` (a RoutingPlan) read as (expert, origin) values."""
+        if not isinstance(plan, RoutingPlan):
+            raise InvalidArgument(f"plan: expected a moecomm.RoutingPlan, got {type(plan).__name__}")
+        shapes, read = self.plan_shapes(), self._arrays.read
+        return RoutingPlan(read(plan.expert, "plan.expert", _COUNTS, shapes.expert, output)[0],
+                           read(plan.origin, "plan.origin", _COUNTS, shapes.origin, output)[0])
+
+    def _read_backward(self, plan, bound_m, grad, **named):
+        """A backward call's arguments: the plan, m, the gradient ``grad`` and ``named`` others, each
+        (array, name, shape[, accepted dtypes: float gradients by default]); the token rows checked against m."""
+        rp = self._read_plan(plan)
+        m_value = self._arrays.read(bound_m, "bound_m", _BOUND_M, _ONE)[0]
+        m = int(np.asarray(m_value)[0])
+        values, rows = {}, []
+        for field, (array, name, shape, *kinds) in dict(named, grad=grad).items():
+            value, _, got, _ = self._arrays.read(array, name, kinds[0] if kinds else _GRAD, shape,
+                                                 output=field.startswith("out"))
+            values[field] = value
+            if shape[0] is None:
+                rows.append((name, got[0]))
+        if not 0 <= m <= min([self.cfg.max_num_tokens] + [r for _, r in rows]):
+            raise InvalidArgument(f"bound_m: m={m} must be in [0, the fewest rows of {', '.join(n for n, _ in rows)}]")
+        if (np.asarray(rp.expert)[m:] >= 0).any():
+            raise InvalidArgument(f"plan: it has pairs for tokens >= m={m}: it is another call's plan")
+        return _Backward(m, rp.expert, rp.origin, **values)
 
     def mask_ranks(self, ranks):
         """Stop exchanging with ``ranks`` (a dead rank, say), or with no rank (``[]``: unmask all). Collective

@@ -46,7 +46,25 @@ import numpy as np
 from jax.experimental.buffer_callback import buffer_callback
 
 from ._arrays import DeviceBuffer, host_view
-from .alltoall import CombineArgs, DispatchArgs
+from ._errors import InvalidArgument
+from .alltoall import CombineArgs, DispatchArgs, RoutingPlan
+
+
+def _recomputable():
+    """Let ``jax.checkpoint`` recompute moecomm's operations. A checkpointed forward runs again in the
+    backward pass, which is right for moecomm's calls (collective: every rank runs the same program, so
+    every rank recomputes the same calls in the same order), but JAX refuses effects it does not list as
+    recomputable ("Effects not supported in partial-eval of checkpoint/remat"), and buffer callbacks are
+    not listed (jax 0.10-0.11; the list is internal). Adds them, where JAX has that list."""
+    try:
+        from jax._src import effects
+        from jax._src.buffer_callback import BufferCallbackEffect
+    except ImportError:  # another layout of JAX's internals: jax.checkpoint under jax.grad then raises JAX's error
+        return
+    effects.remat_allowed_effects.add_type(BufferCallbackEffect)
+
+
+_recomputable()
 
 
 def _fenced(op, *args):
@@ -86,10 +104,16 @@ class AllToAll:
     Args:
         a2a: the moecomm.AllToAll (padded layout); its calls keep their rules (a dispatch, then its combine;
             collective).
+        zero_slots: expert slots past their count start as zeros (XLA zeroes out_expert_x before each
+            dispatch), as they always do when dispatch's inputs are differentiated. Otherwise they are
+            unspecified (uninitialised memory, possibly NaN): set it when the experts' weights are
+            differentiated with every slot read and dispatch's inputs are not (a first layer's tokens, with
+            router weights given at combine), or mask the slots past the count.
     """
 
-    def __init__(self, a2a):
+    def __init__(self, a2a, zero_slots=False):
         self.a2a, c = a2a, a2a.cfg
+        self._zero = bool(zero_slots)
         if c.layout != "padded":
             raise ValueError("moecomm.jax takes AllToAlls of the padded layout")
         self._host = a2a.comm.transport.memory == "host"
@@ -98,6 +122,8 @@ class AllToAll:
         scale = jax.ShapeDtypeStruct(c.expert_x_scale_shape(), np.float32) if c.hidden_dim_scale else None
         self._dispatch_out = (jax.ShapeDtypeStruct((c.num_local_experts,), np.int32), expert, scale)
         self._scaled = scale is not None
+        self._plan = RoutingPlan(*(jax.ShapeDtypeStruct(s, np.int32) for s in a2a.plan_shapes()))
+        self._weights_sent = False  # whether the last dispatch traced here was given router weights
 
     # ------------------------------------------------------------------------------------------
     def _buffer(self, b):
@@ -114,59 +140,155 @@ class AllToAll:
         """XLA's stream for this execution (none on the host)."""
         return None if self._host else ctx.stream
 
-    def _dispatch_op(self, send, recv, inputs, outputs=None):
+    def _dispatch_op(self, send, recv, inputs, outputs=None, plan=False):
         """One buffer_callback running the given halves of dispatch on ``inputs`` (dp_x, dp_x_scale,
         indices, bound_m, weights); a receive half after a send half completes ``outputs`` (the send's
-        counts, expert_x, expert_x_scale) in place. Returns (counts, expert_x, expert_x_scale or None)."""
+        counts, expert_x, expert_x_scale) in place. Returns (counts, expert_x, expert_x_scale or None), and
+        with ``plan`` the dispatch's RoutingPlan and expert slots past their count zero (the outputs start
+        as zeros: a gradient of the experts' weights reads every slot)."""
         def run(ctx, out, *args):
             x, xs, idx, m, w = (self._buffer(b) for b in args[-5:])
-            n, ex, exs = (self._buffer(b) for b in (out if self._scaled else (*out, None)))
+            n, ex, exs, *rp = (self._buffer(b) for b in (out if self._scaled else (*out[:2], None, *out[2:])))
             # after a send half, XLA may have copied its outputs: their contents are what the send wrote
             self.a2a.run(DispatchArgs(n, ex, exs, x, xs, idx, m, w, None, self._stream(ctx),
                                       moved_outputs=outputs is not None), send, recv)
+            if rp:
+                self.a2a.plan(RoutingPlan(*rp))
         structs = self._dispatch_out if self._scaled else self._dispatch_out[:2]
-        aliases = None if outputs is None else {i: i for i in range(len(structs))}
+        start = (outputs if outputs is not None else
+                 [jax.numpy.zeros(t.shape, t.dtype) for t in structs] if plan or self._zero else ())
+        aliases = {i: i for i in range(len(structs))} if start else None  # (expert_x_scale None: no operand)
+        structs += tuple(self._plan) if plan else ()
         out = _fenced(buffer_callback(run, structs, has_side_effect=True, input_output_aliases=aliases),
-                      *(outputs or ()), *inputs)
-        return tuple(out) if self._scaled else (*out, None)
+                      *start, *inputs)
+        out = tuple(out) if self._scaled else (*out[:2], None, *out[2:])
+        return (out[:3], RoutingPlan(*out[3:])) if plan else out
 
     def dispatch(self, dp_x, dp_x_scale, indices, bound_m, weights=None):
         """Both halves of :meth:`moecomm.AllToAll.dispatch`. Returns ``(out_expert_num_tokens [L] int32,
         out_expert_x [L, capacity, hidden] in_dtype, out_expert_x_scale [L, capacity, scales] float32 or
-        None)``."""
-        return self._dispatch_op(True, True, (dp_x, dp_x_scale, indices, bound_m, weights))
+        None)``. Differentiable (``jax.grad``, ``jax.vjp``; host transport in this release): the gradient
+        of dp_x is the sum of its slots' gradients (:meth:`moecomm.AllToAll.dispatch_backward`, along the
+        dispatch's routing plan, kept as a residual); dp_x_scale, indices, bound_m get none, and router
+        weights given here get theirs through the combine that uses them. Not for FP8 dp_x (a JAX
+        cotangent has the primal's dtype)."""
+        self._weights_sent = weights is not None
+        return self._dispatch_vjp(dp_x, dp_x_scale, indices, bound_m, weights)
+
+    @property
+    def _dispatch_vjp(self):
+        """dispatch as a jax.custom_vjp function of (dp_x, dp_x_scale, indices, bound_m, weights)."""
+        @jax.custom_vjp
+        def dispatch(*inputs):
+            return self._dispatch_op(True, True, inputs)
+
+        def forward(*inputs):
+            out, plan = self._dispatch_op(True, True, inputs, plan=True)
+            x, xs = inputs[:2]
+            return out, (plan, inputs[3], jax.numpy.zeros((x.shape[0], 0), x.dtype),
+                         None if xs is None else jax.numpy.zeros_like(xs))
+
+        def backward(residuals, cotangents):
+            plan, bound_m, like, zero_scale = residuals
+            if jax.numpy.dtype(like.dtype).itemsize == 1:
+                raise InvalidArgument("moecomm.jax: gradients of an FP8 dispatch are not taken (a JAX cotangent "
+                                      "is FP8 too); dispatch bfloat16 or float16 tokens to train")
+            grad_x = self._dispatch_backward(plan, cotangents[1], bound_m, (like.shape[0], self.a2a.cfg.hidden_dim),
+                                             like.dtype)
+            return grad_x, zero_scale, None, None, None
+
+        dispatch.defvjp(forward, backward)
+        return dispatch
+
+    def _dispatch_backward(self, plan, grad_expert_x, bound_m, shape, dtype):
+        """:meth:`moecomm.AllToAll.dispatch_backward` as a JAX operation: grad_x [rows, hidden] ``dtype``
+        (rows >= m zero)."""
+        def run(ctx, out, *args):
+            expert, origin, g, m = (self._buffer(b) for b in args[-4:])
+            self.a2a.dispatch_backward(self._buffer(out), RoutingPlan(expert, origin), g, m)
+        return _fenced(buffer_callback(run, jax.ShapeDtypeStruct(shape, dtype), has_side_effect=True,
+                                       input_output_aliases={0: 0}),
+                       jax.numpy.zeros(shape, dtype), *plan, grad_expert_x, bound_m)
 
     def dispatch_send(self, dp_x, dp_x_scale, indices, bound_m, weights=None):
         """The send half of :meth:`dispatch`; returns a :class:`DispatchHandle` for :meth:`dispatch_recv`."""
         inputs = (dp_x, dp_x_scale, indices, bound_m, weights)
+        self._weights_sent = weights is not None
         return DispatchHandle(*self._dispatch_op(True, False, inputs), *inputs)
 
     def dispatch_recv(self, handle):
         """The receive half: completes the handle's outputs in place. Returns what :meth:`dispatch` does."""
         return self._dispatch_op(False, True, handle[3:], outputs=handle[:3])
 
-    def _combine_op(self, send, recv, inputs, out_tokens=None):
+    def _combine_op(self, send, recv, inputs, out_tokens=None, plan=False):
         """One buffer_callback running the given halves of combine on ``inputs`` (indices, weights,
         expert_y, bound_m), writing into ``out_tokens`` (a send half's, for its receive half), else into
-        zeros (rows >= m stay zero: no uninitialised memory reaches JAX)."""
+        zeros (rows >= m stay zero: no uninitialised memory reaches JAX). With ``plan``, returns
+        (out_tokens, the RoutingPlan of the dispatch it combines)."""
         def run(ctx, out, *args):
             idx, w, y, m = (self._buffer(b) for b in args[-4:])
-            self.a2a.run(CombineArgs(self._buffer(out), idx, w, y, m, None, self._stream(ctx)), send, recv)
+            out, *rp = (self._buffer(b) for b in (out if plan else (out,)))
+            if rp:
+                self.a2a.plan(RoutingPlan(*rp))
+            self.a2a.run(CombineArgs(out, idx, w, y, m, None, self._stream(ctx)), send, recv)
         c = self.a2a.cfg
         shape = (inputs[0].shape[0], c.hidden_dim)
         if out_tokens is None:
             out_tokens = jax.numpy.zeros(shape, c.out_dtype)
-        return _fenced(buffer_callback(run, jax.ShapeDtypeStruct(shape, c.out_dtype), has_side_effect=True,
-                                       input_output_aliases={0: 0}), out_tokens, *inputs)
+        structs = jax.ShapeDtypeStruct(shape, c.out_dtype)
+        out = _fenced(buffer_callback(run, (structs, *self._plan) if plan else structs, has_side_effect=True,
+                                      input_output_aliases={0: 0}), out_tokens, *inputs)
+        return (out[0], RoutingPlan(*out[1:])) if plan else out
 
     def combine(self, indices, weights, expert_y, bound_m):
         """Both halves of :meth:`moecomm.AllToAll.combine`. Returns out_tokens [rows, hidden] out_dtype
-        (rows = indices.shape[0]; rows >= m are zeros)."""
-        return self._combine_op(True, True, (indices, weights, expert_y, bound_m))
+        (rows = indices.shape[0]; rows >= m are zeros). Differentiable (host transport in this release):
+        expert_y and the router weights get their gradients from :meth:`moecomm.AllToAll.combine_backward`,
+        which needs the weights here. After a dispatch given router weights, pass the same weights here
+        too to train: the sum still runs on the expert side, with the weights sent with the dispatch, and
+        their gradient flows through this argument (weights=None then raises under differentiation)."""
+        summed = weights is None or self._weights_sent  # on the expert side, with the weights sent with dispatch
+        return self._combine_vjp(summed)(indices, weights, expert_y, bound_m)
+
+    def _combine_vjp(self, summed):
+        """combine as a jax.custom_vjp function of (indices, weights, expert_y, bound_m); with ``summed`` the
+        forward uses the weights sent with dispatch (combine's own weights, the same, get the gradient)."""
+        @jax.custom_vjp
+        def combine(indices, weights, expert_y, bound_m):
+            return self._combine_op(True, True, (indices, None if summed else weights, expert_y, bound_m))
+
+        def forward(indices, weights, expert_y, bound_m):
+            if weights is None:
+                raise InvalidArgument("moecomm.jax combine(weights=None) under differentiation: pass the router "
+                                      "weights to combine too (the same array given to dispatch; the forward still "
+                                      "sums on the expert side with the weights sent with the dispatch)")
+            out, plan = self._combine_op(True, True, (indices, None if summed else weights, expert_y, bound_m),
+                                         plan=True)
+            return out, (plan, weights, expert_y, bound_m)
+
+        def backward(residuals, grad_out):
+            plan, weights, expert_y, bound_m = residuals
+            grad_y, grad_w = self._combine_backward(plan, grad_out, weights, expert_y, bound_m)
+            return None, grad_w, grad_y, None
+
+        combine.defvjp(forward, backward)
+        return combine
+
+    def _combine_backward(self, plan, grad_out, weights, expert_y, bound_m):
+        """:meth:`moecomm.AllToAll.combine_backward` as a JAX operation: (grad_expert_y in expert_y's shape
+        and dtype, grad_weights [rows, k] float32, rows >= m zero)."""
+        def run(ctx, out, *args):
+            expert, origin, g, w, y, m = (self._buffer(b) for b in args[-6:])
+            grad_y, grad_w = (self._buffer(b) for b in out)
+            self.a2a.combine_backward(grad_y, grad_w, RoutingPlan(expert, origin), g, w, y, m)
+        structs = (jax.ShapeDtypeStruct(expert_y.shape, expert_y.dtype),
+                   jax.ShapeDtypeStruct(weights.shape, np.float32))
+        return _fenced(buffer_callback(run, structs, has_side_effect=True, input_output_aliases={0: 1}),
+                       jax.numpy.zeros(weights.shape, np.float32), *plan, grad_out, weights, expert_y, bound_m)
 
     def combine_send(self, indices, weights, expert_y, bound_m):
         """The send half of :meth:`combine`; returns a :class:`CombineHandle` for :meth:`combine_recv`."""
-        inputs = (indices, weights, expert_y, bound_m)
+        inputs = (indices, None if self._weights_sent else weights, expert_y, bound_m)  # as combine() sums
         return CombineHandle(self._combine_op(True, False, inputs), *inputs)
 
     def combine_recv(self, handle):

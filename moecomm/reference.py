@@ -153,3 +153,54 @@ def canonical_rows(count, *arrays):
              for a in arrays if a is not None]
     keys = np.concatenate(parts, axis=1)
     return keys[np.lexsort(keys.T[::-1])] if count else keys
+
+
+def dispatch_backward(grad_expert_x, origin, rows, dtype=None):
+    """The gradient of :func:`dispatch` with respect to the tokens: each token gets the sum of its slots'
+    gradients, over every expert it went to (nothing for -1 ids or dropped pairs).
+
+    Args:
+        grad_expert_x: list over ranks of [L, capacity, hidden] float gradients, laid out like ``origin``.
+        origin: list over ranks of the ``origin`` arrays returned by :func:`dispatch` ((group, token) of
+            each slot).
+        rows: list over groups of the token counts m_g.
+        dtype: dtype of the result (default: that of grad_expert_x).
+
+    Returns:
+        list over groups of [m_g, hidden] arrays, accumulated in float32.
+    """
+    hidden = grad_expert_x[0].shape[-1]
+    acc = [np.zeros((m, hidden), np.float32) for m in rows]
+    for g_ex, org in zip(grad_expert_x, origin):
+        for le, slot in zip(*np.nonzero(org[:, :, 0] >= 0)):
+            g, t = org[le, slot]
+            acc[g][t] += g_ex[le, slot].astype(np.float32)
+    return [a.astype(dtype or grad_expert_x[0].dtype) for a in acc]
+
+
+def combine_backward(indices, weights, grad_out, expert_y, origin, num_experts, world_size):
+    """The gradient of :func:`combine` with respect to the expert outputs and the router weights.
+
+    Args:
+        indices, weights: as given to :func:`combine` (lists over groups of [m_g, k]).
+        grad_out: list over groups of [m_g, hidden] float gradients of the combined tokens.
+        expert_y: list over ranks of the [L, capacity, hidden] expert outputs combine read.
+        origin: list over ranks of the ``origin`` arrays returned by :func:`dispatch`.
+
+    Returns:
+        ``(grad_expert_y, grad_weights)``: list over ranks of [L, capacity, hidden] arrays of grad_out's dtype,
+        ``weights[t, k] * grad_out[t]`` in the slot of pair (t, k) and zeros in empty slots; list over groups of
+        [m_g, k] float32, ``<grad_out[t], expert_y(slot of (t, k))>`` accumulated in float32 (0 for -1 ids
+        and pairs without a slot).
+    """
+    local = num_experts // world_size
+    grad_ey = [np.zeros(y.shape, grad_out[0].dtype) for y in expert_y]
+    grad_w = [np.zeros(np.asarray(i).shape, np.float32) for i in indices]
+    for r, org in enumerate(origin):
+        for le, slot in zip(*np.nonzero(org[:, :, 0] >= 0)):
+            g, t = (int(v) for v in org[le, slot])
+            k = int(np.nonzero(np.asarray(indices[g][t]).astype(np.int64) == r * local + le)[0][0])
+            go = grad_out[g][t].astype(np.float32)
+            grad_ey[r][le, slot] = (np.float32(weights[g][t, k]) * go).astype(grad_out[0].dtype)
+            grad_w[g][t, k] = np.dot(go, expert_y[r][le, slot].astype(np.float32))
+    return grad_ey, grad_w

@@ -97,3 +97,12 @@ def test_telemetry_equals_the_routing(ranks):
     from the routing over 40 skewed and uniform calls with split halves; timing; telemetry off."""
     p = run_mpi(ranks, "tests/mpi_telemetry.py", timeout=120)
     assert p.returncode == 0 and ": 0 failures" in p.stdout, p.stdout[-3000:] + p.stderr[-3000:]
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 3], ids=lambda n: f"ranks{n}")
+def test_gradients_along_a_routing_plan(ranks):
+    """tests/mpi_backward.py: dispatch_backward and combine_backward equal the reference for every dtype,
+    both places of the router weights, m < max, DP groups, capacity drops and the packed layout; a kept plan
+    outlives another call; a refused backward argument raises on every rank and the next call is right."""
+    p = run_mpi(ranks, "tests/mpi_backward.py", timeout=120)
+    assert p.returncode == 0 and ": 0 failures" in p.stdout, p.stdout[-3000:] + p.stderr[-3000:]

@@ -67,3 +67,39 @@ def test_a_refusal_inside_jit_names_the_argument_and_the_next_call_works(layer):
     counts, ex, _ = jax.jit(lambda x: layer.dispatch(x, xs, ids, m, w))(x)
     out = jax.jit(lambda ex: layer.combine(ids, None, ex, m))(ex)
     assert int(np.asarray(counts).sum()) == int(m[0]) * K and out.shape == (M, H)
+
+
+@pytest.mark.parametrize("ranks", [1, 2], ids=lambda n: f"ranks{n}")
+def test_gradients_match_plain_jax_on_host_ranks(ranks):
+    """tests/mpi_jax_grad.py: jax.grad through one layer (jit, checkpoint, eager, both places of the router
+    weights) and a scanned 2-layer stack equals plain JAX's for the tokens, experts, router and weights."""
+    p = run_mpi(ranks, "tests/mpi_jax_grad.py", timeout=600)
+    assert p.returncode == 0 and ": 0 failures" in p.stdout, p.stdout[-4000:] + p.stderr[-4000:]
+
+
+def test_gradients_refused_where_they_cannot_flow(layer):
+    """Under jax.grad: combine(weights=None) (the weights went with dispatch) and an FP8 dispatch raise
+    moecomm's InvalidArgument saying what to do; then a differentiated call works."""
+    x, xs, ids, m, w = _inputs()
+    with pytest.raises(moecomm.InvalidArgument, match="pass the router weights to combine too"):
+        jax.grad(lambda x: layer.combine(ids, None, layer.dispatch(x, xs, ids, m, w)[1], m)
+                 .astype(jnp.float32).sum())(x)
+    layer.a2a.combine(np.zeros((M, H), moecomm.bfloat16), np.asarray(ids), None,
+                      np.zeros(layer.a2a.cfg.expert_x_shape(), moecomm.bfloat16), np.asarray(m))  # ends that call
+    fp8 = mj.AllToAll(moecomm.AllToAll(layer.a2a.comm, M, E, K, H, 2, "float8_e4m3fn", "bfloat16"))
+    with pytest.raises(moecomm.InvalidArgument, match="FP8"):
+        jax.grad(lambda x: fp8.combine(ids, w, fp8.dispatch(x, xs, ids, m)[1].astype(jnp.bfloat16), m)
+                 .astype(jnp.float32).sum())(x.astype(jnp.float8_e4m3fn))
+    fp8.a2a.destroy()
+
+    def f(x, w):
+        _, ex, _ = layer.dispatch(x, xs, ids, m, w)
+        return layer.combine(ids, w, ex, m).astype(jnp.float32).sum()  # summed on the expert side
+    gx, gw = jax.jit(jax.grad(f, (0, 1)))(x, w)
+    rows = int(m[0])
+    # the experts are the identity: d/dx of sum_t sum_k w[t, k] x[t] is sum_k w[t, k]; d/dw[t, k] is sum(x[t])
+    np.testing.assert_allclose(np.asarray(gx, np.float32)[:rows], np.broadcast_to(
+        np.asarray(w).sum(1)[:rows, None], (rows, H)), rtol=2e-2)
+    assert not np.asarray(gx, np.float32)[rows:].any()
+    np.testing.assert_allclose(np.asarray(gw)[:rows], np.broadcast_to(
+        np.asarray(x, np.float32).sum(1)[:rows, None], (rows, K)), rtol=2e-2, atol=2e-2)

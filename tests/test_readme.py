@@ -33,6 +33,10 @@ def _target(call):
     if owner == "moecomm.jax":
         jax_module = pytest.importorskip("moecomm.jax")
         return getattr(jax_module, name).__init__
+    if owner == "moecomm.torch":
+        pytest.importorskip("torch")
+        import moecomm.torch
+        return getattr(moecomm.torch, name).__init__
     if owner == "moecomm":
         target = getattr(moecomm, name)
         return target.__init__ if inspect.isclass(target) else target

@@ -67,3 +67,44 @@ def test_canonical_rows_ignore_slot_order():
     perm = [2, 0, 3, 1]
     assert np.array_equal(reference.canonical_rows(4, a, s), reference.canonical_rows(4, a[perm], s[perm]))
     assert not np.array_equal(reference.canonical_rows(4, a, s), reference.canonical_rows(4, a[perm], s))
+
+
+def _adjoint_case(seed, W=2, dp=1, M=5, K=2, H=3, E=6):
+    rng = np.random.default_rng(seed)
+    groups = W // dp
+    idx = [np.argsort(rng.random((M, E)), axis=1)[:, :K] for _ in range(groups)]
+    for i in idx:
+        i[rng.random((M, K)) < 0.2] = -1
+    x = [rng.standard_normal((M, H)) for _ in range(groups)]
+    out = reference.dispatch(x, None, idx, E, W, M, dp_size=dp)
+    return rng, idx, x, out
+
+
+def test_dispatch_backward_is_the_adjoint_of_dispatch():
+    """<dispatch(x), G> == <x, dispatch_backward(G)> for random G (dispatch is linear in x; accumulated in
+    float32, as the transports do)."""
+    for seed in range(4):
+        rng, idx, x, out = _adjoint_case(seed)
+        grads = [rng.standard_normal(o["expert_x"].shape) for o in out]
+        back = reference.dispatch_backward(grads, [o["origin"] for o in out], [len(i) for i in idx], np.float64)
+        lhs = sum(float((o["expert_x"] * g).sum()) for o, g in zip(out, grads))
+        rhs = sum(float((a * b).sum()) for a, b in zip(x, back))
+        assert np.isclose(lhs, rhs, rtol=1e-5), (lhs, rhs)
+
+
+def test_combine_backward_gives_the_derivatives_of_combine():
+    """combine is linear in expert_y and in the weights: <combine(w, y), G> equals <y, grad_expert_y> and
+    <w, grad_weights>; empty slots get no gradient."""
+    for seed in range(4):
+        rng, idx, _, out = _adjoint_case(seed)
+        origin = [o["origin"] for o in out]
+        ys = [rng.standard_normal(o["expert_x"].shape) for o in out]
+        w = [rng.random(i.shape) for i in idx]
+        g = [rng.standard_normal((len(i), ys[0].shape[2])) for i in idx]
+        comb = reference.combine(idx, w, ys, origin, 6, 2, np.float64)
+        lhs = sum(float((c * gg).sum()) for c, gg in zip(comb, g))
+        gy, gw = reference.combine_backward(idx, w, g, ys, origin, 6, 2)
+        assert np.isclose(lhs, sum(float((y * d).sum()) for y, d in zip(ys, gy)), rtol=1e-5)
+        assert np.isclose(lhs, sum(float((a * b).sum()) for a, b in zip(w, gw)), rtol=1e-5)
+        for o, d in zip(origin, gy):
+            assert not d[o[:, :, 0] < 0].any()

@@ -6,8 +6,10 @@ First table: symmetric memory and bytes on the wire at EP2 and EP8. Second table
 input buffer out_expert_x (with its scales) each rank holds, sized for the worst case (every token of
 every rank to one expert: max_num_tokens * ranks slots per local expert) against a capacity of
 ``--capacity-factor`` times the mean demand per expert (tokens * ranks * top-k / experts), the setting
-of ``AllToAll(capacity=..., overflow=...)``; a packed layout would follow the real load instead (not
-built yet).
+of ``AllToAll(capacity=..., overflow=...)``. Third table: the routing plan a training step keeps per MoE
+layer and rank for its backward (``AllToAll.plan``: expert [max_num_tokens, k] and origin [slots, 3], int32),
+for the padded layout's slots (worst case, and the capacity above) and the packed layout's worst-case rows
+(max_num_tokens * ranks * min(k, local experts)), beside the layer's out_expert_x it describes.
 
 Uses the formulas of moecomm/transport/gpu_alltoall.py (132 SMs, an H100/H200). Bytes on the wire are
 expectations for uniform top-k routing: a token reaches r = W * (1 - C(E - E/W, k) / C(E, k)) ranks.
@@ -53,6 +55,20 @@ def main():
             worst = c.num_local_experts * c.expert_capacity * row
             print(f"R1 EP{world:<3} {tokens:>5} tok    {c.expert_capacity:>17} {worst / 2**30:>8.2f} GiB "
                   f"{cap:>15} slots {c.num_local_experts * cap * row / 2**30:>6.2f} GiB")
+    print(f"\n{'routing plan per layer':<22} {'padded worst':>13} {f'padded {args.capacity_factor:g}x mean':>19} "
+          f"{'packed worst':>13} {'out_expert_x worst':>19}")
+    for tokens in (128, 4096):
+        for world in (2, 8, 64):
+            c = r1(world, tokens)
+            row = c.hidden_dim * c.in_dtype.itemsize + 4 * c.hidden_dim_scale
+            demand = args.capacity_factor * tokens * world * c.experts_per_token / c.num_experts
+            cap = min(c.expert_capacity, ceil(demand))
+            expert = 4 * tokens * c.experts_per_token  # plan.expert
+            packed = tokens * world * min(c.experts_per_token, c.num_local_experts)
+            plans = [expert + 12 * slots for slots in (c.num_local_experts * c.expert_capacity,
+                                                       c.num_local_experts * cap, packed)]
+            print(f"R1 EP{world:<3} {tokens:>5} tok    " + " ".join(f"{b / 2**20:>9.2f} MiB" for b in plans)
+                  + f" {c.num_local_experts * c.expert_capacity * row / 2**20:>15.1f} MiB")
 
 
 if __name__ == "__main__":

@@ -103,6 +103,32 @@ class AllToAllBackend(abc.ABC):
         from .._errors import InvalidArgument
         raise InvalidArgument(f"{type(self).__name__} does not take expert maps")
 
+    # Gradients along a routing plan (AllToAll.plan, dispatch_backward, combine_backward), where ``gradients``
+    # is True; AllToAll refuses them on other transports (on every rank alike: the same transport everywhere).
+    gradients = False
+
+    def write_plan(self, expert, origin) -> None:
+        """Write the routing plan of the last dispatch received (until the next dispatch): ``expert``
+        [max_num_tokens, k] int32, the physical expert of each (token, k) pair this rank sent (-1: none);
+        ``origin`` [out_expert_x's shape but the last, 3] int32, (source rank, token, k) of each slot (-1:
+        empty). Not collective."""
+        raise NotImplementedError
+
+    def dispatch_backward(self, args) -> None:
+        """``args.out[:m]`` = each token's summed gradient from the slots ``args.origin`` gives it
+        (``args.grad``: the slots' gradients), on every rank of its DP group. Collective."""
+        raise NotImplementedError
+
+    def combine_backward(self, args) -> None:
+        """``args.out_grad_y`` = weight * gradient of each slot's token (zeros where empty),
+        ``args.out_grad_weights[:m]`` = <gradient, ``args.y`` of the pair's slot> per pair. Collective."""
+        raise NotImplementedError
+
+    def skip_backward(self, phase, refusal) -> None:
+        """Take part with no data in a backward ``phase`` ("dispatch_backward" or "combine_backward") whose
+        arguments this rank refused, telling the peers why."""
+        raise NotImplementedError
+
     def synchronize(self, stream) -> None:
         """Wait for this AllToAll's work on ``stream``; raise errors the device recorded. Not collective."""
 

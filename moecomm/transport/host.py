@@ -30,7 +30,9 @@ from .base import AllToAllBackend, Transport, first_send, host_call_record, peer
 
 # a header's status: the device error codes, as the kernels flag a failed call (moecomm._constants)
 _OK, _BAD_ROUTING, _BAD_M, _BAD_ARG = C.ERR_NONE, C.ERR_BAD_EXPERT, C.ERR_BAD_M, C.ERR_REFUSED
-_PHASES = ("dispatch", "combine", "demand")  # demand: pairs per expert, exchanged first when capacity is set
+# the exchanges of an AllToAll (moecomm._mpi.PHASES of them): demand is the pairs per expert, exchanged first when a
+# capacity is set; the backward ones are the gradients' (dispatch_backward, combine_backward and its weights)
+_PHASES = ("dispatch", "combine", "demand", "dispatch_backward", "combine_backward", "weights_backward")
 _C = {name: i for i, name in enumerate(COUNTER_FIELDS)}
 _FIELDS, _HEADER = 6, 256  # header: int64 [alltoall, phase, call, status, count, map generation], then the
                            # reason (UTF-8)
@@ -149,6 +151,12 @@ def _bad_m(m, rows):
             f"the call")
 
 
+def _add_partials(acc, recv):
+    """Add received (token int32, float32 [hidden]) records into ``acc`` [m, hidden] float32."""
+    token = np.ascontiguousarray(recv[:, :4]).view(np.int32)[:, 0]
+    np.add.at(acc, token, np.ascontiguousarray(recv[:, 4:]).view(np.float32))
+
+
 def _records(*parts):
     """Join per-row arrays into one uint8 [n, bytes] record array."""
     n = parts[0].shape[0]
@@ -158,7 +166,7 @@ def _records(*parts):
 
 @dataclass
 class _Received:
-    """What dispatch received, kept for combine."""
+    """What dispatch received, kept for combine (and, from a routing plan, what the backward sends back to)."""
     src_rank: np.ndarray    # [n] source rank of each received token
     token: np.ndarray       # [n] token index on the source group
     pair_j: np.ndarray      # [p] received token of each (token, local expert) pair
@@ -167,8 +175,22 @@ class _Received:
                             # (local expert [p], slot [p]) padded, (row [p],) packed
     weights: object         # [n, k] float32 router weights sent with dispatch, or None
 
+    def origin(self):
+        """[p, 3] int32 (source rank, token, top-k position) of each pair, the rows of a plan's origin."""
+        return np.stack([self.src_rank[self.pair_j], self.token[self.pair_j], self.pair_k], axis=1).astype(np.int32)
+
+    @classmethod
+    def from_origin(cls, origin, max_num_tokens):
+        """What a dispatch with this ``origin`` (a routing plan's: [..., 3] int32, -1 where empty) received."""
+        where = np.nonzero(origin[..., 0] >= 0)
+        src, token, k = (origin[where][:, i].astype(np.int64) for i in range(3))
+        received, pair_j = np.unique(src * max_num_tokens + token, return_inverse=True)
+        return cls(received // max_num_tokens, (received % max_num_tokens).astype(np.int32), pair_j, k, where, None)
+
 
 class HostAllToAll(AllToAllBackend):
+    gradients = True
+
     def __init__(self, comm, departures, cfg, timeout_s, ident, window, timing):
         self.comm, self.cfg, self.timeout_s = comm, cfg, timeout_s
         self._exchanges = {phase: _Exchange(comm, departures, timeout_s, ident, phase) for phase in _PHASES}
@@ -176,6 +198,7 @@ class HostAllToAll(AllToAllBackend):
         self._combine_pending = None
         self._received = None
         self._dispatched_m = None
+        self._sent = None  # (this rank's tokens [n], their physical expert ids [n, k]: -1 not sent) of the dispatch
         self._masked = np.zeros(cfg.world_size, bool)
         self.expert_map = None
         self._dropped = None  # [n, k] this rank's pairs of the last dispatch dropped for capacity
@@ -195,6 +218,7 @@ class HostAllToAll(AllToAllBackend):
     def dispatch(self, record, do_send, do_recv, stream=None):
         if do_send:
             self._started["dispatch"] = time.perf_counter()
+            self._received = None  # until this dispatch's receive half
             self._dispatch_pending = self._dispatch_send(record)
         if do_recv:
             pending, self._dispatch_pending = self._dispatch_pending, None
@@ -259,6 +283,7 @@ class HostAllToAll(AllToAllBackend):
             _raise_status(statuses, reasons, (status, message) if status else None, "dispatch")
         self._tally("dispatch_sent", counts * rows.shape[1])
         self._dispatched_m = m
+        self._sent = (mine, np.where(owner >= 0, idx, -1).astype(np.int32))
         return ex, pending, a.weights is not None
 
     def _capacity(self, idx, status, message):
@@ -372,18 +397,24 @@ class HostAllToAll(AllToAllBackend):
             row_src = rv.src_rank[rv.pair_j]
             fields = [rv.token[rv.pair_j][:, None], rv.pair_k.astype(np.int32)[:, None],
                       a.y[rv.where]]
+        rows, counts = self._to_groups(row_src, fields)
+        pending, statuses, reasons = ex.post(rows, counts, _OK)
+        if pending is None:
+            _raise_status(statuses, reasons, None, "combine")
+        self._tally("combine_sent", counts * rows.shape[1])
+        return ex, pending, bool(a.partials)
+
+    def _to_groups(self, row_src, fields):
+        """Records of ``fields`` (per-row arrays) for every rank of the DP group of each row's source rank
+        ``row_src``: (rows grouped by destination, counts [W])."""
+        cfg = self.cfg
         group = row_src // cfg.dp_size
         parts, counts = [], np.zeros(cfg.world_size, np.int64)
         for d in range(cfg.world_size):  # every rank of the token's DP group gets the result
             sel = group == d // cfg.dp_size
             counts[d] = sel.sum()
             parts.append(_records(*[f[sel] for f in fields]))
-        rows = np.concatenate(parts)
-        pending, statuses, reasons = ex.post(rows, counts, _OK)
-        if pending is None:
-            _raise_status(statuses, reasons, None, "combine")
-        self._tally("combine_sent", counts * rows.shape[1])
-        return ex, pending, bool(a.partials)
+        return np.concatenate(parts), counts
 
     def _combine_recv(self, a, pending):
         cfg = self.cfg
@@ -394,7 +425,7 @@ class HostAllToAll(AllToAllBackend):
         token = np.ascontiguousarray(recv[:, :4]).view(np.int32)[:, 0]
         acc = np.zeros((m, cfg.hidden_dim), np.float32)
         if partials:
-            np.add.at(acc, token, np.ascontiguousarray(recv[:, 4:]).view(np.float32))
+            _add_partials(acc, recv)
         else:
             k = np.ascontiguousarray(recv[:, 4:8]).view(np.int32)[:, 0]
             y = np.ascontiguousarray(recv[:, 8:]).view(cfg.out_dtype).astype(np.float32)
@@ -404,6 +435,91 @@ class HostAllToAll(AllToAllBackend):
             a.out_dropped[:] = 0
             if self._dropped is not None and cfg.dp_size == 1:
                 a.out_dropped[:m] = self._dropped
+
+    # backward: the gradients, along a routing plan ------------------------------------------
+    def write_plan(self, expert, origin):
+        if self._received is None:
+            raise InvalidArgument("plan: no dispatch has been received since construction or the last mask_ranks "
+                                  "(or the last one failed)")
+        mine, sent = self._sent
+        expert[:] = -1
+        expert[mine] = sent
+        origin[:] = -1
+        origin[self._received.where] = self._received.origin()
+
+    def dispatch_backward(self, a):
+        cfg = self.cfg
+        rv = _Received.from_origin(a.origin, cfg.max_num_tokens)
+        part = np.zeros((rv.token.size, cfg.hidden_dim), np.float32)  # summed over this rank's experts
+        np.add.at(part, rv.pair_j, a.grad[rv.where].astype(np.float32))
+        rows, counts = self._to_groups(rv.src_rank, [rv.token[:, None], part])
+        recv = self._exchange("dispatch_backward", rows, counts)
+        acc = np.zeros((a.m, cfg.hidden_dim), np.float32)
+        _add_partials(acc, self._tokens_below(recv, a.m, "dispatch_backward"))
+        a.out[:a.m] = acc.astype(a.out.dtype)
+
+    def combine_backward(self, a):
+        cfg, T, H, K = self.cfg, self.cfg.max_num_tokens, self.cfg.hidden_dim, self.cfg.experts_per_token
+        L, W, m = cfg.num_local_experts, cfg.world_size, a.m
+        ids = a.expert[:m].astype(np.int64)  # the pairs this rank sent, by physical expert id
+        owner = np.where(ids >= 0, ids // L, -1)
+        tokens = np.arange(m, dtype=np.int32)[:, None]
+        grad, weights = a.grad[:m].astype(np.float32), a.weights[:m].astype(np.float32)
+        parts, counts = [], np.zeros(W, np.int64)
+        for d in range(W):
+            to_d = owner == d
+            sel = to_d.any(axis=1)
+            counts[d] = sel.sum()
+            local = np.where(to_d[sel], ids[sel] - d * L, -1).astype(np.int32)
+            parts.append(_records(tokens[sel], local, weights[sel], grad[sel]))
+        recv, src_counts = self._exchange("combine_backward", np.concatenate(parts), counts, sources=True)
+        token = np.ascontiguousarray(recv[:, :4]).view(np.int32)[:, 0].astype(np.int64)
+        w = np.ascontiguousarray(recv[:, 4 + 4 * K:4 + 8 * K]).view(np.float32)
+        g = np.ascontiguousarray(recv[:, 4 + 8 * K:]).view(np.float32).reshape(-1, H)
+        row_of = np.full(W * T, -1, np.int64)  # received row of each (source rank, token)
+        row_of[np.repeat(np.arange(W), src_counts) * T + token] = np.arange(token.size)
+        rv = _Received.from_origin(a.origin, T)
+        pair_src, pair_token = rv.src_rank[rv.pair_j], rv.token[rv.pair_j]
+        row = row_of[pair_src * T + pair_token]
+        status, reason = _OK, ""
+        if (row < 0).any():  # told to the peers in the next exchange, so that every rank raises
+            q = int(np.argmax(row < 0))
+            status, reason = _BAD_ARG, (f"plan: rank {int(pair_src[q])} sent no gradient for its token "
+                                        f"{int(pair_token[q])}, which the plan's origin holds: the ranks' plans differ")
+            row = np.maximum(row, 0)
+        gy = g[row]
+        a.out_grad_y[:] = 0
+        a.out_grad_y[rv.where] = (w[row, rv.pair_k][:, None] * gy).astype(a.out_grad_y.dtype)
+        dots = np.einsum("ph,ph->p", gy, a.y[rv.where].astype(np.float32)).astype(np.float32)
+        rows, counts = self._to_groups(pair_src, [pair_token.astype(np.int32)[:, None],
+                                                  rv.pair_k.astype(np.int32)[:, None], dots[:, None]])
+        recv = self._tokens_below(self._exchange("weights_backward", rows, counts, status, reason), m,
+                                  "combine_backward")
+        a.out_grad_weights[:m] = 0
+        fields = np.ascontiguousarray(recv).view(np.int32).reshape(-1, 3)
+        a.out_grad_weights[fields[:, 0], fields[:, 1]] = fields[:, 2].view(np.float32)
+
+    def _exchange(self, phase, rows, counts, status=_OK, reason="", sources=False):
+        """One exchange of ``rows`` (grouped by destination, ``counts`` [W]) in ``phase``, raising on every
+        rank when one's ``status`` is not OK; returns the received rows (and the counts per source)."""
+        ex = self._exchanges[phase]
+        pending, statuses, reasons = ex.post(rows, counts, status, reason)
+        if pending is None:
+            _raise_status(statuses, reasons, (status, reason) if status else None, phase)
+        recv, src_counts = ex.finish(pending)
+        return (recv, src_counts) if sources else recv
+
+    @staticmethod
+    def _tokens_below(recv, m, phase):
+        """``recv`` (records starting with a token int32), checked to name tokens below m."""
+        token = np.ascontiguousarray(recv[:, :4]).view(np.int32)[:, 0]
+        if (token >= m).any():
+            raise InvalidArgument(f"{phase}: a peer sent a gradient for token {int(token.max())}, beyond m={m}: the "
+                                  f"ranks' plans or bound_m differ")
+        return recv
+
+    def skip_backward(self, phase, refusal):
+        self._exchanges[phase].refuse(refusal.text)
 
     def skip(self, halves, stream=None, refusal=None):
         """Errors end a host call on every rank in its exchange, so only a refusal has anything to send: a

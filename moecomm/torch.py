@@ -1,0 +1,150 @@
+"""PyTorch: dispatch and combine as autograd operations over tensors as they are.
+
+    import moecomm, moecomm.torch
+    comm = moecomm.init()
+    layer = moecomm.torch.AllToAll(moecomm.AllToAll(comm, ...))
+    counts, expert_x, expert_x_scale = layer.dispatch(dp_x, dp_x_scale, indices, bound_m, weights)
+    out_tokens = layer.combine(indices, weights, expert_y, bound_m)
+    out_tokens.float().pow(2).sum().backward()      # gradients of dp_x, the experts and the router weights
+
+The outputs are allocated here, on the tensors' device (CPU tensors on the host transport, CUDA tensors on a
+GPU transport), and moecomm writes them. When autograd records (grad mode on and an input requires grad),
+each operation also keeps its routing plan (:class:`moecomm.RoutingPlan`) for its backward:
+:meth:`moecomm.AllToAll.dispatch_backward` gives dp_x its gradient (the sum of its slots'), and
+:meth:`moecomm.AllToAll.combine_backward` gives expert_y and the router weights theirs. The backward follows
+the forward's placement whatever ran between them (other layers on the same AllToAll included). Gradients
+are computed on the host transport in this release (GPU transports refuse them; inference runs anywhere).
+
+Router weights: given to dispatch, pass the same tensor to combine too when training: the weighted sum still
+runs on the expert side with the weights sent with the dispatch, and their gradient flows through combine's
+argument (combine with weights=None then refuses to record a backward). FP8 tokens get no gradient (a
+gradient has its tensor's dtype; differentiate the bfloat16 tokens before quantising). The core package
+never imports torch; this module does.
+"""
+import numpy as np
+import torch
+
+from ._dtypes import bfloat16, float8_e4m3fn
+from ._errors import InvalidArgument
+from .alltoall import RoutingPlan
+
+_RAW = {torch.bfloat16: (torch.int16, bfloat16), torch.float8_e4m3fn: (torch.uint8, float8_e4m3fn)}
+_TORCH = {np.dtype(bfloat16): torch.bfloat16, np.dtype(float8_e4m3fn): torch.float8_e4m3fn,
+          np.dtype(np.float16): torch.float16, np.dtype(np.float32): torch.float32, np.dtype(np.int32): torch.int32}
+
+
+class AllToAll:
+    """Autograd operations over a :class:`moecomm.AllToAll` (shapes and dtypes as there; its call rules hold:
+    a dispatch, then its combine; collective).
+
+    Args:
+        a2a: the moecomm.AllToAll (padded or packed layout).
+    """
+
+    def __init__(self, a2a):
+        self.a2a = a2a
+        self._host = a2a.comm.transport.memory == "host"
+        self._weights_sent = False  # whether the last dispatch was given router weights
+        self._plan_shapes = a2a.plan_shapes()
+        self.offsets = None  # packed layout: the last dispatch's out_expert_offsets [L + 1] int32
+
+    def _arg(self, t):
+        """A tensor as moecomm reads it: itself on GPUs; a numpy view of its memory on the host transport."""
+        if t is None or not self._host:
+            return t
+        if t.dtype in _RAW:
+            raw, dtype = _RAW[t.dtype]
+            return t.detach().view(raw).numpy().view(dtype)
+        return t.detach().numpy()
+
+    def _new(self, shape, dtype, like, zeros):
+        maker = torch.zeros if zeros else torch.empty
+        return maker(tuple(shape), dtype=_TORCH[np.dtype(dtype)], device=like.device)
+
+    def _plan(self, like):
+        """A new RoutingPlan of int32 tensors and moecomm's view of it."""
+        plan = RoutingPlan(*(self._new(s, np.int32, like, False) for s in self._plan_shapes))
+        return plan, RoutingPlan(*(self._arg(t) for t in plan))
+
+    def dispatch(self, dp_x, dp_x_scale, indices, bound_m, weights=None):
+        """:meth:`moecomm.AllToAll.dispatch` (both halves). Returns ``(out_expert_num_tokens [L] int32,
+        out_expert_x in_dtype, out_expert_x_scale float32 or None)`` (packed layout: out_expert_offsets is
+        :attr:`offsets` after the call); expert slots past their count are zero in grad mode (a memset of
+        out_expert_x; run inference under ``torch.no_grad()`` or ``torch.inference_mode()`` to skip it),
+        else unspecified.
+        dp_x's gradient: the sum of its slots' gradients."""
+        self._weights_sent = weights is not None
+        return _Dispatch.apply(self, torch.is_grad_enabled(), dp_x, dp_x_scale, indices, bound_m, weights)
+
+    def combine(self, indices, weights, expert_y, bound_m):
+        """:meth:`moecomm.AllToAll.combine` (both halves). Returns out_tokens [rows, hidden] out_dtype (rows =
+        indices.shape[0]; rows >= m are zeros). expert_y and weights get their gradients from
+        :meth:`moecomm.AllToAll.combine_backward`; after a dispatch given weights, pass the same weights here
+        to train (see the module's doc)."""
+        summed = weights is None or self._weights_sent
+        return _Combine.apply(self, indices, weights, expert_y, bound_m, summed)
+
+
+class _Dispatch(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, layer, training, dp_x, dp_x_scale, indices, bound_m, weights):
+        a2a, c, arg = layer.a2a, layer.a2a.cfg, layer._arg
+        keep = ctx.needs_input_grad[2]
+        n = layer._new((c.num_local_experts,), np.int32, dp_x, False)
+        # slots past their count zero in grad mode: a gradient of the experts' weights reads every slot
+        ex = layer._new(c.expert_x_shape(), c.in_dtype, dp_x, training)
+        exs = None if dp_x_scale is None else layer._new(c.expert_x_scale_shape(), np.float32, dp_x, training)
+        layer.offsets = (layer._new((c.num_local_experts + 1,), np.int32, dp_x, False) if c.layout == "packed"
+                         else None)
+        a2a.dispatch(arg(n), arg(ex), arg(exs), arg(dp_x), arg(dp_x_scale), arg(indices), arg(bound_m),
+                     weights=arg(weights), out_expert_offsets=arg(layer.offsets))
+        ctx.mark_non_differentiable(n)
+        ctx.layer, ctx.rows, ctx.dtype = layer, dp_x.shape[0], dp_x.dtype
+        if keep:
+            plan, view = layer._plan(dp_x)
+            a2a.plan(view)
+            ctx.save_for_backward(*plan, bound_m)
+        return n, ex, exs
+
+    @staticmethod
+    def backward(ctx, _counts, grad_expert_x, _grad_scale):
+        layer = ctx.layer
+        if not ctx.needs_input_grad[2]:  # only the weights required grad: theirs flows through combine
+            return (None,) * 7
+        if ctx.dtype == torch.float8_e4m3fn:
+            raise InvalidArgument("moecomm.torch: FP8 tokens get no gradient (it would be FP8 too); differentiate "
+                                  "the bfloat16 tokens before quantising")
+        expert, origin, bound_m = ctx.saved_tensors
+        grad_x = torch.zeros((ctx.rows, layer.a2a.cfg.hidden_dim), dtype=ctx.dtype, device=grad_expert_x.device)
+        layer.a2a.dispatch_backward(layer._arg(grad_x), RoutingPlan(layer._arg(expert), layer._arg(origin)),
+                                    layer._arg(grad_expert_x.contiguous()), layer._arg(bound_m))
+        return None, None, grad_x, None, None, None, None
+
+
+class _Combine(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, layer, indices, weights, expert_y, bound_m, summed):
+        a2a, c, arg = layer.a2a, layer.a2a.cfg, layer._arg
+        keep = ctx.needs_input_grad[2] or ctx.needs_input_grad[3]
+        if keep and weights is None:
+            raise InvalidArgument("moecomm.torch combine(weights=None) with autograd recording: pass the router "
+                                  "weights to combine too (the same tensor given to dispatch; the forward still sums "
+                                  "on the expert side with the weights sent with the dispatch)")
+        if keep:
+            plan, view = layer._plan(expert_y)
+            a2a.plan(view)  # the plan of the dispatch this combine ends
+        out = layer._new((indices.shape[0], c.hidden_dim), c.out_dtype, expert_y, True)
+        a2a.combine(arg(out), arg(indices), None if summed else arg(weights), arg(expert_y), arg(bound_m))
+        if keep:
+            ctx.layer = layer
+            ctx.save_for_backward(*plan, weights, expert_y, bound_m)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        layer, arg = ctx.layer, ctx.layer._arg
+        expert, origin, weights, expert_y, bound_m = ctx.saved_tensors
+        grad_y, grad_w = torch.empty_like(expert_y), torch.zeros_like(weights)
+        layer.a2a.combine_backward(arg(grad_y), arg(grad_w), RoutingPlan(arg(expert), arg(origin)),
+                                   arg(grad_out.contiguous()), arg(weights), arg(expert_y), arg(bound_m))
+        return None, None, grad_w, grad_y, None, None

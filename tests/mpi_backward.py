@@ -1,0 +1,208 @@
+"""Gradients along a routing plan on the host transport: dispatch_backward and combine_backward equal the
+numpy reference's for every input dtype (FP8 straight-through), router weights given at combine or sent with
+dispatch, m below max_num_tokens, DP groups, a capacity that drops pairs, replicated experts and the packed
+layout; a plan kept
+while another call runs still gives its own call's gradients; a refused backward argument raises on every
+rank and the next call is right; a plan is refused before any dispatch.
+
+    mpiexec -n 3 python tests/mpi_backward.py
+
+Prints "<n> checks on <w> ranks: <f> failures" on rank 0.
+"""
+import numpy as np
+
+import moecomm
+import moecomm.balance
+from moecomm import reference
+from report import finish
+
+E_PER_RANK, K, H, M = 3, 2, 64, 10
+CASES = (  # (in_dtype, scales, out_dtype, gradient dtype)
+    (moecomm.bfloat16, None, moecomm.bfloat16, moecomm.bfloat16),
+    (moecomm.float16, None, moecomm.float16, moecomm.float32),
+    (moecomm.float8_e4m3fn, 2, moecomm.bfloat16, moecomm.bfloat16),
+)
+
+
+def draw(comm, dp, seed, dt, scales, gdt, m):
+    """Per group: tokens, scales, ids (some -1), weights, the combine's gradient; per rank: grad_expert_x."""
+    W, E = comm.world_size, E_PER_RANK * comm.world_size
+    groups = []
+    for g in range(W // dp):
+        rng = np.random.default_rng([seed, g])
+        x = rng.standard_normal((M, H)).astype(np.float32).astype(dt)
+        xs = rng.random((M, scales), np.float32) if scales else None
+        ids = np.argsort(rng.random((M, E)), axis=1)[:, :K].astype(np.int32)
+        ids[rng.random((M, K)) < 0.15] = -1
+        ids[m:] = -1
+        groups.append(dict(x=x, xs=xs, ids=ids, w=rng.random((M, K), np.float32),
+                           gout=rng.standard_normal((M, H)).astype(np.float32).astype(gdt)))
+    return groups
+
+
+def to_padded(a, offsets, capacity, fill):
+    """A packed [rows, ...] array as the padded layout's [L, capacity, ...] (slot i = row offsets[e] + i)."""
+    out = np.full((len(offsets) - 1, capacity) + a.shape[1:], fill, a.dtype)
+    for e in range(len(offsets) - 1):
+        out[e, :offsets[e + 1] - offsets[e]] = a[offsets[e]:offsets[e + 1]]
+    return out
+
+
+def check(a2a, comm, groups, m, wd, fails, label, between=None):
+    """Forward (plan kept), an optional other call ``between``, then both backward calls, against the
+    reference computed from every rank's plan and arrays."""
+    c, r, W, dp = a2a.cfg, comm.rank, comm.world_size, a2a.cfg.dp_size
+    gdt = groups[0]["gout"].dtype
+    mine = groups[r // dp]
+    n = np.zeros(c.num_local_experts, np.int32)
+    ex = np.zeros(c.expert_x_shape(), c.in_dtype)
+    es = None if mine["xs"] is None else np.zeros(c.expert_x_scale_shape(), np.float32)
+    off = np.zeros(c.num_local_experts + 1, np.int32) if c.layout == "packed" else None
+    bm = np.array([m], np.int32)
+    a2a.dispatch(n, ex, es, mine["x"], mine["xs"], mine["ids"], bm, weights=mine["w"] if wd else None,
+                 out_expert_offsets=off)
+    shapes = a2a.plan_shapes()
+    plan = moecomm.RoutingPlan(np.full(shapes.expert, 7, np.int32), np.full(shapes.origin, 7, np.int32))
+    a2a.plan(plan)
+    y = ex.astype(np.float32) * 0.5 + 1.0
+    y = y.astype(c.out_dtype)  # an expert: 0.5 x + 1, written where the slots are empty too
+    out, dropped = np.zeros((M, H), c.out_dtype), np.zeros((M, K), np.uint8)
+    a2a.combine(out, mine["ids"], None if wd else mine["w"], y, bm, out_dropped=dropped)
+    if between is not None:
+        between()
+    rng = np.random.default_rng([hash(label) % 2 ** 32, r])
+    gex = rng.standard_normal(c.expert_x_shape()).astype(np.float32).astype(gdt)
+    gx = np.full((M, H), 9, gdt)
+    a2a.dispatch_backward(gx, plan, gex, bm)
+    gey, gw = np.full(c.expert_x_shape(), 9, gdt), np.full((M, K), 9, np.float32)
+    a2a.combine_backward(gey, gw, plan, mine["gout"], mine["w"], y, bm)
+
+    phys = mine["ids"] if a2a.expert_map is None else a2a.expert_map.physical(mine["ids"], np.arange(M), r // dp)
+    E = c.num_local_experts * W  # physical experts: the reference's
+    everyone = comm.allgather((plan.origin, gex, y, gey, off, dropped))
+    group_ids = comm.allgather(phys)[::dp]
+    if c.layout == "packed":  # compare in the padded layout
+        cap = M * (W // dp)
+        everyone = [(to_padded(o, f, cap, -1), to_padded(a, f, cap, 0), to_padded(b, f, cap, 0),
+                     to_padded(d, f, cap, 0), f, dr) for o, a, b, d, f, dr in everyone]
+    origins = [np.where(o[..., :1] >= 0, np.concatenate([o[..., :1] // dp, o[..., 1:2]], axis=-1), -1)
+               for o, *_ in everyone]
+    want_x = reference.dispatch_backward([e[1] for e in everyone], origins, [M] * (W // dp))[r // dp]
+    if not np.allclose(gx[:m].astype(np.float32), want_x[:m].astype(np.float32), rtol=2 ** -7, atol=1e-2):
+        fails.append(f"{label}: dispatch_backward differs from the reference")
+    if (gx[m:] != 9).any():
+        fails.append(f"{label}: dispatch_backward wrote rows >= m")
+    want_ey, want_w = reference.combine_backward(group_ids, [g["w"] for g in groups],
+                                                 [g["gout"] for g in groups], [e[2] for e in everyone], origins, E, W)
+    if not np.array_equal(everyone[r][3], want_ey[r]):
+        fails.append(f"{label}: combine_backward's grad_expert_y differs from the reference")
+    if not np.allclose(gw[:m], want_w[r // dp][:m], rtol=1e-4, atol=1e-4) or (gw[m:] != 9).any():
+        fails.append(f"{label}: combine_backward's grad_weights differ from the reference")
+    # the plan: this rank's pairs (its tokens of the DP group), without the dropped ones
+    ids = np.where(np.arange(M)[:, None] % dp == c.dp_rank, phys, -1)
+    ids = np.where(dropped.astype(bool), -1, ids)
+    if not np.array_equal(plan.expert, ids):
+        fails.append(f"{label}: plan.expert differs from the pairs this rank sent")
+    filled = origins[r][..., 0] >= 0
+    if int(filled.sum()) != int(n.sum()):
+        fails.append(f"{label}: plan.origin holds {int(filled.sum())} pairs, the dispatch received {int(n.sum())}")
+
+
+def refused(a2a, comm, groups, fails):
+    """One rank passes a grad_expert_x of the wrong shape: it raises InvalidArgument, the others PeerError;
+    then a backward call is right."""
+    c, r = a2a.cfg, comm.rank
+    mine, bm = groups[r // c.dp_size], np.array([M], np.int32)
+    n, ex = np.zeros(c.num_local_experts, np.int32), np.zeros(c.expert_x_shape(), c.in_dtype)
+    a2a.dispatch(n, ex, None, mine["x"], None, mine["ids"], bm)
+    shapes = a2a.plan_shapes()
+    plan = moecomm.RoutingPlan(np.zeros(shapes.expert, np.int32), np.zeros(shapes.origin, np.int32))
+    a2a.plan(plan)
+    a2a.combine(np.zeros((M, H), c.out_dtype), mine["ids"], mine["w"], ex.astype(c.out_dtype), bm)
+    gex = np.zeros(c.expert_x_shape(), np.float32)
+    bad = gex[:, :-1] if r == comm.world_size - 1 else gex
+    try:
+        a2a.dispatch_backward(np.zeros((M, H), np.float32), plan, bad, bm)
+        fails.append("refused: dispatch_backward with a grad_expert_x of the wrong shape raised nothing")
+    except moecomm.PeerError as e:
+        if r == comm.world_size - 1 or e.peer != comm.world_size - 1:
+            fails.append(f"refused: PeerError {e} on rank {r}")
+    except moecomm.InvalidArgument as e:
+        if r != comm.world_size - 1 or "grad_expert_x" not in str(e):
+            fails.append(f"refused: InvalidArgument {e} on rank {r}")
+    gx = np.zeros((M, H), np.float32)
+    a2a.dispatch_backward(gx, plan, gex + 1, bm)
+    want = (mine["ids"] >= 0).sum(axis=1)[:, None] * np.ones((1, H), np.float32)
+    if not np.array_equal(gx, want):
+        fails.append("refused: the next dispatch_backward is wrong")
+
+
+def main():
+    comm = moecomm.init(transport="host", timeout=3.0)
+    W, E = comm.world_size, E_PER_RANK * comm.world_size
+    fails, checks = [], 0
+    try:
+        a2a = moecomm.AllToAll(comm, M, E, K, H)
+        shapes = a2a.plan_shapes()
+        a2a.plan(moecomm.RoutingPlan(np.zeros(shapes.expert, np.int32), np.zeros(shapes.origin, np.int32)))
+        fails.append("plan before any dispatch: nothing raised")
+    except moecomm.InvalidArgument as e:
+        if "no dispatch" not in str(e):
+            fails.append(f"plan before any dispatch: {e}")
+    checks += 1
+    refused(a2a, comm, draw(comm, 1, 5, moecomm.bfloat16, None, np.float32, M), fails)
+    checks += 1
+    a2a.destroy()
+    for dt, scales, odt, gdt in CASES:
+        a2a = moecomm.AllToAll(comm, M, E, K, H, scales, dt, odt)
+        for wd in (False, True):
+            for m in (M, M - 3):
+                check(a2a, comm, draw(comm, 1, checks, dt, scales, gdt, m), m, wd, fails,
+                      f"{np.dtype(dt).name} weights {'at dispatch' if wd else 'at combine'} m={m}")
+                checks += 1
+        a2a.destroy()
+    a2a = moecomm.AllToAll(comm, M, E, K, H, None, "bf16", "bf16")
+    other = draw(comm, 1, 99, moecomm.bfloat16, None, np.float32, M)
+
+    def another_call():  # a dispatch and combine of other tokens between the forward and its backward
+        check(a2a, comm, other, M, True, fails, "the call between")
+    check(a2a, comm, draw(comm, 1, 50, moecomm.bfloat16, None, np.float32, M - 2), M - 2, False, fails,
+          "a plan kept across another call", between=another_call)
+    checks += 2
+    a2a.destroy()
+    if W % 2 == 0:
+        a2a = moecomm.AllToAll(comm, M, E, K, H, None, "bf16", "bf16", dp_size=2)
+        for wd in (False, True):
+            check(a2a, comm, draw(comm, 2, 60 + wd, moecomm.bfloat16, None, np.float32, M - 1), M - 1, wd, fails,
+                  f"dp_size 2 weights {'at dispatch' if wd else 'at combine'}")
+            checks += 1
+        a2a.destroy()
+    cap = max(1, M * K // (2 * E_PER_RANK))  # about half the mean demand per expert: some pairs drop
+    a2a = moecomm.AllToAll(comm, M, E, K, H, None, "bf16", "bf16", capacity=cap, overflow="drop")
+    for wd in (False, True):
+        check(a2a, comm, draw(comm, 1, 70 + wd, moecomm.bfloat16, None, np.float32, M), M, wd, fails,
+              f"capacity {cap} drop, weights {'at dispatch' if wd else 'at combine'}")
+        checks += 1
+    a2a.destroy()
+    if W > 1:  # replicated experts: every rank's extra slot holds the next rank's first expert
+        a2a = moecomm.AllToAll(comm, M, E, K, H, None, "bf16", "bf16", slots_per_rank=E_PER_RANK + 1)
+        slots = np.full((W, E_PER_RANK + 1), -1)
+        slots[:, :E_PER_RANK] = np.arange(E).reshape(W, E_PER_RANK)
+        slots[:, E_PER_RANK] = (np.arange(W) + 1) % W * E_PER_RANK
+        a2a.set_expert_map(moecomm.balance.ExpertMap(slots, E, generation=1))
+        for wd in (False, True):
+            check(a2a, comm, draw(comm, 1, 90 + wd, moecomm.bfloat16, None, np.float32, M), M, wd, fails,
+                  f"replicas weights {'at dispatch' if wd else 'at combine'}")
+            checks += 1
+        a2a.destroy()
+    a2a = moecomm.AllToAll(comm, M, E, K, H, None, "bf16", "bf16", layout="packed")
+    for wd in (False, True):
+        check(a2a, comm, draw(comm, 1, 80 + wd, moecomm.bfloat16, None, np.float32, M - 1), M - 1, wd, fails,
+              f"packed weights {'at dispatch' if wd else 'at combine'}")
+        checks += 1
+    a2a.destroy()
+    finish(comm, fails, checks)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,60 @@
+"""moecomm.torch on the host transport (CPU tensors; skipped without torch): gradients against plain PyTorch
+on 1 and 2 ranks (tests/mpi_torch_grad.py), and refusals in one process."""
+import numpy as np
+import pytest
+
+from conftest import run_mpi
+
+torch = pytest.importorskip("torch")
+
+import moecomm  # noqa: E402
+import moecomm.torch as mt  # noqa: E402
+
+M, E, K, H = 8, 4, 2, 32
+
+
+@pytest.mark.parametrize("ranks", [1, 2], ids=lambda n: f"ranks{n}")
+def test_gradients_match_plain_torch_on_host_ranks(ranks):
+    p = run_mpi(ranks, "tests/mpi_torch_grad.py", timeout=300)
+    assert p.returncode == 0 and ": 0 failures" in p.stdout, p.stdout[-4000:] + p.stderr[-4000:]
+
+
+def test_refusals_and_a_layer_of_identity_experts():
+    """combine(weights=None) while autograd records, and FP8 tokens' backward, raise moecomm's
+    InvalidArgument; then the gradients of identity experts are the sums of the router weights and of the
+    tokens, and nothing is recorded without grad."""
+    comm = moecomm.init(transport="host")
+    try:
+        layer = mt.AllToAll(moecomm.AllToAll(comm, M, E, K, H, None, "bfloat16", "bfloat16"))
+        rng = np.random.default_rng(0)
+        x = torch.from_numpy(rng.standard_normal((M, H)).astype(np.float32)).to(torch.bfloat16).requires_grad_()
+        ids = torch.from_numpy(np.argsort(rng.random((M, E)), 1)[:, :K].astype(np.int64))
+        w = torch.from_numpy(rng.random((M, K)).astype(np.float32)).requires_grad_()
+        m = torch.tensor([M - 2], dtype=torch.int32)
+        _, ex, _ = layer.dispatch(x, None, ids, m, w)
+        with pytest.raises(moecomm.InvalidArgument, match="pass the router weights to combine too"):
+            layer.combine(ids, None, ex, m)
+        layer.a2a.combine(np.zeros((M, H), moecomm.bfloat16), ids.numpy(), None,
+                          np.zeros(layer.a2a.cfg.expert_x_shape(), moecomm.bfloat16), m.numpy())  # ends that call
+        _, ex, _ = layer.dispatch(x, None, ids, m, w)
+        out = layer.combine(ids, w, ex, m)
+        out.float().sum().backward()
+        rows = M - 2
+        np.testing.assert_allclose(x.grad.float().numpy()[:rows], np.broadcast_to(
+            w.detach().numpy().sum(1)[:rows, None], (rows, H)), rtol=2e-2)
+        assert not x.grad.float().numpy()[rows:].any()
+        np.testing.assert_allclose(w.grad.numpy()[:rows], np.broadcast_to(
+            x.detach().float().numpy().sum(1)[:rows, None], (rows, K)), rtol=2e-2, atol=2e-2)
+        with torch.no_grad():  # inference: no plan, weights=None allowed
+            _, ex, _ = layer.dispatch(x, None, ids, m, w)
+            assert not layer.combine(ids, None, ex, m).requires_grad
+        layer.a2a.destroy()
+        fp8 = mt.AllToAll(moecomm.AllToAll(comm, M, E, K, H, None, "float8_e4m3fn", "bfloat16"))
+        x8 = x.detach().to(torch.float8_e4m3fn).requires_grad_()
+        _, ex, _ = fp8.dispatch(x8, None, ids, m)
+        out = fp8.combine(ids, w, ex.to(torch.bfloat16), m)
+        with pytest.raises(moecomm.InvalidArgument, match="FP8"):
+            out.float().sum().backward()
+        fp8.a2a.destroy()
+    finally:
+        comm.finalize()
