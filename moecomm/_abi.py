@@ -61,7 +61,7 @@ FIXED_FIELDS = (
     ("world", "int"), ("rank", "int"), ("dp", "int"), ("num_experts", "int"), ("local_experts", "int"),
     ("topk", "int"), ("max_tokens", "int"), ("hidden", "int"),
     ("x_bytes", "int"),             # hidden * in_dtype size
-    ("scale_bytes", "int"),         # 4 * hidden_dim_scale (0 without scales)
+    ("scale_bytes", "int"),         # a token's scales in bytes (0 without scales)
     ("meta_off", "int"),            # offset of a record's metadata (token, ids[topk], weights[topk])
     ("rec_bytes", "int"),           # bytes of one dispatch record
     ("out_code", "int"),            # MOECOMM_DT_BF16 / MOECOMM_DT_FP16
@@ -164,7 +164,7 @@ class RecordLayout:
     @classmethod
     def of(cls, cfg):
         x = cfg.hidden_dim * cfg.in_dtype.itemsize
-        scales = 0 if cfg.hidden_dim_scale is None else 4 * cfg.hidden_dim_scale
+        scales = 0 if cfg.hidden_dim_scale is None else cfg.hidden_dim_scale * cfg.scale_dtype.itemsize
         meta = _align16(x) + _align16(scales)
         return cls(x, _align16(x), scales, meta, meta + _align16(4 + 8 * cfg.experts_per_token))
 

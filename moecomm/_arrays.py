@@ -62,12 +62,12 @@ class Accepted(dict):
 
 
 def accepted(*dtypes):
-    """What arguments of the given dtypes accept: bfloat16 and float8_e4m3fn may also arrive as raw
+    """What arguments of the given dtypes accept: bfloat16 and the float8 types may also arrive as raw
     integers or void of their size (not every framework names them)."""
     out = {}
     for want in map(np.dtype, dtypes):
         out[want] = want
-        if want.name in ("bfloat16", "float8_e4m3fn"):
+        if want.name in ("bfloat16", "float8_e4m3fn", "float8_e8m0fnu"):
             for kind in "uiV":
                 out.setdefault(np.dtype(f"{kind}{want.itemsize}"), want)
     return Accepted(out, " or ".join(str(np.dtype(d)) for d in dtypes))

@@ -4,7 +4,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import _constants as C
-from ._dtypes import IN_DTYPES, OUT_DTYPES, SCALE_DTYPES, as_dtype, float32
+from ._dtypes import COMBINE_WIRES, IN_DTYPES, OUT_DTYPES, SCALE_DTYPES, as_dtype, float32
 from ._errors import InvalidArgument
 
 
@@ -25,7 +25,9 @@ class AllToAllConfig:
         experts_per_token: top-k, 1..16.
         hidden_dim: values per token.
         hidden_dim_scale: scale values per token, or None when tokens carry no scales.
-        in_dtype / out_dtype / scale_dtype: numpy dtypes (bf16/fp16/fp8 e4m3; bf16/fp16; float32 or None).
+        in_dtype / out_dtype / scale_dtype: numpy dtypes (bf16/fp16/fp8 e4m3/uint8 opaque bytes; bf16/fp16;
+            float32, UE8M0 (float8_e8m0fnu), int32 (four UE8M0 per int32) or None). Scales and opaque rows pass
+            through bit-exactly.
         dp_size: ranks per data-parallel group (they hold the same tokens); divides world_size.
         slots_per_rank: physical expert slots per rank when experts are replicated through an
             :class:`moecomm.balance.ExpertMap` (indices are then logical ids), or None: rank r owns
@@ -37,6 +39,12 @@ class AllToAllConfig:
         layout: "padded" (out_expert_x [L, capacity, hidden]: capacity slots per local expert) or "packed"
             (out_expert_x [capacity, hidden]: the rank's rows back to back, expert by expert, capacity rows
             per rank; offsets in out_expert_offsets).
+        scale_layout: "row" (out_expert_x_scale [L, capacity, scales]) or "column" ([L, scales, capacity]:
+            each expert's scales column-major, as TMA loads them).
+        combine_wire: None (combine's rows travel in out_dtype, partial sums in float32 on the host) or
+            "e4m3" / "e4m3_ue8m0": the expert side quantises each row it sends to FP8 e4m3 with a float32
+            (or UE8M0: a power of two) scale per COMBINE_BLOCK values, the token side dequantises and sums in
+            float32 (moecomm.reference.quantize_e4m3 is the rounding).
     """
     world_size: int
     rank: int
@@ -53,11 +61,13 @@ class AllToAllConfig:
     capacity: object = None
     overflow: str = "error"
     layout: str = "padded"
+    scale_layout: str = "row"
+    combine_wire: object = None
 
     @classmethod
     def create(cls, world_size, rank, max_num_tokens, num_experts, experts_per_token, hidden_dim,
                hidden_dim_scale, in_dtype, out_dtype, scale_dtype, dp_size, slots_per_rank=None, capacity=None,
-               overflow="error", layout="padded"):
+               overflow="error", layout="padded", scale_layout="row", combine_wire=None):
         """Validate the arguments of :class:`moecomm.AllToAll`; raise InvalidArgument on the first bad one."""
         max_num_tokens = positive_int("max_num_tokens", max_num_tokens)
         if max_num_tokens >= 1 << C.SIG_COUNT_BITS:
@@ -90,6 +100,19 @@ class AllToAllConfig:
             hidden_dim_scale = positive_int("hidden_dim_scale", hidden_dim_scale)
             scale_dtype = as_dtype(float32 if scale_dtype is None else scale_dtype,
                                    SCALE_DTYPES, "scale_dtype")
+            if (hidden_dim_scale * scale_dtype.itemsize) % C.SCALE_ALIGN:
+                raise InvalidArgument(f"hidden_dim_scale={hidden_dim_scale} scales of {scale_dtype} are "
+                                      f"{hidden_dim_scale * scale_dtype.itemsize} bytes a token; a token's scales "
+                                      f"must be a multiple of {C.SCALE_ALIGN} bytes")
+        if scale_layout not in ("row", "column"):
+            raise InvalidArgument(f"scale_layout must be 'row' or 'column', got {scale_layout!r}")
+        if scale_layout == "column" and hidden_dim_scale is None:
+            raise InvalidArgument("scale_layout='column' needs scales (hidden_dim_scale)")
+        if combine_wire not in COMBINE_WIRES:
+            raise InvalidArgument(f"combine_wire must be one of {list(COMBINE_WIRES)}, got {combine_wire!r}")
+        if combine_wire is not None and hidden_dim % C.COMBINE_BLOCK:
+            raise InvalidArgument(f"combine_wire={combine_wire!r} needs hidden_dim a multiple of "
+                                  f"{C.COMBINE_BLOCK} (one scale per {C.COMBINE_BLOCK} values), got {hidden_dim}")
         if slots_per_rank is not None:
             slots_per_rank = positive_int("slots_per_rank", slots_per_rank)
             if slots_per_rank < num_experts // world_size:
@@ -109,7 +132,8 @@ class AllToAllConfig:
             if dp_size != 1:
                 raise InvalidArgument("capacity: needs dp_size == 1 so far")
         return cls(world_size, rank, max_num_tokens, num_experts, k, hidden_dim, hidden_dim_scale,
-                   in_dtype, out_dtype, scale_dtype, dp_size, slots_per_rank, capacity, overflow, layout)
+                   in_dtype, out_dtype, scale_dtype, dp_size, slots_per_rank, capacity, overflow, layout,
+                   scale_layout, combine_wire)
 
     # Derived layout -------------------------------------------------------------------------
     @property
@@ -145,9 +169,9 @@ class AllToAllConfig:
         return (self.num_local_experts, self.expert_capacity, self.hidden_dim)
 
     def expert_x_scale_shape(self):
-        if self.layout == "packed":
-            return (self.expert_capacity, self.hidden_dim_scale)
-        return (self.num_local_experts, self.expert_capacity, self.hidden_dim_scale)
+        rows = (self.expert_capacity, self.hidden_dim_scale)
+        rows = rows[::-1] if self.scale_layout == "column" else rows
+        return rows if self.layout == "packed" else (self.num_local_experts, *rows)
 
     def key(self):
         """The fields that must be equal on every rank (rank excluded), by name."""
@@ -156,4 +180,4 @@ class AllToAllConfig:
                 "hidden_dim_scale": self.hidden_dim_scale, "in_dtype": str(self.in_dtype),
                 "out_dtype": str(self.out_dtype), "scale_dtype": str(self.scale_dtype), "dp_size": self.dp_size,
                 "slots_per_rank": self.slots_per_rank, "capacity": self.capacity, "overflow": self.overflow,
-                "layout": self.layout}
+                "layout": self.layout, "scale_layout": self.scale_layout, "combine_wire": self.combine_wire}

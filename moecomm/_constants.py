@@ -99,6 +99,10 @@ PEER_CHECK_BYTES = 1 << 16
 
 # Alignment of one token row in bytes (kernels copy rows with 16-byte vector accesses).
 ROW_ALIGN = 16
+# A token's scales are copied in 4-byte words: a scale row is a multiple of this many bytes.
+SCALE_ALIGN = 4
+# Values per float32 (or UE8M0) scale of an FP8 combine wire, and the largest e4m3 value a scale maps to.
+COMBINE_BLOCK, E4M3_MAX = 128, 448.0
 
 
 def timeout_seconds(value=None):

@@ -126,11 +126,15 @@ class AllToAll:
             r*E/W ... (r+1)*E/W - 1).
         experts_per_token: top-k, 1..16.
         hidden_dim: values per token; a row must be a multiple of 16 bytes in ``in_dtype`` and ``out_dtype``.
-        hidden_dim_scale: float32 block scales per token (e.g. hidden_dim // 128 for FP8), or None.
-        in_dtype: dtype of dispatched tokens: bfloat16, float16 or float8_e4m3fn (numpy/ml_dtypes dtype
-            or its name).
+        hidden_dim_scale: block scales per token (e.g. hidden_dim // 128 for FP8 blocks of 128, hidden_dim // 32
+            for MXFP8; a quarter of that for scale_dtype int32), or None.
+        in_dtype: dtype of dispatched tokens: bfloat16, float16, float8_e4m3fn, or uint8: opaque rows of
+            hidden_dim bytes (any format, NVFP4 values with their scales say, copied as they are) (numpy/ml_dtypes
+            dtype or its name).
         out_dtype: dtype of expert outputs and combined tokens: bfloat16 or float16.
-        scale_dtype: float32 (the default when hidden_dim_scale is given), or None.
+        scale_dtype: float32 (the default when hidden_dim_scale is given), float8_e8m0fnu ("ue8m0": one
+            power-of-two scale per byte), int32 ("ue8m0x4": four UE8M0 scales packed per int32), or None. A
+            token's scales are a multiple of 4 bytes and pass through bit-exactly.
         dp_size: ranks per data-parallel group; a group's ranks hold the same tokens, share the sending
             and each receives the whole combined result.
         timeout: seconds any wait may last (default: the communicator's).
@@ -163,19 +167,35 @@ class AllToAll:
             and bytes per peer); the MASKED/DROPPED/CALLS counters and per-expert drops are always kept.
         timing: also time each phase of the last ``telemetry_window`` calls (CUDA events on the call's
             stream, eager calls only; host time on the host transport): ``stats()["times_us"]``.
+        scale_layout: "row" (default: out_expert_x_scale [L, capacity, scales]) or "column" ([L, scales,
+            capacity], packed [scales, capacity]: each expert's scales column-major, the layout DeepGEMM's
+            TMA loads take; pick a capacity that is a multiple of 16 bytes of scales for its alignment).
+        combine_wire: None (default: combine's rows travel in out_dtype) or "e4m3" / "e4m3_ue8m0": the
+            expert side quantises each row it sends (a partial sum when the weights came with dispatch, else
+            an expert's row) to FP8 e4m3 with one float32 (or UE8M0, a power of two) scale per 128 values, and
+            the token side dequantises and sums in float32: about half the bytes back, each value within
+            2^-4 of itself (e4m3's rounding; ``moecomm.reference.quantize_e4m3``). hidden_dim a multiple
+            of 128.
+
+        Host transport only in this release: uint8 rows, scales other than float32, scale_layout="column" and
+        combine_wire (GPU transports refuse them, on every rank).
     """
 
     def __init__(self, comm, max_num_tokens, num_experts, experts_per_token, hidden_dim,
                  hidden_dim_scale=None, in_dtype="bfloat16", out_dtype="bfloat16", scale_dtype=None,
                  dp_size=1, timeout=None, slots_per_rank=None, capacity=None, overflow="error", layout="padded",
-                 telemetry_window=64, timing=False):
+                 telemetry_window=64, timing=False, scale_layout="row", combine_wire=None):
         self.comm, self._backend, self.masked, self.expert_map = comm, None, (), None
         error = None
         try:  # checked on every rank, then compared: a bad argument on one rank raises on all of them
             self.cfg = c = AllToAllConfig.create(comm.world_size, comm.rank, max_num_tokens, num_experts,
                                                  experts_per_token, hidden_dim, hidden_dim_scale, in_dtype,
                                                  out_dtype, scale_dtype, dp_size, slots_per_rank, capacity, overflow,
-                                                 layout)
+                                                 layout, scale_layout, combine_wire)
+            unsupported = comm.transport.unsupported(c)
+            if unsupported:
+                raise InvalidArgument(f"the {comm.transport.name} transport does not take {unsupported} in this "
+                                      f"release (the host transport does)")
             window = positive_int("telemetry_window", telemetry_window, minimum=0)
             self.timeout_s = comm.timeout_s if timeout is None else timeout_seconds(timeout)[0]
             mine = (None, dict(c.key(), telemetry_window=window, timing=bool(timing)))
@@ -197,6 +217,7 @@ class AllToAll:
         none = None if transport.memory == "host" else 0  # an absent array in the call record
         self._absent = (none, 0, None, None)  # what an absent optional argument reads as
         self._in, self._out = accepted(c.in_dtype), accepted(c.out_dtype)
+        self._scale = None if c.scale_dtype is None else accepted(c.scale_dtype)
         # expected shapes, computed once (None: any number of rows, at most max_num_tokens)
         self._token_shape, self._token_scale_shape = (None, c.hidden_dim), (None, c.hidden_dim_scale)
         self._ids_shape, self._counts_shape = (None, c.experts_per_token), (c.num_local_experts,)
@@ -357,7 +378,7 @@ class AllToAll:
             rec.weights, _, w_shape, _ = (absent if args.weights is None else
                                           read(args.weights, "weights", _FLOAT32, self._ids_shape))
             rec.x_scale, _, s_shape, _ = (absent if unscaled else
-                                          read(args.dp_x_scale, "dp_x_scale", _FLOAT32, self._token_scale_shape))
+                                          read(args.dp_x_scale, "dp_x_scale", self._scale, self._token_scale_shape))
             rec.rows = self._rows(_DISPATCH_ROWS, x_shape, ids_shape, w_shape, s_shape)
             rec.idx64 = int(ids_dtype.itemsize == 8)
             rec.bound_m, _, _, _ = read(args.bound_m, "bound_m", _BOUND_M, _ONE)
@@ -365,7 +386,7 @@ class AllToAll:
                                              self._counts_shape, True)
             rec.out_x, x_at, _, _ = read(args.out_expert_x, "out_expert_x", self._in, self._expert_shape, True)
             rec.out_scale, scale_at, _, _ = (absent if unscaled else read(
-                args.out_expert_x_scale, "out_expert_x_scale", _FLOAT32, self._expert_scale_shape, True))
+                args.out_expert_x_scale, "out_expert_x_scale", self._scale, self._expert_scale_shape, True))
             rec.out_offsets, _, _, _ = (absent if args.out_expert_offsets is None else read(
                 args.out_expert_offsets, "out_expert_offsets", _COUNTS, self._offsets_shape, True))
             outputs = (num_at, x_at, scale_at)
@@ -526,15 +547,16 @@ class AllToAll:
         if not isinstance(plan, RoutingPlan):
             raise InvalidArgument(f"plan: expected a moecomm.RoutingPlan, got {type(plan).__name__}")
         shapes, read = self.plan_shapes(), self._arrays.read
-        return RoutingPlan(read(plan.expert, "plan.expert", _COUNTS, shapes.expert, output)[0],
-                           read(plan.origin, "plan.origin", _COUNTS, shapes.origin, output)[0])
+        expert, _, _, _ = read(plan.expert, "plan.expert", _COUNTS, shapes.expert, output)
+        origin, _, _, _ = read(plan.origin, "plan.origin", _COUNTS, shapes.origin, output)
+        return RoutingPlan(expert, origin)
 
     def _read_backward(self, plan, bound_m, grad, **named):
         """A backward call's arguments: the plan, m, the gradient ``grad`` and ``named`` others, each
         (array, name, shape[, accepted dtypes: float gradients by default]); the token rows checked against m."""
         rp = self._read_plan(plan)
-        m_value = self._arrays.read(bound_m, "bound_m", _BOUND_M, _ONE)[0]
-        m = int(np.asarray(m_value)[0])
+        m_value, _, _, _ = self._arrays.read(bound_m, "bound_m", _BOUND_M, _ONE)
+        m = int(m_value[0])  # numpy: gradients run on the host transport
         values, rows = {}, []
         for field, (array, name, shape, *kinds) in dict(named, grad=grad).items():
             value, _, got, _ = self._arrays.read(array, name, kinds[0] if kinds else _GRAD, shape,

@@ -22,6 +22,10 @@ too (seen on one H200 with jax 0.11.2: a dispatch run twice in a row; a scan who
 returned ran its combine twice, the second time with no dispatch to combine). So each operation runs exactly
 once per execution, and its data dependencies (dispatch -> experts -> combine, a send half's handle -> its
 receive half) order the calls of one AllToAll.
+Gradients (host transport in this release): dispatch and combine are ``jax.custom_vjp`` operations whose
+forward keeps its routing plan (:class:`moecomm.RoutingPlan`) as a residual and whose backward runs
+:meth:`moecomm.AllToAll.dispatch_backward` / ``combine_backward`` along it, under ``jit``, ``lax.scan`` and
+``jax.checkpoint``; router weights sent with dispatch are given to combine too (see :meth:`AllToAll.combine`).
 Independent AllToAlls in one jitted function run in the order XLA schedules them, which is the same on every
 rank (every rank runs the same program); give them a data dependency if another order is wanted. They are
 not command-buffer compatible: every call runs host code (argument checks, the call order, the deferred
@@ -119,7 +123,7 @@ class AllToAll:
         self._host = a2a.comm.transport.memory == "host"
         self._device = a2a.comm.device
         expert = jax.ShapeDtypeStruct(c.expert_x_shape(), c.in_dtype)
-        scale = jax.ShapeDtypeStruct(c.expert_x_scale_shape(), np.float32) if c.hidden_dim_scale else None
+        scale = jax.ShapeDtypeStruct(c.expert_x_scale_shape(), c.scale_dtype) if c.hidden_dim_scale else None
         self._dispatch_out = (jax.ShapeDtypeStruct((c.num_local_experts,), np.int32), expert, scale)
         self._scaled = scale is not None
         self._plan = RoutingPlan(*(jax.ShapeDtypeStruct(s, np.int32) for s in a2a.plan_shapes()))
@@ -166,36 +170,33 @@ class AllToAll:
 
     def dispatch(self, dp_x, dp_x_scale, indices, bound_m, weights=None):
         """Both halves of :meth:`moecomm.AllToAll.dispatch`. Returns ``(out_expert_num_tokens [L] int32,
-        out_expert_x [L, capacity, hidden] in_dtype, out_expert_x_scale [L, capacity, scales] float32 or
+        out_expert_x [L, capacity, hidden] in_dtype, out_expert_x_scale (its shape) scale_dtype or
         None)``. Differentiable (``jax.grad``, ``jax.vjp``; host transport in this release): the gradient
         of dp_x is the sum of its slots' gradients (:meth:`moecomm.AllToAll.dispatch_backward`, along the
         dispatch's routing plan, kept as a residual); dp_x_scale, indices, bound_m get none, and router
         weights given here get theirs through the combine that uses them. Not for FP8 dp_x (a JAX
         cotangent has the primal's dtype)."""
         self._weights_sent = weights is not None
-        return self._dispatch_vjp(dp_x, dp_x_scale, indices, bound_m, weights)
+        shape = (dp_x.shape[0], self.a2a.cfg.hidden_dim)
+        return self._dispatch_vjp(shape, dp_x.dtype)(dp_x, dp_x_scale, indices, bound_m, weights)
 
-    @property
-    def _dispatch_vjp(self):
-        """dispatch as a jax.custom_vjp function of (dp_x, dp_x_scale, indices, bound_m, weights)."""
+    def _dispatch_vjp(self, shape, dtype):
+        """dispatch as a jax.custom_vjp function of (dp_x, dp_x_scale, indices, bound_m, weights), dp_x of
+        ``shape`` and ``dtype``."""
         @jax.custom_vjp
         def dispatch(*inputs):
             return self._dispatch_op(True, True, inputs)
 
         def forward(*inputs):
             out, plan = self._dispatch_op(True, True, inputs, plan=True)
-            x, xs = inputs[:2]
-            return out, (plan, inputs[3], jax.numpy.zeros((x.shape[0], 0), x.dtype),
-                         None if xs is None else jax.numpy.zeros_like(xs))
+            return out, (plan, inputs[3])
 
         def backward(residuals, cotangents):
-            plan, bound_m, like, zero_scale = residuals
-            if jax.numpy.dtype(like.dtype).itemsize == 1:
+            if np.dtype(dtype).itemsize == 1:
                 raise InvalidArgument("moecomm.jax: gradients of an FP8 dispatch are not taken (a JAX cotangent "
                                       "is FP8 too); dispatch bfloat16 or float16 tokens to train")
-            grad_x = self._dispatch_backward(plan, cotangents[1], bound_m, (like.shape[0], self.a2a.cfg.hidden_dim),
-                                             like.dtype)
-            return grad_x, zero_scale, None, None, None
+            plan, bound_m = residuals
+            return self._dispatch_backward(plan, cotangents[1], bound_m, shape, dtype), None, None, None, None
 
         dispatch.defvjp(forward, backward)
         return dispatch

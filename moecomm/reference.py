@@ -14,6 +14,9 @@ Conventions (the same as :class:`moecomm.AllToAll`):
 """
 import numpy as np
 
+from ._constants import COMBINE_BLOCK, E4M3_MAX
+from ._dtypes import float8_e4m3fn, float8_e8m0fnu
+
 
 def routing_error(indices, num_experts):
     """Return a message describing the first invalid row of ``indices`` [m, k], or None if all are valid."""
@@ -109,7 +112,36 @@ def dispatch(x, x_scale, indices, num_experts, world_size, max_num_tokens, dp_si
     return out
 
 
-def combine(indices, weights, expert_y, origin, num_experts, world_size, out_dtype, dp_size=1):
+def quantize_e4m3(rows, ue8m0=False):
+    """The FP8 combine wire's rounding: ``rows`` [n, hidden] float32 (hidden a multiple of COMBINE_BLOCK) as
+    (e4m3 [n, hidden], scales [n, hidden / COMBINE_BLOCK]): each block of COMBINE_BLOCK values divided by its
+    scale, absmax / E4M3_MAX (1 for a block of zeros), rounded to nearest e4m3. With ``ue8m0`` the scale is
+    rounded up to a power of two and given as float8_e8m0fnu; else float32. Every value comes back within
+    2^-4 of itself (e4m3's 3 mantissa bits), or within scale * 2^-10 where it falls below e4m3's normal range."""
+    n, hidden = rows.shape
+    blocks = np.asarray(rows, np.float32).reshape(n, hidden // COMBINE_BLOCK, COMBINE_BLOCK)
+    amax = np.abs(blocks).max(axis=2)
+    scale = np.where(amax > 0, amax / np.float32(E4M3_MAX), np.float32(1)).astype(np.float32)
+    if ue8m0:
+        scale = np.exp2(np.ceil(np.log2(scale))).astype(np.float32)
+    q = np.clip(blocks / scale[..., None], -E4M3_MAX, E4M3_MAX).astype(float8_e4m3fn).reshape(n, hidden)
+    return q, scale.astype(float8_e8m0fnu) if ue8m0 else scale
+
+
+def dequantize_e4m3(q, scales):
+    """The inverse of :func:`quantize_e4m3`: float32 [n, hidden]."""
+    n, hidden = q.shape
+    blocks = q.astype(np.float32).reshape(n, hidden // COMBINE_BLOCK, COMBINE_BLOCK)
+    return (blocks * scales.astype(np.float32)[..., None]).reshape(n, hidden)
+
+
+def _wire(rows, wire):
+    """``rows`` [n, hidden] float32 as the token side receives them over combine ``wire``."""
+    return rows if wire is None else dequantize_e4m3(*quantize_e4m3(rows, wire == "e4m3_ue8m0"))
+
+
+def combine(indices, weights, expert_y, origin, num_experts, world_size, out_dtype, dp_size=1, wire=None,
+            partials=False):
     """Combine expert outputs back to their tokens.
 
     Args:
@@ -118,6 +150,11 @@ def combine(indices, weights, expert_y, origin, num_experts, world_size, out_dty
         expert_y: list over ranks of [L, capacity, hidden] expert outputs laid out like ``origin``.
         origin: list over ranks of the ``origin`` arrays returned by :func:`dispatch`.
         out_dtype: dtype of the result.
+        wire: the AllToAll's ``combine_wire``: None, or "e4m3" / "e4m3_ue8m0": the rows the expert side sends
+            go through :func:`quantize_e4m3` and back.
+        partials: with a wire, the weights came with dispatch: the expert side sends one float32 partial
+            sum per (token, expert rank), quantised; else one expert row per (token, k), quantised from
+            out_dtype.
 
     Returns:
         list over groups of [m_g, hidden] arrays: sum_k weights[t, k] * y(expert k of token t),
@@ -134,11 +171,18 @@ def combine(indices, weights, expert_y, origin, num_experts, world_size, out_dty
         hidden = expert_y[0].shape[2]
         acc = np.zeros((len(idx), hidden), np.float32)
         for t, row in enumerate(np.asarray(idx).astype(np.int64)):
+            part = {}  # expert rank: the partial sum it sends (a wire with partials)
             for j, e in enumerate(row):
                 if e < 0:
                     continue
                 r, le, slot = where[(g, t, int(e))]
-                acc[t] += np.float32(w[t, j]) * expert_y[r][le, slot].astype(np.float32)
+                y = expert_y[r][le, slot].astype(np.float32)
+                if wire is not None and partials:
+                    part[r] = part.get(r, np.zeros(hidden, np.float32)) + np.float32(w[t, j]) * y
+                else:
+                    acc[t] += np.float32(w[t, j]) * _wire(y[None], wire)[0]
+            for r in sorted(part):
+                acc[t] += _wire(part[r][None], wire)[0]
         out.append(acc.astype(out_dtype))
     return out
 

@@ -24,13 +24,15 @@ never imports torch; this module does.
 import numpy as np
 import torch
 
-from ._dtypes import bfloat16, float8_e4m3fn
+from ._dtypes import bfloat16, float8_e4m3fn, float8_e8m0fnu
 from ._errors import InvalidArgument
 from .alltoall import RoutingPlan
 
 _RAW = {torch.bfloat16: (torch.int16, bfloat16), torch.float8_e4m3fn: (torch.uint8, float8_e4m3fn)}
 _TORCH = {np.dtype(bfloat16): torch.bfloat16, np.dtype(float8_e4m3fn): torch.float8_e4m3fn,
-          np.dtype(np.float16): torch.float16, np.dtype(np.float32): torch.float32, np.dtype(np.int32): torch.int32}
+          np.dtype(float8_e8m0fnu): torch.uint8,  # UE8M0 scales as their bytes (moecomm reads uint8 as UE8M0)
+          np.dtype(np.float16): torch.float16, np.dtype(np.float32): torch.float32, np.dtype(np.int32): torch.int32,
+          np.dtype(np.uint8): torch.uint8}
 
 
 class AllToAll:
@@ -68,11 +70,10 @@ class AllToAll:
 
     def dispatch(self, dp_x, dp_x_scale, indices, bound_m, weights=None):
         """:meth:`moecomm.AllToAll.dispatch` (both halves). Returns ``(out_expert_num_tokens [L] int32,
-        out_expert_x in_dtype, out_expert_x_scale float32 or None)`` (packed layout: out_expert_offsets is
-        :attr:`offsets` after the call); expert slots past their count are zero in grad mode (a memset of
-        out_expert_x; run inference under ``torch.no_grad()`` or ``torch.inference_mode()`` to skip it),
-        else unspecified.
-        dp_x's gradient: the sum of its slots' gradients."""
+        out_expert_x in_dtype, out_expert_x_scale scale_dtype (UE8M0 as uint8) or None)`` (packed layout:
+        out_expert_offsets is :attr:`offsets` after the call). Expert slots past their count are zero in grad
+        mode (a memset of out_expert_x; run inference under ``torch.no_grad()`` or ``torch.inference_mode()``
+        to skip it), else unspecified. dp_x's gradient: the sum of its slots' gradients."""
         self._weights_sent = weights is not None
         return _Dispatch.apply(self, torch.is_grad_enabled(), dp_x, dp_x_scale, indices, bound_m, weights)
 
@@ -93,7 +94,7 @@ class _Dispatch(torch.autograd.Function):
         n = layer._new((c.num_local_experts,), np.int32, dp_x, False)
         # slots past their count zero in grad mode: a gradient of the experts' weights reads every slot
         ex = layer._new(c.expert_x_shape(), c.in_dtype, dp_x, training)
-        exs = None if dp_x_scale is None else layer._new(c.expert_x_scale_shape(), np.float32, dp_x, training)
+        exs = None if dp_x_scale is None else layer._new(c.expert_x_scale_shape(), c.scale_dtype, dp_x, training)
         layer.offsets = (layer._new((c.num_local_experts + 1,), np.int32, dp_x, False) if c.layout == "packed"
                          else None)
         a2a.dispatch(arg(n), arg(ex), arg(exs), arg(dp_x), arg(dp_x_scale), arg(indices), arg(bound_m),

@@ -7,7 +7,7 @@ replay.
 
 Checked on every rank: the window (pairs routed to each local expert per call, the last WINDOW calls),
 tokens received per expert, CALLS, bytes per peer (what a rank sent to a peer is what that peer received
-from it; on GPUs, dispatch bytes are the records sent times the record size), timing=True gives one time
+from it; dispatch bytes are the records sent times the record size, on every transport), timing=True gives one time
 per eager call, telemetry_window=0 keeps no window, and telemetry.from_stats summarises the gathered
 snapshots. Prints "<n> checks on <w> ranks: <f> failures" on rank 0.
 """
@@ -17,6 +17,7 @@ import numpy as np
 
 import moecomm
 from moecomm import telemetry
+from moecomm._abi import RecordLayout
 from report import finish
 
 E_PER_RANK, K, H, M, WINDOW, CALLS = 3, 2, 64, 24, 16, 40
@@ -138,12 +139,10 @@ def main():
             if theirs["bytes"][f"{phase}_sent"][r] != s["bytes"][f"{phase}_received"][q] and q != r:
                 fails.append(f"{phase}: rank {q} sent {theirs['bytes'][f'{phase}_sent'][r]} bytes here, this rank "
                              f"received {s['bytes'][f'{phase}_received'][q]}")
-    if gpu:
-        from moecomm.transport.gpu_alltoall import record_bytes
-        want_bytes = records * record_bytes(a2a.cfg)
-        want_bytes[r] = 0
-        if not np.array_equal(s["bytes"]["dispatch_sent"], want_bytes):
-            fails.append(f"dispatch bytes sent {s['bytes']['dispatch_sent'].tolist()}, expected {want_bytes.tolist()}")
+    want_bytes = records * RecordLayout.of(a2a.cfg).size  # one record per token and destination rank
+    want_bytes[r] = 0
+    if not np.array_equal(s["bytes"]["dispatch_sent"], want_bytes):
+        fails.append(f"dispatch bytes sent {s['bytes']['dispatch_sent'].tolist()}, expected {want_bytes.tolist()}")
     summary = telemetry.from_stats(everyone)
     whole = np.concatenate([e["window"] for e in everyone], axis=1)
     if summary["expert"]["max"] != whole.max(axis=0).tolist() or summary["steps"] != WINDOW:

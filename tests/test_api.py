@@ -101,6 +101,14 @@ BAD_CONFIG = {
     "scale dtype without scales": (dict(hidden_dim_scale=None, scale_dtype="float32"), "scale_dtype given"),
     "zero tokens": (dict(max_num_tokens=0), "max_num_tokens must be"),
     "dp size": (dict(dp_size=3), "dp_size=3"),
+    "ue8m0 scales not a multiple of 4 bytes": (dict(hidden_dim_scale=3, scale_dtype="ue8m0"), "multiple of 4 bytes"),
+    "scale layout": (dict(scale_layout="diagonal"), "scale_layout must be 'row' or 'column'"),
+    "column-major without scales": (dict(hidden_dim_scale=None, scale_layout="column"), "needs scales"),
+    "combine wire": (dict(combine_wire="e5m2"), "combine_wire must be one of"),
+    "combine wire, hidden not of 128": (dict(hidden_dim=64, hidden_dim_scale=None, combine_wire="e4m3"),
+                                        "multiple of 128"),
+    "every format on one rank": (dict(in_dtype="uint8", hidden_dim_scale=4, scale_dtype="ue8m0x4",
+                                      scale_layout="column", combine_wire="e4m3_ue8m0", hidden_dim=256), None),
 }
 
 
@@ -350,3 +358,16 @@ def test_offsets_go_with_the_packed_layout(comm):
     packed.combine(np.zeros((M, H), moecomm.bfloat16), args["indices"], None,
                    args["out_expert_x"].astype(np.float32).astype(moecomm.bfloat16), args["bound_m"])
     packed.destroy()
+
+
+def test_gpu_transports_refuse_the_formats_they_have_not_been_validated_with():
+    """GpuTransport.unsupported names each format option the kernels do not take yet; AllToAll refuses such a
+    configuration on every rank with that name (the same transport everywhere)."""
+    from moecomm._config import AllToAllConfig
+    from moecomm.transport.gpu import GpuTransport
+    plain = AllToAllConfig.create(1, 0, M, E, K, 256, 2, "float8_e4m3fn", "bfloat16", None, 1)
+    assert GpuTransport.unsupported(None, plain) == ""
+    every = AllToAllConfig.create(1, 0, M, E, K, 256, 4, "uint8", "bfloat16", "ue8m0x4", 1, scale_layout="column",
+                                  combine_wire="e4m3")
+    assert GpuTransport.unsupported(None, every) == ("in_dtype=uint8 (opaque rows), scale_dtype=int32, "
+                                                     "scale_layout='column', combine_wire='e4m3'")

@@ -106,3 +106,12 @@ def test_gradients_along_a_routing_plan(ranks):
     outlives another call; a refused backward argument raises on every rank and the next call is right."""
     p = run_mpi(ranks, "tests/mpi_backward.py", timeout=120)
     assert p.returncode == 0 and ": 0 failures" in p.stdout, p.stdout[-3000:] + p.stderr[-3000:]
+
+
+@pytest.mark.parametrize("ranks", [1, 3], ids=lambda n: f"ranks{n}")
+def test_formats_of_the_wire(ranks):
+    """tests/mpi_formats.py: every scale format and layout and an NVFP4-shaped opaque payload round-trip
+    bit-exactly through dispatch; the FP8 combine wire equals the reference's rounding, stays within the stated
+    bound and sends fewer bytes."""
+    p = run_mpi(ranks, "tests/mpi_formats.py", timeout=120)
+    assert p.returncode == 0 and ": 0 failures" in p.stdout, p.stdout[-3000:] + p.stderr[-3000:]

@@ -1,7 +1,8 @@
 """The host transport: dispatch and combine across CPU ranks with numpy arrays and mpi4py.
 
-Real communication, the same semantics and wire plan as the GPU kernels: each token goes once to every
-*rank* that owns one of its experts and is fanned out to the local experts there; combine sends back one
+Real communication, the same semantics and wire plan as the GPU kernels (dispatch records in their layout,
+moecomm._abi.RecordLayout): each token goes once to every *rank* that owns one of its experts and is fanned
+out to the local experts there; combine sends back one
 float32 partial sum per (token, expert rank) when the router weights came with dispatch, else one row per
 (token, expert). Every MPI operation is non-blocking and waited on with a deadline, so a dead peer raises
 :class:`moecomm.CommTimeout` naming it instead of hanging.
@@ -21,7 +22,9 @@ import numpy as np
 
 from .. import _constants as C
 from .. import reference
+from .._abi import RecordLayout
 from .._arrays import HostArrays
+from .._dtypes import float8_e4m3fn, float8_e8m0fnu
 from .._constants import BYTE_FIELDS, COUNTER_FIELDS
 from .._errors import (CapacityExceeded, ExpertMapMismatch, InvalidArgument, InvalidRouting, MoeCommError, OutOfStep,
                        PeerError)
@@ -203,6 +206,7 @@ class HostAllToAll(AllToAllBackend):
         self.expert_map = None
         self._dropped = None  # [n, k] this rank's pairs of the last dispatch dropped for capacity
         L, W = cfg.num_local_experts, cfg.world_size
+        self._layout = RecordLayout.of(cfg)  # dispatch records: the kernels' layout
         self._counters = np.zeros(len(COUNTER_FIELDS), np.int64)
         self._per_expert = np.zeros((2, L), np.int64)  # tokens received, pairs dropped
         self._bytes = np.zeros((len(BYTE_FIELDS), W), np.int64)
@@ -241,7 +245,7 @@ class HostAllToAll(AllToAllBackend):
 
     def _dispatch_send(self, a):
         cfg = self.cfg
-        L, W = cfg.num_local_experts, cfg.world_size
+        L = cfg.num_local_experts
         m = int(a.bound_m[0])
         status, message = _OK, None
         self._demand = None
@@ -263,28 +267,47 @@ class HostAllToAll(AllToAllBackend):
         if cfg.capacity is not None:
             self._dropped = self._capacity(idx, status, message)
             owner[self._dropped] = -1
-        parts, counts = [], np.zeros(W, np.int64)
-        for d in range(W):
-            to_d = owner == d
-            sel = to_d.any(axis=1)
-            counts[d] = sel.sum()
-            local = np.where(to_d[sel], idx[sel] - d * L, -1).astype(np.int32)
-            fields = [a.x[mine[sel]]]
-            if a.x_scale is not None:
-                fields.append(a.x_scale[mine[sel]])
-            fields += [mine[sel].astype(np.int32)[:, None], local]
-            if a.weights is not None:
-                fields.append(a.weights[mine[sel]].astype(np.float32))
-            parts.append(_records(*fields))
-        rows = np.concatenate(parts) if parts else np.zeros((0, 0), np.uint8)
+        sent = np.where(owner >= 0, idx, -1).astype(np.int32)  # dropped and masked pairs: none
+        per_rank, counts = self._per_rank(sent)
+        rows = np.concatenate([self._dispatch_records(a.x[t], None if a.x_scale is None else a.x_scale[t], t, local,
+                                                      None if a.weights is None else a.weights[t])
+                               for t, local in ((mine[sel], local) for sel, local in per_rank)])
         ex = self._exchanges["dispatch"]
         pending, statuses, reasons = ex.post(rows, counts, status, message or "")
         if pending is None:
             _raise_status(statuses, reasons, (status, message) if status else None, "dispatch")
         self._tally("dispatch_sent", counts * rows.shape[1])
         self._dispatched_m = m
-        self._sent = (mine, np.where(owner >= 0, idx, -1).astype(np.int32))
+        self._sent = (mine, sent)
         return ex, pending, a.weights is not None
+
+    def _per_rank(self, ids):
+        """Physical expert ids [n, k] (-1: none) by destination rank: a list over ranks d of (rows [n] bool
+        with a pair to d, their ids as d's local experts [rows, k] int32, -1 elsewhere), and counts [W]."""
+        L, W = self.cfg.num_local_experts, self.cfg.world_size
+        owner = np.where(ids >= 0, ids // L, -1)
+        out, counts = [], np.zeros(W, np.int64)
+        for d in range(W):
+            to_d = owner == d
+            sel = to_d.any(axis=1)
+            counts[d] = sel.sum()
+            out.append((sel, np.where(to_d[sel], ids[sel] - d * L, -1).astype(np.int32)))
+        return out, counts
+
+    def _dispatch_records(self, x, scales, tokens, local, weights):
+        """Dispatch records in the kernels' layout (moecomm._abi.RecordLayout): uint8 [n, record size], the token
+        row, its scales, then int32 token, int32 local expert ids [k] (-1: not this rank's), float32 weights [k]
+        (zeros when none were given)."""
+        lay, n = self._layout, x.shape[0]
+        rows = np.zeros((n, lay.size), np.uint8)
+        rows[:, :lay.x_bytes] = np.ascontiguousarray(x).view(np.uint8).reshape(n, lay.x_bytes)
+        if scales is not None:
+            rows[:, lay.scale_off:lay.scale_off + lay.scale_bytes] = (
+                np.ascontiguousarray(scales).view(np.uint8).reshape(n, lay.scale_bytes))
+        w = np.zeros(local.shape, np.float32) if weights is None else weights.astype(np.float32)
+        meta = _records(tokens.astype(np.int32)[:, None], local, w)
+        rows[:, lay.meta_off:lay.meta_off + meta.shape[1]] = meta
+        return rows
 
     def _capacity(self, idx, status, message):
         """Exchange every rank's demand per expert (the call's first exchange when a capacity is set: bad
@@ -334,14 +357,11 @@ class HostAllToAll(AllToAllBackend):
         cfg = self.cfg
         ex, p, has_weights = pending
         recv, src_counts = ex.finish(p)
-        H, K = cfg.hidden_dim, cfg.experts_per_token
-        xb = H * cfg.in_dtype.itemsize
-        sb = 0 if cfg.hidden_dim_scale is None else cfg.hidden_dim_scale * 4
-        x = recv[:, :xb].view(cfg.in_dtype)
-        meta = np.ascontiguousarray(recv[:, xb + sb:xb + sb + 4 * (1 + K)]).view(np.int32)
-        token, local = meta[:, 0], meta[:, 1:]
-        weights = (np.ascontiguousarray(recv[:, xb + sb + 4 * (1 + K):]).view(np.float32)
-                   if has_weights else None)
+        K, lay = cfg.experts_per_token, self._layout
+        x = recv[:, :lay.x_bytes].view(cfg.in_dtype)
+        meta = np.ascontiguousarray(recv[:, lay.meta_off:lay.meta_off + 4 + 8 * K])
+        token, local = meta[:, :4].view(np.int32)[:, 0], meta[:, 4:4 + 4 * K].view(np.int32)
+        weights = meta[:, 4 + 4 * K:].view(np.float32) if has_weights else None
         pair_j, pair_k = np.nonzero(local >= 0)
         pair_le = local[pair_j, pair_k]
         counts = np.bincount(pair_le, minlength=cfg.num_local_experts)
@@ -354,9 +374,15 @@ class HostAllToAll(AllToAllBackend):
             where = (starts[pair_le] + pair_slot,)
             a.out_offsets[:] = np.concatenate([starts, [pair_le.size]])
         a.out_x[where] = x[pair_j]
-        if sb:
-            scale = np.ascontiguousarray(recv[:, xb:xb + sb]).view(np.float32)
-            a.out_scale[where] = scale[pair_j]
+        if lay.scale_bytes:
+            scales = np.ascontiguousarray(recv[:, lay.scale_off:lay.scale_off + lay.scale_bytes]).view(
+                cfg.scale_dtype)[pair_j]
+            if cfg.scale_layout == "row":
+                a.out_scale[where] = scales
+            elif cfg.layout == "packed":  # column-major: [scales, rows]
+                a.out_scale[:, where[0]] = scales.T
+            else:  # column-major per expert: [L, scales, slots]
+                a.out_scale[where[0], :, where[1]] = scales
         a.out_num[:] = counts
         demand = counts if self._demand is None else self._demand
         self._tally("dispatch_received", src_counts * recv.shape[1])
@@ -392,17 +418,32 @@ class HostAllToAll(AllToAllBackend):
         if a.partials:  # sum this rank's experts per token, weighted, on the expert side
             part = np.zeros((rv.token.size, cfg.hidden_dim), np.float32)
             np.add.at(part, rv.pair_j, rv.weights[rv.pair_j, rv.pair_k][:, None] * y)
-            row_src, fields = rv.src_rank, [rv.token[:, None], part]
+            row_src, fields = rv.src_rank, [rv.token[:, None], *self._to_wire(part)]
         else:  # one row per (token, expert): the token side weights and sums
             row_src = rv.src_rank[rv.pair_j]
             fields = [rv.token[rv.pair_j][:, None], rv.pair_k.astype(np.int32)[:, None],
-                      a.y[rv.where]]
+                      *(self._to_wire(y) if cfg.combine_wire else (a.y[rv.where],))]
         rows, counts = self._to_groups(row_src, fields)
         pending, statuses, reasons = ex.post(rows, counts, _OK)
         if pending is None:
             _raise_status(statuses, reasons, None, "combine")
         self._tally("combine_sent", counts * rows.shape[1])
         return ex, pending, bool(a.partials)
+
+    def _to_wire(self, rows):
+        """Combine's rows [n, H] float32 as they travel: themselves, or with a combine_wire FP8 e4m3 values
+        and their block scales (moecomm.reference.quantize_e4m3)."""
+        wire = self.cfg.combine_wire
+        return (rows,) if wire is None else reference.quantize_e4m3(rows, wire == "e4m3_ue8m0")
+
+    def _from_wire(self, recv, dtype):
+        """Received combine rows (the bytes after the record's ints) as float32 [n, H]: values of ``dtype``
+        (float32 partial sums, or out_dtype rows), or with a combine_wire dequantised e4m3."""
+        H, wire, recv = self.cfg.hidden_dim, self.cfg.combine_wire, np.ascontiguousarray(recv)
+        if wire is None:
+            return recv.view(dtype).astype(np.float32).reshape(-1, H)
+        scale = float8_e8m0fnu if wire == "e4m3_ue8m0" else np.float32
+        return reference.dequantize_e4m3(recv[:, :H].view(float8_e4m3fn), np.ascontiguousarray(recv[:, H:]).view(scale))
 
     def _to_groups(self, row_src, fields):
         """Records of ``fields`` (per-row arrays) for every rank of the DP group of each row's source rank
@@ -425,10 +466,10 @@ class HostAllToAll(AllToAllBackend):
         token = np.ascontiguousarray(recv[:, :4]).view(np.int32)[:, 0]
         acc = np.zeros((m, cfg.hidden_dim), np.float32)
         if partials:
-            _add_partials(acc, recv)
+            np.add.at(acc, token, self._from_wire(recv[:, 4:], np.float32))
         else:
             k = np.ascontiguousarray(recv[:, 4:8]).view(np.int32)[:, 0]
-            y = np.ascontiguousarray(recv[:, 8:]).view(cfg.out_dtype).astype(np.float32)
+            y = self._from_wire(recv[:, 8:], cfg.out_dtype)
             np.add.at(acc, token, a.weights[token, k].astype(np.float32)[:, None] * y)
         a.out_tokens[:m] = acc.astype(cfg.out_dtype)
         if a.out_dropped is not None:  # this rank's own pairs (dp_size 1 when a capacity is set)
@@ -460,19 +501,12 @@ class HostAllToAll(AllToAllBackend):
 
     def combine_backward(self, a):
         cfg, T, H, K = self.cfg, self.cfg.max_num_tokens, self.cfg.hidden_dim, self.cfg.experts_per_token
-        L, W, m = cfg.num_local_experts, cfg.world_size, a.m
-        ids = a.expert[:m].astype(np.int64)  # the pairs this rank sent, by physical expert id
-        owner = np.where(ids >= 0, ids // L, -1)
+        W, m = cfg.world_size, a.m
+        per_rank, counts = self._per_rank(a.expert[:m].astype(np.int64))  # the pairs this rank sent
         tokens = np.arange(m, dtype=np.int32)[:, None]
         grad, weights = a.grad[:m].astype(np.float32), a.weights[:m].astype(np.float32)
-        parts, counts = [], np.zeros(W, np.int64)
-        for d in range(W):
-            to_d = owner == d
-            sel = to_d.any(axis=1)
-            counts[d] = sel.sum()
-            local = np.where(to_d[sel], ids[sel] - d * L, -1).astype(np.int32)
-            parts.append(_records(tokens[sel], local, weights[sel], grad[sel]))
-        recv, src_counts = self._exchange("combine_backward", np.concatenate(parts), counts, sources=True)
+        rows = np.concatenate([_records(tokens[sel], local, weights[sel], grad[sel]) for sel, local in per_rank])
+        recv, src_counts = self._exchange("combine_backward", rows, counts, sources=True)
         token = np.ascontiguousarray(recv[:, :4]).view(np.int32)[:, 0].astype(np.int64)
         w = np.ascontiguousarray(recv[:, 4 + 4 * K:4 + 8 * K]).view(np.float32)
         g = np.ascontiguousarray(recv[:, 4 + 8 * K:]).view(np.float32).reshape(-1, H)
