@@ -88,9 +88,12 @@ class RoutingPlan(NamedTuple):
             another rank of the DP group) and rows >= m.
         origin: out_expert_x's shape without its last dimension, then 3: int32 (source rank, token,
             top-k position) of the pair each slot (padded) or row (packed) holds; -1 where empty.
+        call: [2] int32, the forward call it describes (the AllToAll's restart generation, the dispatch's
+            number): the backward calls check that every rank passes the plan of the same call.
     """
     expert: object
     origin: object
+    call: object
 
 
 class _Backward(NamedTuple):
@@ -98,6 +101,7 @@ class _Backward(NamedTuple):
     m: int
     expert: object
     origin: object
+    call: object
     grad: object
     out: object = None
     out_grad_y: object = None
@@ -457,7 +461,7 @@ class AllToAll:
     def plan_shapes(self):
         """The shapes of a :class:`RoutingPlan` of this AllToAll (its arrays are int32)."""
         c = self.cfg
-        return RoutingPlan((c.max_num_tokens, c.experts_per_token), tuple(c.expert_x_shape()[:-1]) + (3,))
+        return RoutingPlan((c.max_num_tokens, c.experts_per_token), tuple(c.expert_x_shape()[:-1]) + (3,), (2,))
 
     def plan(self, out_plan):
         """Write the placement of the last dispatch into ``out_plan`` (a :class:`RoutingPlan` of int32 arrays
@@ -467,7 +471,7 @@ class AllToAll:
         self._gradients()
         rp = self._read_plan(out_plan, output=True)
         with self._context or nullcontext():
-            self._backend.write_plan(rp.expert, rp.origin)
+            self._backend.write_plan(*rp)
 
     def dispatch_backward(self, out_grad_x, plan, grad_expert_x, bound_m):
         """The backward of a dispatch: each token's gradient is the sum of the gradients of the slots the
@@ -543,13 +547,14 @@ class AllToAll:
                                   f"the {self.comm.transport.name} transport in this release: use the host transport")
 
     def _read_plan(self, plan, output=False):
-        """``plan`` (a RoutingPlan) read as (expert, origin) values."""
+        """``plan`` (a RoutingPlan) read as a RoutingPlan of values."""
         if not isinstance(plan, RoutingPlan):
             raise InvalidArgument(f"plan: expected a moecomm.RoutingPlan, got {type(plan).__name__}")
         shapes, read = self.plan_shapes(), self._arrays.read
         expert, _, _, _ = read(plan.expert, "plan.expert", _COUNTS, shapes.expert, output)
         origin, _, _, _ = read(plan.origin, "plan.origin", _COUNTS, shapes.origin, output)
-        return RoutingPlan(expert, origin)
+        call, _, _, _ = read(plan.call, "plan.call", _COUNTS, shapes.call, output)
+        return RoutingPlan(expert, origin, call)
 
     def _read_backward(self, plan, bound_m, grad, **named):
         """A backward call's arguments: the plan, m, the gradient ``grad`` and ``named`` others, each
@@ -568,7 +573,7 @@ class AllToAll:
             raise InvalidArgument(f"bound_m: m={m} must be in [0, the fewest rows of {', '.join(n for n, _ in rows)}]")
         if (np.asarray(rp.expert)[m:] >= 0).any():
             raise InvalidArgument(f"plan: it has pairs for tokens >= m={m}: it is another call's plan")
-        return _Backward(m, rp.expert, rp.origin, **values)
+        return _Backward(m, *rp, **values)
 
     def mask_ranks(self, ranks):
         """Stop exchanging with ``ranks`` (a dead rank, say), or with no rank (``[]``: unmask all). Collective

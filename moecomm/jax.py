@@ -205,8 +205,8 @@ class AllToAll:
         """:meth:`moecomm.AllToAll.dispatch_backward` as a JAX operation: grad_x [rows, hidden] ``dtype``
         (rows >= m zero)."""
         def run(ctx, out, *args):
-            expert, origin, g, m = (self._buffer(b) for b in args[-4:])
-            self.a2a.dispatch_backward(self._buffer(out), RoutingPlan(expert, origin), g, m)
+            *plan_arrays, g, m = (self._buffer(b) for b in args[-5:])
+            self.a2a.dispatch_backward(self._buffer(out), RoutingPlan(*plan_arrays), g, m)
         return _fenced(buffer_callback(run, jax.ShapeDtypeStruct(shape, dtype), has_side_effect=True,
                                        input_output_aliases={0: 0}),
                        jax.numpy.zeros(shape, dtype), *plan, grad_expert_x, bound_m)
@@ -279,9 +279,9 @@ class AllToAll:
         """:meth:`moecomm.AllToAll.combine_backward` as a JAX operation: (grad_expert_y in expert_y's shape
         and dtype, grad_weights [rows, k] float32, rows >= m zero)."""
         def run(ctx, out, *args):
-            expert, origin, g, w, y, m = (self._buffer(b) for b in args[-6:])
+            *plan_arrays, g, w, y, m = (self._buffer(b) for b in args[-7:])
             grad_y, grad_w = (self._buffer(b) for b in out)
-            self.a2a.combine_backward(grad_y, grad_w, RoutingPlan(expert, origin), g, w, y, m)
+            self.a2a.combine_backward(grad_y, grad_w, RoutingPlan(*plan_arrays), g, w, y, m)
         structs = (jax.ShapeDtypeStruct(expert_y.shape, expert_y.dtype),
                    jax.ShapeDtypeStruct(weights.shape, np.float32))
         return _fenced(buffer_callback(run, structs, has_side_effect=True, input_output_aliases={0: 1}),

@@ -115,9 +115,9 @@ class _Dispatch(torch.autograd.Function):
         if ctx.dtype == torch.float8_e4m3fn:
             raise InvalidArgument("moecomm.torch: FP8 tokens get no gradient (it would be FP8 too); differentiate "
                                   "the bfloat16 tokens before quantising")
-        expert, origin, bound_m = ctx.saved_tensors
+        *plan, bound_m = ctx.saved_tensors
         grad_x = torch.zeros((ctx.rows, layer.a2a.cfg.hidden_dim), dtype=ctx.dtype, device=grad_expert_x.device)
-        layer.a2a.dispatch_backward(layer._arg(grad_x), RoutingPlan(layer._arg(expert), layer._arg(origin)),
+        layer.a2a.dispatch_backward(layer._arg(grad_x), RoutingPlan(*map(layer._arg, plan)),
                                     layer._arg(grad_expert_x.contiguous()), layer._arg(bound_m))
         return None, None, grad_x, None, None, None, None
 
@@ -144,8 +144,8 @@ class _Combine(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         layer, arg = ctx.layer, ctx.layer._arg
-        expert, origin, weights, expert_y, bound_m = ctx.saved_tensors
+        *plan, weights, expert_y, bound_m = ctx.saved_tensors
         grad_y, grad_w = torch.empty_like(expert_y), torch.zeros_like(weights)
-        layer.a2a.combine_backward(arg(grad_y), arg(grad_w), RoutingPlan(arg(expert), arg(origin)),
+        layer.a2a.combine_backward(arg(grad_y), arg(grad_w), RoutingPlan(*map(arg, plan)),
                                    arg(grad_out.contiguous()), arg(weights), arg(expert_y), arg(bound_m))
         return None, None, grad_w, grad_y, None, None

@@ -2,8 +2,9 @@
 numpy reference's for every input dtype (FP8 straight-through), router weights given at combine or sent with
 dispatch, m below max_num_tokens, DP groups, a capacity that drops pairs, replicated experts and the packed
 layout; a plan kept
-while another call runs still gives its own call's gradients; a refused backward argument raises on every
-rank and the next call is right; a plan is refused before any dispatch.
+while another call runs still gives its own call's gradients; a refused backward argument, and plans of
+different calls on different ranks, raise on every rank and the next call is right; a plan is refused before
+any dispatch.
 
     mpiexec -n 3 python tests/mpi_backward.py
 
@@ -40,6 +41,11 @@ def draw(comm, dp, seed, dt, scales, gdt, m):
     return groups
 
 
+def new_plan(a2a, fill=0):
+    """A RoutingPlan of numpy arrays for ``a2a`` (filled with ``fill``: plan() must write every element)."""
+    return moecomm.RoutingPlan(*(np.full(s, fill, np.int32) for s in a2a.plan_shapes()))
+
+
 def to_padded(a, offsets, capacity, fill):
     """A packed [rows, ...] array as the padded layout's [L, capacity, ...] (slot i = row offsets[e] + i)."""
     out = np.full((len(offsets) - 1, capacity) + a.shape[1:], fill, a.dtype)
@@ -61,8 +67,7 @@ def check(a2a, comm, groups, m, wd, fails, label, between=None):
     bm = np.array([m], np.int32)
     a2a.dispatch(n, ex, es, mine["x"], mine["xs"], mine["ids"], bm, weights=mine["w"] if wd else None,
                  out_expert_offsets=off)
-    shapes = a2a.plan_shapes()
-    plan = moecomm.RoutingPlan(np.full(shapes.expert, 7, np.int32), np.full(shapes.origin, 7, np.int32))
+    plan = new_plan(a2a, 7)
     a2a.plan(plan)
     y = ex.astype(np.float32) * 0.5 + 1.0
     y = y.astype(c.out_dtype)  # an expert: 0.5 x + 1, written where the slots are empty too
@@ -115,8 +120,7 @@ def refused(a2a, comm, groups, fails):
     mine, bm = groups[r // c.dp_size], np.array([M], np.int32)
     n, ex = np.zeros(c.num_local_experts, np.int32), np.zeros(c.expert_x_shape(), c.in_dtype)
     a2a.dispatch(n, ex, None, mine["x"], None, mine["ids"], bm)
-    shapes = a2a.plan_shapes()
-    plan = moecomm.RoutingPlan(np.zeros(shapes.expert, np.int32), np.zeros(shapes.origin, np.int32))
+    plan = new_plan(a2a)
     a2a.plan(plan)
     a2a.combine(np.zeros((M, H), c.out_dtype), mine["ids"], mine["w"], ex.astype(c.out_dtype), bm)
     gex = np.zeros(c.expert_x_shape(), np.float32)
@@ -135,6 +139,26 @@ def refused(a2a, comm, groups, fails):
     want = (mine["ids"] >= 0).sum(axis=1)[:, None] * np.ones((1, H), np.float32)
     if not np.array_equal(gx, want):
         fails.append("refused: the next dispatch_backward is wrong")
+    if comm.world_size == 1:
+        return
+    # rank 0 passes the plan of another call (a mixed-up micro-batch): every rank raises, nothing is exchanged
+    a2a.dispatch(n, ex, None, mine["x"], None, mine["ids"], bm)
+    later = new_plan(a2a)
+    a2a.plan(later)
+    a2a.combine(np.zeros((M, H), c.out_dtype), mine["ids"], mine["w"], ex.astype(c.out_dtype), bm)
+    for name, call in (("dispatch_backward", lambda p: a2a.dispatch_backward(gx, p, gex, bm)),
+                       ("combine_backward", lambda p: a2a.combine_backward(
+                           np.zeros(c.expert_x_shape(), np.float32), np.zeros((M, K), np.float32), p,
+                           np.zeros((M, H), np.float32), mine["w"], ex.astype(c.out_dtype), bm))):
+        try:
+            call(plan if r == 0 else later)
+            fails.append(f"mixed plans: {name} raised nothing on rank {r}")
+        except moecomm.InvalidArgument as e:
+            if "routing plan of dispatch call" not in str(e):
+                fails.append(f"mixed plans: {name} on rank {r}: {e}")
+    a2a.dispatch_backward(gx, later, gex + 1, bm)
+    if not np.array_equal(gx, want):
+        fails.append("mixed plans: the next dispatch_backward is wrong")
 
 
 def main():
@@ -143,8 +167,7 @@ def main():
     fails, checks = [], 0
     try:
         a2a = moecomm.AllToAll(comm, M, E, K, H)
-        shapes = a2a.plan_shapes()
-        a2a.plan(moecomm.RoutingPlan(np.zeros(shapes.expert, np.int32), np.zeros(shapes.origin, np.int32)))
+        a2a.plan(new_plan(a2a))
         fails.append("plan before any dispatch: nothing raised")
     except moecomm.InvalidArgument as e:
         if "no dispatch" not in str(e):

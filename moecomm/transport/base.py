@@ -107,11 +107,12 @@ class AllToAllBackend(abc.ABC):
     # is True; AllToAll refuses them on other transports (on every rank alike: the same transport everywhere).
     gradients = False
 
-    def write_plan(self, expert, origin) -> None:
+    def write_plan(self, expert, origin, call) -> None:
         """Write the routing plan of the last dispatch received (until the next dispatch): ``expert``
         [max_num_tokens, k] int32, the physical expert of each (token, k) pair this rank sent (-1: none);
         ``origin`` [out_expert_x's shape but the last, 3] int32, (source rank, token, k) of each slot (-1:
-        empty). Not collective."""
+        empty); ``call`` [2] int32, (restart generation, dispatch number), the same on every rank. Not
+        collective."""
         raise NotImplementedError
 
     def dispatch_backward(self, args) -> None:

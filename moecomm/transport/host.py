@@ -37,8 +37,8 @@ _OK, _BAD_ROUTING, _BAD_M, _BAD_ARG = C.ERR_NONE, C.ERR_BAD_EXPERT, C.ERR_BAD_M,
 # capacity is set; the backward ones are the gradients' (dispatch_backward, combine_backward and its weights)
 _PHASES = ("dispatch", "combine", "demand", "dispatch_backward", "combine_backward", "weights_backward")
 _C = {name: i for i, name in enumerate(COUNTER_FIELDS)}
-_FIELDS, _HEADER = 6, 256  # header: int64 [alltoall, phase, call, status, count, map generation], then the
-                           # reason (UTF-8)
+_FIELDS, _HEADER = 7, 256  # header: int64 [alltoall, phase, call, status, count, map generation, plan], then
+                           # the reason (UTF-8); plan: the stamp of the routing plan a backward call follows, else 0
 
 
 class _Exchange:
@@ -69,9 +69,10 @@ class _Exchange:
         self._receives, self.calls, self.live = [], 0, list(live)
         self.tag = exchange_tag(_PHASES.index(self.phase), generation)
 
-    def post(self, rows, dest_counts, status, reason=""):
+    def post(self, rows, dest_counts, status, reason="", plan=0):
         """Exchange headers; then, if every rank's status is OK, post the rows. Returns (pending or None,
-        statuses [world], reasons [world])."""
+        statuses [world], reasons [world]). ``plan``: a backward call's plan stamp (:func:`_stamp`); every
+        rank must pass the same (InvalidArgument on every rank otherwise, nothing exchanged)."""
         w, c, live = self.comm.Get_size(), self.comm, self.live
         self.calls += 1
         me = (self.alltoall, _PHASES.index(self.phase), self.calls)
@@ -79,11 +80,12 @@ class _Exchange:
         head = np.zeros((w, _HEADER), np.uint8)
         fields = head[:, :8 * _FIELDS].view(np.int64)
         fields[:, :3], fields[:, 3], fields[:, 4], fields[:, 5] = me, status, dest_counts, self.map_generation
+        fields[:, 6] = plan
         text = reason.encode()[:_HEADER - 8 * _FIELDS]
         head[:, 8 * _FIELDS:8 * _FIELDS + len(text)] = np.frombuffer(text, np.uint8)
         heads = np.zeros((w, _HEADER), np.uint8)
         heads[:, :8 * _FIELDS].view(np.int64)[:, :3] = me  # masked ranks: in step, OK, no rows, same map
-        heads[:, :8 * _FIELDS].view(np.int64)[:, 5] = self.map_generation
+        heads[:, :8 * _FIELDS].view(np.int64)[:, 5:7] = self.map_generation, plan
         recvs = self._receives = [c.Irecv(heads[s], source=s, tag=self.tag) for s in live]
         sends = [c.Isend(head[d], dest=d, tag=self.tag) for d in live]
         wait_all(recvs + sends, live * 2, deadline, self.timeout_s, self.phase, self.departures)
@@ -101,8 +103,15 @@ class _Exchange:
                                     f"exchanged (set_expert_map is collective)")
         statuses = got[:, 3].copy()
         reasons = [bytes(heads[s, 8 * _FIELDS:]).rstrip(b"\0").decode(errors="replace") for s in range(w)]
-        if statuses.any():
+        if statuses.any():  # a refusal is named before plans are compared (a refused rank's may be unreadable)
             return None, statuses, reasons
+        other = [s for s in live if got[s, 6] != plan]
+        if other:
+            theirs = int(got[other[0], 6])
+            raise InvalidArgument(f"{self.phase}: rank {other[0]} follows the routing plan of dispatch call "
+                                  f"{theirs & 0xFFFFFFFF} (generation {theirs >> 32}), this rank that of call "
+                                  f"{plan & 0xFFFFFFFF} (generation {plan >> 32}): every rank passes the plan of the "
+                                  f"same forward call; nothing was exchanged")
         src_counts = got[:, 4].copy()
         recv = np.empty((int(src_counts.sum()), rows.shape[1]), np.uint8)
         reqs, peers = [], []
@@ -154,6 +163,12 @@ def _bad_m(m, rows):
             f"the call")
 
 
+def _stamp(call):
+    """A routing plan's ``call`` ([2] int32: the AllToAll's restart generation, the dispatch's call number) as
+    the int64 backward headers carry (never 0: dispatch calls count from 1)."""
+    return int(call[0]) << 32 | int(call[1])
+
+
 def _add_partials(acc, recv):
     """Add received (token int32, float32 [hidden]) records into ``acc`` [m, hidden] float32."""
     token = np.ascontiguousarray(recv[:, :4]).view(np.int32)[:, 0]
@@ -202,6 +217,8 @@ class HostAllToAll(AllToAllBackend):
         self._received = None
         self._dispatched_m = None
         self._sent = None  # (this rank's tokens [n], their physical expert ids [n, k]: -1 not sent) of the dispatch
+        self._generation = 0  # restarts of the call sequence (set_mask)
+        self._dispatch_call = None  # (generation, call number) of the last dispatch: its plan's stamp
         self._masked = np.zeros(cfg.world_size, bool)
         self.expert_map = None
         self._dropped = None  # [n, k] this rank's pairs of the last dispatch dropped for capacity
@@ -278,7 +295,7 @@ class HostAllToAll(AllToAllBackend):
             _raise_status(statuses, reasons, (status, message) if status else None, "dispatch")
         self._tally("dispatch_sent", counts * rows.shape[1])
         self._dispatched_m = m
-        self._sent = (mine, sent)
+        self._sent, self._dispatch_call = (mine, sent), (self._generation, ex.calls)
         return ex, pending, a.weights is not None
 
     def _per_rank(self, ids):
@@ -478,7 +495,7 @@ class HostAllToAll(AllToAllBackend):
                 a.out_dropped[:m] = self._dropped
 
     # backward: the gradients, along a routing plan ------------------------------------------
-    def write_plan(self, expert, origin):
+    def write_plan(self, expert, origin, call):
         if self._received is None:
             raise InvalidArgument("plan: no dispatch has been received since construction or the last mask_ranks "
                                   "(or the last one failed)")
@@ -487,6 +504,7 @@ class HostAllToAll(AllToAllBackend):
         expert[mine] = sent
         origin[:] = -1
         origin[self._received.where] = self._received.origin()
+        call[:] = self._dispatch_call
 
     def dispatch_backward(self, a):
         cfg = self.cfg
@@ -494,7 +512,7 @@ class HostAllToAll(AllToAllBackend):
         part = np.zeros((rv.token.size, cfg.hidden_dim), np.float32)  # summed over this rank's experts
         np.add.at(part, rv.pair_j, a.grad[rv.where].astype(np.float32))
         rows, counts = self._to_groups(rv.src_rank, [rv.token[:, None], part])
-        recv = self._exchange("dispatch_backward", rows, counts)
+        recv = self._exchange("dispatch_backward", rows, counts, plan=_stamp(a.call))
         acc = np.zeros((a.m, cfg.hidden_dim), np.float32)
         _add_partials(acc, self._tokens_below(recv, a.m, "dispatch_backward"))
         a.out[:a.m] = acc.astype(a.out.dtype)
@@ -506,7 +524,7 @@ class HostAllToAll(AllToAllBackend):
         tokens = np.arange(m, dtype=np.int32)[:, None]
         grad, weights = a.grad[:m].astype(np.float32), a.weights[:m].astype(np.float32)
         rows = np.concatenate([_records(tokens[sel], local, weights[sel], grad[sel]) for sel, local in per_rank])
-        recv, src_counts = self._exchange("combine_backward", rows, counts, sources=True)
+        recv, src_counts = self._exchange("combine_backward", rows, counts, sources=True, plan=_stamp(a.call))
         token = np.ascontiguousarray(recv[:, :4]).view(np.int32)[:, 0].astype(np.int64)
         w = np.ascontiguousarray(recv[:, 4 + 4 * K:4 + 8 * K]).view(np.float32)
         g = np.ascontiguousarray(recv[:, 4 + 8 * K:]).view(np.float32).reshape(-1, H)
@@ -527,19 +545,20 @@ class HostAllToAll(AllToAllBackend):
         dots = np.einsum("ph,ph->p", gy, a.y[rv.where].astype(np.float32)).astype(np.float32)
         rows, counts = self._to_groups(pair_src, [pair_token.astype(np.int32)[:, None],
                                                   rv.pair_k.astype(np.int32)[:, None], dots[:, None]])
-        recv = self._tokens_below(self._exchange("weights_backward", rows, counts, status, reason), m,
-                                  "combine_backward")
+        recv = self._tokens_below(self._exchange("weights_backward", rows, counts, status, reason,
+                                                 call="combine_backward", plan=_stamp(a.call)), m, "combine_backward")
         a.out_grad_weights[:m] = 0
         fields = np.ascontiguousarray(recv).view(np.int32).reshape(-1, 3)
         a.out_grad_weights[fields[:, 0], fields[:, 1]] = fields[:, 2].view(np.float32)
 
-    def _exchange(self, phase, rows, counts, status=_OK, reason="", sources=False):
-        """One exchange of ``rows`` (grouped by destination, ``counts`` [W]) in ``phase``, raising on every
-        rank when one's ``status`` is not OK; returns the received rows (and the counts per source)."""
+    def _exchange(self, phase, rows, counts, status=_OK, reason="", sources=False, call=None, plan=0):
+        """One exchange of ``rows`` (grouped by destination, ``counts`` [W]) in ``phase`` following the plan
+        stamped ``plan``, raising on every rank when one's ``status`` is not OK (naming ``call``, default the
+        phase); returns the received rows (and the counts per source)."""
         ex = self._exchanges[phase]
-        pending, statuses, reasons = ex.post(rows, counts, status, reason)
+        pending, statuses, reasons = ex.post(rows, counts, status, reason, plan)
         if pending is None:
-            _raise_status(statuses, reasons, (status, reason) if status else None, phase)
+            _raise_status(statuses, reasons, (status, reason) if status else None, call or phase)
         recv, src_counts = ex.finish(pending)
         return (recv, src_counts) if sources else recv
 
@@ -565,6 +584,7 @@ class HostAllToAll(AllToAllBackend):
             self._exchanges[first].refuse(refusal.text)
 
     def set_mask(self, masked, generation, barrier):
+        self._generation = generation
         barrier()
         self._masked[:] = False
         self._masked[list(masked)] = True
