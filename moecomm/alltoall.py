@@ -458,6 +458,12 @@ class AllToAll:
                 raise
 
     # gradients --------------------------------------------------------------------------------
+    @property
+    def gradients(self):
+        """Whether this AllToAll's transport computes gradients (plan, dispatch_backward, combine_backward):
+        the host transport in this release. Framework layers ask before a forward that keeps a plan."""
+        return self._backend is not None and self._backend.gradients
+
     def plan_shapes(self):
         """The shapes of a :class:`RoutingPlan` of this AllToAll (its arrays are int32)."""
         c = self.cfg
@@ -543,8 +549,7 @@ class AllToAll:
         """Raise unless this AllToAll is live and its transport computes gradients."""
         self._live()
         if not self._backend.gradients:
-            raise InvalidArgument(f"gradients (plan, dispatch_backward, combine_backward) are not implemented on "
-                                  f"the {self.comm.transport.name} transport in this release: use the host transport")
+            raise InvalidArgument(no_gradients(self.comm.transport.name))
 
     def _read_plan(self, plan, output=False):
         """``plan`` (a RoutingPlan) read as a RoutingPlan of values."""
@@ -698,6 +703,12 @@ class AllToAll:
 
     def __exit__(self, *exc):
         self.destroy()
+
+
+def no_gradients(transport):
+    """The message of a gradient asked of a ``transport`` that does not compute them."""
+    return (f"gradients (plan, dispatch_backward, combine_backward) are not implemented on the {transport} "
+            f"transport in this release: use the host transport")
 
 
 def _argument_of(error):

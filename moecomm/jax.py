@@ -51,7 +51,7 @@ from jax.experimental.buffer_callback import buffer_callback
 
 from ._arrays import DeviceBuffer, host_view
 from ._errors import InvalidArgument
-from .alltoall import CombineArgs, DispatchArgs, RoutingPlan
+from .alltoall import CombineArgs, DispatchArgs, RoutingPlan, no_gradients
 
 
 def _recomputable():
@@ -188,6 +188,8 @@ class AllToAll:
             return self._dispatch_op(True, True, inputs)
 
         def forward(*inputs):
+            if not self.a2a.gradients:  # before anything runs: no dispatch is left without its combine
+                raise InvalidArgument(no_gradients(self.a2a.comm.transport.name))
             out, plan = self._dispatch_op(True, True, inputs, plan=True)
             return out, (plan, inputs[3])
 
@@ -259,12 +261,15 @@ class AllToAll:
             return self._combine_op(True, True, (indices, None if summed else weights, expert_y, bound_m))
 
         def forward(indices, weights, expert_y, bound_m):
-            if weights is None:
-                raise InvalidArgument("moecomm.jax combine(weights=None) under differentiation: pass the router "
-                                      "weights to combine too (the same array given to dispatch; the forward still "
-                                      "sums on the expert side with the weights sent with the dispatch)")
-            out, plan = self._combine_op(True, True, (indices, None if summed else weights, expert_y, bound_m),
-                                         plan=True)
+            inputs = (indices, None if summed else weights, expert_y, bound_m)
+            refusal = (no_gradients(self.a2a.comm.transport.name) if not self.a2a.gradients else
+                       "moecomm.jax combine(weights=None) under differentiation: pass the router weights to combine "
+                       "too (the same array given to dispatch; the forward still sums on the expert side with the "
+                       "weights sent with the dispatch)" if weights is None else None)
+            if refusal:  # after the combine (run eagerly, its dispatch has run), so that the call is over
+                self._combine_op(True, True, inputs)
+                raise InvalidArgument(refusal)
+            out, plan = self._combine_op(True, True, inputs, plan=True)
             return out, (plan, weights, expert_y, bound_m)
 
         def backward(residuals, grad_out):

@@ -26,7 +26,7 @@ import torch
 
 from ._dtypes import bfloat16, float8_e4m3fn, float8_e8m0fnu
 from ._errors import InvalidArgument
-from .alltoall import RoutingPlan
+from .alltoall import RoutingPlan, no_gradients
 
 _RAW = {torch.bfloat16: (torch.int16, bfloat16), torch.float8_e4m3fn: (torch.uint8, float8_e4m3fn)}
 _TORCH = {np.dtype(bfloat16): torch.bfloat16, np.dtype(float8_e4m3fn): torch.float8_e4m3fn,
@@ -91,6 +91,8 @@ class _Dispatch(torch.autograd.Function):
     def forward(ctx, layer, training, dp_x, dp_x_scale, indices, bound_m, weights):
         a2a, c, arg = layer.a2a, layer.a2a.cfg, layer._arg
         keep = ctx.needs_input_grad[2]
+        if keep and not a2a.gradients:  # before anything runs: no dispatch is left without its combine
+            raise InvalidArgument(no_gradients(a2a.comm.transport.name))
         n = layer._new((c.num_local_experts,), np.int32, dp_x, False)
         # slots past their count zero in grad mode: a gradient of the experts' weights reads every slot
         ex = layer._new(c.expert_x_shape(), c.in_dtype, dp_x, training)
@@ -127,15 +129,21 @@ class _Combine(torch.autograd.Function):
     def forward(ctx, layer, indices, weights, expert_y, bound_m, summed):
         a2a, c, arg = layer.a2a, layer.a2a.cfg, layer._arg
         keep = ctx.needs_input_grad[2] or ctx.needs_input_grad[3]
-        if keep and weights is None:
-            raise InvalidArgument("moecomm.torch combine(weights=None) with autograd recording: pass the router "
-                                  "weights to combine too (the same tensor given to dispatch; the forward still sums "
-                                  "on the expert side with the weights sent with the dispatch)")
+        refusal = None  # raised after the combine has run, so that the call is over and the next one works
+        if keep and not a2a.gradients:
+            refusal = no_gradients(a2a.comm.transport.name)
+        elif keep and weights is None:
+            refusal = ("moecomm.torch combine(weights=None) with autograd recording: pass the router weights to "
+                       "combine too (the same tensor given to dispatch; the forward still sums on the expert side "
+                       "with the weights sent with the dispatch)")
+        keep = keep and refusal is None
         if keep:
             plan, view = layer._plan(expert_y)
             a2a.plan(view)  # the plan of the dispatch this combine ends
         out = layer._new((indices.shape[0], c.hidden_dim), c.out_dtype, expert_y, True)
         a2a.combine(arg(out), arg(indices), None if summed else arg(weights), arg(expert_y), arg(bound_m))
+        if refusal:
+            raise InvalidArgument(refusal)
         if keep:
             ctx.layer = layer
             ctx.save_for_backward(*plan, weights, expert_y, bound_m)

@@ -79,13 +79,11 @@ def test_gradients_match_plain_jax_on_host_ranks(ranks):
 
 def test_gradients_refused_where_they_cannot_flow(layer):
     """Under jax.grad: combine(weights=None) (the weights went with dispatch) and an FP8 dispatch raise
-    moecomm's InvalidArgument saying what to do; then a differentiated call works."""
+    moecomm's InvalidArgument saying what to do, with the call over; then a differentiated call works."""
     x, xs, ids, m, w = _inputs()
     with pytest.raises(moecomm.InvalidArgument, match="pass the router weights to combine too"):
         jax.grad(lambda x: layer.combine(ids, None, layer.dispatch(x, xs, ids, m, w)[1], m)
-                 .astype(jnp.float32).sum())(x)
-    layer.a2a.combine(np.zeros((M, H), moecomm.bfloat16), np.asarray(ids), None,
-                      np.zeros(layer.a2a.cfg.expert_x_shape(), moecomm.bfloat16), np.asarray(m))  # ends that call
+                 .astype(jnp.float32).sum())(x)  # the combine ran (the call is over), then raised
     fp8 = mj.AllToAll(moecomm.AllToAll(layer.a2a.comm, M, E, K, H, 2, "float8_e4m3fn", "bfloat16"))
     with pytest.raises(moecomm.InvalidArgument, match="FP8"):
         jax.grad(lambda x: fp8.combine(ids, w, fp8.dispatch(x, xs, ids, m)[1].astype(jnp.bfloat16), m)
@@ -103,3 +101,22 @@ def test_gradients_refused_where_they_cannot_flow(layer):
     assert not np.asarray(gx, np.float32)[rows:].any()
     np.testing.assert_allclose(np.asarray(gw)[:rows], np.broadcast_to(
         np.asarray(x, np.float32).sum(1)[:rows, None], (rows, K)), rtol=2e-2, atol=2e-2)
+
+
+def test_a_transport_without_gradients_refuses_them_and_the_next_call_works(layer):
+    """As on a GPU transport in this release: jax.grad through dispatch is refused before anything runs, and
+    through combine once the combine has run (eagerly its dispatch ran first); the next call works."""
+    x, xs, ids, m, w = _inputs()
+    layer.a2a._backend.gradients = False  # what a GPU backend says
+    try:
+        with pytest.raises(moecomm.InvalidArgument, match="not implemented on the host transport"):
+            jax.grad(lambda x: layer.combine(ids, w, layer.dispatch(x, xs, ids, m, w)[1], m)
+                     .astype(jnp.float32).sum())(x)
+        _, ex, _ = layer.dispatch(x, xs, ids, m, w)
+        with pytest.raises(moecomm.InvalidArgument, match="not implemented on the host transport"):
+            jax.grad(lambda ex: layer.combine(ids, w, ex, m).astype(jnp.float32).sum())(ex)
+    finally:
+        del layer.a2a._backend.gradients
+    counts, ex, _ = jax.jit(lambda x: layer.dispatch(x, xs, ids, m, w))(x)
+    out = jax.jit(lambda ex: layer.combine(ids, None, ex, m))(ex)
+    assert int(np.asarray(counts).sum()) == int(m[0]) * K and out.shape == (M, H)

@@ -21,8 +21,8 @@ def test_gradients_match_plain_torch_on_host_ranks(ranks):
 
 def test_refusals_and_a_layer_of_identity_experts():
     """combine(weights=None) while autograd records, and FP8 tokens' backward, raise moecomm's
-    InvalidArgument; then the gradients of identity experts are the sums of the router weights and of the
-    tokens, and nothing is recorded without grad."""
+    InvalidArgument, with the call over; then the gradients of identity experts are the sums of the router
+    weights and of the tokens, and nothing is recorded without grad."""
     comm = moecomm.init(transport="host")
     try:
         layer = mt.AllToAll(moecomm.AllToAll(comm, M, E, K, H, None, "bfloat16", "bfloat16"))
@@ -33,9 +33,7 @@ def test_refusals_and_a_layer_of_identity_experts():
         m = torch.tensor([M - 2], dtype=torch.int32)
         _, ex, _ = layer.dispatch(x, None, ids, m, w)
         with pytest.raises(moecomm.InvalidArgument, match="pass the router weights to combine too"):
-            layer.combine(ids, None, ex, m)
-        layer.a2a.combine(np.zeros((M, H), moecomm.bfloat16), ids.numpy(), None,
-                          np.zeros(layer.a2a.cfg.expert_x_shape(), moecomm.bfloat16), m.numpy())  # ends that call
+            layer.combine(ids, None, ex, m)  # the combine ran (the call is over), then raised
         _, ex, _ = layer.dispatch(x, None, ids, m, w)
         out = layer.combine(ids, w, ex, m)
         out.float().sum().backward()
@@ -56,5 +54,33 @@ def test_refusals_and_a_layer_of_identity_experts():
         with pytest.raises(moecomm.InvalidArgument, match="FP8"):
             out.float().sum().backward()
         fp8.a2a.destroy()
+    finally:
+        comm.finalize()
+
+
+def test_a_transport_without_gradients_refuses_them_and_the_next_call_works():
+    """As on a GPU transport in this release (its backend says it computes no gradients): tokens that need
+    a gradient are refused before the dispatch runs; router weights that need one, at the combine, once it has
+    run; in either case the call is over and the next one works."""
+    comm = moecomm.init(transport="host")
+    try:
+        a2a = moecomm.AllToAll(comm, M, E, K, H, None, "bfloat16", "bfloat16")
+        layer = mt.AllToAll(a2a)
+        a2a._backend.gradients = False  # what a GPU backend says
+        rng = np.random.default_rng(1)
+        x = torch.from_numpy(rng.standard_normal((M, H)).astype(np.float32)).to(torch.bfloat16)
+        ids = torch.from_numpy(np.argsort(rng.random((M, E)), 1)[:, :K].astype(np.int32))
+        w = torch.from_numpy(rng.random((M, K)).astype(np.float32))
+        m = torch.tensor([M], dtype=torch.int32)
+        with pytest.raises(moecomm.InvalidArgument, match="not implemented on the host transport"):
+            layer.dispatch(x.clone().requires_grad_(), None, ids, m, w)
+        _, ex, _ = layer.dispatch(x, None, ids, m, w)
+        with pytest.raises(moecomm.InvalidArgument, match="not implemented on the host transport"):
+            layer.combine(ids, w.clone().requires_grad_(), ex, m)
+        _, ex, _ = layer.dispatch(x, None, ids, m, w)  # the next call works
+        out = layer.combine(ids, w, ex, m)
+        np.testing.assert_allclose(out.float().numpy(), x.float().numpy() * w.numpy().sum(1)[:, None], rtol=2e-2,
+                                   atol=2e-2)
+        a2a.destroy()
     finally:
         comm.finalize()
