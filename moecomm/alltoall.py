@@ -576,7 +576,7 @@ class AllToAll:
                 rows.append((name, got[0]))
         if not 0 <= m <= min([self.cfg.max_num_tokens] + [r for _, r in rows]):
             raise InvalidArgument(f"bound_m: m={m} must be in [0, the fewest rows of {', '.join(n for n, _ in rows)}]")
-        if (np.asarray(rp.expert)[m:] >= 0).any():
+        if (rp.expert[m:] >= 0).any():
             raise InvalidArgument(f"plan: it has pairs for tokens >= m={m}: it is another call's plan")
         return _Backward(m, *rp, **values)
 

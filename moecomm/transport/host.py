@@ -169,12 +169,6 @@ def _stamp(call):
     return int(call[0]) << 32 | int(call[1])
 
 
-def _add_partials(acc, recv):
-    """Add received (token int32, float32 [hidden]) records into ``acc`` [m, hidden] float32."""
-    token = np.ascontiguousarray(recv[:, :4]).view(np.int32)[:, 0]
-    np.add.at(acc, token, np.ascontiguousarray(recv[:, 4:]).view(np.float32))
-
-
 def _records(*parts):
     """Join per-row arrays into one uint8 [n, bytes] record array."""
     n = parts[0].shape[0]
@@ -513,8 +507,9 @@ class HostAllToAll(AllToAllBackend):
         np.add.at(part, rv.pair_j, a.grad[rv.where].astype(np.float32))
         rows, counts = self._to_groups(rv.src_rank, [rv.token[:, None], part])
         recv = self._exchange("dispatch_backward", rows, counts, plan=_stamp(a.call))
-        acc = np.zeros((a.m, cfg.hidden_dim), np.float32)
-        _add_partials(acc, self._tokens_below(recv, a.m, "dispatch_backward"))
+        acc = np.zeros((a.m, cfg.hidden_dim), np.float32)  # float32 partial rows (never on the combine wire)
+        np.add.at(acc, self._tokens(recv, a.m, "dispatch_backward"),
+                  np.ascontiguousarray(recv[:, 4:]).view(np.float32))
         a.out[:a.m] = acc.astype(a.out.dtype)
 
     def combine_backward(self, a):
@@ -545,11 +540,11 @@ class HostAllToAll(AllToAllBackend):
         dots = np.einsum("ph,ph->p", gy, a.y[rv.where].astype(np.float32)).astype(np.float32)
         rows, counts = self._to_groups(pair_src, [pair_token.astype(np.int32)[:, None],
                                                   rv.pair_k.astype(np.int32)[:, None], dots[:, None]])
-        recv = self._tokens_below(self._exchange("weights_backward", rows, counts, status, reason,
-                                                 call="combine_backward", plan=_stamp(a.call)), m, "combine_backward")
+        recv = self._exchange("weights_backward", rows, counts, status, reason, call="combine_backward",
+                              plan=_stamp(a.call))
+        fields = np.ascontiguousarray(recv).view(np.int32).reshape(-1, 3)  # token, k, the dot's bits
         a.out_grad_weights[:m] = 0
-        fields = np.ascontiguousarray(recv).view(np.int32).reshape(-1, 3)
-        a.out_grad_weights[fields[:, 0], fields[:, 1]] = fields[:, 2].view(np.float32)
+        a.out_grad_weights[self._tokens(recv, m, "combine_backward"), fields[:, 1]] = fields[:, 2].view(np.float32)
 
     def _exchange(self, phase, rows, counts, status=_OK, reason="", sources=False, call=None, plan=0):
         """One exchange of ``rows`` (grouped by destination, ``counts`` [W]) in ``phase`` following the plan
@@ -563,13 +558,13 @@ class HostAllToAll(AllToAllBackend):
         return (recv, src_counts) if sources else recv
 
     @staticmethod
-    def _tokens_below(recv, m, phase):
-        """``recv`` (records starting with a token int32), checked to name tokens below m."""
+    def _tokens(recv, m, phase):
+        """The tokens [n] int32 of ``recv`` (records starting with a token int32), checked to be below m."""
         token = np.ascontiguousarray(recv[:, :4]).view(np.int32)[:, 0]
         if (token >= m).any():
             raise InvalidArgument(f"{phase}: a peer sent a gradient for token {int(token.max())}, beyond m={m}: the "
                                   f"ranks' plans or bound_m differ")
-        return recv
+        return token
 
     def skip_backward(self, phase, refusal):
         self._exchanges[phase].refuse(refusal.text)
