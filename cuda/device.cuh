@@ -95,18 +95,25 @@ __device__ __forceinline__ void record_error(int* err, int code, int peer, int p
   }
 }
 
-// The bound of every wait loop: call it once per spin (spin counting from 1). True when the wait must stop:
-// another thread has recorded a timeout (so one failure stops every waiter), `peer` has left the job (its word
-// in `gone`, the transport's [world] departure words, set by that rank as it goes: a timeout naming it with
-// detail MOECOMM_TIMEOUT_LEFT is recorded), or the deadline has passed (a timeout naming `peer` is recorded).
-// The clock, the error word (possibly in mapped host memory) and the departure word are read once per
-// POLL_CHECK spins.
+// The bound of every wait loop: call it once per spin (spin counting from 1, the loop's own counter, which it
+// marks). True when the wait must stop: another thread has recorded a timeout (so one failure stops every
+// waiter), `peer` has left the job (its word in `gone`, the transport's [world] departure words, set by that
+// rank as it goes: a timeout naming it with detail MOECOMM_TIMEOUT_LEFT is recorded), or the deadline has passed
+// (a timeout naming `peer` is recorded). The clock, the error word (possibly in mapped host memory) and the
+// departure word are read once per POLL_CHECK spins. A departure counts only when it is seen at two checks in a
+// row (the first marks `spin` with SEEN_GONE): a peer that sent what is awaited and then left is not taken for
+// one that left first, since the loop reads the awaited word again (POLL_CHECK times) after the departure word.
 constexpr unsigned POLL_CHECK = 256;
-__device__ __forceinline__ bool give_up(unsigned spin, uint64_t deadline_ns, int* err, const uint64_t* gone, int peer,
+constexpr unsigned SEEN_GONE = 1u << 31;
+__device__ __forceinline__ bool give_up(unsigned& spin, uint64_t deadline_ns, int* err, const uint64_t* gone, int peer,
                                         int phase, int call) {
   if (spin % POLL_CHECK) return false;
   if (load_volatile(err) == MOECOMM_ERR_TIMEOUT) return true;
-  if (*(const volatile uint64_t*)&gone[peer]) {
+  if (load_acquire(&gone[peer])) {
+    if (!(spin & SEEN_GONE)) {
+      spin |= SEEN_GONE;
+      return false;
+    }
     record_error(err, MOECOMM_ERR_TIMEOUT, peer, phase, MOECOMM_TIMEOUT_LEFT, call);
     return true;
   }
