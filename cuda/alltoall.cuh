@@ -21,6 +21,7 @@
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 
 #include "transport.cuh"
 
@@ -49,11 +50,15 @@ constexpr unsigned M_INVALID = 0x80000000u;
 // route a token while they send the one before, in a build without puts (HAS_PUTS, transport.cuh); the other
 // kernels carry none of that code.
 // combine_send returns its call number, which combine_recv waits for (the split kernel reads it back from
-// state[EPOCH_CS]). `stream`: the one-launch combine's streamed form (combine.cu).
+// state[EPOCH_CS]). `stream`: the one-launch combine's streamed form (combine.cu). Wire: the combine's rows
+// travel on the FP8 combine wire (f.wire; weighted_sum), in kernels of their own (moecomm_combine*_wire), so
+// that the out-dtype kernels carry none of its code.
 template <bool Pipelined>
 __device__ void dispatch_send(const Fixed& f, const Call& c, int senders);
 __device__ void dispatch_recv(const Fixed& f, const Call& c);
+template <bool Wire>
 __device__ unsigned combine_send(const Fixed& f, const Call& c, bool stream);
+template <bool Wire>
 __device__ void combine_recv(const Fixed& f, const Call& c, unsigned epoch, bool stream);
 
 // Record metadata after x and scales: int32 token, int32 expert[topk], float weight[topk].
@@ -117,8 +122,30 @@ __device__ __forceinline__ void fanout16(uint8_t* const* dsts, int n, const uint
   }
 }
 
-// Block-wide copy of a token row (f.x_bytes at x) and its scales (f.scale_bytes at scales, 4-byte words, not
-// necessarily a multiple of 16; none when 0) in two steps, so that the load is issued before the block knows
+// Where the scales of output row `where` of c.out_scale start: row-major, row `where` of scale_bytes; column-major
+// (f.scale_column: [local_experts, scales, cap], packed [scales, cap]), column `where % cap` of its expert's
+// block, its scales f.cap elements apart.
+__device__ __forceinline__ uint8_t* scale_row(const Fixed& f, const Call& c, int where) {
+  if (!f.scale_column) return c.out_scale + (size_t)where * f.scale_bytes;
+  const size_t scales = f.scale_bytes / f.scale_item;
+  return c.out_scale + ((size_t)(where / f.cap) * scales * f.cap + where % f.cap) * f.scale_item;
+}
+
+// Word i (4 bytes of a token's scales, row-major) into an output row at `row` (scale_row()): as one word
+// row-major or where scales are words; else (column-major UE8M0 bytes) byte by byte, f.cap bytes apart.
+__device__ __forceinline__ void store_scale_word(const Fixed& f, uint8_t* row, int i, int w) {
+  if (!f.scale_column) {
+    ((int*)row)[i] = w;
+  } else if (f.scale_item == 4) {
+    *(int*)(row + (size_t)i * f.cap * 4) = w;
+  } else {
+#pragma unroll
+    for (int b = 0; b < 4; ++b) row[(size_t)(4 * i + b) * f.cap] = (uint8_t)(w >> 8 * b);
+  }
+}
+
+// Block-wide copy of a token row (f.x_bytes at x) and its scales (f.scale_bytes at scales, copied as 4-byte
+// words whatever their dtype, not necessarily a multiple of 16; none when 0) in two steps, so that the load is issued before the block knows
 // where the row goes: load() takes each thread's first INFLIGHT 16-byte chunks of the row (a 16 KB row in
 // all) and its first scale word into registers, in one round trip; store() writes them into the n rows
 // xd[j] and sd[j], then copies whatever the first round did not cover. Source and destinations must not
@@ -134,8 +161,10 @@ struct RowCopy {
     for (int u = 0; u < INFLIGHT; ++u)
       if (tid + u * nthreads < chunks) v[u] = ((const int4*)x)[tid + u * nthreads];
   }
-  // x, scales: as given to load() (passed again, not kept: registers are scarce in the one-launch kernels)
-  __device__ __forceinline__ void store(const Fixed& f, uint8_t* const* xd, uint8_t* const* sd, int n,
+  // x, scales: as given to load() (passed again, not kept: registers are scarce in the one-launch kernels).
+  // Destinations from `outputs` on are rows of c.out_x / c.out_scale (scale_row(): their scales in the
+  // AllToAll's scale layout); the ones before are records (scales row-major).
+  __device__ __forceinline__ void store(const Fixed& f, uint8_t* const* xd, uint8_t* const* sd, int n, int outputs,
                                         const uint8_t* x, const uint8_t* scales, int tid = threadIdx.x,
                                         int nthreads = THREADS) const {
     const int chunks = f.x_bytes / 16;
@@ -148,7 +177,10 @@ struct RowCopy {
     if (chunks > INFLIGHT * nthreads) fanout16(xd, n, x, f.x_bytes, INFLIGHT * nthreads, tid, nthreads);
     for (int i = tid; i < f.scale_bytes / 4; i += nthreads) {
       const int w = i == tid ? first : ((const int*)scales)[i];
-      for (int j = 0; j < n; ++j) ((int*)sd[j])[i] = w;
+      for (int j = 0; j < n; ++j) {
+        if (j < outputs) ((int*)sd[j])[i] = w;
+        else store_scale_word(f, sd[j], i, w);
+      }
     }
   }
 };
@@ -162,7 +194,7 @@ __device__ __forceinline__ void list_rows(const Fixed& f, const Call& c, int row
   if (row >= 0) {
     const int pos = __popc(mask & ((1u << (threadIdx.x & 31)) - 1));
     xdst[pos] = c.out_x + (size_t)row * f.x_bytes;
-    sdst[pos] = (uint8_t*)(c.out_scale + (size_t)row * (f.scale_bytes / 4));
+    sdst[pos] = scale_row(f, c, row);
   }
   if ((threadIdx.x & 31) == 0) *n = __popc(mask);
 }
@@ -368,46 +400,130 @@ __device__ __forceinline__ int4 from_float8(const float* f, int code) {
   return v;
 }
 
-// Block-wide (or by the block's threads tid = 0..nthreads-1): dsts[0..nd) = sum_j w[j] * rows[j] over n rows
-// of `row_bytes` (output dtype), accumulated in float. Each thread handles two 16-byte chunks at a time and
-// loads them from 4 rows before accumulating, so up to 8 loads are in flight; a 14 KB bf16 row takes two such
-// rounds per group of 4 rows.
-__device__ __forceinline__ void weighted_sum(const uint8_t* const* rows, const float* w, int n, int row_bytes,
-                                             int code, uint8_t* const* dsts, int nd, int tid = threadIdx.x,
+// The FP8 combine wire (f.wire): a row of f.hidden e4m3 values (8 bytes per 8 values), then at byte f.hidden
+// a scale per MOECOMM_COMBINE_BLOCK values, float32 (WIRE_E4M3) or one UE8M0 byte (WIRE_E4M3_UE8M0), the row
+// padded to f.comb_row_bytes. A block's value v stands for v * scale; the rounding is moecomm.reference's
+// quantize_e4m3, operation for operation (no fused multiply-add on these paths: the reference rounds each step).
+constexpr int WIRE_CHUNKS = MOECOMM_COMBINE_BLOCK / 8;  // 8-value chunks per scale
+
+__device__ __forceinline__ float wire_scale(const Fixed& f, const uint8_t* row, int chunk) {
+  const int b = chunk / WIRE_CHUNKS;
+  if (f.wire == MOECOMM_WIRE_E4M3) return ((const float*)(row + f.hidden))[b];
+  const unsigned e = row[f.hidden + b];  // 2^(e - 127); e = 0 is 2^-127, a float32 subnormal
+  return __uint_as_float(e ? e << 23 : 0x400000u);
+}
+
+// 8 values of a row at chunk c as float: the output dtype (16 bytes), or e4m3 (8 bytes) times its scale.
+template <bool Wire>
+__device__ __forceinline__ int4 load_chunk(const uint8_t* row, int c) {
+  if (Wire) {
+    const int2 v = ((const int2*)row)[c];
+    return make_int4(v.x, v.y, 0, 0);
+  }
+  return ((const int4*)row)[c];
+}
+
+template <bool Wire>
+__device__ __forceinline__ void chunk_to_float(const Fixed& f, const int4& v, float scale, float* out) {
+  if (!Wire) return to_float8(v, f.out_code, out);
+  const unsigned words[2] = {(unsigned)v.x, (unsigned)v.y};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const __half2 h = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(words[i / 2] >> 16 * (i % 2)), __NV_E4M3);
+    const float2 t = __half22float2(h);
+    out[2 * i] = __fmul_rn(t.x, scale);
+    out[2 * i + 1] = __fmul_rn(t.y, scale);
+  }
+}
+
+// 8 float values into chunk c of the nd rows dsts: the output dtype, or e4m3 with the scale of their block of
+// MOECOMM_COMBINE_BLOCK values (the 16 lanes of a half-warp hold one block: they all call this together),
+// written by the block's first lane.
+template <bool Wire>
+__device__ __forceinline__ void store_chunk(const Fixed& f, const float* a, int c, uint8_t* const* dsts, int nd) {
+  if (!Wire) {
+    const int4 o = from_float8(a, f.out_code);
+    for (int d = 0; d < nd; ++d) ((int4*)dsts[d])[c] = o;
+    return;
+  }
+  float amax = 0.0f;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(a[i]));
+  const unsigned half = 0xffffu << (threadIdx.x & 16);
+#pragma unroll
+  for (int o = WIRE_CHUNKS / 2; o; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(half, amax, o));
+  float scale = amax > 0.0f ? __fdiv_rn(amax, MOECOMM_E4M3_MAX) : 1.0f;
+  if (f.wire == MOECOMM_WIRE_E4M3_UE8M0) {  // up to a power of two: 2^ceil(log2(scale))
+    int e;
+    const float m = frexpf(scale, &e);  // scale = m * 2^e, m in [0.5, 1)
+    scale = ldexpf(1.0f, m == 0.5f ? e - 1 : e);
+  }
+  const float inverse = __frcp_rn(scale);
+  unsigned q[2];
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const unsigned lo = __nv_cvt_float2_to_fp8x2(
+        make_float2(__fmul_rn(a[4 * i], inverse), __fmul_rn(a[4 * i + 1], inverse)), __NV_SATFINITE, __NV_E4M3);
+    const unsigned hi = __nv_cvt_float2_to_fp8x2(
+        make_float2(__fmul_rn(a[4 * i + 2], inverse), __fmul_rn(a[4 * i + 3], inverse)), __NV_SATFINITE, __NV_E4M3);
+    q[i] = lo | hi << 16;
+  }
+  const bool first = c % WIRE_CHUNKS == 0;
+  for (int d = 0; d < nd; ++d) {
+    ((int2*)dsts[d])[c] = make_int2((int)q[0], (int)q[1]);
+    if (!first) continue;
+    if (f.wire == MOECOMM_WIRE_E4M3) ((float*)(dsts[d] + f.hidden))[c / WIRE_CHUNKS] = scale;
+    else dsts[d][f.hidden + c / WIRE_CHUNKS] = (uint8_t)(__float_as_uint(scale) >> 23);  // 2^-127: byte 0
+  }
+}
+
+// Block-wide (or by the block's threads tid = 0..nthreads-1): dsts[0..nd) = sum_j w[j] * rows[j] over n rows of
+// f.hidden values, accumulated in float. Rows and destinations are in the output dtype, or (SrcWire, DstWire)
+// on the FP8 combine wire. Each thread handles two 8-value chunks at a time and loads them from 4 rows before
+// accumulating, so up to 8 loads are in flight; a 14 KB bf16 row takes two such rounds per group of 4 rows.
+// nthreads is a multiple of 16 and f.hidden of MOECOMM_COMBINE_BLOCK where a side is on the wire, so a
+// half-warp's lanes hold the 16 chunks of one scale block together.
+template <bool SrcWire, bool DstWire>
+__device__ __forceinline__ void weighted_sum(const Fixed& f, const uint8_t* const* rows, const float* w, int n,
+                                             uint8_t* const* dsts, int nd, int tid = threadIdx.x,
                                              int nthreads = THREADS) {
-  const int chunks = row_bytes / 16;
+  constexpr bool exact = SrcWire || DstWire;  // round each product and sum, as the reference does
+  const int chunks = f.hidden / 8;
   for (int c = tid; c < chunks; c += 2 * nthreads) {
     const int c1 = c + nthreads;
     const bool two = c1 < chunks;
     float a0[8] = {0, 0, 0, 0, 0, 0, 0, 0}, a1[8] = {0, 0, 0, 0, 0, 0, 0, 0};
     for (int j = 0; j < n; j += 4) {
       int4 v0[4], v1[4];
+      float s0[4] = {1, 1, 1, 1}, s1[4] = {1, 1, 1, 1};
 #pragma unroll
       for (int u = 0; u < 4; ++u) {
         if (j + u < n) {
-          v0[u] = ((const int4*)rows[j + u])[c];
-          if (two) v1[u] = ((const int4*)rows[j + u])[c1];
+          v0[u] = load_chunk<SrcWire>(rows[j + u], c);
+          if (SrcWire) s0[u] = wire_scale(f, rows[j + u], c);
+          if (two) {
+            v1[u] = load_chunk<SrcWire>(rows[j + u], c1);
+            if (SrcWire) s1[u] = wire_scale(f, rows[j + u], c1);
+          }
         }
       }
 #pragma unroll
       for (int u = 0; u < 4; ++u) {
         if (j + u >= n) continue;
-        float f[8];
-        to_float8(v0[u], code, f);
+        float v[8];
+        chunk_to_float<SrcWire>(f, v0[u], s0[u], v);
 #pragma unroll
-        for (int i = 0; i < 8; ++i) a0[i] += w[j + u] * f[i];
+        for (int i = 0; i < 8; ++i) a0[i] = exact ? __fadd_rn(a0[i], __fmul_rn(w[j + u], v[i])) : a0[i] + w[j + u] * v[i];
         if (two) {
-          to_float8(v1[u], code, f);
+          chunk_to_float<SrcWire>(f, v1[u], s1[u], v);
 #pragma unroll
-          for (int i = 0; i < 8; ++i) a1[i] += w[j + u] * f[i];
+          for (int i = 0; i < 8; ++i)
+            a1[i] = exact ? __fadd_rn(a1[i], __fmul_rn(w[j + u], v[i])) : a1[i] + w[j + u] * v[i];
         }
       }
     }
-    const int4 o0 = from_float8(a0, code), o1 = from_float8(a1, code);
-    for (int d = 0; d < nd; ++d) {
-      ((int4*)dsts[d])[c] = o0;
-      if (two) ((int4*)dsts[d])[c1] = o1;
-    }
+    store_chunk<DstWire>(f, a0, c, dsts, nd);
+    if (two) store_chunk<DstWire>(f, a1, c1, dsts, nd);
   }
 }
 

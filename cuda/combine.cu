@@ -15,6 +15,14 @@ extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, MOECOMM_BLOC
     moecomm_combine(const Fixed f, const Call c) {
   TRACE_SPAN(MOECOMM_TRACE_COMBINE_SEND, 0);
   const bool stream = MOECOMM_STREAMS_COMBINE && f.comb_streamed && c.partials;
-  combine_recv(f, c, combine_send(f, c, stream), stream);
+  combine_recv<false>(f, c, combine_send<false>(f, c, stream), stream);
+  TRACE_SPAN(MOECOMM_TRACE_COMBINE_SEND, 1);
+}
+
+// On the FP8 combine wire (never streamed: moecomm/_abi.py, combine_streams).
+extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, MOECOMM_BLOCKS_PER_SM)
+    moecomm_combine_wire(const Fixed f, const Call c) {
+  TRACE_SPAN(MOECOMM_TRACE_COMBINE_SEND, 0);
+  combine_recv<true>(f, c, combine_send<true>(f, c, false), false);
   TRACE_SPAN(MOECOMM_TRACE_COMBINE_SEND, 1);
 }

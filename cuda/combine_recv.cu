@@ -55,9 +55,9 @@ static __device__ __forceinline__ void token_rows(const Fixed& f, const Call& c,
     const int pos = __popc(mask & ((1u << lane) - 1));
     const size_t row = c.partials ? (size_t)rank * f.max_tokens + t : (size_t)t * f.topk + lane;
     const bool mine = stream && rank == f.rank;
-    srcs[pos] = mine ? c.y + (size_t)own.x * f.out_row_bytes : f.comb_buf + row * f.out_row_bytes;
+    srcs[pos] = mine ? c.y + (size_t)own.x * f.out_row_bytes : f.comb_buf + row * f.comb_row_bytes;
     wts[pos] = mine ? __int_as_float(own.y) : c.partials ? 1.0f : c.weights[(size_t)t * f.topk + lane];
-    if (rank != f.rank) tally_bytes(f, MOECOMM_B_COMBINE_RECEIVED, rank, f.out_row_bytes);
+    if (rank != f.rank) tally_bytes(f, MOECOMM_B_COMBINE_RECEIVED, rank, f.comb_row_bytes);
   }
   if (lane == 0) {
     *n = __popc(mask);
@@ -73,7 +73,8 @@ static __device__ __forceinline__ void token_rows(const Fixed& f, const Call& c,
 // combine_send would have summed them); the signals are waited for after the tokens. No grid-wide
 // completion: a block ends with its tokens. Either way warp 0 lists a token's rows (two lists in turn) while
 // the block's other warps sum the one before.
-// Reads f.comb_buf and f.comb_sig (this rank's copies), c.indices (c.idx64), c.weights [rows, topk]
+// Reads f.comb_buf (rows in out_dtype, or on the FP8 combine wire: f.wire, never streamed) and f.comb_sig
+// (this rank's copies), c.indices (c.idx64), c.weights [rows, topk]
 // float32 (read when c.partials == 0), c.bound_m, c.rows; writes rows 0..m-1 of c.out_tokens
 // [rows, hidden] out_dtype (a token whose ids are all -1 gets zeros) and, when given, of c.out_dropped
 // [rows, topk] uint8 (1: the pair was dropped for capacity, from f.drop_buf; it adds nothing). Experts of
@@ -81,6 +82,7 @@ static __device__ __forceinline__ void token_rows(const Fixed& f, const Call& c,
 // dispatched m or above c.rows (both reported by combine_send) or a dispatch whose send half failed, nothing
 // is written.
 // Telemetry: bytes received per peer.
+template <bool Wire>
 __device__ void moecomm::combine_recv(const Fixed& f, const Call& c, unsigned epoch, bool stream) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   TRACE(MOECOMM_TRACE_COMBINE_RECV, 0);
@@ -138,7 +140,7 @@ __device__ void moecomm::combine_recv(const Fixed& f, const Call& c, unsigned ep
         list(t, b ^ 1);
       }
     } else {
-      weighted_sum(srcs[b], wts[b], n[b], f.out_row_bytes, f.out_code, &dst[b], 1, threadIdx.x - 32, THREADS - 32);
+      weighted_sum<Wire, false>(f, srcs[b], wts[b], n[b], &dst[b], 1, threadIdx.x - 32, THREADS - 32);
     }
     __syncthreads();
     if (i == 0) TRACE(MOECOMM_TRACE_COMBINE_RECV, 3);
@@ -147,9 +149,19 @@ __device__ void moecomm::combine_recv(const Fixed& f, const Call& c, unsigned ep
   TRACE(MOECOMM_TRACE_COMBINE_RECV, 4);
 }
 
+// the call combine_send (the previous kernel) ended
 extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, MOECOMM_BLOCKS_PER_SM)
     moecomm_combine_recv(const Fixed f, const Call c) {
   TRACE_SPAN(MOECOMM_TRACE_COMBINE_RECV, 0);
-  combine_recv(f, c, f.state[MOECOMM_S_EPOCH_CS], false);  // the call combine_send (the previous kernel) ended
+  combine_recv<false>(f, c, f.state[MOECOMM_S_EPOCH_CS], false);
   TRACE_SPAN(MOECOMM_TRACE_COMBINE_RECV, 1);
 }
+
+extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, MOECOMM_BLOCKS_PER_SM)
+    moecomm_combine_recv_wire(const Fixed f, const Call c) {
+  TRACE_SPAN(MOECOMM_TRACE_COMBINE_RECV, 0);
+  combine_recv<true>(f, c, f.state[MOECOMM_S_EPOCH_CS], false);
+  TRACE_SPAN(MOECOMM_TRACE_COMBINE_RECV, 1);
+}
+template __device__ void moecomm::combine_recv<false>(const Fixed&, const Call&, unsigned, bool);
+template __device__ void moecomm::combine_recv<true>(const Fixed&, const Call&, unsigned, bool);

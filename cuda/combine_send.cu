@@ -3,6 +3,8 @@
 
 using namespace moecomm;
 
+static __device__ const float ONE = 1.0f;  // an expert row's weight when it travels alone
+
 // grid: world * parts blocks of MOECOMM_BLOCK_THREADS; block b serves the records received from rank
 // b % world, one block per record (strided). `stream` (the one-launch combine's streamed form, combine.cu):
 // this rank's own records are not summed here (the token side reads their expert rows itself), so their
@@ -12,6 +14,8 @@ using namespace moecomm;
 // cap, hidden] out_dtype (expert outputs, laid out like dispatch's out_x) and c.partials:
 //   1: sum a token's local experts weighted by the dispatched weights and send one row to
 //      f.comb_buf[me][token]; 0: send each expert's row to f.comb_buf[token][k].
+// Rows travel in out_dtype, or with f.wire quantised to the FP8 combine wire (weighted_sum), f.comb_row_bytes
+// each.
 // Sets f.comb_sig[me] on every unmasked rank to (epoch | 1) when done, or to (epoch | SIG_BAD | reason)
 // when this rank sends nothing: c.skip (a refused call; reason c.reason), a bound_m that differs from
 // the dispatched m (ERR_M_DIFFERS, recorded here too) or exceeds c.rows, the fewest rows of the call's
@@ -19,6 +23,7 @@ using namespace moecomm;
 // dispatch whose receive half failed (state[BAD_RECV]: capacity exceeded, the demand written to every peer's
 // f.why[me] first).
 // Telemetry: bytes sent per peer. Returns the call number (the epoch its signals carry).
+template <bool Wire>
 __device__ unsigned moecomm::combine_send(const Fixed& f, const Call& c, bool stream) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   TRACE(MOECOMM_TRACE_COMBINE_SEND, 0);
@@ -98,14 +103,15 @@ __device__ unsigned moecomm::combine_send(const Fixed& f, const Call& c, bool st
     for (int q0 = group0; q0 < group1; q0 += MOECOMM_MAX_TOPK) {
       const int q1 = min(group1, q0 + MOECOMM_MAX_TOPK);
       if (c.partials) {
-        tg.build(f.peers, f.comb_buf + ((size_t)f.rank * f.max_tokens + t) * f.out_row_bytes, q0, q1, st);
-        weighted_sum(rows, wts, n, f.out_row_bytes, f.out_code, tg.dsts, tg.n);
-        tg.send_puts(f.out_row_bytes);
+        tg.build(f.peers, f.comb_buf + ((size_t)f.rank * f.max_tokens + t) * f.comb_row_bytes, q0, q1, st);
+        weighted_sum<false, Wire>(f, rows, wts, n, tg.dsts, tg.n);
+        tg.send_puts(f.comb_row_bytes);
       } else {
         for (int k = 0; k < n; ++k) {
-          tg.build(f.peers, f.comb_buf + ((size_t)t * f.topk + ks[k]) * f.out_row_bytes, q0, q1, st);
-          fanout16(tg.dsts, tg.n, rows[k], f.out_row_bytes);
-          tg.send_puts(f.out_row_bytes);
+          tg.build(f.peers, f.comb_buf + ((size_t)t * f.topk + ks[k]) * f.comb_row_bytes, q0, q1, st);
+          if (Wire) weighted_sum<false, true>(f, &rows[k], &ONE, 1, tg.dsts, tg.n);  // the row, quantised
+          else fanout16(tg.dsts, tg.n, rows[k], f.out_row_bytes);
+          tg.send_puts(f.comb_row_bytes);
         }
       }
     }
@@ -118,7 +124,7 @@ __device__ unsigned moecomm::combine_send(const Fixed& f, const Call& c, bool st
   if (st.used_puts) quiet();
   if (threadIdx.x == 0)
     for (int q = group0; q < group1; ++q)
-      if (q != f.rank) tally_bytes(f, MOECOMM_B_COMBINE_SENT, q, rows_sent * f.out_row_bytes);
+      if (q != f.rank) tally_bytes(f, MOECOMM_B_COMBINE_SENT, q, rows_sent * f.comb_row_bytes);
   const bool is_last = last_block(&f.state[MOECOMM_S_DONE_CS], true);
   TRACE(MOECOMM_TRACE_COMBINE_SEND, 4);
   if (is_last) {
@@ -142,6 +148,15 @@ __device__ unsigned moecomm::combine_send(const Fixed& f, const Call& c, bool st
 extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, MOECOMM_BLOCKS_PER_SM)
     moecomm_combine_send(const Fixed f, const Call c) {
   TRACE_SPAN(MOECOMM_TRACE_COMBINE_SEND, 0);
-  combine_send(f, c, false);
+  combine_send<false>(f, c, false);
   TRACE_SPAN(MOECOMM_TRACE_COMBINE_SEND, 1);
 }
+
+extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, MOECOMM_BLOCKS_PER_SM)
+    moecomm_combine_send_wire(const Fixed f, const Call c) {
+  TRACE_SPAN(MOECOMM_TRACE_COMBINE_SEND, 0);
+  combine_send<true>(f, c, false);
+  TRACE_SPAN(MOECOMM_TRACE_COMBINE_SEND, 1);
+}
+template __device__ unsigned moecomm::combine_send<false>(const Fixed&, const Call&, bool);
+template __device__ unsigned moecomm::combine_send<true>(const Fixed&, const Call&, bool);

@@ -34,7 +34,7 @@ extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, MOECOMM_BLOC
       list_rows(f, c, row, xdst, sdst, &n);
     }
     __syncthreads();
-    copy.store(f, xdst, sdst, n, rec, rec + f.x_bytes);
+    copy.store(f, xdst, sdst, n, 0, rec, rec + f.x_bytes);
     __syncthreads();
   }
 }

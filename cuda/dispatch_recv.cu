@@ -48,8 +48,8 @@ static __device__ bool arrived(const Fixed& f, int src, int j, unsigned epoch, u
 // grid: world * P blocks of MOECOMM_BLOCK_THREADS, spread over the sources with records to unpack (below),
 // one block per record at a time; each record is read once and stored into every local expert it goes to.
 // Reads f.recv_buf, f.arrive and f.sig (this rank's copies); writes c.out_num [local_experts] int32,
-// c.out_x [local_experts, cap, hidden] in_dtype, c.out_scale [local_experts, cap, scales] float32 (or
-// null), and f.slot_of [world, max_tokens, topk]: where record (src, j)'s k-th expert slot is (le*cap+slot,
+// c.out_x [local_experts, cap, hidden] in_dtype, c.out_scale [local_experts, cap, scales] (or
+// [local_experts, scales, cap] column-major: scale_row(); or null), and f.slot_of [world, max_tokens, topk]: where record (src, j)'s k-th expert slot is (le*cap+slot,
 // or -1). A masked source is not waited for and sends nothing; with c.skip (a refused call) the records
 // are not unpacked and nothing is written (the epoch still advances, so the next call pairs up). A source
 // whose signal carries another expert-map generation, or flags a failed send, raises (ERR_GENERATION,
@@ -150,7 +150,7 @@ __device__ void moecomm::dispatch_recv(const Fixed& f, const Call& c) {
       if (warp == 0) route(j, 0);
       __syncthreads();
       if (first) TRACE(MOECOMM_TRACE_DISPATCH_RECV, 2);
-      if (!f.packed) row.store(f, xdst[0], sdst[0], n[0], rec, rec + f.x_bytes);
+      if (!f.packed) row.store(f, xdst[0], sdst[0], n[0], 0, rec, rec + f.x_bytes);
       __syncthreads();
       if (first) TRACE(MOECOMM_TRACE_DISPATCH_RECV, 3);
     }
@@ -172,7 +172,7 @@ __device__ void moecomm::dispatch_recv(const Fixed& f, const Call& c) {
         const uint8_t* rec = record(cur[b]);
         RowCopy row;
         row.load(f, rec, rec + f.x_bytes, threadIdx.x - 32, THREADS - 32);
-        row.store(f, xdst[b], sdst[b], n[b], rec, rec + f.x_bytes, threadIdx.x - 32, THREADS - 32);
+        row.store(f, xdst[b], sdst[b], n[b], 0, rec, rec + f.x_bytes, threadIdx.x - 32, THREADS - 32);
       }
       __syncthreads();
       if (i == 0) TRACE(MOECOMM_TRACE_DISPATCH_RECV, 3);

@@ -168,7 +168,7 @@ __device__ void moecomm::dispatch_send(const Fixed& f, const Call& c, int sender
     if (where >= 0) {
       const int pos = nd + staged + __popc(rows_here & below);
       xd[b][pos] = c.out_x + (size_t)where * f.x_bytes;
-      sd[b][pos] = (uint8_t*)(c.out_scale + (size_t)where * (f.scale_bytes / 4));
+      sd[b][pos] = scale_row(f, c, where);
     }
     if (own) {  // this rank's record: metadata for combine, and where each of its experts put the row
       const uint8_t* mine = (const uint8_t*)__shfl_sync(FULL, (unsigned long long)sym, __ffs(own) - 1);
@@ -208,7 +208,7 @@ __device__ void moecomm::dispatch_send(const Fixed& f, const Call& c, int sender
     const int t = !pipelined ? token(i) : k < 0 ? 0 : tok[b];
     if (t < 0 || t >= m) break;
     const uint8_t* const xt = x + (size_t)t * f.x_bytes;
-    const uint8_t* const scales = (const uint8_t*)(c.x_scale + (size_t)t * (f.scale_bytes / 4));
+    const uint8_t* const scales = c.x_scale + (size_t)t * f.scale_bytes;
     const bool ahead = pipelined && k >= 0 && n_put[b] >= 0;  // pipelined: a valid token to send
     const int ahead_nd = ahead ? n_direct[b] : 0;
     RowCopy row;
@@ -218,7 +218,7 @@ __device__ void moecomm::dispatch_send(const Fixed& f, const Call& c, int sender
       next(pipelined ? i + senders : i, pipelined ? b ^ 1 : 0);
     } else if (ahead && (int)threadIdx.x - 32 < copiers) {
       row.load(f, xt, scales, threadIdx.x - 32, copiers);
-      row.store(f, xd[b], sd[b], ahead_nd + n_local[b], xt, scales, threadIdx.x - 32, copiers);
+      row.store(f, xd[b], sd[b], ahead_nd + n_local[b], ahead_nd, xt, scales, threadIdx.x - 32, copiers);
     }
     __syncthreads();
     if (k == k0) TRACE(MOECOMM_TRACE_DISPATCH_SEND, 2);
@@ -240,7 +240,7 @@ __device__ void moecomm::dispatch_send(const Fixed& f, const Call& c, int sender
       }
       __syncthreads();
     }
-    row.store(f, xd[0], sd[0], nd + (puts ? 1 : 0) + n_local[0], xt, scales);
+    row.store(f, xd[0], sd[0], nd + (puts ? 1 : 0) + n_local[0], nd + (puts ? 1 : 0), xt, scales);
     if (warp == 0) write_meta(0, t);
     __syncthreads();
     if (arrivals) arr.stored(nd);

@@ -36,7 +36,7 @@ FIXED_FIELDS = (
     ("state", "unsigned*"),         # uint32 device state, MOECOMM_S_* indices
     ("err", "int*"),                # int32[MOECOMM_ERROR_WORDS] error word (mapped host memory)
     ("recv_buf", "uint8_t*"),       # symmetric [world, max_tokens, rec_bytes] dispatch records
-    ("comb_buf", "uint8_t*"),       # symmetric combine rows, [max(world, topk) * max_tokens, hidden] out dtype
+    ("comb_buf", "uint8_t*"),       # symmetric combine rows, [max(world, topk) * max_tokens, comb_row_bytes]
     ("stage", "uint8_t*"),          # symmetric staging rows (sources of puts to unmapped peers)
     ("sig", "uint64_t*"),           # symmetric [world] dispatch signals
     ("arrive", "uint64_t*"),        # symmetric [world, max_tokens] arrival words of dispatch records (the call)
@@ -62,10 +62,14 @@ FIXED_FIELDS = (
     ("topk", "int"), ("max_tokens", "int"), ("hidden", "int"),
     ("x_bytes", "int"),             # hidden * in_dtype size
     ("scale_bytes", "int"),         # a token's scales in bytes (0 without scales)
+    ("scale_item", "int"),          # bytes of one scale: 4 (float32, int32 of four UE8M0) or 1 (UE8M0)
+    ("scale_column", "int"),        # 1: out_scale column-major per expert ([L, scales, cap]; packed [scales, cap])
     ("meta_off", "int"),            # offset of a record's metadata (token, ids[topk], weights[topk])
     ("rec_bytes", "int"),           # bytes of one dispatch record
     ("out_code", "int"),            # MOECOMM_DT_BF16 / MOECOMM_DT_FP16
     ("out_row_bytes", "int"),       # hidden * out_dtype size
+    ("wire", "int"),                # combine's rows on the wire: MOECOMM_WIRE_* (0: out_dtype)
+    ("comb_row_bytes", "int"),      # bytes of one combine row on the wire (combine_row_bytes)
     ("cap", "int"),                 # slots per local expert (packed layout: rows of the rank)
     ("drop", "int"),                # 1: overflow="drop", 0: "error"
     ("packed", "int"),              # 1: packed layout: cap rows per rank, back to back by expert
@@ -82,13 +86,13 @@ FIXED_FIELDS = (
 # The arrays of one call (dispatch fields, then combine fields): device addresses, 0 for None.
 CALL_FIELDS = (
     ("x", "const uint8_t*"),        # dispatch: [rows, hidden] in_dtype
-    ("x_scale", "const float*"),    # dispatch: [rows, scales] float32
+    ("x_scale", "const uint8_t*"),  # dispatch: [rows, scales] scale_dtype
     ("indices", "const void*"),     # [rows, topk] int32/uint32 (idx64 == 0) or int64 expert ids
     ("weights", "const float*"),    # [rows, topk] float32
     ("bound_m", "const int*"),      # [1] int32/uint32: m
     ("out_num", "int*"),            # dispatch: [local_experts] int32
     ("out_x", "uint8_t*"),          # dispatch: [local_experts, cap, hidden] in_dtype
-    ("out_scale", "float*"),        # dispatch: [local_experts, cap, scales] float32
+    ("out_scale", "uint8_t*"),      # dispatch: [local_experts, cap, scales] scale_dtype (scale_column: transposed)
     ("out_offsets", "int*"),        # dispatch, packed layout: [local_experts + 1] int32
     ("y", "const uint8_t*"),        # combine: [local_experts, cap, hidden] out_dtype
     ("out_tokens", "uint8_t*"),     # combine: [rows, hidden] out_dtype
@@ -150,6 +154,15 @@ def _align16(n):
     return (n + 15) // 16 * 16
 
 
+def combine_row_bytes(cfg):
+    """Bytes of one combine row as it travels: hidden_dim values of out_dtype, or on an FP8 combine wire
+    hidden_dim e4m3 bytes then a scale per COMBINE_BLOCK values (float32, or one UE8M0 byte), padded to 16."""
+    H = cfg.hidden_dim
+    if cfg.combine_wire is None:
+        return H * cfg.out_dtype.itemsize
+    return _align16(H + H // C.COMBINE_BLOCK * (1 if cfg.combine_wire == "e4m3_ue8m0" else 4))
+
+
 @dataclass(frozen=True)
 class RecordLayout:
     """One dispatch record, in bytes: the token row (x_bytes), its scales at ``scale_off`` (scale_bytes), then
@@ -201,8 +214,10 @@ def combine_streams(cfg, num_sms, transport_streams):
     formed, and the token side adds each token's own expert rows to the peers' partial sums as these land
     (arrival words; cuda/combine.cu). Prefill-sized batches (streamed), DP size 1, the padded layout, and
     kernels that carry it (``transport_streams``: moecomm._jit.Variant.streams_combine of the module the
-    AllToAll launches from, GpuTransport.kernels)."""
-    return streamed(cfg, num_sms) and cfg.dp_size == 1 and cfg.layout == "padded" and transport_streams
+    AllToAll launches from, GpuTransport.kernels). Not on an FP8 combine wire: the token side would add rows
+    of two formats."""
+    return (streamed(cfg, num_sms) and cfg.dp_size == 1 and cfg.layout == "padded" and cfg.combine_wire is None
+            and transport_streams)
 
 
 def dispatch_senders(cfg, num_sms):
@@ -241,6 +256,9 @@ KERNELS = {k.name: k for k in (
     Kernel("moecomm_dispatch", (Fixed, Call), _per_source_blocks),
     Kernel("moecomm_dispatch_streamed", (Fixed, Call), _per_source_blocks),
     Kernel("moecomm_combine", (Fixed, Call), _per_source_blocks),
+    Kernel("moecomm_combine_send_wire", (Fixed, Call), _per_source_blocks),
+    Kernel("moecomm_combine_recv_wire", (Fixed, Call), _token_blocks),
+    Kernel("moecomm_combine_wire", (Fixed, Call), _per_source_blocks),
     Kernel("moecomm_peer_check", (PeerCheck,), threads=32),
     Kernel("moecomm_delay", (Delay,), threads=1),
 )}
@@ -248,12 +266,26 @@ ALLTOALL_KERNELS = tuple(f"moecomm_{half}" for half in C.HALVES)  # the four hal
 WHOLE_KERNELS = {"dispatch": "moecomm_dispatch", "combine": "moecomm_combine"}  # a phase's halves in one launch
 STREAMED_DISPATCH = "moecomm_dispatch_streamed"  # the one-launch dispatch of streamed batches (cuda/dispatch.cu)
 PACK_KERNEL = "moecomm_dispatch_pack"  # the packed layout's third dispatch kernel (after the receive half)
+WIRE = "_wire"  # the combine kernels of an FP8 combine wire: their names end so (cuda/combine*.cu)
+WIRE_KERNELS = ("moecomm_combine_send_wire", "moecomm_combine_recv_wire", "moecomm_combine_wire")
+
+
+def _on_wire(cfg, name):
+    return name + WIRE if cfg.combine_wire is not None and name.startswith("moecomm_combine") else name
+
+
+def half_kernels(cfg):
+    """The four halves' kernels for this configuration, in ALLTOALL_KERNELS' order: on an FP8 combine wire the
+    combine's own, so the out-dtype kernels carry none of its code."""
+    return tuple(_on_wire(cfg, n) for n in ALLTOALL_KERNELS)
 
 
 def whole_kernels(cfg, num_sms):
     """{phase: the kernel that runs its two halves in one launch} for this configuration: the dispatch of
-    streamed (prefill-sized) batches is its own kernel, so the small batches' kernel carries none of its code."""
-    return dict(WHOLE_KERNELS, dispatch=STREAMED_DISPATCH) if streamed(cfg, num_sms) else WHOLE_KERNELS
+    streamed (prefill-sized) batches is its own kernel, so the small batches' kernel carries none of its code;
+    so is the combine on an FP8 combine wire."""
+    whole = dict(WHOLE_KERNELS, dispatch=STREAMED_DISPATCH) if streamed(cfg, num_sms) else WHOLE_KERNELS
+    return {phase: _on_wire(cfg, n) for phase, n in whole.items()}
 
 
 # The device header --------------------------------------------------------------------------------

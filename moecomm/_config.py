@@ -4,7 +4,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import _constants as C
-from ._dtypes import COMBINE_WIRES, IN_DTYPES, OUT_DTYPES, SCALE_DTYPES, as_dtype, float32
+from ._dtypes import IN_DTYPES, OUT_DTYPES, SCALE_DTYPES, as_dtype, float32
 from ._errors import InvalidArgument
 
 
@@ -108,8 +108,8 @@ class AllToAllConfig:
             raise InvalidArgument(f"scale_layout must be 'row' or 'column', got {scale_layout!r}")
         if scale_layout == "column" and hidden_dim_scale is None:
             raise InvalidArgument("scale_layout='column' needs scales (hidden_dim_scale)")
-        if combine_wire not in COMBINE_WIRES:
-            raise InvalidArgument(f"combine_wire must be one of {list(COMBINE_WIRES)}, got {combine_wire!r}")
+        if combine_wire not in C.WIRE_CODES:
+            raise InvalidArgument(f"combine_wire must be one of {list(C.WIRE_CODES)}, got {combine_wire!r}")
         if combine_wire is not None and hidden_dim % C.COMBINE_BLOCK:
             raise InvalidArgument(f"combine_wire={combine_wire!r} needs hidden_dim a multiple of "
                                   f"{C.COMBINE_BLOCK} (one scale per {C.COMBINE_BLOCK} values), got {hidden_dim}")

@@ -103,6 +103,9 @@ ROW_ALIGN = 16
 SCALE_ALIGN = 4
 # Values per float32 (or UE8M0) scale of an FP8 combine wire, and the largest e4m3 value a scale maps to.
 COMBINE_BLOCK, E4M3_MAX = 128, 448.0
+# combine_wire as the kernels know it (Fixed.wire): None (rows in out_dtype), "e4m3", "e4m3_ue8m0".
+WIRE_NONE, WIRE_E4M3, WIRE_E4M3_UE8M0 = 0, 1, 2
+WIRE_CODES = {None: WIRE_NONE, "e4m3": WIRE_E4M3, "e4m3_ue8m0": WIRE_E4M3_UE8M0}
 
 
 def timeout_seconds(value=None):
@@ -139,18 +142,18 @@ TRACE_SPAN = 8
 
 
 # Exported to device code as MOECOMM_<name> (moecomm/_abi.py writes them into the generated moecomm_abi.h):
-# every ERR_*, PHASE_* and DT_* constant above, these scalars, these literals (with their C suffixes), the
+# every ERR_*, PHASE_*, DT_* and WIRE_* constant above, these scalars, these literals (with their C suffixes), the
 # build options and the indices of the field tables (S_*, C_*, B_*, TRACE_<half>).
 _DEVICE_SCALARS = ("TIMEOUT_LEFT", "ERROR_WORDS", "REASON_ARG_SHIFT", "SIG_COUNT_BITS", "SIG_GEN_BITS", "MAX_TOPK",
                    "MAX_EXPERTS", "ROW_ALIGN", "BLOCK_THREADS", "BLOCKS_PER_SM", "ARRIVAL_BATCH", "ARRIVAL_FIRST",
-                   "TRACE_POINTS", "TRACE_SPAN")
-_DEVICE_LITERALS = {"REPLICA_TOKEN": "u", "REPLICA_GROUP": "u", "PEER_UNMAPPED": "ll"}
+                   "TRACE_POINTS", "TRACE_SPAN", "COMBINE_BLOCK")
+_DEVICE_LITERALS = {"REPLICA_TOKEN": "u", "REPLICA_GROUP": "u", "PEER_UNMAPPED": "ll", "E4M3_MAX": "f"}
 
 
 def device_constants():
     """The constants above (and the build options from the environment) by device name (MOECOMM_<name>)."""
     names = globals()
-    values = {n: v for n, v in names.items() if n.startswith(("ERR_", "PHASE_", "DT_")) and isinstance(v, int)}
+    values = {n: v for n, v in names.items() if n.startswith(("ERR_", "PHASE_", "DT_", "WIRE_")) and isinstance(v, int)}
     values.update({n: names[n] for n in _DEVICE_SCALARS})
     values.update({n: f"{names[n]}{suffix}" for n, suffix in _DEVICE_LITERALS.items()})
     values.update(FORCE_PUTS=int(os.environ.get(FORCE_PUTS_ENV, "0") == "1"),

@@ -26,7 +26,7 @@ _ALIASES = {
 IN_DTYPES = (bfloat16, float16, float8_e4m3fn, uint8)
 OUT_DTYPES = (bfloat16, float16)
 SCALE_DTYPES = (float32, float8_e8m0fnu, int32)
-COMBINE_WIRES = (None, "e4m3", "e4m3_ue8m0")  # combine's rows on the wire: out_dtype, or FP8 with block scales
+
 
 def as_dtype(value, allowed, what):
     """Return the numpy dtype named by ``value`` (a dtype, a type or a name) if it is in ``allowed``.

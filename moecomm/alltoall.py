@@ -180,9 +180,6 @@ class AllToAll:
             the token side dequantises and sums in float32: about half the bytes back, each value within
             2^-4 of itself (e4m3's rounding; ``moecomm.reference.quantize_e4m3``). hidden_dim a multiple
             of 128.
-
-        Host transport only in this release: uint8 rows, scales other than float32, scale_layout="column" and
-        combine_wire (GPU transports refuse them, on every rank).
     """
 
     def __init__(self, comm, max_num_tokens, num_experts, experts_per_token, hidden_dim,
@@ -196,10 +193,6 @@ class AllToAll:
                                                  experts_per_token, hidden_dim, hidden_dim_scale, in_dtype,
                                                  out_dtype, scale_dtype, dp_size, slots_per_rank, capacity, overflow,
                                                  layout, scale_layout, combine_wire)
-            unsupported = comm.transport.unsupported(c)
-            if unsupported:
-                raise InvalidArgument(f"the {comm.transport.name} transport does not take {unsupported} in this "
-                                      f"release (the host transport does)")
             window = positive_int("telemetry_window", telemetry_window, minimum=0)
             self.timeout_s = comm.timeout_s if timeout is None else timeout_seconds(timeout)[0]
             mine = (None, dict(c.key(), telemetry_window=window, timing=bool(timing)))

@@ -157,7 +157,7 @@ class Bench:
         L = experts // W
         a2a = moecomm.AllToAll(comm, tokens, experts, k, hidden, scales, "float8_e4m3fn", "bfloat16",
                                telemetry_window=self.args.telemetry_window, timing=self.args.timing,
-                               layout=self.args.layout)
+                               layout=self.args.layout, combine_wire=self.args.combine_wire)
         rows = a2a.cfg.expert_x_shape()[:-1]  # (L, slots) padded, (rows,) packed
         rng = np.random.default_rng([self.args.seed, tokens])
         idx = [routing(rng, tokens, k, experts, self.args.routing) for _ in range(W)]
@@ -239,10 +239,13 @@ class Bench:
         owners = idx[rank] // L
         remote_ranks = [len(set(row) - {rank}) for row in owners]
         disp_bytes = sum(remote_ranks) * record_bytes(a2a.cfg)
-        comb_bytes = sum(remote_ranks) * hidden * 2
+        comb_row = _abi.combine_row_bytes(a2a.cfg)
+        comb_bytes = sum(remote_ranks) * comb_row
         result = dict(config=name, tokens=tokens, experts=experts, topk=k, hidden=hidden, scales=scales,
                       world=W, routing=self.args.routing, weights_at_dispatch=True,
-                      bytes={"dispatch": int(disp_bytes), "combine": int(comb_bytes)},
+                      combine_wire=self.args.combine_wire,
+                      bytes={"dispatch": int(disp_bytes), "combine": int(comb_bytes), "combine_row": comb_row,
+                             "dispatch_record": record_bytes(a2a.cfg)},
                       eager={p: stats(eager[:, i]) for i, p in enumerate(PHASES)})
         result["eager"]["total"] = stats(eager.sum(axis=1))
         result["eager_layer"], result["host_us"] = eager_layer, host_us
@@ -388,6 +391,7 @@ def _variant(r):
     if r.get("telemetry_window", 64) != 64:
         name += f" w{r['telemetry_window']}"
     name += " packed" if r.get("layout") == "packed" else ""
+    name += f" {r['combine_wire']}" if r.get("combine_wire") else ""
     return name + (" timing" if r.get("timing") else "")
 
 
@@ -497,6 +501,8 @@ def main(argv=None):
     p.add_argument("--telemetry-window", type=int, default=64, help="AllToAll(telemetry_window=...); 0: off")
     p.add_argument("--timing", action="store_true", help="AllToAll(timing=True): CUDA events per phase")
     p.add_argument("--layout", default="padded", choices=["padded", "packed"], help="AllToAll(layout=...)")
+    p.add_argument("--combine-wire", default=None, choices=["e4m3", "e4m3_ue8m0"],
+                   help="AllToAll(combine_wire=...): combine's rows as FP8 (default: bf16)")
     p.add_argument("--merge", nargs="+", metavar="JSON",
                    help="no measurement: join these result files (e.g. one per transport) into --json and --plot")
     args = p.parse_args(argv)

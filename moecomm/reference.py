@@ -114,17 +114,20 @@ def dispatch(x, x_scale, indices, num_experts, world_size, max_num_tokens, dp_si
 
 def quantize_e4m3(rows, ue8m0=False):
     """The FP8 combine wire's rounding: ``rows`` [n, hidden] float32 (hidden a multiple of COMBINE_BLOCK) as
-    (e4m3 [n, hidden], scales [n, hidden / COMBINE_BLOCK]): each block of COMBINE_BLOCK values divided by its
-    scale, absmax / E4M3_MAX (1 for a block of zeros), rounded to nearest e4m3. With ``ue8m0`` the scale is
-    rounded up to a power of two and given as float8_e8m0fnu; else float32. Every value comes back within
-    2^-4 of itself (e4m3's 3 mantissa bits), or within scale * 2^-10 where it falls below e4m3's normal range."""
+    (e4m3 [n, hidden], scales [n, hidden / COMBINE_BLOCK]): each block of COMBINE_BLOCK values times the
+    float32 reciprocal of its scale, absmax / E4M3_MAX (1 for a block of zeros), rounded to nearest e4m3.
+    With ``ue8m0`` the scale is rounded up to a power of two and given as float8_e8m0fnu; else float32. Every
+    value comes back within 2^-4 of itself (e4m3's 3 mantissa bits), or within scale * 2^-10 where it falls
+    below e4m3's normal range."""
     n, hidden = rows.shape
     blocks = np.asarray(rows, np.float32).reshape(n, hidden // COMBINE_BLOCK, COMBINE_BLOCK)
     amax = np.abs(blocks).max(axis=2)
     scale = np.where(amax > 0, amax / np.float32(E4M3_MAX), np.float32(1)).astype(np.float32)
-    if ue8m0:
-        scale = np.exp2(np.ceil(np.log2(scale))).astype(np.float32)
-    q = np.clip(blocks / scale[..., None], -E4M3_MAX, E4M3_MAX).astype(float8_e4m3fn).reshape(n, hidden)
+    if ue8m0:  # up to a power of two, exactly: scale = m * 2^e with m in [0.5, 1)
+        m, e = np.frexp(scale)
+        scale = np.ldexp(np.float32(1), np.where(m == 0.5, e - 1, e)).astype(np.float32)
+    inverse = (np.float32(1) / scale).astype(np.float32)  # values times the scale's reciprocal, as the kernels do
+    q = np.clip(blocks * inverse[..., None], -E4M3_MAX, E4M3_MAX).astype(float8_e4m3fn).reshape(n, hidden)
     return q, scale.astype(float8_e8m0fnu) if ue8m0 else scale
 
 

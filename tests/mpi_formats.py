@@ -1,20 +1,25 @@
-"""Formats of the wire on the host transport: every scale format (float32, UE8M0 one per byte, UE8M0 packed
+"""Formats of the wire on any transport: every scale format (float32, UE8M0 one per byte, UE8M0 packed
 four per int32) in either scale layout (row-major, column-major per expert) and either expert layout
 round-trips bit-exactly through dispatch; an NVFP4-shaped opaque payload (uint8 rows: packed 4-bit values,
 their e4m3 scales, a float32 global scale) does too, and combine stays typed; the FP8 combine wire ("e4m3",
 "e4m3_ue8m0", weights sent with dispatch or given at combine) equals the reference's rounding, stays within
 the stated bound of the exact result, and sends fewer bytes than the bf16 path.
 
-    mpiexec -n 3 python tests/mpi_formats.py
+    mpiexec -n 3 python tests/mpi_formats.py [--transport host|ipc|nvshmem]
 
 Prints "<n> checks on <w> ranks: <f> failures" on rank 0.
 """
+import argparse
+
 import numpy as np
 
 import moecomm
 from moecomm import reference
 from moecomm._dtypes import float8_e8m0fnu
+from mpi_alltoall import Device, Host
 from report import finish
+
+A = Host  # the arrays of the transport under test (main)
 
 E_PER_RANK, K, M, H = 3, 2, 12, 512
 SCALES = (  # (scale_dtype, scales per token): blocks of 128 in float32, of 32 in UE8M0, UE8M0 packed by four
@@ -53,14 +58,26 @@ def random_scales(W, seed, dtype, n):
 
 
 def dispatch(a2a, x, xs, ids, w, weights_at_dispatch=True):
+    """One dispatch into poisoned outputs: (counts, expert_x, expert scales or None, offsets or None) as numpy
+    arrays, and expert_x where the transport keeps it (for a combine)."""
     c = a2a.cfg
-    n = np.zeros(c.num_local_experts, np.int32)
-    ex = np.zeros(c.expert_x_shape(), c.in_dtype)
-    es = None if xs is None else np.zeros(c.expert_x_scale_shape(), c.scale_dtype)
-    off = np.zeros(c.num_local_experts + 1, np.int32) if c.layout == "packed" else None
-    a2a.dispatch(n, ex, es, x, xs, ids, np.array([M], np.int32), weights=w if weights_at_dispatch else None,
-                 out_expert_offsets=off)
-    return n, ex, es, off
+    n = A.empty(c.num_local_experts, np.int32)
+    ex = A.empty(c.expert_x_shape(), c.in_dtype)
+    es = None if xs is None else A.empty(c.expert_x_scale_shape(), c.scale_dtype)
+    off = A.empty(c.num_local_experts + 1, np.int32) if c.layout == "packed" else None
+    a2a.dispatch(n, ex, es, A.put(x), None if xs is None else A.put(xs), A.put(ids), A.put(np.array([M], np.int32)),
+                 weights=A.put(w) if weights_at_dispatch else None, out_expert_offsets=off)
+    got = [None if a is None else A.get(a).view(dtype) for a, dtype in
+           ((n, np.int32), (ex, c.in_dtype), (es, c.scale_dtype), (off, np.int32))]
+    return (*got, ex)
+
+
+def combine(a2a, ids, w, y):
+    """One combine of expert outputs ``y`` (kept by the transport, or numpy) into poisoned rows: numpy."""
+    out = A.empty((M, a2a.cfg.hidden_dim), a2a.cfg.out_dtype)
+    a2a.combine(out, A.put(ids), None if w is None else A.put(w), A.put(y) if isinstance(y, np.ndarray) else y,
+                A.put(np.array([M], np.int32)))
+    return A.get(out).view(a2a.cfg.out_dtype)
 
 
 def padded(a, off, cap):
@@ -84,8 +101,8 @@ def check_scales(comm, fails):
                                        layout=layout, scale_layout=scale_layout)
                 drawn, scales = draw(W, checks), random_scales(W, checks, dtype, n_scales)
                 x, ids, w = drawn[r]
-                n, ex, es, off = dispatch(a2a, x, scales[r], ids, w)
-                a2a.combine(np.zeros((M, H), moecomm.bfloat16), ids, None, ex, np.array([M], np.int32))
+                n, ex, es, off, kept = dispatch(a2a, x, scales[r], ids, w)
+                combine(a2a, ids, None, kept)
                 rows = es if scale_layout == "row" else np.swapaxes(es, -1, -2)  # [.., slots, scales]
                 if layout == "packed":
                     cap = M * W
@@ -110,7 +127,7 @@ def check_opaque(comm, fails):
     a2a = moecomm.AllToAll(comm, M, E, K, NVFP4_ROW, None, "uint8", "bf16")
     drawn = draw(W, 7, NVFP4_ROW)
     x, ids, w = drawn[r]
-    n, ex, _, _ = dispatch(a2a, x, None, ids, w)
+    n, ex, _, _, _ = dispatch(a2a, x, None, ids, w)
     ref = reference.dispatch([d[0] for d in drawn], None, [d[1] for d in drawn], E, W, M)
     for e in range(E_PER_RANK):
         if not np.array_equal(reference.canonical_rows(n[e], ex[e]),
@@ -118,8 +135,7 @@ def check_opaque(comm, fails):
             fails.append(f"opaque NVFP4 rows: expert {e}'s rows are not the reference's bytes")
     # the experts: a typed output from the bytes (the first NVFP4_ROW values as numbers)
     y = (ex.astype(np.float32) / 255)[..., :NVFP4_ROW].astype(moecomm.bfloat16)
-    out = np.zeros((M, NVFP4_ROW), moecomm.bfloat16)
-    a2a.combine(out, ids, None, y, np.array([M], np.int32))
+    out = combine(a2a, ids, None, y)
     ref_y = [(q["expert_x"].astype(np.float32) / 255).astype(moecomm.bfloat16) for q in ref]
     want = reference.combine([d[1] for d in drawn], [d[2] for d in drawn], ref_y, [q["origin"] for q in ref], E, W,
                              moecomm.bfloat16)[r]
@@ -140,11 +156,10 @@ def check_fp8_combine(comm, fails):
             a2a = moecomm.AllToAll(comm, M, E, K, H, None, "bf16", "bf16", combine_wire=wire)
             drawn = draw(W, 20 + partials)
             x, ids, w = drawn[r]
-            n, ex, _, _ = dispatch(a2a, x, None, ids, w, weights_at_dispatch=partials)
+            n, ex, _, _, _ = dispatch(a2a, x, None, ids, w, weights_at_dispatch=partials)
             scale = np.exp(np.linspace(-3, 3, H, dtype=np.float32))  # values across many binades
             y = (ex.astype(np.float32) * scale).astype(moecomm.bfloat16)
-            out = np.zeros((M, H), moecomm.bfloat16)
-            a2a.combine(out, ids, None if partials else w, y, np.array([M], np.int32))
+            out = combine(a2a, ids, None if partials else w, y)
             sent[(wire, partials)] = int(a2a.stats()["bytes"]["combine_sent"].sum())
             ref = reference.dispatch([d[0] for d in drawn], None, [d[1] for d in drawn], E, W, M)
             ys = [(q["expert_x"].astype(np.float32) * scale).astype(moecomm.bfloat16) for q in ref]
@@ -159,8 +174,10 @@ def check_fp8_combine(comm, fails):
             peak = reference.combine(args[0], [np.abs(d[2]) for d in drawn],  # sum_k |w| max |y_k|, per token
                                      [np.broadcast_to(np.abs(v.astype(np.float32)).max(-1, keepdims=True), v.shape)
                                       for v in ys], *args[3:], np.float32)[r]
-            # e4m3: 2^-4 of each value, or below its normal range scale * 2^-10 (scale <= peak / 448); then bf16
-            bound = (2 ** -4 * size + peak / 448 * 2 ** -10 if wire else 0) + 2 ** -8 * np.abs(exact) + 1e-6
+            # e4m3: 2^-4 of each value, or below its normal range scale * 2^-10 (scale <= peak / 448); without a
+            # wire, GPU transports send partial sums in bf16 (2^-8 each); then the result's bf16
+            bound = (2 ** -4 * size + peak / 448 * 2 ** -10 if wire else 2 ** -8 * size if partials else 0) \
+                + 2 ** -8 * np.abs(exact) + 1e-6
             if (np.abs(got - exact) > bound).any():
                 fails.append(f"{label}: beyond the stated bound of the exact sum")
             a2a.destroy()
@@ -175,7 +192,12 @@ def check_fp8_combine(comm, fails):
 
 
 def main():
-    comm = moecomm.init(transport="host", timeout=3.0)
+    global A
+    p = argparse.ArgumentParser()
+    p.add_argument("--transport", default="host")
+    transport = p.parse_args().transport
+    A = Host if transport == "host" else Device
+    comm = moecomm.init(transport=transport, timeout=3.0 if transport == "host" else 30.0)
     fails = []
     checks = check_scales(comm, fails) + check_opaque(comm, fails) + check_fp8_combine(comm, fails)
     finish(comm, fails, checks)

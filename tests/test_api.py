@@ -360,14 +360,13 @@ def test_offsets_go_with_the_packed_layout(comm):
     packed.destroy()
 
 
-def test_gpu_transports_refuse_the_formats_they_have_not_been_validated_with():
-    """GpuTransport.unsupported names each format option the kernels do not take yet; AllToAll refuses such a
-    configuration on every rank with that name (the same transport everywhere)."""
+def test_combine_rows_on_the_fp8_wire_are_about_half_the_bf16_bytes():
+    """The bytes of one combine row as the GPU kernels send it (moecomm._abi.combine_row_bytes): hidden_dim
+    values of out_dtype, or e4m3 values and a scale per 128 of them (float32 or one UE8M0 byte), padded to 16."""
+    from moecomm._abi import combine_row_bytes
     from moecomm._config import AllToAllConfig
-    from moecomm.transport.gpu import GpuTransport
-    plain = AllToAllConfig.create(1, 0, M, E, K, 256, 2, "float8_e4m3fn", "bfloat16", None, 1)
-    assert GpuTransport.unsupported(None, plain) == ""
-    every = AllToAllConfig.create(1, 0, M, E, K, 256, 4, "uint8", "bfloat16", "ue8m0x4", 1, scale_layout="column",
-                                  combine_wire="e4m3")
-    assert GpuTransport.unsupported(None, every) == ("in_dtype=uint8 (opaque rows), scale_dtype=int32, "
-                                                     "scale_layout='column', combine_wire='e4m3'")
+
+    def row(wire):
+        return combine_row_bytes(AllToAllConfig.create(1, 0, M, E, K, 7168, 56, "float8_e4m3fn", "bfloat16", None, 1,
+                                                       combine_wire=wire))
+    assert (row(None), row("e4m3"), row("e4m3_ue8m0")) == (7168 * 2, 7168 + 56 * 4, 7168 + 64)

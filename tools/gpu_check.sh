@@ -28,6 +28,11 @@
 #                                    ($RANKS) time-sliced on GPU 0 over ipc (correct and slow): quick sweeps,
 #                                    control, the JAX matrix, telemetry, capacity, packed, replicas, masking, DP
 #                                    groups, a rank whose program fails
+#   bash tools/gpu_check.sh formats  the formats of the wire (tests/mpi_formats.py: scale dtypes and layouts, opaque
+#                                    rows, the FP8 combine wire) at world size 1 on both transports and at 2 and 4
+#                                    ranks time-sliced over ipc, then R1-decode at world size 1 with combine's rows
+#                                    as bf16, e4m3 and e4m3_ue8m0 (bench JSON each); with $BASELINE (a tree of an
+#                                    earlier commit) the same bf16 benchmark from that tree, run in turn with ours
 #   bash tools/gpu_check.sh --help   this text
 #   bash tools/gpu_check.sh latency  the checks a kernel change needs (quick sweeps on both transports, the
 #                                    put-only path, world size 1, the model-sized and streamed cases (--full),
@@ -97,6 +102,25 @@ if [ "${1:-}" = ranks ]; then  # more ranks than GPUs: every rank on GPU 0, time
     fi
     [ $n = 4 ] && expect ": 0 failures" "${MPIRUN[@]}" -np 4 python3 tests/mpi_mask.py --transport ipc
     [ $n = 4 ] && step "${MPIRUN[@]}" -np 4 python3 tests/mpi_alltoall.py --transport ipc --dp-only
+  done
+  exit $status
+fi
+if [ "${1:-}" = formats ]; then
+  for t in ipc nvshmem; do expect ": 0 failures" "${MPIRUN[@]}" -np 1 python3 tests/mpi_formats.py --transport $t; done
+  ( export MOECOMM_TRANSPORT=ipc MOECOMM_IPC_HEAP_MB=${MOECOMM_IPC_HEAP_MB:-1024} CUDA_VISIBLE_DEVICES=0
+    for n in 2 4; do expect ": 0 failures" "${MPIRUN[@]}" -np $n python3 tests/mpi_formats.py --transport ipc; done
+    [ $status = 0 ] ) || status=1
+  bench=(python3 -m moecomm.bench --transport ipc --configs r1-decode --iters ${BENCH_ITERS:-300} --plot /dev/null)
+  for round in 1 2; do  # ours and the baseline's in turn, twice: the GPU's state drifts between runs
+    for w in bf16 e4m3 e4m3_ue8m0; do
+      [ $round = 2 ] && [ $w != bf16 ] && continue
+      wire=(); [ $w = bf16 ] || wire=(--combine-wire $w)
+      step "${MPIRUN[@]}" -np 1 "${bench[@]}" "${wire[@]}" --json "$out/wire-$w-$round.json"
+    done
+    if [ -n "${BASELINE:-}" ]; then
+      (cd "$BASELINE" && export PYTHONPATH=$PWD${PYTHONPATH#"$OLDPWD"} MOECOMM_CACHE_DIR=/tmp/moecomm-baseline &&
+        step "${MPIRUN[@]}" -np 1 "${bench[@]}" --json "$out/baseline-bf16-$round.json")
+    fi
   done
   exit $status
 fi

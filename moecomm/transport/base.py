@@ -170,11 +170,6 @@ class Transport(abc.ABC):
         """Release everything the transport holds. Collective (bounded by the communicator's timeout),
         unless ``collective`` is False (the communicator is broken): then release only what needs no peer."""
 
-    def unsupported(self, cfg) -> str:
-        """What of the AllToAll configuration ``cfg`` this transport does not take ("" when it takes all of
-        it): AllToAll refuses such a configuration on every rank."""
-        return ""
-
     def leave(self) -> None:
         """This rank is leaving (Communicator.finalize, or its program ends on an error): tell the peers
         through the transport where waits of theirs do not watch the bootstrap (their kernels)."""

@@ -12,7 +12,6 @@ import numpy as np
 from .. import _abi, _cuda, _jit
 from .. import _constants as C
 from .._arrays import DeviceArrays
-from .._dtypes import float32, uint8
 from .._errors import (CapacityExceeded, CommTimeout, ExpertMapMismatch, InvalidArgument, InvalidRouting, MoeCommError,
                        PeerError, PeerExited)
 from .base import Transport, peer_pattern
@@ -25,14 +24,6 @@ DEPARTURE_WAIT_S = 0.5  # how long an error naming a departed peer waits for tha
 class GpuTransport(Transport):
     memory = "device"
     variant = ""
-
-    def unsupported(self, cfg):
-        """The formats the kernels have not been validated with yet (moecomm.AllToAll says which)."""
-        options = [("in_dtype=uint8 (opaque rows)", cfg.in_dtype == uint8),
-                   (f"scale_dtype={cfg.scale_dtype}", cfg.scale_dtype not in (None, float32)),
-                   ("scale_layout='column'", cfg.scale_layout == "column"),
-                   (f"combine_wire={cfg.combine_wire!r}", cfg.combine_wire is not None)]
-        return ", ".join(name for name, used in options if used)
 
     def kernels(self, cfg):
         """(variant, module) an AllToAll of ``cfg`` launches from. At prefill-sized batches

@@ -2,13 +2,13 @@
 (``transport.symmetric``), launched through ``transport.launch`` from the module ``transport.kernels`` picks
 for the configuration (see moecomm/transport/gpu.py). A phase
 whose two halves are requested together runs as one kernel (``moecomm_dispatch``, or
-``moecomm_dispatch_streamed`` at prefill sizes; ``moecomm_combine``); split halves run the send and receive
-kernels.
+``moecomm_dispatch_streamed`` at prefill sizes; ``moecomm_combine``, or its ``_wire`` twins on an FP8 combine
+wire); split halves run the send and receive kernels.
 
 Symmetric memory per rank (bytes), W ranks, M = max_num_tokens, K = top-k, H = hidden_dim:
 
-    dispatch records   W * M * R          R = align16(H * in_size) + align16(4 * scales) + align16(4 + 8K)
-    combine rows       max(W, K) * M * H * out_size
+    dispatch records   W * M * R          R = align16(H * in_size) + align16(scale bytes) + align16(4 + 8K)
+    combine rows       max(W, K) * M * B      B = H * out_size, or on an FP8 combine wire align16(H + scale bytes)
     staging            blocks * 4 * max(R, H * out_size)   (sources of puts to non-mapped peers)
     signals            3 * W * 8          (dispatch, combine, and the detail of a failed call)
     arrival words      2 * W * M * 8      (one per dispatch record slot, one per partial sum of combine)
@@ -16,8 +16,8 @@ Symmetric memory per rank (bytes), W ranks, M = max_num_tokens, K = top-k, H = h
 
 (:func:`symmetric_bytes`). Bytes on the wire per call, for n tokens sent by a rank and reaching on
 average r distinct other ranks: dispatch n * r * R (a token's rows for this rank's own experts are
-stored in place by the send kernel, with no record); combine n * r * H * out_size with router weights at
-dispatch (one partial per token and expert rank), else n * K * H * out_size.
+stored in place by the send kernel, with no record); combine n * r * B with router weights at dispatch (one
+partial per token and expert rank), else n * K * B (B: moecomm._abi.combine_row_bytes).
 
 No host synchronization happens in dispatch or combine: m is read on the device from ``bound_m``, epochs
 and counters live in device memory, errors land in a mapped host word. Every rank runs every phase of
@@ -45,7 +45,7 @@ def record_bytes(cfg):
 
 def blocks(cfg, num_sms):
     """{kernel name: grid size} of the AllToAll kernels (grid rules in moecomm._abi.KERNELS)."""
-    names = _abi.ALLTOALL_KERNELS + tuple(_abi.whole_kernels(cfg, num_sms).values()) + (_abi.PACK_KERNEL,)
+    names = _abi.half_kernels(cfg) + tuple(_abi.whole_kernels(cfg, num_sms).values()) + (_abi.PACK_KERNEL,)
     return {n: _abi.KERNELS[n].grid(cfg, num_sms) for n in names}
 
 
@@ -53,12 +53,12 @@ def symmetric_sizes(cfg, num_sms):
     """Bytes of each symmetric buffer one rank allocates (the formula in the module doc), and the staging
     row size: {"recv_buf", "comb_buf", "stage", "signals", "arrive", "drop_buf", "stage_row"}."""
     W, M, K = cfg.world_size, cfg.max_num_tokens, cfg.experts_per_token
-    out_row = cfg.hidden_dim * cfg.out_dtype.itemsize
-    stage_row = max(record_bytes(cfg), out_row)
+    comb_row = _abi.combine_row_bytes(cfg)
+    stage_row = max(record_bytes(cfg), comb_row)
     grid = blocks(cfg, num_sms)  # the kernels that stage rows (a block's rows at blockIdx * STAGE_SLOTS)
-    stage_rows = max(grid[n] for n in ("moecomm_dispatch_send", "moecomm_combine_send",
-                                       *_abi.whole_kernels(cfg, num_sms).values())) * C.STAGE_SLOTS
-    return dict(recv_buf=W * M * record_bytes(cfg), comb_buf=max(W, K) * M * out_row,
+    stage_rows = max(grid[n] for n in (*_abi.half_kernels(cfg)[::2], *_abi.whole_kernels(cfg, num_sms).values())) \
+        * C.STAGE_SLOTS
+    return dict(recv_buf=W * M * record_bytes(cfg), comb_buf=max(W, K) * M * comb_row,
                 stage=stage_rows * stage_row, signals=3 * W * 8, arrive=2 * W * M * 8, stage_row=stage_row,
                 drop_buf=W * M * 8 if cfg.capacity is not None and cfg.overflow == "drop" else 0)
 
@@ -118,9 +118,11 @@ class GpuAllToAll(AllToAllBackend):
             gone=transport.gone.data.ptr, timeout_ns=int(timeout_s * 1e9),
             world=W, rank=cfg.rank, dp=cfg.dp_size, num_experts=cfg.num_experts, local_experts=L, topk=K,
             max_tokens=M, hidden=cfg.hidden_dim, x_bytes=rec.x_bytes, scale_bytes=rec.scale_bytes,
-            meta_off=rec.meta_off, rec_bytes=rec.size,
+            scale_item=0 if cfg.scale_dtype is None else cfg.scale_dtype.itemsize,
+            scale_column=int(cfg.scale_layout == "column"), meta_off=rec.meta_off, rec_bytes=rec.size,
             out_code=C.DT_FP16 if cfg.out_dtype == float16 else C.DT_BF16,
-            out_row_bytes=cfg.hidden_dim * cfg.out_dtype.itemsize, cap=cfg.expert_capacity, drop=int(drops),
+            out_row_bytes=cfg.hidden_dim * cfg.out_dtype.itemsize, wire=C.WIRE_CODES[cfg.combine_wire],
+            comb_row_bytes=_abi.combine_row_bytes(cfg), cap=cfg.expert_capacity, drop=int(drops),
             packed=int(cfg.layout == "packed"), window=window, stage_slots=C.STAGE_SLOTS,
             stage_bytes=sizes["stage_row"],
             c_received=counters["received"], c_dropped=counters["dropped"], c_bytes=counters["bytes"],
@@ -133,14 +135,14 @@ class GpuAllToAll(AllToAllBackend):
         launch = {n: transport.launch(n, g, self.fixed, self._call, module=self.module) for n, g in grid.items()}
         # the packed layout: a third dispatch kernel places the rows (no peer involved)
         pack = (launch[_abi.PACK_KERNEL],) if cfg.layout == "packed" else ()
-        d_send, d_recv, c_send, c_recv = (launch[n] for n in _abi.ALLTOALL_KERNELS)
+        d_send, d_recv, c_send, c_recv = (launch[n] for n in _abi.half_kernels(cfg))
         self._halves = {"dispatch": ((d_send,), (d_recv,) + pack), "combine": ((c_send,), (c_recv,))}  # send, receive
         # both halves in one launch where its grid is resident at once, else the two halves' kernels
         self._whole = {phase: (launch[n],) + (pack if phase == "dispatch" else ())
                        if _abi.resident(grid[n], transport.num_sms) else sum(self._halves[phase], ())
                        for phase, n in _abi.whole_kernels(cfg, transport.num_sms).items()}
         self._skip = dict(zip(C.HALVES, (transport.launch(n, grid[n], self.fixed, self._skipped, module=self.module)
-                                         for n in _abi.ALLTOALL_KERNELS)))
+                                         for n in _abi.half_kernels(cfg))))
         transport.settle("AllToAll(...)")
 
     def record(self):
