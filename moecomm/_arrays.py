@@ -167,11 +167,13 @@ def _c_contiguous(shape, strides_elems):
 _CUPY, _TORCH = "cupy", "torch"
 
 
-def _read_buffer(b):
+# Readers: (address, shape, dtype or None, C-contiguous, device or None, producer stream or None, read-only) of
+# an array, given the call's launch stream (which only DLPack producers need).
+def _read_buffer(b, stream):
     return b.ptr, b.shape, b.dtype, True, b.device if b.device >= 0 else -1, None, False
 
 
-def _read_cupy(a):
+def _read_cupy(a, stream):
     return a.data.ptr, a.shape, a.dtype, a._c_contiguous, a.data.device_id, _CUPY, False
 
 
@@ -186,7 +188,7 @@ def _torch_dtype(d):
     return dt
 
 
-def _read_torch(t):
+def _read_torch(t, stream):
     """PyTorch tensors (and anything that quacks like one: data_ptr, is_contiguous, get_device, dtype).
     get_device() is -1 for CPU tensors: their pointer is then checked (and refused)."""
     dev = t.get_device()
@@ -264,7 +266,6 @@ def _reader_for(cls):
 
 
 _READERS = {}
-_STREAM_READERS = (_read_dlpack, _read_cai)
 
 
 def _reader(obj):
@@ -318,18 +319,16 @@ class DeviceArrays:
                 f"{name}: expected a device array (CuPy array, PyTorch tensor, __dlpack__, "
                 f"__cuda_array_interface__ or moecomm.DeviceBuffer), got {type(obj).__name__}")
         try:
-            if reader in _STREAM_READERS:
-                ptr, shp, dt, contiguous, dev, producer, readonly = reader(obj, self._stream)
-            else:
-                ptr, shp, dt, contiguous, dev, producer, readonly = reader(obj)
+            ptr, shp, dt, contiguous, dev, producer, readonly = reader(obj, self._stream)
         except InvalidArgument as e:
             raise InvalidArgument(f"{name}: {e}") from None
         except Exception as e:  # the producer's own error (torch raises KeyError for bf16 CAI, ...)
             raise InvalidArgument(f"{name}: could not read the {type(obj).__name__} "
                                   f"({type(e).__name__}: {e})") from None
         got = accept.get(dt)
-        if (got is None or not contiguous or ptr & 15 or not (dev == self.device or dev == -1)
-                or not (shp == shape or (shape[0] is None and len(shp) == 2 and shp[1] == shape[1]))):
+        # the common case first in each test: per-token arrays (any rows) are 2-D, fixed shapes match
+        if (got is None or not contiguous or ptr & 15 or (dev != self.device and dev != -1)
+                or (shp != shape and (shape[0] is not None or len(shp) != 2 or shp[1] != shape[1]))):
             got = self._refuse(name, ptr, shp, dt, contiguous, dev, accept, shape)
         if output and readonly:
             raise InvalidArgument(f"{name}: an output, but the {type(obj).__name__} is read-only"
