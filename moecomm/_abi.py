@@ -183,6 +183,12 @@ class RecordLayout:
 
 
 # Grid rules -------------------------------------------------------------------------------------
+def sm_budget(cfg, num_sms):
+    """The SMs the rules below size grids for: the GPU's ``num_sms``, or fewer where the AllToAll's
+    ``max_sms`` caps them (every kernel then has at most BLOCKS_PER_SM * max_sms blocks)."""
+    return num_sms if cfg.max_sms is None else min(num_sms, cfg.max_sms)
+
+
 def _send_blocks(cfg, num_sms):
     """A block per token of this rank's DP share, up to BLOCKS_PER_SM per SM (no block of a half waits for
     another of its own grid, so blocks beyond what is resident just queue)."""

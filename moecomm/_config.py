@@ -41,6 +41,8 @@ class AllToAllConfig:
             per rank; offsets in out_expert_offsets).
         scale_layout: "row" (out_expert_x_scale [L, capacity, scales]) or "column" ([L, scales, capacity]:
             each expert's scales column-major, as TMA loads them).
+        max_sms: None, or the most SMs the kernels' grids are sized for (at most BLOCKS_PER_SM blocks per SM:
+            moecomm._abi.sm_budget), leaving the rest to work on other streams; GPU transports.
         combine_wire: None (combine's rows travel in out_dtype, partial sums in float32 on the host) or
             "e4m3" / "e4m3_ue8m0": the expert side quantises each row it sends to FP8 e4m3 with a float32
             (or UE8M0: a power of two) scale per COMBINE_BLOCK values, the token side dequantises and sums in
@@ -63,11 +65,12 @@ class AllToAllConfig:
     layout: str = "padded"
     scale_layout: str = "row"
     combine_wire: object = None
+    max_sms: object = None
 
     @classmethod
     def create(cls, world_size, rank, max_num_tokens, num_experts, experts_per_token, hidden_dim,
                hidden_dim_scale, in_dtype, out_dtype, scale_dtype, dp_size, slots_per_rank=None, capacity=None,
-               overflow="error", layout="padded", scale_layout="row", combine_wire=None):
+               overflow="error", layout="padded", scale_layout="row", combine_wire=None, max_sms=None):
         """Validate the arguments of :class:`moecomm.AllToAll`; raise InvalidArgument on the first bad one."""
         max_num_tokens = positive_int("max_num_tokens", max_num_tokens)
         if max_num_tokens >= 1 << C.SIG_COUNT_BITS:
@@ -113,6 +116,8 @@ class AllToAllConfig:
         if combine_wire is not None and hidden_dim % C.COMBINE_BLOCK:
             raise InvalidArgument(f"combine_wire={combine_wire!r} needs hidden_dim a multiple of "
                                   f"{C.COMBINE_BLOCK} (one scale per {C.COMBINE_BLOCK} values), got {hidden_dim}")
+        if max_sms is not None:
+            max_sms = positive_int("max_sms", max_sms)
         if slots_per_rank is not None:
             slots_per_rank = positive_int("slots_per_rank", slots_per_rank)
             if slots_per_rank < num_experts // world_size:
@@ -133,7 +138,7 @@ class AllToAllConfig:
                 raise InvalidArgument("capacity: needs dp_size == 1 so far")
         return cls(world_size, rank, max_num_tokens, num_experts, k, hidden_dim, hidden_dim_scale,
                    in_dtype, out_dtype, scale_dtype, dp_size, slots_per_rank, capacity, overflow, layout,
-                   scale_layout, combine_wire)
+                   scale_layout, combine_wire, max_sms)
 
     # Derived layout -------------------------------------------------------------------------
     @property
@@ -180,4 +185,5 @@ class AllToAllConfig:
                 "hidden_dim_scale": self.hidden_dim_scale, "in_dtype": str(self.in_dtype),
                 "out_dtype": str(self.out_dtype), "scale_dtype": str(self.scale_dtype), "dp_size": self.dp_size,
                 "slots_per_rank": self.slots_per_rank, "capacity": self.capacity, "overflow": self.overflow,
-                "layout": self.layout, "scale_layout": self.scale_layout, "combine_wire": self.combine_wire}
+                "layout": self.layout, "scale_layout": self.scale_layout, "combine_wire": self.combine_wire,
+                "max_sms": self.max_sms}

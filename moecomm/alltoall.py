@@ -180,19 +180,24 @@ class AllToAll:
             the token side dequantises and sums in float32: about half the bytes back, each value within
             2^-4 of itself (e4m3's rounding; ``moecomm.reference.quantize_e4m3``). hidden_dim a multiple
             of 128.
+        max_sms: None (default: the kernels' grids are sized for the whole GPU), or the most SMs they are
+            sized for (at most 2 blocks per SM), leaving the others to work on other streams (a shared
+            expert, another micro-batch), as DeepEP's ``Buffer.set_num_sms`` does. A phase that runs in one
+            launch needs its whole grid resident at once: work that holds SMs only delays it. GPU transports
+            (the host transport has no kernels); the same on every rank.
     """
 
     def __init__(self, comm, max_num_tokens, num_experts, experts_per_token, hidden_dim,
                  hidden_dim_scale=None, in_dtype="bfloat16", out_dtype="bfloat16", scale_dtype=None,
                  dp_size=1, timeout=None, slots_per_rank=None, capacity=None, overflow="error", layout="padded",
-                 telemetry_window=64, timing=False, scale_layout="row", combine_wire=None):
+                 telemetry_window=64, timing=False, scale_layout="row", combine_wire=None, max_sms=None):
         self.comm, self._backend, self.masked, self.expert_map = comm, None, (), None
         error = None
         try:  # checked on every rank, then compared: a bad argument on one rank raises on all of them
             self.cfg = c = AllToAllConfig.create(comm.world_size, comm.rank, max_num_tokens, num_experts,
                                                  experts_per_token, hidden_dim, hidden_dim_scale, in_dtype,
                                                  out_dtype, scale_dtype, dp_size, slots_per_rank, capacity, overflow,
-                                                 layout, scale_layout, combine_wire)
+                                                 layout, scale_layout, combine_wire, max_sms)
             window = positive_int("telemetry_window", telemetry_window, minimum=0)
             self.timeout_s = comm.timeout_s if timeout is None else timeout_seconds(timeout)[0]
             mine = (None, dict(c.key(), telemetry_window=window, timing=bool(timing)))

@@ -370,3 +370,20 @@ def test_combine_rows_on_the_fp8_wire_are_about_half_the_bf16_bytes():
         return combine_row_bytes(AllToAllConfig.create(1, 0, M, E, K, 7168, 56, "float8_e4m3fn", "bfloat16", None, 1,
                                                        combine_wire=wire))
     assert (row(None), row("e4m3"), row("e4m3_ue8m0")) == (7168 * 2, 7168 + 56 * 4, 7168 + 64)
+
+
+def test_max_sms_caps_every_grid_and_is_checked():
+    """AllToAll(max_sms=n): every kernel's grid is sized for n SMs (at most BLOCKS_PER_SM * n blocks); the
+    symmetric staging shrinks with it; n must be a positive integer."""
+    from moecomm import _abi, _constants as C
+    from moecomm._config import AllToAllConfig
+    from moecomm.transport.gpu_alltoall import blocks, symmetric_bytes
+    full, capped = (AllToAllConfig.create(1, 0, 4096, 256, 8, 7168, 56, "float8_e4m3fn", "bfloat16", None, 1,
+                                          max_sms=n) for n in (None, 44))
+    assert set(blocks(full, _abi.sm_budget(full, 132)).values()) == {C.BLOCKS_PER_SM * 132}
+    assert set(blocks(capped, _abi.sm_budget(capped, 132)).values()) == {C.BLOCKS_PER_SM * 44}
+    assert symmetric_bytes(capped) < symmetric_bytes(full)
+    assert _abi.sm_budget(capped, 16) == 16  # never more than the GPU has
+    for bad in (0, -1, 2.5, True):
+        with pytest.raises(moecomm.InvalidArgument, match="max_sms"):
+            AllToAllConfig.create(1, 0, 128, 256, 8, 7168, 56, "float8_e4m3fn", "bfloat16", None, 1, max_sms=bad)

@@ -33,7 +33,7 @@ class GpuTransport(Transport):
         18), loaded at first use.
         Smaller batches, and every batch of a group with a network peer, run the transport's own kernels."""
         twin = _jit.VARIANTS[self.variant].twin
-        if not (twin and _abi.streamed(cfg, self.num_sms) and self.all_mapped):
+        if not (twin and _abi.streamed(cfg, _abi.sm_budget(cfg, self.num_sms)) and self.all_mapped):
             return self.variant, self.module
         if self._twin is None:
             self._twin = _cuda.Module(_jit.build(self.build.arch, twin).cubin)

@@ -65,7 +65,7 @@ def symmetric_sizes(cfg, num_sms):
 
 def symmetric_bytes(cfg, num_sms=132):
     """Symmetric memory one rank allocates for this configuration (132 SMs: an H100/H200)."""
-    sizes = symmetric_sizes(cfg, num_sms)
+    sizes = symmetric_sizes(cfg, _abi.sm_budget(cfg, num_sms))
     return sum(v for k, v in sizes.items() if k != "stage_row")
 
 
@@ -78,7 +78,8 @@ class GpuAllToAll(AllToAllBackend):
         variant, self.module = transport.kernels(cfg)  # every kernel of this AllToAll comes from this module
         W, M, K, L = cfg.world_size, cfg.max_num_tokens, cfg.experts_per_token, cfg.num_local_experts
         rec, state, counters = _abi.RecordLayout.of(cfg), _abi.state_layout(cfg), _abi.counter_layout(cfg)
-        sizes = symmetric_sizes(cfg, transport.num_sms)
+        sms = _abi.sm_budget(cfg, transport.num_sms)  # every grid below is sized for these SMs
+        sizes = symmetric_sizes(cfg, sms)
         self.state = cupy.zeros(state.size, np.uint32)
         self.slot_of = cupy.empty(W * M * K, np.int32)
         self.own_of = cupy.empty(M * K * 2, np.int32)
@@ -127,11 +128,11 @@ class GpuAllToAll(AllToAllBackend):
             stage_bytes=sizes["stage_row"],
             c_received=counters["received"], c_dropped=counters["dropped"], c_bytes=counters["bytes"],
             s_expert=state["expert"], s_recv=state["recv"], s_kept=state["kept"], s_claim=state["claim"],
-            senders=_abi.dispatch_senders(cfg, transport.num_sms), streamed=int(_abi.streamed(cfg, transport.num_sms)),
-            comb_streamed=int(_abi.combine_streams(cfg, transport.num_sms, _jit.VARIANTS[variant].streams_combine)))
+            senders=_abi.dispatch_senders(cfg, sms), streamed=int(_abi.streamed(cfg, sms)),
+            comb_streamed=int(_abi.combine_streams(cfg, sms, _jit.VARIANTS[variant].streams_combine)))
         self._call = _abi.Call()  # the call record (record()): every launch below reads it
         self._skipped = _abi.Call(skip=1)  # the call record of a half issued with no data
-        grid = blocks(cfg, transport.num_sms)
+        grid = blocks(cfg, sms)
         launch = {n: transport.launch(n, g, self.fixed, self._call, module=self.module) for n, g in grid.items()}
         # the packed layout: a third dispatch kernel places the rows (no peer involved)
         pack = (launch[_abi.PACK_KERNEL],) if cfg.layout == "packed" else ()
@@ -140,7 +141,7 @@ class GpuAllToAll(AllToAllBackend):
         # both halves in one launch where its grid is resident at once, else the two halves' kernels
         self._whole = {phase: (launch[n],) + (pack if phase == "dispatch" else ())
                        if _abi.resident(grid[n], transport.num_sms) else sum(self._halves[phase], ())
-                       for phase, n in _abi.whole_kernels(cfg, transport.num_sms).items()}
+                       for phase, n in _abi.whole_kernels(cfg, sms).items()}
         self._skip = dict(zip(C.HALVES, (transport.launch(n, grid[n], self.fixed, self._skipped, module=self.module)
                                          for n in _abi.half_kernels(cfg))))
         transport.settle("AllToAll(...)")
