@@ -78,6 +78,14 @@ class CallOrder:
     def advance(self, phase, send, recv, weights=False, outputs=None):
         """:meth:`check`, then record ``phase``'s halves as issued (a dispatch send half starts a new call) and
         what its send half was given: router weights or not, and (dispatch) the output arrays' addresses."""
+        if send and recv:  # a whole phase in its place, the common case: what check() and the rest come to
+            if phase == "dispatch" and not self.done:
+                self.number += 1
+                self.dispatch_weights, self.dispatch_outputs, self.done = weights, outputs, 2
+                return
+            if phase == "combine" and self.done == 2:
+                self.end()
+                return
         self.check(phase, send, recv)
         if send:
             if phase == "dispatch":

@@ -217,7 +217,7 @@ class AllToAll:
                 self._backend.set_expert_map(self.expert_map)
         self._record = self._backend.record()  # the call record every call fills and passes to the backend
         none = None if transport.memory == "host" else 0  # an absent array in the call record
-        self._absent = (none, 0, None, None)  # what an absent optional argument reads as
+        self._absent = (none, 0, (c.max_num_tokens,), None)  # what an absent optional argument reads as (_rows)
         self._in, self._out = accepted(c.in_dtype), accepted(c.out_dtype)
         self._scale = None if c.scale_dtype is None else accepted(c.scale_dtype)
         # expected shapes, computed once (None: any number of rows, at most max_num_tokens)
@@ -342,78 +342,75 @@ class AllToAll:
             if previous is not None:
                 self._context.leave(previous)
 
-    def _rows(self, names, a, b, c, d):
-        """The rows of a call: the fewest of its four per-token arrays (``a`` .. ``d``: their shapes, the last two
-        None where not given; ``names``: their names), each of which may have at most max_num_tokens."""
-        rows, most = (a[0], b[0]) if a[0] < b[0] else (b[0], a[0])
-        if c is not None:
-            rows, most = min(rows, c[0]), max(most, c[0])
-        if d is not None:
-            rows, most = min(rows, d[0]), max(most, d[0])
-        if most > self.cfg.max_num_tokens:
-            shapes = (a, b, c, d)
-            name, shape = next((n, s) for n, s in zip(names, shapes)
-                               if s is not None and s[0] > self.cfg.max_num_tokens)
+    def _rows(self, names, shapes):
+        """The rows of a call: the fewest of its per-token arrays (``shapes``; an absent one's is
+        ``self._absent``'s, max_num_tokens rows; ``names``: theirs), each of which may have at most
+        max_num_tokens. Builtins only: this runs on every call."""
+        a, b, c, d = shapes
+        counts = (a[0], b[0], c[0], d[0])
+        if max(counts) > self.cfg.max_num_tokens:
+            name, shape = next((n, s) for n, s in zip(names, shapes) if s[0] > self.cfg.max_num_tokens)
             raise InvalidArgument(f"{name}: expected at most max_num_tokens={self.cfg.max_num_tokens} rows, got "
                                   f"shape {tuple(shape)}")
-        return rows
+        return min(counts)
 
     def _read(self, args, stream, send, recv):
         """Read and check a call's arguments into the backend's call record; returns (whether router weights
         were given, the output arrays' addresses for the same-outputs rule). The reader returns (value, address,
         shape, dtype) of each; an absent optional argument reads as ``self._absent`` (the record's None: None on
-        the host, 0 on GPUs)."""
+        the host, 0 on GPUs; max_num_tokens rows). The hot path of every call: the arguments are unpacked once."""
         c, rec, read, absent = self.cfg, self._record, self._arrays.read, self._absent
         if args.phase == "dispatch":
+            out_num, out_x, out_scale, x, x_scale, indices, bound_m, weights, offsets, _, moved = args
             unscaled = c.hidden_dim_scale is None
-            if (args.out_expert_x_scale is None) != unscaled or (args.dp_x_scale is None) != unscaled:
+            if (out_scale is None) != unscaled or (x_scale is None) != unscaled:
                 if unscaled:
                     raise InvalidArgument("this AllToAll has no scales (hidden_dim_scale=None): pass None for "
                                           "out_expert_x_scale and dp_x_scale")
-                raise InvalidArgument(f"{'dp_x_scale' if args.dp_x_scale is None else 'out_expert_x_scale'}: "
+                raise InvalidArgument(f"{'dp_x_scale' if x_scale is None else 'out_expert_x_scale'}: "
                                       f"required, got None")
-            if (args.out_expert_offsets is None) != (c.layout == "padded"):
+            if (offsets is None) != (c.layout == "padded"):
                 raise InvalidArgument("out_expert_offsets: " + ("required by the packed layout" if c.layout == "packed"
                                                                 else "only for the packed layout, pass None"))
-            rec.x, _, x_shape, _ = read(args.dp_x, "dp_x", self._in, self._token_shape)
-            rec.indices, _, ids_shape, ids_dtype = read(args.indices, "indices", _INDICES, self._ids_shape)
-            rec.weights, _, w_shape, _ = (absent if args.weights is None else
-                                          read(args.weights, "weights", _FLOAT32, self._ids_shape))
+            rec.x, _, x_shape, _ = read(x, "dp_x", self._in, self._token_shape)
+            rec.indices, _, ids_shape, ids_dtype = read(indices, "indices", _INDICES, self._ids_shape)
+            rec.weights, _, w_shape, _ = (absent if weights is None else
+                                          read(weights, "weights", _FLOAT32, self._ids_shape))
             rec.x_scale, _, s_shape, _ = (absent if unscaled else
-                                          read(args.dp_x_scale, "dp_x_scale", self._scale, self._token_scale_shape))
-            rec.rows = self._rows(_DISPATCH_ROWS, x_shape, ids_shape, w_shape, s_shape)
+                                          read(x_scale, "dp_x_scale", self._scale, self._token_scale_shape))
+            rec.rows = self._rows(_DISPATCH_ROWS, (x_shape, ids_shape, w_shape, s_shape))
             rec.idx64 = int(ids_dtype.itemsize == 8)
-            rec.bound_m, _, _, _ = read(args.bound_m, "bound_m", _BOUND_M, _ONE)
-            rec.out_num, num_at, _, _ = read(args.out_expert_num_tokens, "out_expert_num_tokens", _COUNTS,
-                                             self._counts_shape, True)
-            rec.out_x, x_at, _, _ = read(args.out_expert_x, "out_expert_x", self._in, self._expert_shape, True)
+            rec.bound_m, _, _, _ = read(bound_m, "bound_m", _BOUND_M, _ONE)
+            rec.out_num, num_at, _, _ = read(out_num, "out_expert_num_tokens", _COUNTS, self._counts_shape, True)
+            rec.out_x, x_at, _, _ = read(out_x, "out_expert_x", self._in, self._expert_shape, True)
             rec.out_scale, scale_at, _, _ = (absent if unscaled else read(
-                args.out_expert_x_scale, "out_expert_x_scale", self._scale, self._expert_scale_shape, True))
-            rec.out_offsets, _, _, _ = (absent if args.out_expert_offsets is None else read(
-                args.out_expert_offsets, "out_expert_offsets", _COUNTS, self._offsets_shape, True))
+                out_scale, "out_expert_x_scale", self._scale, self._expert_scale_shape, True))
+            rec.out_offsets, _, _, _ = (absent if offsets is None else read(
+                offsets, "out_expert_offsets", _COUNTS, self._offsets_shape, True))
             outputs = (num_at, x_at, scale_at)
-            if (recv and not send and not args.moved_outputs and self._order.posted("dispatch")
+            if (recv and not send and not moved and self._order.posted("dispatch")
                     and outputs != self._order.dispatch_outputs):
                 raise InvalidArgument("dispatch: the receive half got other output arrays than the send half "
                                       "(out_expert_num_tokens, out_expert_x, out_expert_x_scale must be the same)")
-            return args.weights is not None, outputs
-        rec.out_tokens, _, out_shape, _ = read(args.out_tokens, "out_tokens", self._out, self._token_shape, True)
-        rec.indices, _, ids_shape, ids_dtype = read(args.indices, "indices", _INDICES, self._ids_shape)
-        rec.weights, _, w_shape, _ = absent if args.weights is None else read(args.weights, "weights", _FLOAT32,
-                                                                              self._ids_shape)
-        rec.out_dropped, _, d_shape, _ = absent if args.out_dropped is None else read(
-            args.out_dropped, "out_dropped", _FLAGS, self._ids_shape, True)
-        rec.rows = self._rows(_COMBINE_ROWS, out_shape, ids_shape, w_shape, d_shape)
-        rec.idx64, rec.partials = int(ids_dtype.itemsize == 8), int(args.weights is None)
-        rec.y, _, _, _ = read(args.expert_y, "expert_y", self._out, self._expert_shape)
-        rec.bound_m, _, _, _ = read(args.bound_m, "bound_m", _BOUND_M, _ONE)
-        if args.weights is None and self._order.open and not self._order.dispatch_weights:
+            return weights is not None, outputs
+        out_tokens, indices, weights, expert_y, bound_m, out_dropped, _ = args
+        rec.out_tokens, _, out_shape, _ = read(out_tokens, "out_tokens", self._out, self._token_shape, True)
+        rec.indices, _, ids_shape, ids_dtype = read(indices, "indices", _INDICES, self._ids_shape)
+        rec.weights, _, w_shape, _ = absent if weights is None else read(weights, "weights", _FLOAT32,
+                                                                         self._ids_shape)
+        rec.out_dropped, _, d_shape, _ = absent if out_dropped is None else read(
+            out_dropped, "out_dropped", _FLAGS, self._ids_shape, True)
+        rec.rows = self._rows(_COMBINE_ROWS, (out_shape, ids_shape, w_shape, d_shape))
+        rec.idx64, rec.partials = int(ids_dtype.itemsize == 8), int(weights is None)
+        rec.y, _, _, _ = read(expert_y, "expert_y", self._out, self._expert_shape)
+        rec.bound_m, _, _, _ = read(bound_m, "bound_m", _BOUND_M, _ONE)
+        if weights is None and self._order.open and not self._order.dispatch_weights:
             raise InvalidArgument("combine: weights=None needs the router weights to have been passed to "
                                   "dispatch(weights=...)")
         if (recv and not send and self._order.posted("combine")
-                and (args.weights is not None) != self._order.combine_weights):
+                and (weights is not None) != self._order.combine_weights):
             raise InvalidArgument("combine: give weights to both halves or to neither")
-        return args.weights is not None, None
+        return weights is not None, None
 
     def _refuse(self, phase, send, error, stream):
         """Raise ``error``, a refused argument of a call. When the call would have opened a send half, the
