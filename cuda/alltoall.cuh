@@ -144,12 +144,12 @@ __device__ __forceinline__ void store_scale_word(const Fixed& f, uint8_t* row, i
   }
 }
 
-// Block-wide copy of a token row (f.x_bytes at x) and its scales (f.scale_bytes at scales, copied as 4-byte
-// words whatever their dtype, not necessarily a multiple of 16; none when 0) in two steps, so that the load is issued before the block knows
-// where the row goes: load() takes each thread's first INFLIGHT 16-byte chunks of the row (a 16 KB row in
-// all) and its first scale word into registers, in one round trip; store() writes them into the n rows
-// xd[j] and sd[j], then copies whatever the first round did not cover. Source and destinations must not
-// alias. Both by the block, or both by the same threads tid = 0..nthreads-1 of it.
+// Block-wide copy of a token row (f.x_bytes at x) and its scales (f.scale_bytes at scales, copied as 4-byte words
+// whatever their dtype, not necessarily a multiple of 16; none when 0) in two steps, so that the load is issued
+// before the block knows where the row goes: load() takes each thread's first INFLIGHT 16-byte chunks of the row (a
+// 16 KB row in all) and its first scale word into registers, in one round trip; store() writes them into the n rows
+// xd[j] and sd[j], then copies whatever the first round did not cover. Source and destinations must not alias. Both
+// by the block, or both by the same threads tid = 0..nthreads-1 of it.
 struct RowCopy {
   int4 v[INFLIGHT];
   int first;
@@ -513,7 +513,8 @@ __device__ __forceinline__ void weighted_sum(const Fixed& f, const uint8_t* cons
         float v[8];
         chunk_to_float<SrcWire>(f, v0[u], s0[u], v);
 #pragma unroll
-        for (int i = 0; i < 8; ++i) a0[i] = exact ? __fadd_rn(a0[i], __fmul_rn(w[j + u], v[i])) : a0[i] + w[j + u] * v[i];
+        for (int i = 0; i < 8; ++i)
+          a0[i] = exact ? __fadd_rn(a0[i], __fmul_rn(w[j + u], v[i])) : a0[i] + w[j + u] * v[i];
         if (two) {
           chunk_to_float<SrcWire>(f, v1[u], s1[u], v);
 #pragma unroll

@@ -149,7 +149,7 @@ __device__ void moecomm::combine_recv(const Fixed& f, const Call& c, unsigned ep
   TRACE(MOECOMM_TRACE_COMBINE_RECV, 4);
 }
 
-// the call combine_send (the previous kernel) ended
+// Both wait for the call that combine_send (the previous kernel) ended.
 extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, MOECOMM_BLOCKS_PER_SM)
     moecomm_combine_recv(const Fixed f, const Call c) {
   TRACE_SPAN(MOECOMM_TRACE_COMBINE_RECV, 0);

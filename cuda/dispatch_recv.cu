@@ -45,16 +45,16 @@ static __device__ bool arrived(const Fixed& f, int src, int j, unsigned epoch, u
   }
 }
 
-// grid: world * P blocks of MOECOMM_BLOCK_THREADS, spread over the sources with records to unpack (below),
-// one block per record at a time; each record is read once and stored into every local expert it goes to.
-// Reads f.recv_buf, f.arrive and f.sig (this rank's copies); writes c.out_num [local_experts] int32,
-// c.out_x [local_experts, cap, hidden] in_dtype, c.out_scale [local_experts, cap, scales] (or
-// [local_experts, scales, cap] column-major: scale_row(); or null), and f.slot_of [world, max_tokens, topk]: where record (src, j)'s k-th expert slot is (le*cap+slot,
-// or -1). A masked source is not waited for and sends nothing; with c.skip (a refused call) the records
-// are not unpacked and nothing is written (the epoch still advances, so the next call pairs up). A source
-// whose signal carries another expert-map generation, or flags a failed send, raises (ERR_GENERATION,
-// ERR_PEER) and its count is not kept for combine; records of it that landed before the signal may have been
-// unpacked already (the call fails on every rank either way).
+// grid: world * P blocks of MOECOMM_BLOCK_THREADS, spread over the sources with records to unpack (below), one
+// block per record at a time; each record is read once and stored into every local expert it goes to. Reads
+// f.recv_buf, f.arrive and f.sig (this rank's copies); writes c.out_num [local_experts] int32, c.out_x
+// [local_experts, cap, hidden] in_dtype, c.out_scale [local_experts, cap, scales] (or [local_experts, scales,
+// cap] column-major: scale_row(); or null), and f.slot_of [world, max_tokens, topk]: where record (src, j)'s
+// k-th expert slot is (le*cap+slot, or -1). A masked source is not waited for and sends nothing; with c.skip (a
+// refused call) the records are not unpacked and nothing is written (the epoch still advances, so the next call
+// pairs up). A source whose signal carries another expert-map generation, or flags a failed send, raises
+// (ERR_GENERATION, ERR_PEER) and its count is not kept for combine; records of it that landed before the signal
+// may have been unpacked already (the call fails on every rank either way).
 // Capacity: a pair past its expert's f.cap slots is not stored. f.drop: it is dropped and flagged to the
 // token's rank in its f.drop_buf[me][token]; else the last block records ERR_CAPACITY with the expert's
 // demand and state[BAD_RECV] makes combine_send flag the call to every peer.
