@@ -174,7 +174,7 @@ def run_case(comm, A, c, seed, tol):
     in_dt, out_dt = as_dtype(c["in_dtype"], IN_DTYPES, "in"), as_dtype(c["out_dtype"], OUT_DTYPES, "out")
     E, K, H, S, M = c["num_experts"], c["topk"], c["hidden"], c["scale"], c["max_m"]
     L = E // W
-    a2a = moecomm.AllToAll(comm, M, E, K, H, S, in_dt, out_dt, dp_size=dp)
+    a2a = moecomm.AllToAll(comm, M, E, K, H, S, in_dt, out_dt, dp_size=dp, max_sms=c["max_sms"])
     fails = []
     try:
         for it in range(c["iters"]):
@@ -354,7 +354,7 @@ def graph_case(comm, iters=20):
 def cases(world, quick):
     base = dict(in_dtype="bfloat16", out_dtype="bfloat16", hidden=256, scale=None, num_experts=4 * world,
                 topk=2, max_m=16, m="random", routing="uniform", dp_size=1, weights_at="dispatch",
-                split=False, iters=3)
+                split=False, iters=3, max_sms=None)
     out = []
     for in_dt, out_dt in itertools.product(["bfloat16", "float16", "float8_e4m3fn"], ["bfloat16", "float16"]):
         out.append(dict(base, in_dtype=in_dt, out_dtype=out_dt,
@@ -372,6 +372,10 @@ def cases(world, quick):
     out.append(dict(base, routing="holes", idx_dtype="uint32", split=True, topk=4, num_experts=8 * world))
     out.append(dict(base, weights_at="combine"))
     out.append(dict(base, split=True))
+    # grids capped at one or two SMs (max_sms; the host transport has no grids): a block takes many tokens, so
+    # at 512 tokens records stream and the one-launch phases run on a few blocks
+    out.append(dict(base, max_sms=1, split=True))
+    out.append(dict(base, max_sms=2, max_m=512, m=512, iters=2))
     out.append(dict(base, split=True, weights_at="combine", in_dtype="float8_e4m3fn", scale=7))
     out.append(dict(base, hidden=2048, scale=16, in_dtype="float8_e4m3fn", topk=8, num_experts=8 * world))
     for dp in range(2, world + 1):
@@ -387,7 +391,7 @@ def gpu_cases(world, quick):
     With ``quick``, only the DeepSeek-R1-sized ones."""
     base = dict(in_dtype="float8_e4m3fn", out_dtype="bfloat16", hidden=7168, scale=56, num_experts=256,
                 topk=8, max_m=128, m="random", routing="uniform", dp_size=1, weights_at="dispatch",
-                split=False, iters=2)
+                split=False, iters=2, max_sms=None)
     out = [base, dict(base, m=128), dict(base, weights_at="combine"), dict(base, split=True),
            dict(base, routing="one_expert"), dict(base, routing="other_rank"), dict(base, m=0),
            dict(base, in_dtype="bfloat16", scale=None, out_dtype="float16"),
