@@ -14,7 +14,8 @@ using namespace moecomm;
 // every record (puts to ranks without a mapping leave theirs to it). Small batches and the split kernel (its
 // receive half starts after it) have no arrival words, so no fence is added to their path. With
 // f.comb_streamed, f.own_of[t] also gets this rank's expert slots of token t and their weights, for the
-// streamed combine's token side (combine_recv).
+// streamed combine's token side (combine_recv). With gradients (f.sent), f.sent[t] gets the physical expert
+// each of token t's pairs went to (-1: not sent), for the routing plan (backward.cu).
 // This rank sends the tokens t = dp_rank, dp_rank + dp, ... < m of its DP group, each once per other
 // destination rank as a record (the receiver fans it out to its experts); tokens for this rank's own
 // experts go straight into their expert slots, and only the record's metadata (for combine) is kept.
@@ -176,6 +177,7 @@ __device__ void moecomm::dispatch_send(const Fixed& f, const Call& c, int sender
       if (lane == 0) recs[b][nd + staged] = (uint8_t*)mine;
     }
     if (own_of && lane < f.topk) f.own_of[(size_t)t * f.topk + lane] = make_int2(where, __float_as_int(w));
+    if (f.sent && lane < f.topk) f.sent[(size_t)t * f.topk + lane] = e;  // the routing plan's (backward.cu)
     if (lane == 0) {
       n_direct[b] = nd;
       n_put[b] = __popc(put);

@@ -57,6 +57,14 @@ FIXED_FIELDS = (
                                     # physical slots (rank * local_experts + slot); null without an expert map
     ("peers", "const long long*"),  # [world] the transport's peer table (MOECOMM_PEER_UNMAPPED: puts)
     ("gone", "const uint64_t*"),    # symmetric [world]: gone[q] != 0 once rank q has left (every wait reads it)
+    # gradients (AllToAll(gradients=True), else null; cuda/backward.cu):
+    ("sent", "int*"),               # [max_tokens, topk] physical expert each pair of the last dispatch went to
+                                    # (-1: not sent), written by dispatch_send for this rank's tokens
+    ("grad_buf", "uint8_t*"),       # symmetric [max(world, topk) * max_tokens, grad_row_bytes] gradient rows
+    ("grad_sig", "uint64_t*"),      # symmetric [3, world]: backward signals of the rows, of the router weights'
+                                    # gradients, and each rank's "read" word (its buffer is free again)
+    ("grad_w", "uint64_t*"),        # symmetric [max_tokens, topk]: (call << 32 | float bits) router weights'
+                                    # gradients
     ("timeout_ns", "unsigned long long"),
     ("world", "int"), ("rank", "int"), ("dp", "int"), ("num_experts", "int"), ("local_experts", "int"),
     ("topk", "int"), ("max_tokens", "int"), ("hidden", "int"),
@@ -82,6 +90,7 @@ FIXED_FIELDS = (
     ("senders", "int"),             # blocks of the one-launch dispatch that send (dispatch_senders)
     ("streamed", "int"),            # 1: the one-launch dispatch unpacks records as they land (streamed)
     ("comb_streamed", "int"),       # 1: the one-launch combine with partial sums streams (combine_streams)
+    ("grad_row_bytes", "int"),      # bytes of a gradient row (grad_row_bytes)
 )
 # The arrays of one call (dispatch fields, then combine fields): device addresses, 0 for None.
 CALL_FIELDS = (
@@ -103,6 +112,27 @@ CALL_FIELDS = (
     ("skip", "int"),                # 1: this rank takes part with no data (its call was refused); arrays 0
     ("reason", "int"),              # with skip: the reason flagged to the peers (0: none), see _constants
 )
+# The arrays of one backward call or plan (cuda/backward.cu): device addresses, 0 for None.
+GRAD_FIELDS = (
+    ("expert", "int*"),             # plan.expert [max_tokens, topk] int32
+    ("origin", "int*"),             # plan.origin [slots, 3] int32 (source rank, token, k)
+    ("call", "int*"),               # plan.call [2] int32 (generation, dispatch call)
+    ("bound_m", "const int*"),      # [1] int32: m
+    ("grad", "const uint8_t*"),     # dispatch_backward: grad_expert_x [slots, hidden]; combine_backward:
+                                    # grad_out [rows, hidden]; grad_code
+    ("out", "uint8_t*"),            # dispatch_backward: out_grad_x [rows, hidden]; combine_backward:
+                                    # out_grad_expert_y [slots, hidden]; out_code
+    ("out_w", "float*"),            # combine_backward: out_grad_weights [rows, topk] float32
+    ("weights", "const float*"),    # combine_backward: [rows, topk] float32 router weights
+    ("y", "const uint8_t*"),        # combine_backward: expert_y [slots, hidden] out_dtype
+    ("op", "int"),                  # MOECOMM_GRAD_DISPATCH / MOECOMM_GRAD_COMBINE
+    ("rows", "int"),                # the fewest rows of the call's per-token arrays
+    ("slots", "int"),               # expert slots (padded: local_experts * cap; packed: rows)
+    ("grad_code", "int"), ("out_code", "int"),  # MOECOMM_DT_* of grad and out
+    ("generation", "int"),          # plan(): the AllToAll's restart generation
+    ("skip", "int"),                # 1: this rank takes part with no data (its call was refused)
+    ("reason", "int"),              # with skip: the reason flagged to the peers
+)
 PEER_CHECK_FIELDS = (
     ("inbox", "uint8_t*"),          # symmetric [2, world, row_bytes]: check c reads half c % 2
     ("outbox", "const uint8_t*"),   # symmetric [>= nbytes]: this rank's pattern
@@ -118,9 +148,10 @@ DELAY_FIELDS = (("ns", "unsigned long long"),)
 
 Fixed = _struct("Fixed", FIXED_FIELDS, "Parameters fixed for one AllToAll (see FIXED_FIELDS).")
 Call = _struct("Call", CALL_FIELDS, "Arrays of one dispatch or combine call (see CALL_FIELDS).")
+Grad = _struct("Grad", GRAD_FIELDS, "Arrays of one backward call or plan (see GRAD_FIELDS).")
 PeerCheck = _struct("PeerCheck", PEER_CHECK_FIELDS, "Parameters of one peer check.")
 Delay = _struct("Delay", DELAY_FIELDS, "Parameters of the benchmark's device delay.")
-STRUCTS = (Fixed, Call, PeerCheck, Delay)
+STRUCTS = (Fixed, Call, Grad, PeerCheck, Delay)
 
 
 # Layouts of device memory the kernels index ---------------------------------------------------------
@@ -161,6 +192,13 @@ def combine_row_bytes(cfg):
     if cfg.combine_wire is None:
         return H * cfg.out_dtype.itemsize
     return _align16(H + H // C.COMBINE_BLOCK * (1 if cfg.combine_wire == "e4m3_ue8m0" else 4))
+
+
+def grad_row_bytes(cfg):
+    """Bytes of one gradient row (cuda/backward.cu): hidden_dim float32 values at most (a row travels in its
+    gradient's dtype), the token's router weights (float32 [topk], 16-byte aligned), then a 16-byte trailer
+    (the backward call, the row's dtype code)."""
+    return 4 * cfg.hidden_dim + _align16(4 * cfg.experts_per_token) + 16
 
 
 @dataclass(frozen=True)
@@ -237,6 +275,11 @@ def _token_blocks(cfg, num_sms):
     return max(1, min(C.BLOCKS_PER_SM * num_sms, cfg.max_num_tokens))
 
 
+def _gpu_blocks(cfg, num_sms):
+    """BLOCKS_PER_SM per SM: the backward kernels (cuda/backward.cu), whose blocks never wait for each other."""
+    return C.BLOCKS_PER_SM * num_sms
+
+
 def resident(blocks, num_sms):
     """Whether a grid of ``blocks`` AllToAll blocks is resident at once on ``num_sms`` SMs (the kernels'
     launch bounds guarantee BLOCKS_PER_SM per SM), as a phase in one launch must be: its blocks wait for
@@ -265,6 +308,10 @@ KERNELS = {k.name: k for k in (
     Kernel("moecomm_combine_send_wire", (Fixed, Call), _per_source_blocks),
     Kernel("moecomm_combine_recv_wire", (Fixed, Call), _token_blocks),
     Kernel("moecomm_combine_wire", (Fixed, Call), _per_source_blocks),
+    Kernel("moecomm_plan", (Fixed, Grad), _gpu_blocks),
+    Kernel("moecomm_grad_send", (Fixed, Grad), _gpu_blocks),
+    Kernel("moecomm_grad_expert", (Fixed, Grad), _gpu_blocks),
+    Kernel("moecomm_grad_recv", (Fixed, Grad), _token_blocks),
     Kernel("moecomm_peer_check", (PeerCheck,), threads=32),
     Kernel("moecomm_delay", (Delay,), threads=1),
 )}
@@ -274,6 +321,7 @@ STREAMED_DISPATCH = "moecomm_dispatch_streamed"  # the one-launch dispatch of st
 PACK_KERNEL = "moecomm_dispatch_pack"  # the packed layout's third dispatch kernel (after the receive half)
 WIRE = "_wire"  # the combine kernels of an FP8 combine wire: their names end so (cuda/combine*.cu)
 WIRE_KERNELS = ("moecomm_combine_send_wire", "moecomm_combine_recv_wire", "moecomm_combine_wire")
+GRAD_KERNELS = ("moecomm_plan", "moecomm_grad_send", "moecomm_grad_expert", "moecomm_grad_recv")  # backward.cu
 
 
 def _on_wire(cfg, name):

@@ -43,6 +43,8 @@ class AllToAllConfig:
             each expert's scales column-major, as TMA loads them).
         max_sms: None, or the most SMs the kernels' grids are sized for (at most BLOCKS_PER_SM blocks per SM:
             moecomm._abi.sm_budget), leaving the rest to work on other streams; GPU transports.
+        gradients: whether the GPU transports allocate what the backward calls need (moecomm.AllToAll); the
+            host transport always computes gradients.
         combine_wire: None (combine's rows travel in out_dtype, partial sums in float32 on the host) or
             "e4m3" / "e4m3_ue8m0": the expert side quantises each row it sends to FP8 e4m3 with a float32
             (or UE8M0: a power of two) scale per COMBINE_BLOCK values, the token side dequantises and sums in
@@ -66,11 +68,12 @@ class AllToAllConfig:
     scale_layout: str = "row"
     combine_wire: object = None
     max_sms: object = None
+    gradients: bool = False
 
     @classmethod
     def create(cls, world_size, rank, max_num_tokens, num_experts, experts_per_token, hidden_dim,
                hidden_dim_scale, in_dtype, out_dtype, scale_dtype, dp_size, slots_per_rank=None, capacity=None,
-               overflow="error", layout="padded", scale_layout="row", combine_wire=None, max_sms=None):
+               overflow="error", layout="padded", scale_layout="row", combine_wire=None, max_sms=None, gradients=False):
         """Validate the arguments of :class:`moecomm.AllToAll`; raise InvalidArgument on the first bad one."""
         max_num_tokens = positive_int("max_num_tokens", max_num_tokens)
         if max_num_tokens >= 1 << C.SIG_COUNT_BITS:
@@ -138,7 +141,7 @@ class AllToAllConfig:
                 raise InvalidArgument("capacity: needs dp_size == 1 so far")
         return cls(world_size, rank, max_num_tokens, num_experts, k, hidden_dim, hidden_dim_scale,
                    in_dtype, out_dtype, scale_dtype, dp_size, slots_per_rank, capacity, overflow, layout,
-                   scale_layout, combine_wire, max_sms)
+                   scale_layout, combine_wire, max_sms, bool(gradients))
 
     # Derived layout -------------------------------------------------------------------------
     @property
@@ -186,4 +189,4 @@ class AllToAllConfig:
                 "out_dtype": str(self.out_dtype), "scale_dtype": str(self.scale_dtype), "dp_size": self.dp_size,
                 "slots_per_rank": self.slots_per_rank, "capacity": self.capacity, "overflow": self.overflow,
                 "layout": self.layout, "scale_layout": self.scale_layout, "combine_wire": self.combine_wire,
-                "max_sms": self.max_sms}
+                "max_sms": self.max_sms, "gradients": self.gradients}

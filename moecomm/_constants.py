@@ -25,6 +25,10 @@ ERR_CAPACITY = 8      # overflow="error": a local expert (detail: its id) got mo
                       # capacity; packed layout: detail -1, the rank's rows
 ERR_GENERATION = 9    # a peer's dispatch carried another expert-map generation; detail = its generation
 ERR_ENDED = 10        # (in a reason only) that rank ended the call part-way after an error of it (synchronize)
+ERR_PLAN_DIFFERS = 11  # a backward call: rank `peer` follows the routing plan of another dispatch (detail: its
+                       # plan's call, amount: this rank's; ((generation mod 128) << 24 | call mod 2**24)), or
+                       # (detail -1) sent no gradient for a pair this rank's plan holds (amount: the slot)
+ERR_PLAN_M = 12       # a backward call: the plan has pairs for tokens >= bound_m (detail = m): another call's plan
 ERROR_WORDS = 6
 # A rank whose part of a call failed still takes part ("no data") and flags its signals with a reason:
 # an ERR_* code, and for ERR_REFUSED the refused argument's number in ARGUMENTS shifted by REASON_ARG_SHIFT
@@ -32,10 +36,11 @@ ERROR_WORDS = 6
 REASON_ARG_SHIFT = 8
 ARGUMENTS = ("the order of calls", "out_expert_num_tokens", "out_expert_x", "out_expert_x_scale", "dp_x",
              "dp_x_scale", "indices", "bound_m", "weights", "out_tokens", "expert_y", "stream", "do_send",
-             "do_recv", "out_dropped", "out_expert_offsets")
+             "do_recv", "out_dropped", "out_expert_offsets", "plan", "plan.expert", "plan.origin", "plan.call",
+             "out_grad_x", "grad_expert_x", "out_grad_expert_y", "out_grad_weights", "grad_out")
 
-# dtype codes of expert outputs in device code
-DT_BF16, DT_FP16 = 0, 1
+# dtype codes of expert outputs and gradients in device code
+DT_BF16, DT_FP16, DT_FP32 = 0, 1, 2
 
 # Device state of one AllToAll (uint32): per-half epochs (calls completed; combine_recv waits for the call
 # combine_send ends) and block counters, the reason this rank's dispatch send failed (0: none), the
@@ -43,9 +48,11 @@ DT_BF16, DT_FP16 = 0, 1
 # detail (the demand), the expert-map generation (set by set_expert_map, carried by every dispatch signal),
 # the packed layout's row counter, then the arrays of moecomm._abi.state_layout (their offsets depend on the
 # sizes). TOKENS_EVEN / TOKENS_ODD: tokens the streamed combine_recv has claimed in even / odd calls (each
-# combine_send zeroes the next call's).
+# combine_send zeroes the next call's). The backward calls (cuda/backward.cu): EPOCH_B counts them (both
+# kinds), DONE_B is their kernels' block counter, BAD_B the reason this rank's part failed (its signals flag
+# it), ABORT_B set when the call failed anywhere (nothing more is written).
 STATE_FIELDS = ("EPOCH_DS", "EPOCH_DR", "EPOCH_CS", "DONE_DS", "DONE_DR", "DONE_CS", "BAD", "M", "BAD_RECV", "WHY",
-                "GEN", "ROWS", "TOKENS_EVEN", "TOKENS_ODD")
+                "GEN", "ROWS", "TOKENS_EVEN", "TOKENS_ODD", "EPOCH_B", "DONE_B", "BAD_B", "ABORT_B")
 STATE_FIXED = len(STATE_FIELDS)
 STAGE_SLOTS = 4       # staging rows per block for puts to peers without a load/store mapping
 BLOCK_THREADS = 256   # threads of every alltoall block: a block handles one token or record at a time
@@ -73,10 +80,14 @@ DEFAULT_WINDOW = 64
 # modulo 2**GEN_BITS above them (bit 31 flags a failed call, whose reason replaces both).
 SIG_COUNT_BITS, SIG_GEN_BITS = 24, 7
 
-PHASES = ("peer_check", "dispatch", "combine")
+PHASES = ("peer_check", "dispatch", "combine", "dispatch_backward", "combine_backward")
 # The four halves of a call, in the order every rank issues them (moecomm._calls.CallOrder).
 HALVES = ("dispatch_send", "dispatch_recv", "combine_send", "combine_recv")
-PHASE_PEER_CHECK, PHASE_DISPATCH, PHASE_COMBINE = range(len(PHASES))
+PHASE_PEER_CHECK, PHASE_DISPATCH, PHASE_COMBINE, PHASE_DISPATCH_BACKWARD, PHASE_COMBINE_BACKWARD = range(len(PHASES))
+# The backward kernels' two operations (Grad.op), and a plan's call in their signals: (generation mod
+# 2**PLAN_GEN_BITS) << PLAN_CALL_BITS | dispatch call mod 2**PLAN_CALL_BITS.
+GRAD_DISPATCH, GRAD_COMBINE = 0, 1
+PLAN_CALL_BITS, PLAN_GEN_BITS = 24, 7
 
 # Bounded waits. Default in seconds, overridable per object and by one environment variable.
 DEFAULT_TIMEOUT_S = 10.0
@@ -146,7 +157,8 @@ TRACE_SPAN = 8
 # build options and the indices of the field tables (S_*, C_*, B_*, TRACE_<half>).
 _DEVICE_SCALARS = ("TIMEOUT_LEFT", "ERROR_WORDS", "REASON_ARG_SHIFT", "SIG_COUNT_BITS", "SIG_GEN_BITS", "MAX_TOPK",
                    "MAX_EXPERTS", "ROW_ALIGN", "BLOCK_THREADS", "BLOCKS_PER_SM", "ARRIVAL_BATCH", "ARRIVAL_FIRST",
-                   "TRACE_POINTS", "TRACE_SPAN", "COMBINE_BLOCK")
+                   "TRACE_POINTS", "TRACE_SPAN", "COMBINE_BLOCK", "GRAD_DISPATCH", "GRAD_COMBINE",
+                   "PLAN_CALL_BITS", "PLAN_GEN_BITS")
 _DEVICE_LITERALS = {"REPLICA_TOKEN": "u", "REPLICA_GROUP": "u", "PEER_UNMAPPED": "ll", "E4M3_MAX": "f"}
 
 

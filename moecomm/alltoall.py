@@ -97,12 +97,19 @@ class RoutingPlan(NamedTuple):
 
 
 class _Backward(NamedTuple):
-    """The arrays of a backward call, as the backend reads them (numpy on the host transport)."""
-    m: int
+    """The arrays of a backward call as the backend reads them (numpy on the host transport, device addresses
+    on GPUs): m (read on the host transport; None on GPUs, whose kernels read bound_m), bound_m, rows (the
+    fewest rows of the per-token arrays), the plan's arrays, the gradient ``grad`` and its dtype, the written
+    output (``out`` or ``out_grad_y``) and its dtype, and the others of combine_backward."""
+    m: object
+    bound_m: object
+    rows: int
     expert: object
     origin: object
     call: object
     grad: object
+    grad_dtype: object
+    out_dtype: object
     out: object = None
     out_grad_y: object = None
     out_grad_weights: object = None
@@ -185,19 +192,25 @@ class AllToAll:
             expert, another micro-batch), as DeepEP's ``Buffer.set_num_sms`` does. A phase that runs in one
             launch needs its whole grid resident at once: work that holds SMs only delays it. GPU transports
             (the host transport has no kernels); the same on every rank.
+        gradients: False (default) or True: GPU transports allocate what :meth:`plan`, :meth:`dispatch_backward`
+            and :meth:`combine_backward` need (a gradient row buffer of max(world_size, experts_per_token) *
+            max_num_tokens rows of about 4 * hidden_dim bytes in symmetric memory: ``tools/memory_report.py``),
+            and dispatch records each pair's expert for the plan. Training sets it; the host transport computes
+            gradients either way. The same on every rank.
     """
 
     def __init__(self, comm, max_num_tokens, num_experts, experts_per_token, hidden_dim,
                  hidden_dim_scale=None, in_dtype="bfloat16", out_dtype="bfloat16", scale_dtype=None,
                  dp_size=1, timeout=None, slots_per_rank=None, capacity=None, overflow="error", layout="padded",
-                 telemetry_window=64, timing=False, scale_layout="row", combine_wire=None, max_sms=None):
+                 telemetry_window=64, timing=False, scale_layout="row", combine_wire=None, max_sms=None,
+                 gradients=False):
         self.comm, self._backend, self.masked, self.expert_map = comm, None, (), None
         error = None
         try:  # checked on every rank, then compared: a bad argument on one rank raises on all of them
             self.cfg = c = AllToAllConfig.create(comm.world_size, comm.rank, max_num_tokens, num_experts,
                                                  experts_per_token, hidden_dim, hidden_dim_scale, in_dtype,
                                                  out_dtype, scale_dtype, dp_size, slots_per_rank, capacity, overflow,
-                                                 layout, scale_layout, combine_wire, max_sms)
+                                                 layout, scale_layout, combine_wire, max_sms, gradients)
             window = positive_int("telemetry_window", telemetry_window, minimum=0)
             self.timeout_s = comm.timeout_s if timeout is None else timeout_seconds(timeout)[0]
             mine = (None, dict(c.key(), telemetry_window=window, timing=bool(timing)))
@@ -455,8 +468,9 @@ class AllToAll:
     # gradients --------------------------------------------------------------------------------
     @property
     def gradients(self):
-        """Whether this AllToAll's transport computes gradients (plan, dispatch_backward, combine_backward):
-        the host transport in this release. Framework layers ask before a forward that keeps a plan."""
+        """Whether this AllToAll computes gradients (plan, dispatch_backward, combine_backward): on the host
+        transport always, on GPU transports when constructed with ``gradients=True``. Framework layers ask
+        before a forward that keeps a plan."""
         return self._backend is not None and self._backend.gradients
 
     def plan_shapes(self):
@@ -464,17 +478,19 @@ class AllToAll:
         c = self.cfg
         return RoutingPlan((c.max_num_tokens, c.experts_per_token), tuple(c.expert_x_shape()[:-1]) + (3,), (2,))
 
-    def plan(self, out_plan):
+    def plan(self, out_plan, stream=None):
         """Write the placement of the last dispatch into ``out_plan`` (a :class:`RoutingPlan` of int32 arrays
-        shaped as :meth:`plan_shapes` says), from the dispatch's receive half until the next dispatch. Not
-        collective; the plan stays valid after other calls (it is data). Host transport only in this
-        release (GPU transports raise InvalidArgument)."""
+        shaped as :meth:`plan_shapes` says), from the dispatch's receive half until the next dispatch (on
+        GPUs: ordered on ``stream`` after that receive half; default the current stream of out_plan.expert's
+        framework). Not collective; the plan stays valid after other calls (it is data)."""
         self._gradients()
-        rp = self._read_plan(out_plan, output=True)
         with self._context or nullcontext():
-            self._backend.write_plan(*rp)
+            s = self._arrays.begin(stream, out_plan.expert if isinstance(out_plan, RoutingPlan) else None)
+            rp = self._read_plan(out_plan, output=True)
+            self._arrays.order()
+            self._backend.write_plan(rp, s)
 
-    def dispatch_backward(self, out_grad_x, plan, grad_expert_x, bound_m):
+    def dispatch_backward(self, out_grad_x, plan, grad_expert_x, bound_m, stream=None):
         """The backward of a dispatch: each token's gradient is the sum of the gradients of the slots the
         dispatch put it in (over its experts; nothing from -1 ids or dropped pairs). Collective; it needs no
         call order (the plan says everything) and may run between any calls.
@@ -484,17 +500,22 @@ class AllToAll:
                 float32), on every rank of the token's DP group; rows >= m are left as they were. With an
                 FP8 dispatch this is the gradient of the unquantised tokens (straight-through).
             plan: the :class:`RoutingPlan` of that dispatch (:meth:`plan`), the same call on every rank.
-            grad_expert_x: out_expert_x's shape, bfloat16, float16 or float32: the gradient of each slot.
+            grad_expert_x: out_expert_x's shape, bfloat16, float16 or float32: the gradient of each slot
+                (each travels in its own dtype).
             bound_m: [1] int32 holding that dispatch's m.
+            stream: as in :meth:`dispatch` (GPUs; None follows out_grad_x).
 
         Raises InvalidArgument for a refused argument (the peers raise PeerError naming this rank), and as
-        :meth:`dispatch` for timeouts. Host transport only in this release.
+        :meth:`dispatch` for timeouts. On GPUs the kernels check m and the plans (every rank's must be of
+        the same dispatch), and what they record is raised at the end of this call or a later one, or by
+        :meth:`synchronize`, as for dispatch.
         """
-        self._backward("dispatch_backward", lambda: self._read_backward(
+        self._backward("dispatch_backward", stream, out_grad_x, lambda: self._read_backward(
             plan, bound_m, (grad_expert_x, "grad_expert_x", self._expert_shape),
             out=(out_grad_x, "out_grad_x", self._token_shape)))
 
-    def combine_backward(self, out_grad_expert_y, out_grad_weights, plan, grad_out, weights, expert_y, bound_m):
+    def combine_backward(self, out_grad_expert_y, out_grad_weights, plan, grad_out, weights, expert_y, bound_m,
+                         stream=None):
         """The backward of a combine: ``grad_expert_y[slot of (t, k)] = weights[t, k] * grad_out[t]`` and
         ``grad_weights[t, k] = <grad_out[t], expert_y[slot of (t, k)]>`` (reduced where the rows are and
         sent back as one number per pair). The same for weights given at combine and weights sent with
@@ -507,41 +528,49 @@ class AllToAll:
                 without a slot), on every rank of the token's DP group.
             plan: the :class:`RoutingPlan` of the combined dispatch, the same call on every rank.
             grad_out: [rows, hidden_dim] bfloat16, float16 or float32, the gradient of combine's out_tokens
-                (rows 0..m-1 are read).
+                (rows 0..m-1 are read; they travel in this dtype).
             weights: [rows, experts_per_token] float32, the router weights of the forward (given to combine,
                 or sent with dispatch).
             expert_y: the expert outputs the forward combined ([num_local_experts, capacity, hidden_dim]
                 out_dtype).
             bound_m: [1] int32 holding the forward's m.
+            stream: as in :meth:`dispatch` (GPUs; None follows out_grad_expert_y).
 
         Raises as :meth:`dispatch_backward`.
         """
-        self._backward("combine_backward", lambda: self._read_backward(
+        self._backward("combine_backward", stream, out_grad_expert_y, lambda: self._read_backward(
             plan, bound_m, (grad_out, "grad_out", self._token_shape),
             out_grad_y=(out_grad_expert_y, "out_grad_expert_y", self._expert_shape),
             out_grad_weights=(out_grad_weights, "out_grad_weights", self._ids_shape, _FLOAT32),
             weights=(weights, "weights", self._ids_shape, _FLOAT32),
             y=(expert_y, "expert_y", self._expert_shape, self._out)))
 
-    def _backward(self, phase, read):
-        """Run backward ``phase`` on the arguments ``read()`` returns; a refused argument takes part with no
-        data first, so that the peers raise PeerError naming this rank."""
+    def _backward(self, phase, stream, first, read):
+        """Run backward ``phase`` on ``stream`` (None: the current stream of ``first``'s framework) on the
+        arguments ``read()`` returns; a refused argument takes part with no data first, so that the peers
+        raise PeerError naming this rank."""
         self._gradients()
         with self._context or nullcontext():
+            s = None
             try:
+                s = self._arrays.begin(stream, first)
                 args = read()
             except InvalidArgument as e:
+                if s is None and self._context is not None:  # a stream refused: take part on the current one
+                    s = self._arrays.begin(None, None)
+                code = C.ERR_REFUSED | _argument_of(e) << C.REASON_ARG_SHIFT
                 with self.comm.breaking():
-                    self._backend.skip_backward(phase, Refusal(str(e), C.ERR_REFUSED))
+                    self._backend.skip_backward(phase, Refusal(str(e), code), s)
                 raise
+            self._arrays.order()
             try:
-                getattr(self._backend, phase)(args)
+                getattr(self._backend, phase)(args, s)
             except (CommTimeout, OutOfStep) as e:
                 self.comm.fail(e)
                 raise
 
     def _gradients(self):
-        """Raise unless this AllToAll is live and its transport computes gradients."""
+        """Raise unless this AllToAll is live and computes gradients."""
         self._live()
         if not self._backend.gradients:
             raise InvalidArgument(no_gradients(self.comm.transport.name))
@@ -558,22 +587,28 @@ class AllToAll:
 
     def _read_backward(self, plan, bound_m, grad, **named):
         """A backward call's arguments: the plan, m, the gradient ``grad`` and ``named`` others, each
-        (array, name, shape[, accepted dtypes: float gradients by default]); the token rows checked against m."""
+        (array, name, shape[, accepted dtypes: float gradients by default]). On the host transport m is
+        checked here against the rows and the plan; on GPUs the kernels check it."""
         rp = self._read_plan(plan)
         m_value, _, _, _ = self._arrays.read(bound_m, "bound_m", _BOUND_M, _ONE)
-        m = int(m_value[0])  # numpy: gradients run on the host transport
-        values, rows = {}, []
+        values, rows, dtypes = {}, [], {}
         for field, (array, name, shape, *kinds) in dict(named, grad=grad).items():
-            value, _, got, _ = self._arrays.read(array, name, kinds[0] if kinds else _GRAD, shape,
-                                                 output=field.startswith("out"))
-            values[field] = value
+            value, _, got, dtype = self._arrays.read(array, name, kinds[0] if kinds else _GRAD, shape,
+                                                     output=field.startswith("out"))
+            values[field], dtypes[field] = value, dtype
             if shape[0] is None:
                 rows.append((name, got[0]))
-        if not 0 <= m <= min([self.cfg.max_num_tokens] + [r for _, r in rows]):
-            raise InvalidArgument(f"bound_m: m={m} must be in [0, the fewest rows of {', '.join(n for n, _ in rows)}]")
-        if (rp.expert[m:] >= 0).any():
-            raise InvalidArgument(f"plan: it has pairs for tokens >= m={m}: it is another call's plan")
-        return _Backward(m, *rp, **values)
+        fewest = min([self.cfg.max_num_tokens] + [r for _, r in rows])
+        m = None
+        if isinstance(m_value, np.ndarray):  # the host transport: checked here
+            m = int(m_value[0])
+            if not 0 <= m <= fewest:
+                raise InvalidArgument(f"bound_m: m={m} must be in [0, the fewest rows of "
+                                      f"{', '.join(n for n, _ in rows)}]")
+            if (rp.expert[m:] >= 0).any():
+                raise InvalidArgument(f"plan: it has pairs for tokens >= m={m}: it is another call's plan")
+        written = dtypes.get("out", dtypes.get("out_grad_y"))
+        return _Backward(m, m_value, fewest, *rp, grad_dtype=dtypes["grad"], out_dtype=written, **values)
 
     def mask_ranks(self, ranks):
         """Stop exchanging with ``ranks`` (a dead rank, say), or with no rank (``[]``: unmask all). Collective
@@ -701,9 +736,9 @@ class AllToAll:
 
 
 def no_gradients(transport):
-    """The message of a gradient asked of a ``transport`` that does not compute them."""
-    return (f"gradients (plan, dispatch_backward, combine_backward) are not implemented on the {transport} "
-            f"transport in this release: use the host transport")
+    """The message of a gradient asked of an AllToAll on ``transport`` that does not compute them."""
+    return (f"gradients (plan, dispatch_backward, combine_backward): this AllToAll on the {transport} transport "
+            f"was constructed without them: pass gradients=True to moecomm.AllToAll(...)")
 
 
 def _argument_of(error):

@@ -22,8 +22,9 @@ too (seen on one H200 with jax 0.11.2: a dispatch run twice in a row; a scan who
 returned ran its combine twice, the second time with no dispatch to combine). So each operation runs exactly
 once per execution, and its data dependencies (dispatch -> experts -> combine, a send half's handle -> its
 receive half) order the calls of one AllToAll.
-Gradients (host transport in this release): dispatch and combine are ``jax.custom_vjp`` operations whose
-forward keeps its routing plan (:class:`moecomm.RoutingPlan`) as a residual and whose backward runs
+Gradients (the host transport; GPU transports with ``AllToAll(..., gradients=True)``): dispatch and combine
+are ``jax.custom_vjp`` operations whose forward keeps its routing plan (:class:`moecomm.RoutingPlan`) as a
+residual and whose backward runs
 :meth:`moecomm.AllToAll.dispatch_backward` / ``combine_backward`` along it, under ``jit``, ``lax.scan`` and
 ``jax.checkpoint``; router weights sent with dispatch are given to combine too (see :meth:`AllToAll.combine`).
 Independent AllToAlls in one jitted function run in the order XLA schedules them, which is the same on every
@@ -157,7 +158,7 @@ class AllToAll:
             self.a2a.run(DispatchArgs(n, ex, exs, x, xs, idx, m, w, None, self._stream(ctx),
                                       moved_outputs=outputs is not None), send, recv)
             if rp:
-                self.a2a.plan(RoutingPlan(*rp))
+                self.a2a.plan(RoutingPlan(*rp), self._stream(ctx))
         structs = self._dispatch_out if self._scaled else self._dispatch_out[:2]
         start = (outputs if outputs is not None else
                  [jax.numpy.zeros(t.shape, t.dtype) for t in structs] if plan or self._zero else ())
@@ -171,7 +172,7 @@ class AllToAll:
     def dispatch(self, dp_x, dp_x_scale, indices, bound_m, weights=None):
         """Both halves of :meth:`moecomm.AllToAll.dispatch`. Returns ``(out_expert_num_tokens [L] int32,
         out_expert_x [L, capacity, hidden] in_dtype, out_expert_x_scale (its shape) scale_dtype or
-        None)``. Differentiable (``jax.grad``, ``jax.vjp``; host transport in this release): the gradient
+        None)``. Differentiable (``jax.grad``, ``jax.vjp``; where ``a2a.gradients``): the gradient
         of dp_x is the sum of its slots' gradients (:meth:`moecomm.AllToAll.dispatch_backward`, along the
         dispatch's routing plan, kept as a residual); dp_x_scale, indices, bound_m get none, and router
         weights given here get theirs through the combine that uses them. Not for FP8 dp_x (a JAX
@@ -208,7 +209,7 @@ class AllToAll:
         (rows >= m zero)."""
         def run(ctx, out, *args):
             *plan_arrays, g, m = (self._buffer(b) for b in args[-5:])
-            self.a2a.dispatch_backward(self._buffer(out), RoutingPlan(*plan_arrays), g, m)
+            self.a2a.dispatch_backward(self._buffer(out), RoutingPlan(*plan_arrays), g, m, self._stream(ctx))
         return _fenced(buffer_callback(run, jax.ShapeDtypeStruct(shape, dtype), has_side_effect=True,
                                        input_output_aliases={0: 0}),
                        jax.numpy.zeros(shape, dtype), *plan, grad_expert_x, bound_m)
@@ -232,7 +233,7 @@ class AllToAll:
             idx, w, y, m = (self._buffer(b) for b in args[-4:])
             out, *rp = (self._buffer(b) for b in (out if plan else (out,)))
             if rp:
-                self.a2a.plan(RoutingPlan(*rp))
+                self.a2a.plan(RoutingPlan(*rp), self._stream(ctx))
             self.a2a.run(CombineArgs(out, idx, w, y, m, None, self._stream(ctx)), send, recv)
         c = self.a2a.cfg
         shape = (inputs[0].shape[0], c.hidden_dim)
@@ -245,7 +246,7 @@ class AllToAll:
 
     def combine(self, indices, weights, expert_y, bound_m):
         """Both halves of :meth:`moecomm.AllToAll.combine`. Returns out_tokens [rows, hidden] out_dtype
-        (rows = indices.shape[0]; rows >= m are zeros). Differentiable (host transport in this release):
+        (rows = indices.shape[0]; rows >= m are zeros). Differentiable (where ``a2a.gradients``):
         expert_y and the router weights get their gradients from :meth:`moecomm.AllToAll.combine_backward`,
         which needs the weights here. After a dispatch given router weights, pass the same weights here
         too to train: the sum still runs on the expert side, with the weights sent with the dispatch, and
@@ -286,7 +287,7 @@ class AllToAll:
         def run(ctx, out, *args):
             *plan_arrays, g, w, y, m = (self._buffer(b) for b in args[-7:])
             grad_y, grad_w = (self._buffer(b) for b in out)
-            self.a2a.combine_backward(grad_y, grad_w, RoutingPlan(*plan_arrays), g, w, y, m)
+            self.a2a.combine_backward(grad_y, grad_w, RoutingPlan(*plan_arrays), g, w, y, m, self._stream(ctx))
         structs = (jax.ShapeDtypeStruct(expert_y.shape, expert_y.dtype),
                    jax.ShapeDtypeStruct(weights.shape, np.float32))
         return _fenced(buffer_callback(run, structs, has_side_effect=True, input_output_aliases={0: 1}),

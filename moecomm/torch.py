@@ -13,7 +13,8 @@ each operation also keeps its routing plan (:class:`moecomm.RoutingPlan`) for it
 :meth:`moecomm.AllToAll.dispatch_backward` gives dp_x its gradient (the sum of its slots'), and
 :meth:`moecomm.AllToAll.combine_backward` gives expert_y and the router weights theirs. The backward follows
 the forward's placement whatever ran between them (other layers on the same AllToAll included). Gradients
-are computed on the host transport in this release (GPU transports refuse them; inference runs anywhere).
+are computed where ``a2a.gradients`` is True: the host transport, and GPU transports whose AllToAll was
+constructed with ``gradients=True`` (without it they refuse them; inference runs anywhere).
 
 Router weights: given to dispatch, pass the same tensor to combine too when training: the weighted sum still
 runs on the expert side with the weights sent with the dispatch, and their gradient flows through combine's

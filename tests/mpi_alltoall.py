@@ -29,8 +29,8 @@ class Host:
         return np.array(a)
 
     @staticmethod
-    def get(a):
-        return np.asarray(a)
+    def get(a, dtype=None):
+        return np.asarray(a) if dtype is None else np.asarray(a).view(dtype)
 
     @staticmethod
     def empty(shape, dtype):

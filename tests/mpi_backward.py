@@ -1,4 +1,4 @@
-"""Gradients along a routing plan on the host transport: dispatch_backward and combine_backward equal the
+"""Gradients along a routing plan on any transport: dispatch_backward and combine_backward equal the
 numpy reference's for every input dtype (FP8 straight-through), router weights given at combine or sent with
 dispatch, m below max_num_tokens, DP groups, a capacity that drops pairs, replicated experts and the packed
 layout; a plan kept
@@ -6,16 +6,21 @@ while another call runs still gives its own call's gradients; a refused backward
 different calls on different ranks, raise on every rank and the next call is right; a plan is refused before
 any dispatch.
 
-    mpiexec -n 3 python tests/mpi_backward.py
+    mpiexec -n 3 python tests/mpi_backward.py [--transport host|ipc|nvshmem]
 
 Prints "<n> checks on <w> ranks: <f> failures" on rank 0.
 """
+import argparse
+
 import numpy as np
 
 import moecomm
 import moecomm.balance
 from moecomm import reference
+from mpi_alltoall import Buffers, Host
 from report import finish
+
+A = Host  # the arrays of the transport under test (main): numpy, or DeviceBuffers on GPUs
 
 E_PER_RANK, K, H, M = 3, 2, 64, 10
 CASES = (  # (in_dtype, scales, out_dtype, gradient dtype)
@@ -42,8 +47,13 @@ def draw(comm, dp, seed, dt, scales, gdt, m):
 
 
 def new_plan(a2a, fill=0):
-    """A RoutingPlan of numpy arrays for ``a2a`` (filled with ``fill``: plan() must write every element)."""
-    return moecomm.RoutingPlan(*(np.full(s, fill, np.int32) for s in a2a.plan_shapes()))
+    """A RoutingPlan of arrays for ``a2a`` (filled with ``fill``: plan() must write every element)."""
+    return moecomm.RoutingPlan(*(A.put(np.full(s, fill, np.int32)) for s in a2a.plan_shapes()))
+
+
+def got_plan(plan):
+    """A plan's arrays as numpy."""
+    return moecomm.RoutingPlan(*(A.get(a, np.int32) for a in plan))
 
 
 def to_padded(a, offsets, capacity, fill):
@@ -60,27 +70,32 @@ def check(a2a, comm, groups, m, wd, fails, label, between=None):
     c, r, W, dp = a2a.cfg, comm.rank, comm.world_size, a2a.cfg.dp_size
     gdt = groups[0]["gout"].dtype
     mine = groups[r // dp]
-    n = np.zeros(c.num_local_experts, np.int32)
-    ex = np.zeros(c.expert_x_shape(), c.in_dtype)
-    es = None if mine["xs"] is None else np.zeros(c.expert_x_scale_shape(), np.float32)
-    off = np.zeros(c.num_local_experts + 1, np.int32) if c.layout == "packed" else None
-    bm = np.array([m], np.int32)
-    a2a.dispatch(n, ex, es, mine["x"], mine["xs"], mine["ids"], bm, weights=mine["w"] if wd else None,
-                 out_expert_offsets=off)
+    n = A.put(np.zeros(c.num_local_experts, np.int32))
+    ex = A.put(np.zeros(c.expert_x_shape(), c.in_dtype))
+    es = None if mine["xs"] is None else A.put(np.zeros(c.expert_x_scale_shape(), np.float32))
+    off = A.put(np.zeros(c.num_local_experts + 1, np.int32)) if c.layout == "packed" else None
+    bm, ids = A.put(np.array([m], np.int32)), A.put(mine["ids"])
+    a2a.dispatch(n, ex, es, A.put(mine["x"]), None if mine["xs"] is None else A.put(mine["xs"]), ids, bm,
+                 weights=A.put(mine["w"]) if wd else None, out_expert_offsets=off)
     plan = new_plan(a2a, 7)
     a2a.plan(plan)
-    y = ex.astype(np.float32) * 0.5 + 1.0
+    y = A.get(ex, c.in_dtype).astype(np.float32) * 0.5 + 1.0
     y = y.astype(c.out_dtype)  # an expert: 0.5 x + 1, written where the slots are empty too
-    out, dropped = np.zeros((M, H), c.out_dtype), np.zeros((M, K), np.uint8)
-    a2a.combine(out, mine["ids"], None if wd else mine["w"], y, bm, out_dropped=dropped)
+    yd = A.put(y)
+    out, dropped = A.put(np.zeros((M, H), c.out_dtype)), A.put(np.zeros((M, K), np.uint8))
+    a2a.combine(out, ids, None if wd else A.put(mine["w"]), yd, bm, out_dropped=dropped)
     if between is not None:
         between()
     rng = np.random.default_rng([hash(label) % 2 ** 32, r])
     gex = rng.standard_normal(c.expert_x_shape()).astype(np.float32).astype(gdt)
-    gx = np.full((M, H), 9, gdt)
-    a2a.dispatch_backward(gx, plan, gex, bm)
-    gey, gw = np.full(c.expert_x_shape(), 9, gdt), np.full((M, K), 9, np.float32)
-    a2a.combine_backward(gey, gw, plan, mine["gout"], mine["w"], y, bm)
+    gx = A.put(np.full((M, H), 9, gdt))
+    a2a.dispatch_backward(gx, plan, A.put(gex), bm)
+    gey, gw = A.put(np.full(c.expert_x_shape(), 9, gdt)), A.put(np.full((M, K), 9, np.float32))
+    a2a.combine_backward(gey, gw, plan, A.put(mine["gout"]), A.put(mine["w"]), yd, bm)
+    a2a.synchronize()
+    gx, gey, gw, plan = A.get(gx, gdt), A.get(gey, gdt), A.get(gw, np.float32), got_plan(plan)
+    n, dropped = A.get(n, np.int32), A.get(dropped, np.uint8)
+    off = None if off is None else A.get(off, np.int32)
 
     phys = mine["ids"] if a2a.expert_map is None else a2a.expert_map.physical(mine["ids"], np.arange(M), r // dp)
     E = c.num_local_experts * W  # physical experts: the reference's
@@ -103,9 +118,8 @@ def check(a2a, comm, groups, m, wd, fails, label, between=None):
         fails.append(f"{label}: combine_backward's grad_expert_y differs from the reference")
     if not np.allclose(gw[:m], want_w[r // dp][:m], rtol=1e-4, atol=1e-4) or (gw[m:] != 9).any():
         fails.append(f"{label}: combine_backward's grad_weights differ from the reference")
-    # the plan: this rank's pairs (its tokens of the DP group), without the dropped ones
+    # the plan: this rank's pairs (its tokens of the DP group), the dropped ones too (they have no slot)
     ids = np.where(np.arange(M)[:, None] % dp == c.dp_rank, phys, -1)
-    ids = np.where(dropped.astype(bool), -1, ids)
     if not np.array_equal(plan.expert, ids):
         fails.append(f"{label}: plan.expert differs from the pairs this rank sent")
     filled = origins[r][..., 0] >= 0
@@ -117,16 +131,19 @@ def refused(a2a, comm, groups, fails):
     """One rank passes a grad_expert_x of the wrong shape: it raises InvalidArgument, the others PeerError;
     then a backward call is right."""
     c, r = a2a.cfg, comm.rank
-    mine, bm = groups[r // c.dp_size], np.array([M], np.int32)
-    n, ex = np.zeros(c.num_local_experts, np.int32), np.zeros(c.expert_x_shape(), c.in_dtype)
-    a2a.dispatch(n, ex, None, mine["x"], None, mine["ids"], bm)
+    mine, bm = groups[r // c.dp_size], A.put(np.array([M], np.int32))
+    n, ex = A.put(np.zeros(c.num_local_experts, np.int32)), A.put(np.zeros(c.expert_x_shape(), c.in_dtype))
+    ids, w = A.put(mine["ids"]), A.put(mine["w"])
+    ey = A.put(np.zeros(c.expert_x_shape(), c.out_dtype))
+    a2a.dispatch(n, ex, None, A.put(mine["x"]), None, ids, bm)
     plan = new_plan(a2a)
     a2a.plan(plan)
-    a2a.combine(np.zeros((M, H), c.out_dtype), mine["ids"], mine["w"], ex.astype(c.out_dtype), bm)
+    a2a.combine(A.put(np.zeros((M, H), c.out_dtype)), ids, w, ey, bm)
     gex = np.zeros(c.expert_x_shape(), np.float32)
-    bad = gex[:, :-1] if r == comm.world_size - 1 else gex
+    bad = A.put(gex[:, :-1] if r == comm.world_size - 1 else gex)
     try:
-        a2a.dispatch_backward(np.zeros((M, H), np.float32), plan, bad, bm)
+        a2a.dispatch_backward(A.put(np.zeros((M, H), np.float32)), plan, bad, bm)
+        a2a.synchronize()  # GPUs: the peers' kernels recorded the refusal
         fails.append("refused: dispatch_backward with a grad_expert_x of the wrong shape raised nothing")
     except moecomm.PeerError as e:
         if r == comm.world_size - 1 or e.peer != comm.world_size - 1:
@@ -134,39 +151,61 @@ def refused(a2a, comm, groups, fails):
     except moecomm.InvalidArgument as e:
         if r != comm.world_size - 1 or "grad_expert_x" not in str(e):
             fails.append(f"refused: InvalidArgument {e} on rank {r}")
-    gx = np.zeros((M, H), np.float32)
-    a2a.dispatch_backward(gx, plan, gex + 1, bm)
+    gx = A.put(np.zeros((M, H), np.float32))
+    a2a.dispatch_backward(gx, plan, A.put(gex + 1), bm)
+    a2a.synchronize()
     want = (mine["ids"] >= 0).sum(axis=1)[:, None] * np.ones((1, H), np.float32)
-    if not np.array_equal(gx, want):
+    if not np.array_equal(A.get(gx, np.float32), want):
         fails.append("refused: the next dispatch_backward is wrong")
+    # bound_m above the rows of out_grad_x on the last rank: the kernels (GPUs) or the host refuse it
+    try:
+        short = A.put(np.zeros((M - 2 if r == comm.world_size - 1 else M, H), np.float32))
+        a2a.dispatch_backward(short, plan, A.put(gex), bm)
+        a2a.synchronize()
+        fails.append(f"bound_m over the rows: nothing raised on rank {r}")
+    except (moecomm.MoeCommError, moecomm.InvalidArgument) as e:  # every rank raises (the peers name the last)
+        if r != comm.world_size - 1 and f"rank {comm.world_size - 1}" not in str(e):
+            fails.append(f"bound_m over the rows: {type(e).__name__} {e} on rank {r}")
+    a2a.dispatch_backward(gx, plan, A.put(gex + 1), bm)
+    a2a.synchronize()
+    if not np.array_equal(A.get(gx, np.float32), want):
+        fails.append("bound_m over the rows: the next dispatch_backward is wrong")
     if comm.world_size == 1:
         return
     # rank 0 passes the plan of another call (a mixed-up micro-batch): every rank raises, nothing is exchanged
-    a2a.dispatch(n, ex, None, mine["x"], None, mine["ids"], bm)
+    a2a.dispatch(n, ex, None, A.put(mine["x"]), None, ids, bm)
     later = new_plan(a2a)
     a2a.plan(later)
-    a2a.combine(np.zeros((M, H), c.out_dtype), mine["ids"], mine["w"], ex.astype(c.out_dtype), bm)
-    for name, call in (("dispatch_backward", lambda p: a2a.dispatch_backward(gx, p, gex, bm)),
+    a2a.combine(A.put(np.zeros((M, H), c.out_dtype)), ids, w, ey, bm)
+    zeros = A.put(np.zeros(c.expert_x_shape(), np.float32))
+    for name, call in (("dispatch_backward", lambda p: a2a.dispatch_backward(gx, p, A.put(gex), bm)),
                        ("combine_backward", lambda p: a2a.combine_backward(
-                           np.zeros(c.expert_x_shape(), np.float32), np.zeros((M, K), np.float32), p,
-                           np.zeros((M, H), np.float32), mine["w"], ex.astype(c.out_dtype), bm))):
+                           zeros, A.put(np.zeros((M, K), np.float32)), p,
+                           A.put(np.zeros((M, H), np.float32)), w, ey, bm))):
         try:
             call(plan if r == 0 else later)
+            a2a.synchronize()
             fails.append(f"mixed plans: {name} raised nothing on rank {r}")
         except moecomm.InvalidArgument as e:
             if "routing plan of dispatch call" not in str(e):
                 fails.append(f"mixed plans: {name} on rank {r}: {e}")
-    a2a.dispatch_backward(gx, later, gex + 1, bm)
-    if not np.array_equal(gx, want):
+    a2a.dispatch_backward(gx, later, A.put(gex + 1), bm)
+    a2a.synchronize()
+    if not np.array_equal(A.get(gx, np.float32), want):
         fails.append("mixed plans: the next dispatch_backward is wrong")
 
 
 def main():
-    comm = moecomm.init(transport="host", timeout=3.0)
+    global A
+    p = argparse.ArgumentParser()
+    p.add_argument("--transport", default="host")
+    comm = moecomm.init(transport=p.parse_args().transport, timeout=3.0)
+    A = Host if comm.transport.memory == "host" else Buffers
+    G = dict(gradients=True)
     W, E = comm.world_size, E_PER_RANK * comm.world_size
     fails, checks = [], 0
     try:
-        a2a = moecomm.AllToAll(comm, M, E, K, H)
+        a2a = moecomm.AllToAll(comm, M, E, K, H, **G)
         a2a.plan(new_plan(a2a))
         fails.append("plan before any dispatch: nothing raised")
     except moecomm.InvalidArgument as e:
@@ -177,14 +216,14 @@ def main():
     checks += 1
     a2a.destroy()
     for dt, scales, odt, gdt in CASES:
-        a2a = moecomm.AllToAll(comm, M, E, K, H, scales, dt, odt)
+        a2a = moecomm.AllToAll(comm, M, E, K, H, scales, dt, odt, **G)
         for wd in (False, True):
             for m in (M, M - 3):
                 check(a2a, comm, draw(comm, 1, checks, dt, scales, gdt, m), m, wd, fails,
                       f"{np.dtype(dt).name} weights {'at dispatch' if wd else 'at combine'} m={m}")
                 checks += 1
         a2a.destroy()
-    a2a = moecomm.AllToAll(comm, M, E, K, H, None, "bf16", "bf16")
+    a2a = moecomm.AllToAll(comm, M, E, K, H, None, "bf16", "bf16", **G)
     other = draw(comm, 1, 99, moecomm.bfloat16, None, np.float32, M)
 
     def another_call():  # a dispatch and combine of other tokens between the forward and its backward
@@ -194,21 +233,21 @@ def main():
     checks += 2
     a2a.destroy()
     if W % 2 == 0:
-        a2a = moecomm.AllToAll(comm, M, E, K, H, None, "bf16", "bf16", dp_size=2)
+        a2a = moecomm.AllToAll(comm, M, E, K, H, None, "bf16", "bf16", dp_size=2, **G)
         for wd in (False, True):
             check(a2a, comm, draw(comm, 2, 60 + wd, moecomm.bfloat16, None, np.float32, M - 1), M - 1, wd, fails,
                   f"dp_size 2 weights {'at dispatch' if wd else 'at combine'}")
             checks += 1
         a2a.destroy()
     cap = max(1, M * K // (2 * E_PER_RANK))  # about half the mean demand per expert: some pairs drop
-    a2a = moecomm.AllToAll(comm, M, E, K, H, None, "bf16", "bf16", capacity=cap, overflow="drop")
+    a2a = moecomm.AllToAll(comm, M, E, K, H, None, "bf16", "bf16", capacity=cap, overflow="drop", **G)
     for wd in (False, True):
         check(a2a, comm, draw(comm, 1, 70 + wd, moecomm.bfloat16, None, np.float32, M), M, wd, fails,
               f"capacity {cap} drop, weights {'at dispatch' if wd else 'at combine'}")
         checks += 1
     a2a.destroy()
     if W > 1:  # replicated experts: every rank's extra slot holds the next rank's first expert
-        a2a = moecomm.AllToAll(comm, M, E, K, H, None, "bf16", "bf16", slots_per_rank=E_PER_RANK + 1)
+        a2a = moecomm.AllToAll(comm, M, E, K, H, None, "bf16", "bf16", slots_per_rank=E_PER_RANK + 1, **G)
         slots = np.full((W, E_PER_RANK + 1), -1)
         slots[:, :E_PER_RANK] = np.arange(E).reshape(W, E_PER_RANK)
         slots[:, E_PER_RANK] = (np.arange(W) + 1) % W * E_PER_RANK
@@ -218,7 +257,7 @@ def main():
                   f"replicas weights {'at dispatch' if wd else 'at combine'}")
             checks += 1
         a2a.destroy()
-    a2a = moecomm.AllToAll(comm, M, E, K, H, None, "bf16", "bf16", layout="packed")
+    a2a = moecomm.AllToAll(comm, M, E, K, H, None, "bf16", "bf16", layout="packed", **G)
     for wd in (False, True):
         check(a2a, comm, draw(comm, 1, 80 + wd, moecomm.bfloat16, None, np.float32, M - 1), M - 1, wd, fails,
               f"packed weights {'at dispatch' if wd else 'at combine'}")

@@ -1,6 +1,6 @@
 """Gradients through moecomm.jax against the same layers in plain JAX with every expert on one device:
 
-    mpiexec -n 2 python tests/mpi_jax_grad.py        # host transport, JAX's CPU backend
+    mpiexec -n 2 python tests/mpi_jax_grad.py [--transport host|ipc|nvshmem]   # host: JAX's CPU backend
 
 The layer: router top-k -> dispatch -> each local expert one matmul over its slots -> combine. Every rank's
 loss is its own tokens' (rows < m, m drawn per rank and step); ``jax.grad`` of it on each rank gives, through
@@ -13,6 +13,8 @@ the loop (scan of two layers whose routing is drawn from their input); the exper
 inputs not differentiated) with zero_slots. Relative L2 error below 2e-2 (bf16).
 Prints "<n> checks on <w> ranks: <f> failures".
 """
+import argparse
+
 import numpy as np
 
 import moecomm
@@ -22,15 +24,18 @@ M, H, EL, K, LAYERS, TOL = 16, 32, 3, 2, 2, 2e-2
 
 
 def main():
-    comm = moecomm.init(transport="host")
+    p = argparse.ArgumentParser()
+    p.add_argument("--transport", default="host")
+    comm = moecomm.init(transport=p.parse_args().transport)
     import jax
     import jax.numpy as jnp
 
     import moecomm.jax as mj
-    jax.config.update("jax_platforms", "cpu")
+    if comm.transport.memory == "host":
+        jax.config.update("jax_platforms", "cpu")
     W, r = comm.world_size, comm.rank
     E = EL * W
-    a2a = moecomm.AllToAll(comm, M, E, K, H, None, "bfloat16", "bfloat16")
+    a2a = moecomm.AllToAll(comm, M, E, K, H, None, "bfloat16", "bfloat16", gradients=True)
     layer, zeroed = mj.AllToAll(a2a), mj.AllToAll(a2a, zero_slots=True)
     keys = jax.random.split(jax.random.PRNGKey(3), 2)  # every rank draws the same parameters
     w_router = jax.random.normal(keys[0], (LAYERS, H, E)) / H ** 0.5

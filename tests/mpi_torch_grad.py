@@ -1,6 +1,6 @@
 """Gradients through moecomm.torch against the same layers in plain PyTorch with every expert in one process:
 
-    mpiexec -n 2 python tests/mpi_torch_grad.py        # host transport, CPU tensors
+    mpiexec -n 2 python tests/mpi_torch_grad.py [--transport host|ipc|nvshmem]   # host: CPU tensors
 
 As tests/mpi_jax_grad.py: every rank's loss is its own tokens' (rows < m, m drawn per rank); backward on each
 rank gives, through moecomm's backward, the gradient of the sum of every rank's loss for its tokens, its local
@@ -10,6 +10,8 @@ dispatch (then given to combine too), int64 ids (torch.topk's) and int32, a 2-la
 with the router in the loop, and both layers on one AllToAll. Relative L2 error below 2e-2 (bf16). Prints
 "<n> checks on <w> ranks: <f> failures".
 """
+import argparse
+
 import numpy as np
 import torch
 
@@ -21,13 +23,16 @@ M, H, EL, K, LAYERS, TOL = 16, 32, 3, 2, 2, 2e-2
 
 
 def main():
-    comm = moecomm.init(transport="host")
+    p = argparse.ArgumentParser()
+    p.add_argument("--transport", default="host")
+    comm = moecomm.init(transport=p.parse_args().transport)
+    dev = torch.device("cpu") if comm.device < 0 else torch.device("cuda", comm.device)
     W, r = comm.world_size, comm.rank
     E = EL * W
-    layer = mt.AllToAll(moecomm.AllToAll(comm, M, E, K, H, None, "bfloat16", "bfloat16"))
+    layer = mt.AllToAll(moecomm.AllToAll(comm, M, E, K, H, None, "bfloat16", "bfloat16", gradients=True))
     gen = torch.Generator().manual_seed(3)  # every rank draws the same parameters
-    w_router = torch.randn(LAYERS, H, E, generator=gen) / H ** 0.5
-    w_experts = (torch.randn(LAYERS, E, H, H, generator=gen) / H ** 0.5).to(torch.bfloat16)
+    w_router = (torch.randn(LAYERS, H, E, generator=gen) / H ** 0.5).to(dev)
+    w_experts = (torch.randn(LAYERS, E, H, H, generator=gen) / H ** 0.5).to(torch.bfloat16).to(dev)
     mine = slice(r * EL, (r + 1) * EL)
 
     def route(x, w, ids_dtype):
@@ -43,11 +48,11 @@ def main():
     def ref(x, wr, we_all):
         ids, wts = route(x, wr, torch.int64)
         y = torch.einsum("mh,ehd->emd", x.float(), we_all.float()).to(torch.bfloat16)
-        y = y[ids, torch.arange(x.shape[0])[:, None]]
+        y = y[ids, torch.arange(x.shape[0], device=x.device)[:, None]]
         return (wts[..., None] * y.float()).sum(1).to(torch.bfloat16)
 
     def loss(out, m, target):
-        o = out.float() * (torch.arange(M) < m[0])[:, None]
+        o = out.float() * (torch.arange(M, device=out.device) < m[0])[:, None]
         return (o * target).sum() + 0.1 * (o * o).sum()
 
     fails, checks = [], 0
@@ -55,7 +60,7 @@ def main():
     def close(name, got, want):
         nonlocal checks
         checks += 1
-        got, want = got.float().numpy(), want.float().numpy()
+        got, want = got.float().cpu().numpy(), want.float().cpu().numpy()
         err = float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
         if not err < TOL:  # NaN fails
             fails.append(f"rank {r}: {name}: relative error {err:.3g}")
@@ -68,9 +73,9 @@ def main():
         for q in range(W):
             rng = np.random.default_rng([q, step])
             m = M if step == 1 and q == 0 else int(rng.integers(1, M))
-            inputs.append((torch.from_numpy(rng.standard_normal((M, H)).astype(np.float32)).to(torch.bfloat16),
-                           torch.tensor([m], dtype=torch.int32),
-                           torch.from_numpy(rng.standard_normal((M, H)).astype(np.float32))))
+            inputs.append((torch.from_numpy(rng.standard_normal((M, H)).astype(np.float32)).to(torch.bfloat16).to(dev),
+                           torch.tensor([m], dtype=torch.int32, device=dev),
+                           torch.from_numpy(rng.standard_normal((M, H)).astype(np.float32)).to(dev)))
         for name, layers, at_combine, ids_dtype in cases:
             x, m, target = inputs[r]
             x = x.clone().requires_grad_()

@@ -28,6 +28,9 @@
 #                                    ($RANKS) time-sliced on GPU 0 over ipc (correct and slow): quick sweeps,
 #                                    control, the JAX matrix, telemetry, capacity, packed, replicas, masking, DP
 #                                    groups, a rank whose program fails
+#   bash tools/gpu_check.sh grads    gradients: tests/mpi_backward.py (1 rank on both transports and the put path, 2
+#                                    and 4 ranks time-sliced over ipc), the JAX and PyTorch layers' gradients,
+#                                    then tools/grad_bench.py at world size 1 (GRAD_BENCH= skips it)
 #   bash tools/gpu_check.sh formats  the formats of the wire (tests/mpi_formats.py: scale dtypes and layouts, opaque
 #                                    rows, the FP8 combine wire) at world size 1 on both transports and at 2 and 4
 #                                    ranks time-sliced over ipc, then R1-decode at world size 1 with combine's rows
@@ -103,6 +106,24 @@ if [ "${1:-}" = ranks ]; then  # more ranks than GPUs: every rank on GPU 0, time
     [ $n = 4 ] && expect ": 0 failures" "${MPIRUN[@]}" -np 4 python3 tests/mpi_mask.py --transport ipc
     [ $n = 4 ] && step "${MPIRUN[@]}" -np 4 python3 tests/mpi_alltoall.py --transport ipc --dp-only
   done
+  exit $status
+fi
+if [ "${1:-}" = grads ]; then  # gradients: the plan and both backward calls, then the layers, then timing
+  for t in ipc nvshmem; do expect ": 0 failures" "${MPIRUN[@]}" -np 1 python3 tests/mpi_backward.py --transport $t; done
+  MOECOMM_FORCE_PUTS=1 expect ": 0 failures" "${MPIRUN[@]}" -x MOECOMM_FORCE_PUTS -np 1 python3 tests/mpi_backward.py \
+    --transport nvshmem
+  for s in mpi_jax_grad mpi_torch_grad; do expect ": 0 failures" "${MPIRUN[@]}" -np 1 python3 tests/$s.py --transport $T; done
+  ( export MOECOMM_TRANSPORT=ipc MOECOMM_IPC_HEAP_MB=${MOECOMM_IPC_HEAP_MB:-1024} XLA_PYTHON_CLIENT_PREALLOCATE=false
+    export CUDA_VISIBLE_DEVICES=0
+    for n in ${RANKS:-2 4}; do
+      expect ": 0 failures" "${MPIRUN[@]}" -np $n python3 tests/mpi_backward.py --transport ipc
+      for s in mpi_jax_grad mpi_torch_grad; do
+        expect ": 0 failures" "${MPIRUN[@]}" -np $n python3 tests/$s.py --transport ipc
+      done
+    done
+    [ $status = 0 ] ) || status=1
+  [ -n "${GRAD_BENCH-1}" ] && step "${MPIRUN[@]}" -np 1 python3 tools/grad_bench.py --transport ipc \
+    --iters ${BENCH_ITERS:-300} --json "$out/ws1-gradients.json"
   exit $status
 fi
 if [ "${1:-}" = formats ]; then

@@ -104,28 +104,29 @@ class AllToAllBackend(abc.ABC):
         raise InvalidArgument(f"{type(self).__name__} does not take expert maps")
 
     # Gradients along a routing plan (AllToAll.plan, dispatch_backward, combine_backward), where ``gradients``
-    # is True; AllToAll refuses them on other transports (on every rank alike: the same transport everywhere).
+    # is True; AllToAll refuses them elsewhere (on every rank alike: the configuration is the same everywhere).
+    # ``stream``: the call's launch stream (None on the host).
     gradients = False
 
-    def write_plan(self, expert, origin, call) -> None:
-        """Write the routing plan of the last dispatch received (until the next dispatch): ``expert``
-        [max_num_tokens, k] int32, the physical expert of each (token, k) pair this rank sent (-1: none);
-        ``origin`` [out_expert_x's shape but the last, 3] int32, (source rank, token, k) of each slot (-1:
-        empty); ``call`` [2] int32, (restart generation, dispatch number), the same on every rank. Not
-        collective."""
+    def write_plan(self, plan, stream) -> None:
+        """Write the routing plan of the last dispatch received (until the next dispatch) into ``plan`` (a
+        RoutingPlan of arrays as read): ``expert`` [max_num_tokens, k] int32, the physical expert of each
+        (token, k) pair this rank sent (-1: none); ``origin`` [out_expert_x's shape but the last, 3] int32,
+        (source rank, token, k) of each slot (-1: empty); ``call`` [2] int32, (restart generation, dispatch
+        number), the same on every rank. Not collective."""
         raise NotImplementedError
 
-    def dispatch_backward(self, args) -> None:
+    def dispatch_backward(self, args, stream) -> None:
         """``args.out[:m]`` = each token's summed gradient from the slots ``args.origin`` gives it
         (``args.grad``: the slots' gradients), on every rank of its DP group. Collective."""
         raise NotImplementedError
 
-    def combine_backward(self, args) -> None:
+    def combine_backward(self, args, stream) -> None:
         """``args.out_grad_y`` = weight * gradient of each slot's token (zeros where empty),
         ``args.out_grad_weights[:m]`` = <gradient, ``args.y`` of the pair's slot> per pair. Collective."""
         raise NotImplementedError
 
-    def skip_backward(self, phase, refusal) -> None:
+    def skip_backward(self, phase, refusal, stream) -> None:
         """Take part with no data in a backward ``phase`` ("dispatch_backward" or "combine_backward") whose
         arguments this rank refused, telling the peers why."""
         raise NotImplementedError

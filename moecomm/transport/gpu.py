@@ -250,6 +250,12 @@ def error_from_words(words, what, capacity=0, departed=None):
     return error
 
 
+def _plan_call(word):
+    """A plan's call as its signals carry it (cuda/backward.cu, plan_word), in words."""
+    word &= 0xFFFFFFFF
+    return f"{word & ((1 << C.PLAN_CALL_BITS) - 1)} (generation {word >> C.PLAN_CALL_BITS})"
+
+
 def _error(code, peer, phase, detail, call, amount, what, capacity, departed):
     phase_name = C.PHASES[phase] if 0 <= phase < len(C.PHASES) else str(phase)
     where = f"{what} {phase_name} (call {call})"
@@ -275,6 +281,18 @@ def _error(code, peer, phase, detail, call, amount, what, capacity, departed):
     if code == C.ERR_BAD_M:
         return InvalidRouting(f"{where}: this rank passed bound_m={detail}, outside [0, {amount}] (at most "
                               f"max_num_tokens and the rows of each per-token array of the call)")
+    if code == C.ERR_PLAN_DIFFERS and detail == -1:
+        return InvalidArgument(f"{where}: rank {peer} sent no gradient for a pair this rank's plan holds (slot "
+                               f"{amount}): the ranks' plans differ")
+    if code == C.ERR_PLAN_DIFFERS and detail == -2:
+        return InvalidArgument(f"{where}: plan.origin holds an entry out of range at slot {amount}: not a plan "
+                               f"of this AllToAll")
+    if code == C.ERR_PLAN_DIFFERS:
+        return InvalidArgument(f"{where}: rank {peer} follows the routing plan of dispatch call {_plan_call(detail)},"
+                               f" this rank that of call {_plan_call(amount)}: every rank passes the plan of the "
+                               f"same call")
+    if code == C.ERR_PLAN_M:
+        return InvalidArgument(f"{where}: plan: it has pairs for tokens >= m={detail}: it is another call's plan")
     if code == C.ERR_M_DIFFERS:
         return InvalidArgument(f"{where}: bound_m={detail} differs from the dispatched m; nothing was sent")
     if code == C.ERR_OVERFLOW:
@@ -301,6 +319,10 @@ def _peer_error(where, peer, reason, argument):
                               f"tokens were not sent")
     if reason == C.ERR_M_DIFFERS:
         text = "bound_m differs from the dispatched m"
+    elif reason == C.ERR_PLAN_M:
+        text = "its routing plan has pairs for tokens >= bound_m"
+    elif reason == C.ERR_PLAN_DIFFERS:
+        text = "the ranks' routing plans differ"
     elif reason == C.ERR_ENDED:
         text = "it ended the call after an error of it"
     elif reason == C.ERR_REFUSED:

@@ -13,6 +13,8 @@ Symmetric memory per rank (bytes), W ranks, M = max_num_tokens, K = top-k, H = h
     signals            3 * W * 8          (dispatch, combine, and the detail of a failed call)
     arrival words      2 * W * M * 8      (one per dispatch record slot, one per partial sum of combine)
     drop words         W * M * 8          (only with overflow="drop")
+    gradient rows      max(W, K) * M * G  G = 4H + align16(4K) + 16 (only with gradients=True; backward.cu)
+    gradient words     (3 * W + M * K) * 8   (signals, "read" words, router weights' gradients; same)
 
 (:func:`symmetric_bytes`). Bytes on the wire per call, for n tokens sent by a rank and reaching on
 average r distinct other ranks: dispatch n * r * R (a token's rows for this rank's own experts are
@@ -33,7 +35,8 @@ import numpy as np
 
 from .. import _abi, _cuda, _jit
 from .. import _constants as C
-from .._dtypes import float16
+from .._dtypes import bfloat16, float16
+from .._errors import InvalidArgument
 from .base import AllToAllBackend, first_send, snapshot
 
 
@@ -51,22 +54,36 @@ def blocks(cfg, num_sms):
 
 def symmetric_sizes(cfg, num_sms):
     """Bytes of each symmetric buffer one rank allocates (the formula in the module doc), and the staging
-    row size: {"recv_buf", "comb_buf", "stage", "signals", "arrive", "drop_buf", "stage_row"}."""
+    row size: {"recv_buf", "comb_buf", "stage", "signals", "arrive", "drop_buf", "grad_buf", "grad_words",
+    "stage_row"}."""
     W, M, K = cfg.world_size, cfg.max_num_tokens, cfg.experts_per_token
     comb_row = _abi.combine_row_bytes(cfg)
-    stage_row = max(record_bytes(cfg), comb_row)
+    grad_row = _abi.grad_row_bytes(cfg) if cfg.gradients else 0
+    stage_row = max(record_bytes(cfg), comb_row, grad_row)
     grid = blocks(cfg, num_sms)  # the kernels that stage rows (a block's rows at blockIdx * STAGE_SLOTS)
-    stage_rows = max(grid[n] for n in (*_abi.half_kernels(cfg)[::2], *_abi.whole_kernels(cfg, num_sms).values())) \
-        * C.STAGE_SLOTS
+    stagers = (*_abi.half_kernels(cfg)[::2], *_abi.whole_kernels(cfg, num_sms).values())
+    stage_rows = max([grid[n] for n in stagers] + ([_abi.KERNELS["moecomm_grad_send"].grid(cfg, num_sms)]
+                                                    if cfg.gradients else [])) * C.STAGE_SLOTS
     return dict(recv_buf=W * M * record_bytes(cfg), comb_buf=max(W, K) * M * comb_row,
                 stage=stage_rows * stage_row, signals=3 * W * 8, arrive=2 * W * M * 8, stage_row=stage_row,
-                drop_buf=W * M * 8 if cfg.capacity is not None and cfg.overflow == "drop" else 0)
+                drop_buf=W * M * 8 if cfg.capacity is not None and cfg.overflow == "drop" else 0,
+                grad_buf=max(W, K) * M * grad_row, grad_words=(3 * W + M * K) * 8 if cfg.gradients else 0)
 
 
 def symmetric_bytes(cfg, num_sms=132):
     """Symmetric memory one rank allocates for this configuration (132 SMs: an H100/H200)."""
     sizes = symmetric_sizes(cfg, _abi.sm_budget(cfg, num_sms))
     return sum(v for k, v in sizes.items() if k != "stage_row")
+
+
+_GRAD_CODES = {np.dtype(bfloat16): C.DT_BF16, np.dtype(float16): C.DT_FP16, np.dtype(np.float32): C.DT_FP32}
+_BACKWARD_KERNELS = {C.GRAD_DISPATCH: ("moecomm_grad_send", "moecomm_grad_recv"),
+                     C.GRAD_COMBINE: ("moecomm_grad_send", "moecomm_grad_expert", "moecomm_grad_recv")}
+
+
+def _pointers(**arrays):
+    """{name: device address} of CuPy arrays, 0 for None."""
+    return {k: 0 if a is None else a.data.ptr for k, a in arrays.items()}
 
 
 class GpuAllToAll(AllToAllBackend):
@@ -102,8 +119,20 @@ class GpuAllToAll(AllToAllBackend):
             self.drop_buf.fill(0)
         self.sig.fill(0)
         self.arrive.fill(0)
+        self.sent = self.grad_buf = self.grad_sig = self.grad_w = None
+        if cfg.gradients:  # backward.cu
+            self.sent = cupy.empty(M * K, np.int32)
+            self.grad_buf = sym((sizes["grad_buf"],), np.uint8)
+            self.grad_sig = sym((3, W), np.uint64)  # [0]: rows, [1]: router weights' gradients, [2]: "read" words
+            self.grad_w = sym((M * K,), np.uint64)
+            self._owned += [self.grad_buf, self.grad_sig, self.grad_w]
+            for a in (self.grad_buf, self.grad_sig, self.grad_w):
+                a.fill(0)
+        self._dispatched = False  # a dispatch's receive half was issued since construction or mask_ranks
+        self._restarts = 0  # mask_ranks' restart generation (a plan's call)
         self._timing = _Timing(window) if timing else None
         self._raised_call = 0  # the call (epoch) of the last error raised
+        self._raised_backward = 0  # the backward call of the last backward error raised (counted apart)
         mem = cupy.cuda.PinnedMemoryPointer(
             cupy.cuda.PinnedMemory(4 * C.ERROR_WORDS, cupy.cuda.runtime.hostAllocMapped), 0)
         self._err_mem, self.err = mem, np.frombuffer(mem, np.int32, C.ERROR_WORDS)
@@ -129,7 +158,9 @@ class GpuAllToAll(AllToAllBackend):
             c_received=counters["received"], c_dropped=counters["dropped"], c_bytes=counters["bytes"],
             s_expert=state["expert"], s_recv=state["recv"], s_kept=state["kept"], s_claim=state["claim"],
             senders=_abi.dispatch_senders(cfg, sms), streamed=int(_abi.streamed(cfg, sms)),
-            comb_streamed=int(_abi.combine_streams(cfg, sms, _jit.VARIANTS[variant].streams_combine)))
+            comb_streamed=int(_abi.combine_streams(cfg, sms, _jit.VARIANTS[variant].streams_combine)),
+            **_pointers(sent=self.sent, grad_buf=self.grad_buf, grad_sig=self.grad_sig, grad_w=self.grad_w),
+            grad_row_bytes=_abi.grad_row_bytes(cfg))
         self._call = _abi.Call()  # the call record (record()): every launch below reads it
         self._skipped = _abi.Call(skip=1)  # the call record of a half issued with no data
         grid = blocks(cfg, sms)
@@ -144,7 +175,17 @@ class GpuAllToAll(AllToAllBackend):
                        for phase, n in _abi.whole_kernels(cfg, sms).items()}
         self._skip = dict(zip(C.HALVES, (transport.launch(n, grid[n], self.fixed, self._skipped, module=self.module)
                                          for n in _abi.half_kernels(cfg))))
+        if cfg.gradients:
+            slots = int(np.prod(cfg.expert_x_shape()[:-1]))
+            self._grad, self._grad_skipped = _abi.Grad(slots=slots), _abi.Grad(slots=slots, skip=1)
+            self._grads = [{n: transport.launch(n, _abi.KERNELS[n].grid(cfg, sms), self.fixed, record,
+                                                module=self.module) for n in _abi.GRAD_KERNELS}
+                           for record in (self._grad, self._grad_skipped)]  # [0]: with data, [1]: skipped
         transport.settle("AllToAll(...)")
+
+    @property
+    def gradients(self):
+        return self.cfg.gradients
 
     def record(self):
         return self._call
@@ -158,10 +199,17 @@ class GpuAllToAll(AllToAllBackend):
         if code != C.ERR_NONE and (code == C.ERR_TIMEOUT or not timeout_only):
             words = self.err.copy()
             self.err[:] = 0
-            if code != C.ERR_TIMEOUT and words[4] <= self._raised_call:
+            backward = words[2] >= C.PHASE_DISPATCH_BACKWARD  # backward calls are counted apart
+            if code != C.ERR_TIMEOUT and words[4] <= (self._raised_backward if backward else self._raised_call):
                 return
-            self._raised_call = int(words[4])
-            raise self.t.error_from_words(words, "AllToAll", self.cfg.expert_capacity)
+            if backward:
+                self._raised_backward = int(words[4])
+            else:
+                self._raised_call = int(words[4])
+            error = self.t.error_from_words(words, "AllToAll", self.cfg.expert_capacity)
+            if backward:
+                error.call = None  # not a dispatch/combine call: synchronize ends none
+            raise error
 
     def synchronize(self, stream):
         _cuda.stream_synchronize(stream)
@@ -169,6 +217,7 @@ class GpuAllToAll(AllToAllBackend):
 
     def dispatch(self, record, do_send, do_recv, stream):
         self._launch("dispatch", do_send, do_recv, stream)
+        self._dispatched = self._dispatched or do_recv
 
     def combine(self, record, do_send, do_recv, stream):
         self._launch("combine", do_send, do_recv, stream)
@@ -193,6 +242,40 @@ class GpuAllToAll(AllToAllBackend):
             if self._timing:
                 self._timing.end(phase, stream)
 
+    # gradients (cuda/backward.cu) ------------------------------------------------------------
+    def write_plan(self, plan, stream):
+        if not self._dispatched:
+            raise InvalidArgument("plan: no dispatch has been received since construction or the last mask_ranks")
+        g = self._grad
+        g.expert, g.origin, g.call, g.generation = plan.expert, plan.origin, plan.call, self._restarts
+        self._cupy.cuda.runtime.memsetAsync(plan.origin, 0xFF, 12 * g.slots, stream)  # -1: empty slots
+        self._grads[0]["moecomm_plan"](stream)
+
+    def dispatch_backward(self, a, stream):
+        self._run_backward(C.GRAD_DISPATCH, a, stream, a.out)
+
+    def combine_backward(self, a, stream):
+        self._run_backward(C.GRAD_COMBINE, a, stream, a.out_grad_y)
+
+    def _run_backward(self, op, a, stream, out):
+        """Fill the backward record from ``a`` (a moecomm.alltoall._Backward of device addresses) and launch
+        operation ``op``'s kernels on ``stream``."""
+        self.check_error(timeout_only=True)
+        g = self._grad
+        g.op, g.expert, g.origin, g.call, g.bound_m, g.rows = op, a.expert, a.origin, a.call, a.bound_m, a.rows
+        g.grad, g.out, g.grad_code, g.out_code = a.grad, out, _GRAD_CODES[a.grad_dtype], _GRAD_CODES[a.out_dtype]
+        g.out_w, g.weights, g.y = a.out_grad_weights or 0, a.weights or 0, a.y or 0
+        for name in _BACKWARD_KERNELS[op]:
+            self._grads[0][name](stream)
+        self.check_error()
+
+    def skip_backward(self, phase, refusal, stream):
+        op = C.GRAD_DISPATCH if phase == "dispatch_backward" else C.GRAD_COMBINE
+        self.check_error(timeout_only=True)
+        self._grad_skipped.op, self._grad_skipped.reason = op, refusal.code
+        for name in _BACKWARD_KERNELS[op]:
+            self._grads[1][name](stream)
+
     def skip(self, halves, stream, refusal=None):
         """Launch ``halves`` with no data (Call.skip); the first send half's signals carry the refusal's code."""
         s = self._cupy.cuda.get_current_stream().ptr if stream is None else stream
@@ -216,10 +299,14 @@ class GpuAllToAll(AllToAllBackend):
         self.arrive.fill(0)  # call numbers restart: old arrival and drop words must not match new calls
         if self.drop_buf is not None:
             self.drop_buf.fill(0)
+        for a in (self.grad_buf, self.grad_sig, self.grad_w):  # backward calls restart too
+            if a is not None:
+                a.fill(0)
         self.mask.set(mask)
         stream.synchronize()
         self.err[:] = 0
-        self._raised_call = 0  # calls are numbered from 1 again
+        self._raised_call = self._raised_backward = 0  # calls are numbered from 1 again
+        self._dispatched, self._restarts = False, generation
         barrier()
 
     def snapshot(self):

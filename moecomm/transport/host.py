@@ -211,6 +211,7 @@ class HostAllToAll(AllToAllBackend):
         self._received = None
         self._dispatched_m = None
         self._sent = None  # (this rank's tokens [n], their physical expert ids [n, k]: -1 not sent) of the dispatch
+                           # (pairs dropped for capacity keep theirs, as on GPUs)
         self._generation = 0  # restarts of the call sequence (set_mask)
         self._dispatch_call = None  # (generation, call number) of the last dispatch: its plan's stamp
         self._masked = np.zeros(cfg.world_size, bool)
@@ -275,6 +276,7 @@ class HostAllToAll(AllToAllBackend):
         owner[masked] = -1
         idx[masked] = -1
         self._dropped = np.zeros(idx.shape, bool)
+        routed = np.where(owner >= 0, idx, -1).astype(np.int32)  # the plan's: dropped pairs too (no slot there)
         if cfg.capacity is not None:
             self._dropped = self._capacity(idx, status, message)
             owner[self._dropped] = -1
@@ -289,7 +291,7 @@ class HostAllToAll(AllToAllBackend):
             _raise_status(statuses, reasons, (status, message) if status else None, "dispatch")
         self._tally("dispatch_sent", counts * rows.shape[1])
         self._dispatched_m = m
-        self._sent, self._dispatch_call = (mine, sent), (self._generation, ex.calls)
+        self._sent, self._dispatch_call = (mine, routed), (self._generation, ex.calls)
         return ex, pending, a.weights is not None
 
     def _per_rank(self, ids):
@@ -489,7 +491,8 @@ class HostAllToAll(AllToAllBackend):
                 a.out_dropped[:m] = self._dropped
 
     # backward: the gradients, along a routing plan ------------------------------------------
-    def write_plan(self, expert, origin, call):
+    def write_plan(self, plan, stream=None):
+        expert, origin, call = plan
         if self._received is None:
             raise InvalidArgument("plan: no dispatch has been received since construction or the last mask_ranks "
                                   "(or the last one failed)")
@@ -500,7 +503,7 @@ class HostAllToAll(AllToAllBackend):
         origin[self._received.where] = self._received.origin()
         call[:] = self._dispatch_call
 
-    def dispatch_backward(self, a):
+    def dispatch_backward(self, a, stream=None):
         cfg = self.cfg
         rv = _Received.from_origin(a.origin, cfg.max_num_tokens)
         part = np.zeros((rv.token.size, cfg.hidden_dim), np.float32)  # summed over this rank's experts
@@ -512,7 +515,7 @@ class HostAllToAll(AllToAllBackend):
                   np.ascontiguousarray(recv[:, 4:]).view(np.float32))
         a.out[:a.m] = acc.astype(a.out.dtype)
 
-    def combine_backward(self, a):
+    def combine_backward(self, a, stream=None):
         cfg, T, H, K = self.cfg, self.cfg.max_num_tokens, self.cfg.hidden_dim, self.cfg.experts_per_token
         W, m = cfg.world_size, a.m
         per_rank, counts = self._per_rank(a.expert[:m].astype(np.int64))  # the pairs this rank sent
@@ -566,7 +569,7 @@ class HostAllToAll(AllToAllBackend):
                                   f"ranks' plans or bound_m differ")
         return token
 
-    def skip_backward(self, phase, refusal):
+    def skip_backward(self, phase, refusal, stream=None):
         self._exchanges[phase].refuse(refusal.text)
 
     def skip(self, halves, stream=None, refusal=None):

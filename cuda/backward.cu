@@ -1,0 +1,456 @@
+// Gradients along a routing plan (moecomm.AllToAll.plan, dispatch_backward, combine_backward): the plan of the
+// last dispatch as data, and the two backward operations, exchanges of gradient rows that follow a plan, not
+// the forward's call state (so they may run after other calls, and in any order).
+//
+// Wire: rows of f.grad_buf, f.grad_row_bytes each (moecomm/_abi.py, grad_row_bytes): hidden values in the
+// sender's gradient dtype (at most float32), the token's router weights (combine_backward), then a trailer
+// int4 {call, dtype code}. A row counts only when its trailer holds the call, so nothing is cleared between
+// calls.
+//   dispatch_backward  the expert side sends each slot's gradient to every rank of its source's DP group, into
+//                      row (token * topk + k); the token side sums a token's rows in float32.
+//   combine_backward   the token side sends grad_out[t] with its weights once to each expert rank of its pairs,
+//                      into row (source rank * max_tokens + t); the expert side writes each slot's gradient
+//                      (weight * row) and sends <row, expert_y[slot]> back as one word per pair,
+//                      f.grad_w[t * topk + k] = (call << 32 | float bits), to the source's DP group.
+// Completion: f.grad_sig[0][q] (rows from rank q) and f.grad_sig[1][q] (router weights' gradients from q) =
+// (call << 32 | q's plan word), or SIG_BAD | reason where q's part failed; the plan words let every rank check
+// that all follow the plan of the same dispatch (ERR_PLAN_DIFFERS). A rank writes into a peer's grad_buf only
+// once that peer has read the previous backward call's rows: f.grad_sig[2][q] holds the last call q finished.
+// Calls of both operations are counted in state[EPOCH_B] on the device, so CUDA graphs replay them.
+// Kernels: dispatch_backward = grad_send, grad_recv; combine_backward = grad_send, grad_expert, grad_recv.
+#include "alltoall.cuh"
+
+using namespace moecomm;
+
+namespace {
+
+constexpr int TRAILER = 16;
+
+__device__ __forceinline__ int value_bytes(int code) { return code == MOECOMM_DT_FP32 ? 4 : 2; }
+
+// 8 values of a row of dtype `code` (MOECOMM_DT_*) from value 8 * c, as float; and back.
+__device__ __forceinline__ void load8(const uint8_t* row, int code, int c, float* v) {
+  if (code != MOECOMM_DT_FP32) return to_float8(((const int4*)row)[c], code, v);
+  const float4 a = ((const float4*)row)[2 * c], b = ((const float4*)row)[2 * c + 1];
+  v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+}
+
+__device__ __forceinline__ void store8(uint8_t* row, int code, int c, const float* v) {
+  if (code != MOECOMM_DT_FP32) {
+    ((int4*)row)[c] = from_float8(v, code);
+    return;
+  }
+  ((float4*)row)[2 * c] = make_float4(v[0], v[1], v[2], v[3]);
+  ((float4*)row)[2 * c + 1] = make_float4(v[4], v[5], v[6], v[7]);
+}
+
+// The plan's call as its signals carry it (moecomm/_constants.py, PLAN_CALL_BITS).
+__device__ __forceinline__ unsigned plan_word(const Grad& g) {
+  return ((unsigned)g.call[0] & ((1u << MOECOMM_PLAN_GEN_BITS) - 1)) << MOECOMM_PLAN_CALL_BITS |
+         ((unsigned)g.call[1] & ((1u << MOECOMM_PLAN_CALL_BITS) - 1));
+}
+
+__device__ __forceinline__ int phase_of(const Grad& g) {
+  return g.op == MOECOMM_GRAD_DISPATCH ? MOECOMM_PHASE_DISPATCH_BACKWARD : MOECOMM_PHASE_COMBINE_BACKWARD;
+}
+
+// This rank's part of the call failed (`reason`): its signals flag it, and it writes nothing more.
+__device__ __forceinline__ void fail(const Fixed& f, unsigned reason) {
+  atomicCAS(&f.state[MOECOMM_S_BAD_B], 0u, reason);
+}
+
+// Every thread: wait (bounded) for every unmasked rank's word in `sig` ([world]) of call `epoch`. A peer that
+// failed, or (`check`) follows another plan than `mine`, is recorded. True in every thread when all is well.
+__device__ bool heard(const Fixed& f, const uint64_t* sig, unsigned epoch, unsigned mine, bool check, int phase) {
+  const uint64_t deadline = now_ns() + f.timeout_ns;
+  bool ok = true;
+  for (int q = threadIdx.x; q < f.world; q += blockDim.x) {
+    if (f.mask[q]) continue;
+    const uint64_t v = wait_epoch(f, &sig[q], epoch, deadline, q, phase);
+    if (!v) {
+      ok = false;  // timed out (recorded)
+    } else if (v & SIG_BAD) {
+      ok = false;
+      if (check && q != f.rank) record_error(f.err, MOECOMM_ERR_PEER, q, phase, (int)(v & SIG_REASON), (int)epoch);
+    } else if (check && (unsigned)v != mine) {
+      ok = false;
+      record_error(f.err, MOECOMM_ERR_PLAN_DIFFERS, q, phase, (int)(unsigned)v, (int)epoch, (int)mine);
+    }
+  }
+  return __syncthreads_and(ok);
+}
+
+// Destinations of a row on ranks[0..n) (shared; every thread alike), as Targets::build does for a range.
+__device__ void build_list(Targets& tg, const Fixed& f, uint8_t* symmetric, const int* ranks, int n, Stage& st) {
+  __syncthreads();  // the shared arrays may still be read for the previous row
+  tg.n = tg.n_put = 0;
+  tg.staged = nullptr;
+  for (int j = 0; j < n; ++j) {
+    uint8_t* p = peer_ptr(f.peers, symmetric, ranks[j]);
+    if (p) {
+      if (threadIdx.x == 0) tg.dsts[tg.n] = p;
+      ++tg.n;
+    } else {
+      if (threadIdx.x == 0) {
+        tg.remote[tg.n_put] = symmetric;
+        tg.pes[tg.n_put] = ranks[j];
+      }
+      ++tg.n_put;
+    }
+  }
+  if (tg.n_put) {
+    tg.staged = st.next();
+    if (threadIdx.x == 0) tg.dsts[tg.n] = tg.staged;
+    ++tg.n;
+  }
+  __syncthreads();
+}
+
+// Block-wide, after the row is in tg.dsts: its trailer, then the puts of a staged row: its `bytes` of values,
+// and its weights with the trailer.
+__device__ void finish_row(const Fixed& f, const Targets& tg, int bytes, unsigned epoch, int code) {
+  if (threadIdx.x == 0)
+    for (int j = 0; j < tg.n; ++j)
+      *(int4*)(tg.dsts[j] + f.grad_row_bytes - TRAILER) = make_int4((int)epoch, code, 0, 0);
+  if (!tg.n_put) return;
+  __syncthreads();  // the staged row is complete
+  const int tail = 4 * f.hidden;
+  for (int j = 0; j < tg.n_put; ++j) {
+    put_block(tg.remote[j], tg.staged, bytes, tg.pes[j]);
+    put_block(tg.remote[j] + tail, tg.staged + tail, f.grad_row_bytes - tail, tg.pes[j]);
+  }
+}
+
+// Slots are taken CHUNK at a time (a warp's ballot), so that a sparse layout still spreads over the grid.
+constexpr int CHUNK = 32;
+
+// Block-wide: the slots base .. base + CHUNK - 1 (below g.slots) listed by whether g.origin holds a pair there:
+// `full` (n_full of them) and, when given, `empty` (n_empty), each compacted.
+__device__ void slots_of(const Grad& g, int base, int* full, int* n_full, int* empty, int* n_empty) {
+  __syncthreads();  // the lists may still be read for the last chunk
+  if (threadIdx.x < 32) {
+    const int s = base + threadIdx.x;
+    const bool in = s < g.slots, used = in && g.origin[3 * s] >= 0;
+    const unsigned below = (1u << threadIdx.x) - 1, u = __ballot_sync(FULL, used), e = __ballot_sync(FULL, in && !used);
+    if (used) full[__popc(u & below)] = s;
+    if (empty && in && !used) empty[__popc(e & below)] = s;
+    if (threadIdx.x == 0) {
+      *n_full = __popc(u);
+      if (empty) *n_empty = __popc(e);
+    }
+  }
+  __syncthreads();
+}
+
+// The last block of a kernel: set this rank's word `sig` ([world]: index rank) on every unmasked rank.
+__device__ void signal_all(const Fixed& f, uint64_t* sig, uint64_t v) {
+  for (int q = threadIdx.x; q < f.world; q += blockDim.x)
+    if (!f.mask[q]) signal_set(f.peers, &sig[f.rank], v, q);
+  __syncthreads();
+}
+
+}  // namespace
+
+// grid: any number of blocks. The plan of the last dispatch (the host cleared g.origin to -1 first): g.expert
+// [max_tokens, topk] = f.sent for this rank's tokens of its DP group below the dispatched m, else -1;
+// g.origin[slot] = (source rank, token, k) of each slot f.slot_of holds, from the records received (this
+// rank's own: as many as its dispatch signal counts; combine_send reads them alike); g.call = (g.generation,
+// the dispatch's call).
+extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, MOECOMM_BLOCKS_PER_SM)
+    moecomm_plan(const Fixed f, const Grad g) {
+  const unsigned dispatched = f.state[MOECOMM_S_M];
+  const int m = dispatched == M_INVALID ? 0 : (int)dispatched;
+  const int tid = blockIdx.x * blockDim.x + threadIdx.x, all = gridDim.x * blockDim.x;
+  for (int i = tid; i < f.max_tokens * f.topk; i += all) {
+    const int t = i / f.topk;
+    g.expert[i] = t < m && t % f.dp == f.rank % f.dp ? f.sent[i] : -1;
+  }
+  for (int i = tid; i < f.world * f.max_tokens; i += all) {
+    const int q = i / f.max_tokens, j = i % f.max_tokens;
+    const unsigned count = q == f.rank && !f.packed ? own_count(load_acquire(&f.sig[f.rank])) : f.state[f.s_recv + q];
+    if (j >= (int)count) continue;
+    const int t = meta_of(f.recv_buf + (size_t)i * f.rec_bytes, f)[0];
+    for (int k = 0; k < f.topk; ++k) {
+      const int s = f.slot_of[(size_t)i * f.topk + k];
+      if (s < 0) continue;
+      g.origin[3 * s] = q;
+      g.origin[3 * s + 1] = t;
+      g.origin[3 * s + 2] = k;
+    }
+  }
+  if (tid == 0) {
+    g.call[0] = g.generation;
+    g.call[1] = (int)f.state[MOECOMM_S_EPOCH_DS];
+  }
+}
+
+// grid: any number of blocks (dispatch_backward: chunks of CHUNK slots, combine_backward: tokens, strided).
+// The send half of both operations, after the checks of
+// this rank's m (ERR_BAD_M) and plan (pairs for tokens >= m: ERR_PLAN_M), and once each peer has read the last
+// call's rows. dispatch_backward (expert side): each slot of g.origin sends g.grad[slot] ([slots, hidden],
+// g.grad_code) to its source's DP group. combine_backward (token side): each token t < m of this rank's DP
+// share sends g.grad[t] ([rows, hidden]) and g.weights[t] to the ranks of its experts in g.expert (masked
+// ranks skipped). Ends with f.grad_sig[0][me] on every unmasked rank, and the call in state[EPOCH_B].
+extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, MOECOMM_BLOCKS_PER_SM)
+    moecomm_grad_send(const Fixed f, const Grad g) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const unsigned epoch = f.state[MOECOMM_S_EPOCH_B] + 1;
+  const int phase = phase_of(g);
+  const int m = g.skip ? 0 : *g.bound_m;
+  const bool bad_m = !g.skip && (m < 0 || m > g.rows || m > f.max_tokens);
+  if (blockIdx.x == 0 && threadIdx.x == 0) {
+    if (g.skip) {
+      fail(f, g.reason ? (unsigned)g.reason : (unsigned)MOECOMM_ERR_REFUSED);
+    } else if (bad_m) {
+      record_error(f.err, MOECOMM_ERR_BAD_M, f.rank, phase, m, (int)epoch, min(g.rows, f.max_tokens));
+      fail(f, MOECOMM_ERR_BAD_M);
+    }
+  }
+  if (blockIdx.x == 0 && !g.skip && !bad_m) {  // another call's plan: pairs for tokens >= m
+    bool extra = false;
+    for (int i = m * f.topk + threadIdx.x; i < f.max_tokens * f.topk; i += blockDim.x) extra |= g.expert[i] >= 0;
+    if (__syncthreads_or(extra) && threadIdx.x == 0) {
+      record_error(f.err, MOECOMM_ERR_PLAN_M, f.rank, phase, m, (int)epoch);
+      fail(f, MOECOMM_ERR_PLAN_M);
+    }
+  }
+  const bool send = !g.skip && !bad_m;
+  const uint64_t deadline = now_ns() + f.timeout_ns;
+  for (int q = threadIdx.x; q < f.world; q += blockDim.x)  // each peer's buffer is free once it read the last call
+    if (send && q != f.rank && !f.mask[q])
+      wait_epoch(f, &f.grad_sig[2 * f.world + q], epoch - 1, deadline, q, phase);
+  __syncthreads();
+  __shared__ uint8_t* dsts[MAX_FANOUT];
+  __shared__ uint8_t* remote[MAX_FANOUT];
+  __shared__ int pes[MAX_FANOUT];
+  __shared__ int ranks[MOECOMM_MAX_TOPK];
+  __shared__ int n_ranks;
+  Targets tg{dsts, remote, pes};
+  Stage st(f);
+  const int bytes = f.hidden * value_bytes(g.grad_code);
+  __shared__ int listed[CHUNK];  // a chunk's slots (dispatch_backward), compacted
+  __shared__ int n_listed;
+  if (send && g.op == MOECOMM_GRAD_DISPATCH) {
+    for (int base = blockIdx.x * CHUNK; base < g.slots; base += gridDim.x * CHUNK) {
+      slots_of(g, base, listed, &n_listed, nullptr, nullptr);
+      for (int i = 0; i < n_listed; ++i) {
+        const int s = listed[i];
+        const int q = g.origin[3 * s], t = g.origin[3 * s + 1], k = g.origin[3 * s + 2];
+        if (q >= f.world || t < 0 || t >= f.max_tokens || k < 0 || k >= f.topk) {
+          if (threadIdx.x == 0) {
+            record_error(f.err, MOECOMM_ERR_PLAN_DIFFERS, f.rank, phase, -2, (int)epoch, s);
+            fail(f, MOECOMM_ERR_PLAN_DIFFERS);
+          }
+          continue;
+        }
+        uint8_t* const row = f.grad_buf + ((size_t)t * f.topk + k) * f.grad_row_bytes;
+        const int group0 = q / f.dp * f.dp, group1 = group0 + f.dp;
+        for (int q0 = group0; q0 < group1; q0 += MOECOMM_MAX_TOPK) {  // the group in batches of the fan-out
+          __syncthreads();
+          if (threadIdx.x == 0) {
+            int n = 0;
+            for (int r = q0; r < min(group1, q0 + MOECOMM_MAX_TOPK); ++r)
+              if (!f.mask[r]) ranks[n++] = r;
+            n_ranks = n;
+          }
+          __syncthreads();
+          build_list(tg, f, row, ranks, n_ranks, st);
+          fanout16(tg.dsts, tg.n, g.grad + (size_t)s * bytes, bytes);
+          finish_row(f, tg, bytes, epoch, g.grad_code);
+        }
+      }
+    }
+  } else if (send) {
+    for (int t = f.rank % f.dp + blockIdx.x * f.dp; t < m; t += gridDim.x * f.dp) {
+      __syncthreads();  // ranks and n_ranks are rewritten
+      if (warp == 0) {  // the distinct unmasked ranks of the token's pairs
+        const int e = lane < f.topk ? g.expert[(size_t)t * f.topk + lane] : -1;
+        int d = e >= 0 && e < f.world * f.local_experts ? e / f.local_experts : -1;
+        if (d >= 0 && f.mask[d]) d = -1;
+        bool first = d >= 0;
+        for (int j = 0; j < f.topk; ++j) {
+          const int dj = __shfl_sync(FULL, d, j);
+          if (j < lane) first = first && dj != d;
+        }
+        const unsigned mask = __ballot_sync(FULL, first);
+        if (first) ranks[__popc(mask & ((1u << lane) - 1))] = d;
+        if (lane == 0) n_ranks = __popc(mask);
+      }
+      __syncthreads();
+      if (!n_ranks) continue;
+      build_list(tg, f, f.grad_buf + ((size_t)f.rank * f.max_tokens + t) * f.grad_row_bytes, ranks, n_ranks, st);
+      fanout16(tg.dsts, tg.n, g.grad + (size_t)t * bytes, bytes);
+      if (threadIdx.x < f.topk) {
+        const float w = g.weights[(size_t)t * f.topk + threadIdx.x];
+        for (int j = 0; j < tg.n; ++j) ((float*)(tg.dsts[j] + 4 * f.hidden))[threadIdx.x] = w;
+      }
+      finish_row(f, tg, bytes, epoch, g.grad_code);
+    }
+  }
+  if (st.used_puts) quiet();
+  if (last_block(&f.state[MOECOMM_S_DONE_B], true)) {
+    const unsigned bad = (unsigned)load_volatile((const int*)&f.state[MOECOMM_S_BAD_B]);
+    signal_all(f, f.grad_sig, epoch_signal(epoch, bad ? SIG_BAD | bad : plan_word(g)));
+    if (threadIdx.x == 0) {
+      f.state[MOECOMM_S_DONE_B] = 0;
+      f.state[MOECOMM_S_EPOCH_B] = epoch;
+    }
+  }
+}
+
+// grid: any number of blocks (chunks of CHUNK slots, strided; a warp per slot that holds a pair).
+// combine_backward's expert side, after every unmasked rank's rows: each slot of g.origin gets g.out[slot] =
+// weight * row ([slots, hidden], g.out_code; zeros where the slot is empty) and sends <row, g.y[slot]> (summed
+// in float32) as the pair's word of f.grad_w to the source's DP group. A source whose row did not come (the
+// ranks' plans differ) is recorded (ERR_PLAN_DIFFERS, detail -1). Nothing is written when the call failed
+// anywhere (state[ABORT_B] tells grad_recv). Ends with f.grad_sig[1][me] on every unmasked rank.
+extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, MOECOMM_BLOCKS_PER_SM)
+    moecomm_grad_expert(const Fixed f, const Grad g) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const unsigned epoch = f.state[MOECOMM_S_EPOCH_B];
+  const int phase = MOECOMM_PHASE_COMBINE_BACKWARD;
+  const bool mine_ok = !g.skip && !load_volatile((const int*)&f.state[MOECOMM_S_BAD_B]);
+  const bool ok = heard(f, f.grad_sig, epoch, mine_ok ? plan_word(g) : 0, mine_ok, phase) && mine_ok;
+  const int out_bytes = f.hidden * value_bytes(g.out_code);
+  __shared__ int full[CHUNK], empty[CHUNK];
+  __shared__ int n_full, n_empty;
+  for (int base = blockIdx.x * CHUNK; ok && base < g.slots; base += gridDim.x * CHUNK) {
+    slots_of(g, base, full, &n_full, empty, &n_empty);
+    const int row_chunks = out_bytes / 16;
+    for (int i = threadIdx.x; i < n_empty * row_chunks; i += THREADS)  // the chunk's empty slots: zeros
+      ((int4*)(g.out + (size_t)empty[i / row_chunks] * out_bytes))[i % row_chunks] = make_int4(0, 0, 0, 0);
+    for (int i = warp; i < n_full; i += THREADS / 32) {  // a warp per slot
+      const int s = full[i];
+      const int q = g.origin[3 * s], t = g.origin[3 * s + 1], k = g.origin[3 * s + 2];
+      uint8_t* const out = g.out + (size_t)s * out_bytes;
+      const bool in_range = q < f.world && t >= 0 && t < f.max_tokens && k >= 0 && k < f.topk;
+      const bool valid = in_range && !f.mask[q];  // a masked source's pair gets zeros
+      const uint8_t* const row =
+          f.grad_buf + ((size_t)(valid ? q : 0) * f.max_tokens + (valid ? t : 0)) * f.grad_row_bytes;
+      const int4 trailer = valid ? *(const int4*)(row + f.grad_row_bytes - TRAILER) : make_int4(0, 0, 0, 0);
+      const bool came = valid && (unsigned)trailer.x == epoch && trailer.y >= 0 && trailer.y <= MOECOMM_DT_FP32;
+      if (!came && (valid || !in_range) && lane == 0) {  // the plans differ, or this one is not a plan
+        record_error(f.err, MOECOMM_ERR_PLAN_DIFFERS, in_range ? q : f.rank, phase, in_range ? -1 : -2, (int)epoch, s);
+        fail(f, MOECOMM_ERR_PLAN_DIFFERS);
+      }
+      if (!came) {
+        for (int j = lane; j < row_chunks; j += 32) ((int4*)out)[j] = make_int4(0, 0, 0, 0);
+        continue;
+      }
+      const float w = ((const float*)(row + 4 * f.hidden))[k];
+      const uint8_t* const y = g.y + (size_t)s * f.out_row_bytes;
+      float dot = 0.0f;
+      constexpr int AHEAD = 4;  // chunks of the row and of y loaded before any is used
+      for (int c0 = lane; c0 < f.hidden / 8; c0 += 32 * AHEAD) {
+        float v[AHEAD][8];
+        int4 u[AHEAD];
+#pragma unroll
+        for (int a = 0; a < AHEAD; ++a) {
+          const int c = c0 + 32 * a;
+          if (c < f.hidden / 8) {
+            load8(row, trailer.y, c, v[a]);
+            u[a] = ((const int4*)y)[c];
+          }
+        }
+#pragma unroll
+        for (int a = 0; a < AHEAD; ++a) {
+          const int c = c0 + 32 * a;
+          if (c >= f.hidden / 8) continue;
+          float yv[8];
+          to_float8(u[a], f.out_code, yv);
+#pragma unroll
+          for (int j = 0; j < 8; ++j) {
+            dot += v[a][j] * yv[j];
+            v[a][j] *= w;
+          }
+          store8(out, g.out_code, c, v[a]);
+        }
+      }
+      for (int o = 16; o; o >>= 1) dot += __shfl_xor_sync(FULL, dot, o);
+      if (lane == 0) {
+        const uint64_t v = epoch_signal(epoch, __float_as_uint(dot));
+        const int group0 = q / f.dp * f.dp;
+        for (int r = group0; r < group0 + f.dp; ++r)
+          if (!f.mask[r]) signal_set(f.peers, &f.grad_w[(size_t)t * f.topk + k], v, r);
+      }
+    }
+  }
+  if (last_block(&f.state[MOECOMM_S_DONE_B], true)) {
+    const unsigned bad = (unsigned)load_volatile((const int*)&f.state[MOECOMM_S_BAD_B]);
+    signal_all(f, f.grad_sig + f.world, epoch_signal(epoch, bad ? SIG_BAD | bad : mine_ok ? plan_word(g) : 0));
+    if (threadIdx.x == 0) {
+      if (!ok) f.state[MOECOMM_S_ABORT_B] = 1;
+      f.state[MOECOMM_S_DONE_B] = 0;
+    }
+  }
+}
+
+// grid: any number of blocks. The receive half of both operations, after every unmasked rank's signal
+// (f.grad_sig[0] for dispatch_backward, [1] for combine_backward), if the call failed nowhere.
+// dispatch_backward: rows 0..m-1 of g.out ([rows, hidden], g.out_code) = the sum, in float32, of each token's
+// rows that came in this call (none: zeros). combine_backward: rows 0..m-1 of g.out_w ([rows, topk] float32) =
+// each pair's word of f.grad_w of this call, else 0. Rows >= m are left as they are. Then this rank's buffer
+// is free: f.grad_sig[2][me] = the call on every unmasked rank.
+extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, MOECOMM_BLOCKS_PER_SM)
+    moecomm_grad_recv(const Fixed f, const Grad g) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const unsigned epoch = f.state[MOECOMM_S_EPOCH_B];
+  const int phase = phase_of(g);
+  const bool mine_ok = !g.skip && !load_volatile((const int*)&f.state[MOECOMM_S_BAD_B]) &&
+                       !load_volatile((const int*)&f.state[MOECOMM_S_ABORT_B]);
+  const uint64_t* const sig = f.grad_sig + (g.op == MOECOMM_GRAD_DISPATCH ? 0 : f.world);
+  const bool ok = heard(f, sig, epoch, mine_ok ? plan_word(g) : 0, mine_ok, phase) && mine_ok;
+  const int m = ok ? *g.bound_m : 0;
+  if (g.op == MOECOMM_GRAD_DISPATCH) {
+    __shared__ const uint8_t* srcs[MOECOMM_MAX_TOPK];
+    __shared__ int codes[MOECOMM_MAX_TOPK];
+    __shared__ int n;
+    const int out_bytes = f.hidden * value_bytes(g.out_code);
+    for (int t = blockIdx.x; t < m; t += gridDim.x) {
+      if (warp == 0) {  // the token's rows of this call
+        const uint8_t* const row = f.grad_buf + ((size_t)t * f.topk + lane) * f.grad_row_bytes;
+        const int4 trailer = lane < f.topk ? *(const int4*)(row + f.grad_row_bytes - TRAILER) : make_int4(0, 0, 0, 0);
+        const bool use =
+            lane < f.topk && (unsigned)trailer.x == epoch && trailer.y >= 0 && trailer.y <= MOECOMM_DT_FP32;
+        const unsigned mask = __ballot_sync(FULL, use);
+        if (use) {
+          const int pos = __popc(mask & ((1u << lane) - 1));
+          srcs[pos] = row;
+          codes[pos] = trailer.y;
+        }
+        if (lane == 0) n = __popc(mask);
+      }
+      __syncthreads();
+      uint8_t* const out = g.out + (size_t)t * out_bytes;
+      for (int c = threadIdx.x; c < f.hidden / 8; c += THREADS) {
+        float a[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+        for (int j = 0; j < n; j += 4) {  // 4 rows' loads in flight before the adds
+          float v[4][8];
+#pragma unroll
+          for (int u = 0; u < 4; ++u)
+            if (j + u < n) load8(srcs[j + u], codes[j + u], c, v[u]);
+#pragma unroll
+          for (int u = 0; u < 4; ++u)
+            if (j + u < n)
+#pragma unroll
+              for (int i = 0; i < 8; ++i) a[i] += v[u][i];
+        }
+        store8(out, g.out_code, c, a);
+      }
+      __syncthreads();  // srcs, codes and n are rewritten
+    }
+  } else {
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < m * f.topk; i += gridDim.x * blockDim.x) {
+      const uint64_t v = load_acquire(&f.grad_w[i]);
+      g.out_w[i] = (unsigned)(v >> 32) == epoch ? __uint_as_float((unsigned)v) : 0.0f;
+    }
+  }
+  if (last_block(&f.state[MOECOMM_S_DONE_B], true)) {
+    signal_all(f, f.grad_sig + 2 * f.world, epoch_signal(epoch, 1));
+    if (threadIdx.x == 0) {
+      f.state[MOECOMM_S_BAD_B] = 0;
+      f.state[MOECOMM_S_ABORT_B] = 0;
+      f.state[MOECOMM_S_DONE_B] = 0;
+    }
+  }
+}
