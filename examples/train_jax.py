@@ -2,13 +2,13 @@
 under lax.scan, the loss falling, and the first step's gradients checked against the same stack computed on
 one device in plain JAX.
 
-    mpiexec -n 2 python examples/train_jax.py [--steps 8]        # host transport, JAX's CPU backend
+    mpiexec -n 2 python examples/train_jax.py [--steps 8] [--transport ipc]   # default: host, JAX's CPU backend
 
 Each layer: router (softmax, top-k) -> dispatch (router weights sent with it) -> every local expert as one
 batched matmul over its slots -> combine (summed on the expert side; the weights are given to combine too,
 which is how their gradient flows). The task: fit a fixed random teacher. Expert weights live on their rank
 and take their full gradient there (every rank's tokens reach them through moecomm's backward); the router is
-replicated, so its gradient is summed over the ranks. Gradients run on the host transport in this release.
+replicated, so its gradient is summed over the ranks. On a GPU transport JAX runs on the GPUs.
 """
 import argparse
 
@@ -25,18 +25,20 @@ def main():
     p.add_argument("--topk", type=int, default=2)
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--lr", type=float, default=0.5)
+    p.add_argument("--transport", default="host", help="host (JAX's CPU backend), or a GPU transport")
     args = p.parse_args()
 
-    comm = moecomm.init(transport="host")
+    comm = moecomm.init(transport=args.transport)
     import jax
     import jax.numpy as jnp
 
     import moecomm.jax as mj
-    jax.config.update("jax_platforms", "cpu")
+    if comm.transport.memory == "host":
+        jax.config.update("jax_platforms", "cpu")
     W, r, M, H, K, LAYERS = comm.world_size, comm.rank, args.tokens, args.hidden, args.topk, 2
     L = args.experts_per_rank
     E = L * W
-    layer = mj.AllToAll(moecomm.AllToAll(comm, M, E, K, H, None, "bfloat16", "bfloat16"))
+    layer = mj.AllToAll(moecomm.AllToAll(comm, M, E, K, H, None, "bfloat16", "bfloat16", gradients=True))
     keys = jax.random.split(jax.random.PRNGKey(0), 3)  # the same on every rank
     router = jax.random.normal(keys[0], (LAYERS, H, E)) / H ** 0.5
     experts_all = jax.random.normal(keys[1], (LAYERS, E, H, H)) / H ** 0.5

@@ -2,13 +2,13 @@
 falling, and the first step's gradients checked against the same stack computed in one process in plain
 PyTorch.
 
-    mpiexec -n 2 python examples/train_torch.py [--steps 8]        # host transport, CPU tensors
+    mpiexec -n 2 python examples/train_torch.py [--steps 8] [--transport ipc]   # default: host, CPU tensors
 
 Each layer: router (softmax, torch.topk: int64 ids) -> dispatch (router weights sent with it) -> every local
 expert as one batched matmul over its slots -> combine (summed on the expert side; the weights are given to
 combine too, which is how their gradient flows). The task: fit a fixed random teacher. Expert weights live on
 their rank and take their full gradient there; the router is replicated, so its gradient is summed over the
-ranks. Gradients run on the host transport in this release.
+ranks. On a GPU transport the tensors are CUDA tensors.
 """
 import argparse
 
@@ -27,24 +27,26 @@ def main():
     p.add_argument("--topk", type=int, default=2)
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--lr", type=float, default=0.5)
+    p.add_argument("--transport", default="host", help="host (CPU tensors), or a GPU transport (CUDA tensors)")
     args = p.parse_args()
 
-    comm = moecomm.init(transport="host")
+    comm = moecomm.init(transport=args.transport)
+    dev = torch.device("cpu") if comm.device < 0 else torch.device("cuda", comm.device)
     W, r, M, H, K, LAYERS = comm.world_size, comm.rank, args.tokens, args.hidden, args.topk, 2
     L = args.experts_per_rank
     E = L * W
-    layer = mt.AllToAll(moecomm.AllToAll(comm, M, E, K, H, None, "bfloat16", "bfloat16"))
+    layer = mt.AllToAll(moecomm.AllToAll(comm, M, E, K, H, None, "bfloat16", "bfloat16", gradients=True))
     gen = torch.Generator().manual_seed(0)  # the same on every rank
-    router = (torch.randn(LAYERS, H, E, generator=gen) / H ** 0.5).requires_grad_()
-    experts_all = torch.randn(LAYERS, E, H, H, generator=gen) / H ** 0.5
-    teacher = torch.randn(H, H, generator=gen) / H ** 0.5
+    router = (torch.randn(LAYERS, H, E, generator=gen) / H ** 0.5).to(dev).requires_grad_()
+    experts_all = (torch.randn(LAYERS, E, H, H, generator=gen) / H ** 0.5).to(dev)
+    teacher = (torch.randn(H, H, generator=gen) / H ** 0.5).to(dev)
     experts = experts_all[:, r * L:(r + 1) * L].clone().requires_grad_()  # this rank's, float32 master weights
 
     def data(q):  # rank q's tokens and targets
-        x = torch.randn(M, H, generator=torch.Generator().manual_seed(100 + q))
+        x = torch.randn(M, H, generator=torch.Generator().manual_seed(100 + q)).to(dev)
         return x.to(torch.bfloat16), torch.tanh(x @ teacher)
     x, target = data(r)
-    m = torch.tensor([M], dtype=torch.int32)
+    m = torch.tensor([M], dtype=torch.int32, device=dev)
 
     def route(h, w):
         wts, ids = torch.topk(torch.softmax(h.float() @ w, -1), K)
@@ -59,7 +61,7 @@ def main():
     def moe_ref(h, w_router, w_all):  # every expert here
         ids, wts = route(h, w_router)
         y = torch.einsum("mh,ehd->emd", h.float(), w_all.to(torch.bfloat16).float()).to(torch.bfloat16)
-        y = y[ids, torch.arange(h.shape[0])[:, None]]
+        y = y[ids, torch.arange(h.shape[0], device=h.device)[:, None]]
         return h + (wts[..., None] * y.float()).sum(1).to(torch.bfloat16)
 
     def loss_of(stack, x, target, w_router, w_experts):
@@ -72,16 +74,16 @@ def main():
     for s in range(args.steps):
         loss = loss_of(moe, x, target, router, experts)
         loss.backward()
-        g_router = sum(comm.allgather(router.grad.numpy()))  # replicated: summed over the ranks
+        g_router = sum(comm.allgather(router.grad.cpu().numpy()))  # replicated: summed over the ranks
         losses.append(sum(comm.allgather(loss.item())) / W)
         if s == 0:  # the gradients of the sum over ranks of the loss, in one process, from every rank's data
             w_r, w_e = router.detach().clone().requires_grad_(), experts_all.clone().requires_grad_()
             sum(loss_of(moe_ref, *data(q), w_r, w_e) for q in range(W)).backward()
-            for got, want in ((g_router, w_r.grad.numpy()), (experts.grad.numpy(), w_e.grad[:, r * L:(r + 1) * L])):
-                want = np.asarray(want)
+            for got, want in ((g_router, w_r.grad.cpu().numpy()),
+                              (experts.grad.cpu().numpy(), w_e.grad[:, r * L:(r + 1) * L].cpu().numpy())):
                 worst = max(worst, float(np.linalg.norm(got - want) / np.linalg.norm(want)))
         with torch.no_grad():
-            router -= args.lr * torch.from_numpy(g_router)
+            router -= args.lr * torch.from_numpy(g_router).to(dev)
             experts -= args.lr * experts.grad
         router.grad, experts.grad = None, None
     worst = max(comm.allgather(worst))

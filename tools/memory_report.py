@@ -9,7 +9,8 @@ every rank to one expert: max_num_tokens * ranks slots per local expert) against
 of ``AllToAll(capacity=..., overflow=...)``. Third table: the routing plan a training step keeps per MoE
 layer and rank for its backward (``AllToAll.plan``: expert [max_num_tokens, k] and origin [slots, 3], int32),
 for the padded layout's slots (worst case, and the capacity above) and the packed layout's worst-case rows
-(max_num_tokens * ranks * min(k, local experts)), beside the layer's out_expert_x it describes.
+(max_num_tokens * ranks * min(k, local experts)), beside the layer's out_expert_x it describes, and the
+symmetric memory ``gradients=True`` adds per AllToAll on GPUs (the gradient rows and words).
 
 Uses the formulas of moecomm/transport/gpu_alltoall.py (132 SMs, an H100/H200). Bytes on the wire are
 expectations for uniform top-k routing: a token reaches r = W * (1 - C(E - E/W, k) / C(E, k)) ranks.
@@ -24,8 +25,9 @@ from moecomm._config import AllToAllConfig
 from moecomm.transport.gpu_alltoall import record_bytes, symmetric_bytes
 
 
-def r1(world, tokens):
-    return AllToAllConfig.create(world, 0, tokens, 256, 8, 7168, 56, "float8_e4m3fn", "bfloat16", None, 1)
+def r1(world, tokens, gradients=False):
+    return AllToAllConfig.create(world, 0, tokens, 256, 8, 7168, 56, "float8_e4m3fn", "bfloat16", None, 1,
+                                 gradients=gradients)
 
 
 def main():
@@ -56,7 +58,7 @@ def main():
             print(f"R1 EP{world:<3} {tokens:>5} tok    {c.expert_capacity:>17} {worst / 2**30:>8.2f} GiB "
                   f"{cap:>15} slots {c.num_local_experts * cap * row / 2**30:>6.2f} GiB")
     print(f"\n{'routing plan per layer':<22} {'padded worst':>13} {f'padded {args.capacity_factor:g}x mean':>19} "
-          f"{'packed worst':>13} {'out_expert_x worst':>19}")
+          f"{'packed worst':>13} {'out_expert_x worst':>19} {'gradients=True adds':>20}")
     for tokens in (128, 4096):
         for world in (2, 8, 64):
             c = r1(world, tokens)
@@ -67,8 +69,10 @@ def main():
             packed = tokens * world * min(c.experts_per_token, c.num_local_experts)
             plans = [expert + 12 * slots for slots in (c.num_local_experts * c.expert_capacity,
                                                        c.num_local_experts * cap, packed)]
+            grads = symmetric_bytes(r1(world, tokens, True)) - symmetric_bytes(c)
             print(f"R1 EP{world:<3} {tokens:>5} tok    " + " ".join(f"{b / 2**20:>9.2f} MiB" for b in plans)
-                  + f" {c.num_local_experts * c.expert_capacity * row / 2**20:>15.1f} MiB")
+                  + f" {c.num_local_experts * c.expert_capacity * row / 2**20:>15.1f} MiB"
+                  + f" {grads / 2**20:>16.1f} MiB")
 
 
 if __name__ == "__main__":
