@@ -239,6 +239,7 @@ class AllToAll:
         self._offsets_shape = (c.num_local_experts + 1,)
         self._expert_shape, self._expert_scale_shape = c.expert_x_shape(), c.expert_x_scale_shape()
         self._order = CallOrder()
+        self._max_rows = c.max_num_tokens  # read on every call (_rows)
         self._serving_since = None      # comm.breaks when mask_ranks last resynchronized this AllToAll
         self._generation = 0            # restarts of the call sequence (mask_ranks), agreed by the ranks
 
@@ -359,13 +360,12 @@ class AllToAll:
         """The rows of a call: the fewest of its per-token arrays (``shapes``; an absent one's is
         ``self._absent``'s, max_num_tokens rows; ``names``: theirs), each of which may have at most
         max_num_tokens. Builtins only: this runs on every call."""
-        a, b, c, d = shapes
-        counts = (a[0], b[0], c[0], d[0])
-        if max(counts) > self.cfg.max_num_tokens:
-            name, shape = next((n, s) for n, s in zip(names, shapes) if s[0] > self.cfg.max_num_tokens)
-            raise InvalidArgument(f"{name}: expected at most max_num_tokens={self.cfg.max_num_tokens} rows, got "
-                                  f"shape {tuple(shape)}")
-        return min(counts)
+        a, b, c, d = shapes[0][0], shapes[1][0], shapes[2][0], shapes[3][0]
+        most = self._max_rows
+        if a > most or b > most or c > most or d > most:
+            name, shape = next((n, s) for n, s in zip(names, shapes) if s[0] > most)
+            raise InvalidArgument(f"{name}: expected at most max_num_tokens={most} rows, got shape {tuple(shape)}")
+        return min(a, b, c, d)
 
     def _read(self, args, stream, send, recv):
         """Read and check a call's arguments into the backend's call record; returns (whether router weights
