@@ -76,7 +76,8 @@ def symmetric_bytes(cfg, num_sms=132):
     return sum(v for k, v in sizes.items() if k != "stage_row")
 
 
-_GRAD_CODES = {np.dtype(bfloat16): C.DT_BF16, np.dtype(float16): C.DT_FP16, np.dtype(np.float32): C.DT_FP32}
+# MOECOMM_DT_* of the dtypes the kernels convert (expert outputs, gradients)
+_DT_CODES = {np.dtype(bfloat16): C.DT_BF16, np.dtype(float16): C.DT_FP16, np.dtype(np.float32): C.DT_FP32}
 _BACKWARD_KERNELS = {C.GRAD_DISPATCH: ("moecomm_grad_send", "moecomm_grad_recv"),
                      C.GRAD_COMBINE: ("moecomm_grad_send", "moecomm_grad_expert", "moecomm_grad_recv")}
 
@@ -150,7 +151,7 @@ class GpuAllToAll(AllToAllBackend):
             max_tokens=M, hidden=cfg.hidden_dim, x_bytes=rec.x_bytes, scale_bytes=rec.scale_bytes,
             scale_item=0 if cfg.scale_dtype is None else cfg.scale_dtype.itemsize,
             scale_column=int(cfg.scale_layout == "column"), meta_off=rec.meta_off, rec_bytes=rec.size,
-            out_code=C.DT_FP16 if cfg.out_dtype == float16 else C.DT_BF16,
+            out_code=_DT_CODES[np.dtype(cfg.out_dtype)],
             out_row_bytes=cfg.hidden_dim * cfg.out_dtype.itemsize, wire=C.WIRE_CODES[cfg.combine_wire],
             comb_row_bytes=_abi.combine_row_bytes(cfg), cap=cfg.expert_capacity, drop=int(drops),
             packed=int(cfg.layout == "packed"), window=window, stage_slots=C.STAGE_SLOTS,
@@ -263,7 +264,7 @@ class GpuAllToAll(AllToAllBackend):
         self.check_error(timeout_only=True)
         g = self._grad
         g.op, g.expert, g.origin, g.call, g.bound_m, g.rows = op, a.expert, a.origin, a.call, a.bound_m, a.rows
-        g.grad, g.out, g.grad_code, g.out_code = a.grad, out, _GRAD_CODES[a.grad_dtype], _GRAD_CODES[a.out_dtype]
+        g.grad, g.out, g.grad_code, g.out_code = a.grad, out, _DT_CODES[a.grad_dtype], _DT_CODES[a.out_dtype]
         g.out_w, g.weights, g.y = a.out_grad_weights or 0, a.weights or 0, a.y or 0
         for name in _BACKWARD_KERNELS[op]:
             self._grads[0][name](stream)
