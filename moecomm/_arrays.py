@@ -313,6 +313,13 @@ class DeviceArrays:
         address its device address, dtype the one it is read as (a key of ``accept``'s values). ``shape``'s
         first size may be None (any number of rows); ``output``: it must be writable. A plain tuple, unpacked by
         the caller: this is the hot path of every call (a named tuple cost ~0.2 us more per argument)."""
+        if type(obj) is DeviceBuffer:  # the fastest path: no reader, no producer, never read-only
+            ptr, shp, dev = obj.ptr, obj.shape, obj.device
+            got = accept.get(obj.dtype)
+            if (got is None or ptr & 15 or (dev != self.device and dev != -1)
+                    or (shp != shape and (shape[0] is not None or len(shp) != 2 or shp[1] != shape[1]))):
+                got = self._refuse(name, ptr, shp, obj.dtype, True, dev, accept, shape)
+            return ptr, ptr, shp, got
         reader = _READERS.get(type(obj)) or _reader(obj)
         if reader is None:
             raise InvalidArgument(
