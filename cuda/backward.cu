@@ -121,25 +121,16 @@ __device__ void finish_row(const Fixed& f, const Targets& tg, int bytes, unsigne
   }
 }
 
-// Slots are taken CHUNK at a time (a warp's ballot), so that a sparse layout still spreads over the grid.
-constexpr int CHUNK = 32;
+// The plan's held slots (g.held: n, then n slots), a row of them at a time: n, bounded by the slots.
+__device__ __forceinline__ int held_count(const Grad& g) { return min(max(g.held[0], 0), g.slots); }
 
-// Block-wide: the slots base .. base + CHUNK - 1 (below g.slots) listed by whether g.origin holds a pair there:
-// `full` (n_full of them) and, when given, `empty` (n_empty), each compacted.
-__device__ void slots_of(const Grad& g, int base, int* full, int* n_full, int* empty, int* n_empty) {
-  __syncthreads();  // the lists may still be read for the last chunk
-  if (threadIdx.x < 32) {
-    const int s = base + threadIdx.x;
-    const bool in = s < g.slots, used = in && g.origin[3 * s] >= 0;
-    const unsigned below = (1u << threadIdx.x) - 1, u = __ballot_sync(FULL, used), e = __ballot_sync(FULL, in && !used);
-    if (used) full[__popc(u & below)] = s;
-    if (empty && in && !used) empty[__popc(e & below)] = s;
-    if (threadIdx.x == 0) {
-      *n_full = __popc(u);
-      if (empty) *n_empty = __popc(e);
-    }
-  }
-  __syncthreads();
+// (source rank, token, k) of held slot `s` as the plan's origin has them; false (and q = -1) unless they name a
+// pair of this AllToAll (a slot out of range, an empty slot: not a plan of this AllToAll's).
+__device__ __forceinline__ bool pair_at(const Fixed& f, const Grad& g, int s, int& q, int& t, int& k) {
+  q = t = k = -1;
+  if (s < 0 || s >= g.slots) return false;
+  q = g.origin[3 * s], t = g.origin[3 * s + 1], k = g.origin[3 * s + 2];
+  return q >= 0 && q < f.world && t >= 0 && t < f.max_tokens && k >= 0 && k < f.topk;
 }
 
 // The last block of a kernel: set this rank's word `sig` ([world]: index rank) on every unmasked rank.
@@ -151,11 +142,11 @@ __device__ void signal_all(const Fixed& f, uint64_t* sig, uint64_t v) {
 
 }  // namespace
 
-// grid: any number of blocks. The plan of the last dispatch (the host cleared g.origin to -1 first): g.expert
-// [max_tokens, topk] = f.sent for this rank's tokens of its DP group below the dispatched m, else -1;
-// g.origin[slot] = (source rank, token, k) of each slot f.slot_of holds, from the records received (this
-// rank's own: as many as its dispatch signal counts; combine_send reads them alike); g.call = (g.generation,
-// the dispatch's call).
+// grid: any number of blocks. The plan of the last dispatch (the host cleared g.origin to -1 and g.held[0] to 0
+// first): g.expert [max_tokens, topk] = f.sent for this rank's tokens of its DP group below the dispatched m,
+// else -1; g.origin[slot] = (source rank, token, k) of each slot f.slot_of holds, from the records received
+// (this rank's own: as many as its dispatch signal counts; combine_send reads them alike), and those slots
+// listed in g.held (a warp's at a time, in any order); g.call = (g.generation, the dispatch's call).
 extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, MOECOMM_BLOCKS_PER_SM)
     moecomm_plan(const Fixed f, const Grad g) {
   const unsigned dispatched = f.state[MOECOMM_S_M];
@@ -165,17 +156,36 @@ extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, MOECOMM_BLOC
     const int t = i / f.topk;
     g.expert[i] = t < m && t % f.dp == f.rank % f.dp ? f.sent[i] : -1;
   }
-  for (int i = tid; i < f.world * f.max_tokens; i += all) {
-    const int q = i / f.max_tokens, j = i % f.max_tokens;
-    const unsigned count = q == f.rank && !f.packed ? own_count(load_acquire(&f.sig[f.rank])) : f.state[f.s_recv + q];
-    if (j >= (int)count) continue;
-    const int t = meta_of(f.recv_buf + (size_t)i * f.rec_bytes, f)[0];
-    for (int k = 0; k < f.topk; ++k) {
-      const int s = f.slot_of[(size_t)i * f.topk + k];
+  const int lane = threadIdx.x & 31, records = f.world * f.max_tokens;
+  for (int i0 = tid - lane; i0 < records; i0 += all) {  // warp-uniform: the warp's 32 records at a time
+    const int i = i0 + lane, q = i / f.max_tokens, j = i % f.max_tokens;
+    bool live = false;
+    int t = 0;
+    if (i < records) {
+      const unsigned count =
+          q == f.rank && !f.packed ? own_count(load_acquire(&f.sig[f.rank])) : f.state[f.s_recv + q];
+      live = j < (int)count;
+      if (live) t = meta_of(f.recv_buf + (size_t)i * f.rec_bytes, f)[0];
+    }
+    const int* const slots = f.slot_of + (size_t)i * f.topk;
+    int n = 0;  // this record's slots, then a place for them in g.held: one atomic per warp
+    for (int k = 0; live && k < f.topk; ++k) n += slots[k] >= 0;
+    int before = n;  // inclusive prefix over the lanes
+    for (int o = 1; o < 32; o <<= 1) {
+      const int v = __shfl_up_sync(FULL, before, o);
+      if (lane >= o) before += v;
+    }
+    const int total = __shfl_sync(FULL, before, 31);
+    int first = 0;
+    if (lane == 0 && total) first = atomicAdd(g.held, total);
+    first = __shfl_sync(FULL, first, 0) + before - n;
+    for (int k = 0; live && k < f.topk; ++k) {
+      const int s = slots[k];
       if (s < 0) continue;
       g.origin[3 * s] = q;
       g.origin[3 * s + 1] = t;
       g.origin[3 * s + 2] = k;
+      g.held[1 + first++] = s;
     }
   }
   if (tid == 0) {
@@ -184,7 +194,7 @@ extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, MOECOMM_BLOC
   }
 }
 
-// grid: any number of blocks (dispatch_backward: chunks of CHUNK slots, combine_backward: tokens, strided).
+// grid: any number of blocks (dispatch_backward: the held slots, combine_backward: tokens, strided).
 // The send half of both operations, after the checks of
 // this rank's m (ERR_BAD_M) and plan (pairs for tokens >= m: ERR_PLAN_M), and once each peer has read the last
 // call's rows. dispatch_backward (expert side): each slot of g.origin sends g.grad[slot] ([slots, hidden],
@@ -228,36 +238,32 @@ extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, MOECOMM_BLOC
   Targets tg{dsts, remote, pes};
   Stage st(f);
   const int bytes = f.hidden * value_bytes(g.grad_code);
-  __shared__ int listed[CHUNK];  // a chunk's slots (dispatch_backward), compacted
-  __shared__ int n_listed;
   if (send && g.op == MOECOMM_GRAD_DISPATCH) {
-    for (int base = blockIdx.x * CHUNK; base < g.slots; base += gridDim.x * CHUNK) {
-      slots_of(g, base, listed, &n_listed, nullptr, nullptr);
-      for (int i = 0; i < n_listed; ++i) {
-        const int s = listed[i];
-        const int q = g.origin[3 * s], t = g.origin[3 * s + 1], k = g.origin[3 * s + 2];
-        if (q >= f.world || t < 0 || t >= f.max_tokens || k < 0 || k >= f.topk) {
-          if (threadIdx.x == 0) {
-            record_error(f.err, MOECOMM_ERR_PLAN_DIFFERS, f.rank, phase, -2, (int)epoch, s);
-            fail(f, MOECOMM_ERR_PLAN_DIFFERS);
-          }
-          continue;
+    const int n = held_count(g);
+    for (int i = blockIdx.x; i < n; i += gridDim.x) {  // a held slot per block
+      const int s = g.held[1 + i];
+      int q, t, k;
+      if (!pair_at(f, g, s, q, t, k)) {
+        if (threadIdx.x == 0) {
+          record_error(f.err, MOECOMM_ERR_PLAN_DIFFERS, f.rank, phase, -2, (int)epoch, s);
+          fail(f, MOECOMM_ERR_PLAN_DIFFERS);
         }
-        uint8_t* const row = f.grad_buf + ((size_t)t * f.topk + k) * f.grad_row_bytes;
-        const int group0 = q / f.dp * f.dp, group1 = group0 + f.dp;
-        for (int q0 = group0; q0 < group1; q0 += MOECOMM_MAX_TOPK) {  // the group in batches of the fan-out
-          __syncthreads();
-          if (threadIdx.x == 0) {
-            int n = 0;
-            for (int r = q0; r < min(group1, q0 + MOECOMM_MAX_TOPK); ++r)
-              if (!f.mask[r]) ranks[n++] = r;
-            n_ranks = n;
-          }
-          __syncthreads();
-          build_list(tg, f, row, ranks, n_ranks, st);
-          fanout16(tg.dsts, tg.n, g.grad + (size_t)s * bytes, bytes);
-          finish_row(f, tg, bytes, epoch, g.grad_code);
+        continue;
+      }
+      uint8_t* const row = f.grad_buf + ((size_t)t * f.topk + k) * f.grad_row_bytes;
+      const int group0 = q / f.dp * f.dp, group1 = group0 + f.dp;
+      for (int q0 = group0; q0 < group1; q0 += MOECOMM_MAX_TOPK) {  // the group in batches of the fan-out
+        __syncthreads();
+        if (threadIdx.x == 0) {
+          int n_in = 0;
+          for (int r = q0; r < min(group1, q0 + MOECOMM_MAX_TOPK); ++r)
+            if (!f.mask[r]) ranks[n_in++] = r;
+          n_ranks = n_in;
         }
+        __syncthreads();
+        build_list(tg, f, row, ranks, n_ranks, st);
+        fanout16(tg.dsts, tg.n, g.grad + (size_t)s * bytes, bytes);
+        finish_row(f, tg, bytes, epoch, g.grad_code);
       }
     }
   } else if (send) {
@@ -298,12 +304,13 @@ extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, MOECOMM_BLOC
   }
 }
 
-// grid: any number of blocks (chunks of CHUNK slots, strided; a warp per slot that holds a pair).
-// combine_backward's expert side, after every unmasked rank's rows: each slot of g.origin gets g.out[slot] =
-// weight * row ([slots, hidden], g.out_code; zeros where the slot is empty) and sends <row, g.y[slot]> (summed
-// in float32) as the pair's word of f.grad_w to the source's DP group. A source whose row did not come (the
-// ranks' plans differ) is recorded (ERR_PLAN_DIFFERS, detail -1). Nothing is written when the call failed
-// anywhere (state[ABORT_B] tells grad_recv). Ends with f.grad_sig[1][me] on every unmasked rank.
+// grid: any number of blocks (a held slot per block, strided).
+// combine_backward's expert side, after every unmasked rank's rows: each slot the plan holds (g.held) gets
+// g.out[slot] = weight * row ([slots, hidden], g.out_code; empty slots are left as they are) and sends
+// <row, g.y[slot]> (summed in float32) as the pair's word of f.grad_w to the source's DP group. A source whose
+// row did not come (the ranks' plans differ) is recorded (ERR_PLAN_DIFFERS, detail -1). Nothing is written
+// when the call failed anywhere (state[ABORT_B] tells grad_recv). Ends with f.grad_sig[1][me] on every
+// unmasked rank.
 extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, MOECOMM_BLOCKS_PER_SM)
     moecomm_grad_expert(const Fixed f, const Grad g) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -311,69 +318,73 @@ extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, MOECOMM_BLOC
   const int phase = MOECOMM_PHASE_COMBINE_BACKWARD;
   const bool mine_ok = !g.skip && !load_volatile((const int*)&f.state[MOECOMM_S_BAD_B]);
   const bool ok = heard(f, f.grad_sig, epoch, mine_ok ? plan_word(g) : 0, mine_ok, phase) && mine_ok;
-  const int out_bytes = f.hidden * value_bytes(g.out_code);
-  __shared__ int full[CHUNK], empty[CHUNK];
-  __shared__ int n_full, n_empty;
-  for (int base = blockIdx.x * CHUNK; ok && base < g.slots; base += gridDim.x * CHUNK) {
-    slots_of(g, base, full, &n_full, empty, &n_empty);
-    const int row_chunks = out_bytes / 16;
-    for (int i = threadIdx.x; i < n_empty * row_chunks; i += THREADS)  // the chunk's empty slots: zeros
-      ((int4*)(g.out + (size_t)empty[i / row_chunks] * out_bytes))[i % row_chunks] = make_int4(0, 0, 0, 0);
-    for (int i = warp; i < n_full; i += THREADS / 32) {  // a warp per slot
-      const int s = full[i];
-      const int q = g.origin[3 * s], t = g.origin[3 * s + 1], k = g.origin[3 * s + 2];
-      uint8_t* const out = g.out + (size_t)s * out_bytes;
-      const bool in_range = q < f.world && t >= 0 && t < f.max_tokens && k >= 0 && k < f.topk;
-      const bool valid = in_range && !f.mask[q];  // a masked source's pair gets zeros
-      const uint8_t* const row =
-          f.grad_buf + ((size_t)(valid ? q : 0) * f.max_tokens + (valid ? t : 0)) * f.grad_row_bytes;
-      const int4 trailer = valid ? *(const int4*)(row + f.grad_row_bytes - TRAILER) : make_int4(0, 0, 0, 0);
-      const bool came = valid && (unsigned)trailer.x == epoch && trailer.y >= 0 && trailer.y <= MOECOMM_DT_FP32;
-      if (!came && (valid || !in_range) && lane == 0) {  // the plans differ, or this one is not a plan
-        record_error(f.err, MOECOMM_ERR_PLAN_DIFFERS, in_range ? q : f.rank, phase, in_range ? -1 : -2, (int)epoch, s);
-        fail(f, MOECOMM_ERR_PLAN_DIFFERS);
-      }
-      if (!came) {
-        for (int j = lane; j < row_chunks; j += 32) ((int4*)out)[j] = make_int4(0, 0, 0, 0);
-        continue;
-      }
-      const float w = ((const float*)(row + 4 * f.hidden))[k];
-      const uint8_t* const y = g.y + (size_t)s * f.out_row_bytes;
-      float dot = 0.0f;
-      constexpr int AHEAD = 4;  // chunks of the row and of y loaded before any is used
-      for (int c0 = lane; c0 < f.hidden / 8; c0 += 32 * AHEAD) {
-        float v[AHEAD][8];
-        int4 u[AHEAD];
+  const int out_bytes = f.hidden * value_bytes(g.out_code), row_chunks = out_bytes / 16;
+  __shared__ float partial[THREADS / 32];  // the warps' parts of a slot's dot product
+  const int n = ok ? held_count(g) : 0;
+  for (int i = blockIdx.x; i < n; i += gridDim.x) {
+    const int s = g.held[1 + i];
+    int q, t, k;
+    const bool in_range = pair_at(f, g, s, q, t, k);
+    const bool valid = in_range && !f.mask[q];  // a masked source's pair gets zeros
+    const uint8_t* const row =
+        f.grad_buf + ((size_t)(valid ? q : 0) * f.max_tokens + (valid ? t : 0)) * f.grad_row_bytes;
+    const int4 trailer = valid ? *(const int4*)(row + f.grad_row_bytes - TRAILER) : make_int4(0, 0, 0, 0);
+    const bool came = valid && (unsigned)trailer.x == epoch && trailer.y >= 0 && trailer.y <= MOECOMM_DT_FP32;
+    if (!came && (valid || !in_range) && threadIdx.x == 0) {  // the plans differ, or this one is not a plan
+      record_error(f.err, MOECOMM_ERR_PLAN_DIFFERS, in_range ? q : f.rank, phase, in_range ? -1 : -2, (int)epoch, s);
+      fail(f, MOECOMM_ERR_PLAN_DIFFERS);
+    }
+    if (s < 0 || s >= g.slots) continue;
+    uint8_t* const out = g.out + (size_t)s * out_bytes;
+    if (!came) {
+      for (int j = threadIdx.x; j < row_chunks; j += THREADS) ((int4*)out)[j] = make_int4(0, 0, 0, 0);
+      continue;
+    }
+    const float w = ((const float*)(row + 4 * f.hidden))[k];
+    const uint8_t* const y = g.y + (size_t)s * f.out_row_bytes;
+    float dot = 0.0f;
+    constexpr int AHEAD = 4;  // chunks of the row and of y loaded before any is used (R1: the whole row)
+    for (int c0 = threadIdx.x; c0 < f.hidden / 8; c0 += THREADS * AHEAD) {
+      float v[AHEAD][8];
+      int4 u[AHEAD];
 #pragma unroll
-        for (int a = 0; a < AHEAD; ++a) {
-          const int c = c0 + 32 * a;
-          if (c < f.hidden / 8) {
-            load8(row, trailer.y, c, v[a]);
-            u[a] = ((const int4*)y)[c];
-          }
-        }
-#pragma unroll
-        for (int a = 0; a < AHEAD; ++a) {
-          const int c = c0 + 32 * a;
-          if (c >= f.hidden / 8) continue;
-          float yv[8];
-          to_float8(u[a], f.out_code, yv);
-#pragma unroll
-          for (int j = 0; j < 8; ++j) {
-            dot += v[a][j] * yv[j];
-            v[a][j] *= w;
-          }
-          store8(out, g.out_code, c, v[a]);
+      for (int a = 0; a < AHEAD; ++a) {
+        const int c = c0 + THREADS * a;
+        if (c < f.hidden / 8) {
+          load8(row, trailer.y, c, v[a]);
+          u[a] = ((const int4*)y)[c];
         }
       }
-      for (int o = 16; o; o >>= 1) dot += __shfl_xor_sync(FULL, dot, o);
-      if (lane == 0) {
-        const uint64_t v = epoch_signal(epoch, __float_as_uint(dot));
-        const int group0 = q / f.dp * f.dp;
-        for (int r = group0; r < group0 + f.dp; ++r)
-          if (!f.mask[r]) signal_set(f.peers, &f.grad_w[(size_t)t * f.topk + k], v, r);
+#pragma unroll
+      for (int a = 0; a < AHEAD; ++a) {
+        const int c = c0 + THREADS * a;
+        if (c >= f.hidden / 8) continue;
+        float yv[8];
+        to_float8(u[a], f.out_code, yv);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          dot += v[a][j] * yv[j];
+          v[a][j] *= w;
+        }
+        store8(out, g.out_code, c, v[a]);
       }
     }
+    for (int o = 16; o; o >>= 1) dot += __shfl_xor_sync(FULL, dot, o);
+    if (lane == 0) partial[warp] = dot;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      float sum = 0.0f;
+      for (int j = 0; j < THREADS / 32; ++j) sum += partial[j];
+      const uint64_t v = epoch_signal(epoch, __float_as_uint(sum));
+      uint64_t* const word = &f.grad_w[(size_t)t * f.topk + k];
+      const int group0 = q / f.dp * f.dp;
+      for (int r = group0; r < group0 + f.dp; ++r) {  // stored relaxed: the kernel's signal releases them all
+        if (f.mask[r]) continue;
+        if (uint64_t* const p = peer_ptr(f.peers, word, r)) store_relaxed(p, v);
+        else signal_set(f.peers, word, v, r);
+      }
+    }
+    __syncthreads();  // partial is rewritten for the next slot
   }
   if (last_block(&f.state[MOECOMM_S_DONE_B], true)) {
     const unsigned bad = (unsigned)load_volatile((const int*)&f.state[MOECOMM_S_BAD_B]);
@@ -405,8 +416,11 @@ extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, MOECOMM_BLOC
     __shared__ const uint8_t* srcs[MOECOMM_MAX_TOPK];
     __shared__ int codes[MOECOMM_MAX_TOPK];
     __shared__ int n;
-    const int out_bytes = f.hidden * value_bytes(g.out_code);
-    for (int t = blockIdx.x; t < m; t += gridDim.x) {
+    const int out_bytes = f.hidden * value_bytes(g.out_code), chunks = f.hidden / 8;
+    // a token in `parts` pieces of its hidden chunks (a block each), so that a small batch fills the grid
+    const int parts = max(1, min((int)gridDim.x / max(m, 1), chunks / 32)), per = (chunks + parts - 1) / parts;
+    for (int unit = blockIdx.x; unit < m * parts; unit += gridDim.x) {
+      const int t = unit / parts, c1 = min(chunks, (unit % parts + 1) * per);
       if (warp == 0) {  // the token's rows of this call
         const uint8_t* const row = f.grad_buf + ((size_t)t * f.topk + lane) * f.grad_row_bytes;
         const int4 trailer = lane < f.topk ? *(const int4*)(row + f.grad_row_bytes - TRAILER) : make_int4(0, 0, 0, 0);
@@ -422,15 +436,16 @@ extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, MOECOMM_BLOC
       }
       __syncthreads();
       uint8_t* const out = g.out + (size_t)t * out_bytes;
-      for (int c = threadIdx.x; c < f.hidden / 8; c += THREADS) {
+      for (int c = (unit % parts) * per + threadIdx.x; c < c1; c += THREADS) {
         float a[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-        for (int j = 0; j < n; j += 4) {  // 4 rows' loads in flight before the adds
-          float v[4][8];
+        constexpr int BATCH = 8;  // rows' loads in flight before the adds (R1: every row of the token)
+        for (int j = 0; j < n; j += BATCH) {
+          float v[BATCH][8];
 #pragma unroll
-          for (int u = 0; u < 4; ++u)
+          for (int u = 0; u < BATCH; ++u)
             if (j + u < n) load8(srcs[j + u], codes[j + u], c, v[u]);
 #pragma unroll
-          for (int u = 0; u < 4; ++u)
+          for (int u = 0; u < BATCH; ++u)
             if (j + u < n)
 #pragma unroll
               for (int i = 0; i < 8; ++i) a[i] += v[u][i];

@@ -117,6 +117,7 @@ GRAD_FIELDS = (
     ("expert", "int*"),             # plan.expert [max_tokens, topk] int32
     ("origin", "int*"),             # plan.origin [slots, 3] int32 (source rank, token, k)
     ("call", "int*"),               # plan.call [2] int32 (generation, dispatch call)
+    ("held", "int*"),               # plan.held [1 + slots] int32: n, then the n slots that hold a pair
     ("bound_m", "const int*"),      # [1] int32: m
     ("grad", "const uint8_t*"),     # dispatch_backward: grad_expert_x [slots, hidden]; combine_backward:
                                     # grad_out [rows, hidden]; grad_code
@@ -276,7 +277,8 @@ def _token_blocks(cfg, num_sms):
 
 
 def _gpu_blocks(cfg, num_sms):
-    """BLOCKS_PER_SM per SM: the backward kernels (cuda/backward.cu), whose blocks never wait for each other."""
+    """BLOCKS_PER_SM per SM, the blocks resident at once: the backward kernels (cuda/backward.cu), whose blocks
+    never wait for each other (a second wave would repeat each block's fixed waits)."""
     return C.BLOCKS_PER_SM * num_sms
 
 
@@ -311,7 +313,7 @@ KERNELS = {k.name: k for k in (
     Kernel("moecomm_plan", (Fixed, Grad), _gpu_blocks),
     Kernel("moecomm_grad_send", (Fixed, Grad), _gpu_blocks),
     Kernel("moecomm_grad_expert", (Fixed, Grad), _gpu_blocks),
-    Kernel("moecomm_grad_recv", (Fixed, Grad), _token_blocks),
+    Kernel("moecomm_grad_recv", (Fixed, Grad), _gpu_blocks),
     Kernel("moecomm_peer_check", (PeerCheck,), threads=32),
     Kernel("moecomm_delay", (Delay,), threads=1),
 )}

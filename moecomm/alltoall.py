@@ -90,10 +90,14 @@ class RoutingPlan(NamedTuple):
             top-k position) of the pair each slot (padded) or row (packed) holds; -1 where empty.
         call: [2] int32, the forward call it describes (the AllToAll's restart generation, the dispatch's
             number): the backward calls check that every rank passes the plan of the same call.
+        held: [1 + slots] int32 (slots: origin's size / 3): held[0] = n, the slots (padded) or rows (packed)
+            that hold a pair, and held[1 .. n] those slots in any order (the backward kernels share them
+            out evenly instead of scanning every slot); the rest unspecified.
     """
     expert: object
     origin: object
     call: object
+    held: object
 
 
 class _Backward(NamedTuple):
@@ -107,6 +111,7 @@ class _Backward(NamedTuple):
     expert: object
     origin: object
     call: object
+    held: object
     grad: object
     grad_dtype: object
     out_dtype: object
@@ -476,7 +481,9 @@ class AllToAll:
     def plan_shapes(self):
         """The shapes of a :class:`RoutingPlan` of this AllToAll (its arrays are int32)."""
         c = self.cfg
-        return RoutingPlan((c.max_num_tokens, c.experts_per_token), tuple(c.expert_x_shape()[:-1]) + (3,), (2,))
+        slots = tuple(c.expert_x_shape()[:-1])
+        return RoutingPlan((c.max_num_tokens, c.experts_per_token), slots + (3,), (2,),
+                           (1 + int(np.prod(slots)),))
 
     def plan(self, out_plan, stream=None):
         """Write the placement of the last dispatch into ``out_plan`` (a :class:`RoutingPlan` of int32 arrays
@@ -522,8 +529,9 @@ class AllToAll:
         dispatch. Collective; needs no call order.
 
         Args:
-            out_grad_expert_y: expert_y's shape, bfloat16, float16 or float32, written whole: each slot's
-                gradient, zeros in empty slots.
+            out_grad_expert_y: expert_y's shape, bfloat16, float16 or float32, written: each slot that holds
+                a pair gets its gradient; empty slots are left as they were, as out_expert_x's are by dispatch
+                (pass zeros where the experts' backward reads every slot: a dense gradient of their weights).
             out_grad_weights: [rows, experts_per_token] float32, written: rows 0..m-1 (0 for -1 ids and pairs
                 without a slot), on every rank of the token's DP group.
             plan: the :class:`RoutingPlan` of the combined dispatch, the same call on every rank.
@@ -583,7 +591,8 @@ class AllToAll:
         expert, _, _, _ = read(plan.expert, "plan.expert", _COUNTS, shapes.expert, output)
         origin, _, _, _ = read(plan.origin, "plan.origin", _COUNTS, shapes.origin, output)
         call, _, _, _ = read(plan.call, "plan.call", _COUNTS, shapes.call, output)
-        return RoutingPlan(expert, origin, call)
+        held, _, _, _ = read(plan.held, "plan.held", _COUNTS, shapes.held, output)
+        return RoutingPlan(expert, origin, call, held)
 
     def _read_backward(self, plan, bound_m, grad, **named):
         """A backward call's arguments: the plan, m, the gradient ``grad`` and ``named`` others, each

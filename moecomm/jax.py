@@ -72,6 +72,9 @@ def _recomputable():
 _recomputable()
 
 
+_PLAN_ARRAYS = len(RoutingPlan._fields)  # a routing plan's arrays, operands of the backward calls
+
+
 def _fenced(op, *args):
     """``op(*args)`` with an optimization barrier on each side. XLA's GPU compiler fuses the slicing of a
     custom call's operand (a scan's per-layer slice) or of its result (a scan's stacked outputs) into a copy of
@@ -208,7 +211,7 @@ class AllToAll:
         """:meth:`moecomm.AllToAll.dispatch_backward` as a JAX operation: grad_x [rows, hidden] ``dtype``
         (rows >= m zero)."""
         def run(ctx, out, *args):
-            *plan_arrays, g, m = (self._buffer(b) for b in args[-5:])
+            *plan_arrays, g, m = (self._buffer(b) for b in args[-_PLAN_ARRAYS - 2:])
             self.a2a.dispatch_backward(self._buffer(out), RoutingPlan(*plan_arrays), g, m, self._stream(ctx))
         return _fenced(buffer_callback(run, jax.ShapeDtypeStruct(shape, dtype), has_side_effect=True,
                                        input_output_aliases={0: 0}),
@@ -283,15 +286,16 @@ class AllToAll:
 
     def _combine_backward(self, plan, grad_out, weights, expert_y, bound_m):
         """:meth:`moecomm.AllToAll.combine_backward` as a JAX operation: (grad_expert_y in expert_y's shape
-        and dtype, grad_weights [rows, k] float32, rows >= m zero)."""
+        and dtype, zeros in empty slots; grad_weights [rows, k] float32, rows >= m zero)."""
         def run(ctx, out, *args):
-            *plan_arrays, g, w, y, m = (self._buffer(b) for b in args[-7:])
+            *plan_arrays, g, w, y, m = (self._buffer(b) for b in args[-_PLAN_ARRAYS - 4:])
             grad_y, grad_w = (self._buffer(b) for b in out)
             self.a2a.combine_backward(grad_y, grad_w, RoutingPlan(*plan_arrays), g, w, y, m, self._stream(ctx))
         structs = (jax.ShapeDtypeStruct(expert_y.shape, expert_y.dtype),
                    jax.ShapeDtypeStruct(weights.shape, np.float32))
-        return _fenced(buffer_callback(run, structs, has_side_effect=True, input_output_aliases={0: 1}),
-                       jax.numpy.zeros(weights.shape, np.float32), *plan, grad_out, weights, expert_y, bound_m)
+        return _fenced(buffer_callback(run, structs, has_side_effect=True, input_output_aliases={0: 0, 1: 1}),
+                       *(jax.numpy.zeros(t.shape, t.dtype) for t in structs), *plan, grad_out, weights, expert_y,
+                       bound_m)
 
     def combine_send(self, indices, weights, expert_y, bound_m):
         """The send half of :meth:`combine`; returns a :class:`CombineHandle` for :meth:`combine_recv`."""

@@ -154,7 +154,7 @@ class _Combine(torch.autograd.Function):
     def backward(ctx, grad_out):
         layer, arg = ctx.layer, ctx.layer._arg
         *plan, weights, expert_y, bound_m = ctx.saved_tensors
-        grad_y, grad_w = torch.empty_like(expert_y), torch.zeros_like(weights)
+        grad_y, grad_w = torch.zeros_like(expert_y), torch.zeros_like(weights)  # empty slots: zero
         layer.a2a.combine_backward(arg(grad_y), arg(grad_w), RoutingPlan(*map(arg, plan)),
                                    arg(grad_out.contiguous()), arg(weights), arg(expert_y), arg(bound_m))
         return None, None, grad_w, grad_y, None, None

@@ -7,10 +7,10 @@ input buffer out_expert_x (with its scales) each rank holds, sized for the worst
 every rank to one expert: max_num_tokens * ranks slots per local expert) against a capacity of
 ``--capacity-factor`` times the mean demand per expert (tokens * ranks * top-k / experts), the setting
 of ``AllToAll(capacity=..., overflow=...)``. Third table: the routing plan a training step keeps per MoE
-layer and rank for its backward (``AllToAll.plan``: expert [max_num_tokens, k] and origin [slots, 3], int32),
-for the padded layout's slots (worst case, and the capacity above) and the packed layout's worst-case rows
-(max_num_tokens * ranks * min(k, local experts)), beside the layer's out_expert_x it describes, and the
-symmetric memory ``gradients=True`` adds per AllToAll on GPUs (the gradient rows and words).
+layer and rank for its backward (``AllToAll.plan``: expert [max_num_tokens, k], origin [slots, 3] and held
+[1 + slots], int32), for the padded layout's slots (worst case, and the capacity above) and the packed
+layout's worst-case rows (max_num_tokens * ranks * min(k, local experts)), beside the layer's out_expert_x it
+describes, and the symmetric memory ``gradients=True`` adds per AllToAll on GPUs (the gradient rows and words).
 
 Uses the formulas of moecomm/transport/gpu_alltoall.py (132 SMs, an H100/H200). Bytes on the wire are
 expectations for uniform top-k routing: a token reaches r = W * (1 - C(E - E/W, k) / C(E, k)) ranks.
@@ -67,7 +67,7 @@ def main():
             cap = min(c.expert_capacity, ceil(demand))
             expert = 4 * tokens * c.experts_per_token  # plan.expert
             packed = tokens * world * min(c.experts_per_token, c.num_local_experts)
-            plans = [expert + 12 * slots for slots in (c.num_local_experts * c.expert_capacity,
+            plans = [expert + 16 * slots + 4 for slots in (c.num_local_experts * c.expert_capacity,
                                                        c.num_local_experts * cap, packed)]
             grads = symmetric_bytes(r1(world, tokens, True)) - symmetric_bytes(c)
             print(f"R1 EP{world:<3} {tokens:>5} tok    " + " ".join(f"{b / 2**20:>9.2f} MiB" for b in plans)

@@ -248,8 +248,10 @@ class GpuAllToAll(AllToAllBackend):
         if not self._dispatched:
             raise InvalidArgument("plan: no dispatch has been received since construction or the last mask_ranks")
         g = self._grad
-        g.expert, g.origin, g.call, g.generation = plan.expert, plan.origin, plan.call, self._restarts
+        g.expert, g.origin, g.call, g.held = plan.expert, plan.origin, plan.call, plan.held
+        g.generation = self._restarts
         self._cupy.cuda.runtime.memsetAsync(plan.origin, 0xFF, 12 * g.slots, stream)  # -1: empty slots
+        self._cupy.cuda.runtime.memsetAsync(plan.held, 0, 4, stream)  # none held yet
         self._grads[0]["moecomm_plan"](stream)
 
     def dispatch_backward(self, a, stream):
@@ -263,7 +265,8 @@ class GpuAllToAll(AllToAllBackend):
         operation ``op``'s kernels on ``stream``."""
         self.check_error(timeout_only=True)
         g = self._grad
-        g.op, g.expert, g.origin, g.call, g.bound_m, g.rows = op, a.expert, a.origin, a.call, a.bound_m, a.rows
+        g.op, g.expert, g.origin, g.call, g.held = op, a.expert, a.origin, a.call, a.held
+        g.bound_m, g.rows = a.bound_m, a.rows
         g.grad, g.out, g.grad_code, g.out_code = a.grad, out, _DT_CODES[a.grad_dtype], _DT_CODES[a.out_dtype]
         g.out_w, g.weights, g.y = a.out_grad_weights or 0, a.weights or 0, a.y or 0
         for name in _BACKWARD_KERNELS[op]:

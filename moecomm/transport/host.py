@@ -492,7 +492,7 @@ class HostAllToAll(AllToAllBackend):
 
     # backward: the gradients, along a routing plan ------------------------------------------
     def write_plan(self, plan, stream=None):
-        expert, origin, call = plan
+        expert, origin, call, held = plan
         if self._received is None:
             raise InvalidArgument("plan: no dispatch has been received since construction or the last mask_ranks "
                                   "(or the last one failed)")
@@ -502,6 +502,8 @@ class HostAllToAll(AllToAllBackend):
         origin[:] = -1
         origin[self._received.where] = self._received.origin()
         call[:] = self._dispatch_call
+        slots = np.flatnonzero(origin[..., 0] >= 0)
+        held[0], held[1:1 + slots.size] = slots.size, slots
 
     def dispatch_backward(self, a, stream=None):
         cfg = self.cfg
@@ -538,7 +540,6 @@ class HostAllToAll(AllToAllBackend):
                                         f"{int(pair_token[q])}, which the plan's origin holds: the ranks' plans differ")
             row = np.maximum(row, 0)
         gy = g[row]
-        a.out_grad_y[:] = 0
         a.out_grad_y[rv.where] = (w[row, rv.pair_k][:, None] * gy).astype(a.out_grad_y.dtype)
         dots = np.einsum("ph,ph->p", gy, a.y[rv.where].astype(np.float32)).astype(np.float32)
         rows, counts = self._to_groups(pair_src, [pair_token.astype(np.int32)[:, None],
