@@ -159,24 +159,15 @@ def _c_contiguous(shape, strides_elems):
     return True
 
 
-# A reader returns (ptr, shape, dtype, contiguous, device, producer, readonly): device None when unknown
-# (checked by pointer) or -1 (not checked), producer the stream the data was written on (an int handle, None
-# when already ordered or unknown, or _CUPY / _TORCH for "that framework's current stream"), readonly whether
-# the producer says the memory must not be written. The caller holds the array for the call; a DLPack
-# capsule may go once read (the producer's array keeps the memory).
+# A reader returns (ptr, shape, dtype or None, contiguous, device, producer, readonly) of an array, given the
+# call's launch stream (which only DLPack producers need): device None when unknown (checked by pointer) or -1
+# (not checked), producer the stream the data was written on (an int handle, None when already ordered or
+# unknown, or _CUPY / _TORCH for "that framework's current stream"), readonly whether the producer says the
+# memory must not be written. The caller holds the array for the call; a DLPack capsule may go once read (the
+# producer's array keeps the memory). DeviceBuffers, CuPy arrays and PyTorch tensors are read in
+# DeviceArrays.read itself: their reader is a tag, _BUFFER, _CUPY or _TORCH.
 _CUPY, _TORCH = "cupy", "torch"
-
-
-# Readers: (address, shape, dtype or None, C-contiguous, device or None, producer stream or None, read-only) of
-# an array, given the call's launch stream (which only DLPack producers need).
-def _read_buffer(b, stream):
-    return b.ptr, b.shape, b.dtype, True, b.device if b.device >= 0 else -1, None, False
-
-
-def _read_cupy(a, stream):
-    return a.data.ptr, a.shape, a.dtype, a._c_contiguous, a.data.device_id, _CUPY, False
-
-
+_BUFFER = "buffer"
 _TORCH_DTYPES = {}  # torch.dtype -> numpy dtype (None: not one we read), filled as dtypes are seen
 
 
@@ -186,14 +177,6 @@ def _torch_dtype(d):
         name = str(d).rpartition(".")[2]  # "torch.bfloat16" -> "bfloat16"
         dt = _TORCH_DTYPES[d] = _named(name) if name in _DL_DTYPES.values() else None
     return dt
-
-
-def _read_torch(t, stream):
-    """PyTorch tensors (and anything that quacks like one: data_ptr, is_contiguous, get_device, dtype).
-    get_device() is -1 for CPU tensors: their pointer is then checked (and refused)."""
-    dev = t.get_device()
-    return (t.data_ptr(), t.shape, _torch_dtype(t.dtype), t.is_contiguous(), dev if dev >= 0 else None, _TORCH,
-            False)
 
 
 def _dlpack_stream(stream):
@@ -249,15 +232,15 @@ def _read_cai(obj, stream):
 def _reader_for(cls):
     """The reader for objects of type ``cls`` (decided once per type)."""
     if cls is DeviceBuffer:
-        return _read_buffer
+        return _BUFFER
     try:
         import cupy
         if issubclass(cls, cupy.ndarray):
-            return _read_cupy
+            return _CUPY
     except ImportError:
         pass
-    if all(hasattr(cls, a) for a in ("data_ptr", "is_contiguous", "get_device")):
-        return _read_torch
+    if all(hasattr(cls, a) for a in ("data_ptr", "is_contiguous", "get_device")):  # torch, or quacks like it
+        return _TORCH
     if hasattr(cls, "__dlpack__") and not issubclass(cls, np.ndarray):
         return _read_dlpack
     if hasattr(cls, "__cuda_array_interface__"):
@@ -295,7 +278,7 @@ class DeviceArrays:
         tensor, else CuPy's. DLPack producers are asked to order their work before it in :meth:`read`."""
         self._producers.clear()
         if stream is None:  # that framework's arrays are then written on the launch stream itself
-            self._implied = _TORCH if _reader(first) is _read_torch else _CUPY
+            self._implied = _TORCH if _reader(first) is _TORCH else _CUPY
             self._stream = self._framework_stream(self._implied)
         else:
             self._implied, self._stream = None, stream_handle(stream)
@@ -313,20 +296,30 @@ class DeviceArrays:
         address its device address, dtype the one it is read as (a key of ``accept``'s values). ``shape``'s
         first size may be None (any number of rows); ``output``: it must be writable. A plain tuple, unpacked by
         the caller: this is the hot path of every call (a named tuple cost ~0.2 us more per argument)."""
-        if type(obj) is DeviceBuffer:  # the fastest path: no reader, no producer, never read-only
+        reader = _READERS.get(type(obj)) or _reader(obj)
+        if reader is _BUFFER:  # the fastest path: no producer, never read-only
             ptr, shp, dev = obj.ptr, obj.shape, obj.device
             got = accept.get(obj.dtype)
             if (got is None or ptr & 15 or (dev != self.device and dev != -1)
                     or (shp != shape and (shape[0] is not None or len(shp) != 2 or shp[1] != shape[1]))):
                 got = self._refuse(name, ptr, shp, obj.dtype, True, dev, accept, shape)
             return ptr, ptr, shp, got
-        reader = _READERS.get(type(obj)) or _reader(obj)
         if reader is None:
             raise InvalidArgument(
                 f"{name}: expected a device array (CuPy array, PyTorch tensor, __dlpack__, "
                 f"__cuda_array_interface__ or moecomm.DeviceBuffer), got {type(obj).__name__}")
-        try:
-            ptr, shp, dt, contiguous, dev, producer, readonly = reader(obj, self._stream)
+        readonly = False
+        try:  # CuPy and torch by their attributes, here (no reader call: the hot path of every argument)
+            if reader is _CUPY:
+                memory = obj.data
+                ptr, shp, dt, contiguous, dev = memory.ptr, obj.shape, obj.dtype, obj._c_contiguous, memory.device_id
+                producer = _CUPY
+            elif reader is _TORCH:  # get_device() is -1 for CPU tensors: their pointer is checked (and refused)
+                ptr, shp, dt, contiguous = obj.data_ptr(), obj.shape, _torch_dtype(obj.dtype), obj.is_contiguous()
+                dev = obj.get_device()
+                dev, producer = dev if dev >= 0 else None, _TORCH
+            else:
+                ptr, shp, dt, contiguous, dev, producer, readonly = reader(obj, self._stream)
         except InvalidArgument as e:
             raise InvalidArgument(f"{name}: {e}") from None
         except Exception as e:  # the producer's own error (torch raises KeyError for bf16 CAI, ...)
