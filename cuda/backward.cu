@@ -121,7 +121,7 @@ __device__ void finish_row(const Fixed& f, const Targets& tg, int bytes, unsigne
   }
 }
 
-// The plan's held slots (g.held: n, then n slots), a row of them at a time: n, bounded by the slots.
+// How many slots the plan holds (g.held[0], bounded by the slots); g.held[1 ..] lists them.
 __device__ __forceinline__ int held_count(const Grad& g) { return min(max(g.held[0], 0), g.slots); }
 
 // (source rank, token, k) of held slot `s` as the plan's origin has them; false (and q = -1) unless they name a
@@ -197,7 +197,7 @@ extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, MOECOMM_BLOC
 // grid: any number of blocks (dispatch_backward: the held slots, combine_backward: tokens, strided).
 // The send half of both operations, after the checks of
 // this rank's m (ERR_BAD_M) and plan (pairs for tokens >= m: ERR_PLAN_M), and once each peer has read the last
-// call's rows. dispatch_backward (expert side): each slot of g.origin sends g.grad[slot] ([slots, hidden],
+// call's rows. dispatch_backward (expert side): each slot g.held lists sends g.grad[slot] ([slots, hidden],
 // g.grad_code) to its source's DP group. combine_backward (token side): each token t < m of this rank's DP
 // share sends g.grad[t] ([rows, hidden]) and g.weights[t] to the ranks of its experts in g.expert (masked
 // ranks skipped). Ends with f.grad_sig[0][me] on every unmasked rank, and the call in state[EPOCH_B].
