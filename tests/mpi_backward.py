@@ -114,10 +114,11 @@ def check(a2a, comm, groups, m, wd, fails, label, between=None):
         fails.append(f"{label}: dispatch_backward wrote rows >= m")
     want_ey, want_w = reference.combine_backward(group_ids, [g["w"] for g in groups],
                                                  [g["gout"] for g in groups], [e[2] for e in everyone], origins, E, W)
-    held = origins[r][..., 0] >= 0  # empty slots keep what was there (9)
-    if not np.array_equal(everyone[r][3][held], want_ey[r][held]):
+    filled = origins[r][..., 0] >= 0  # the padded layout's slots holding a pair (packed: converted)
+    here = plan.origin[..., 0] >= 0  # the same, in this layout's own slots
+    if not np.array_equal(everyone[r][3][filled], want_ey[r][filled]):
         fails.append(f"{label}: combine_backward's grad_expert_y differs from the reference")
-    if (gey[plan.origin[..., 0] < 0] != 9).any():
+    if (gey[~here] != 9).any():  # empty slots keep what was there
         fails.append(f"{label}: combine_backward wrote empty slots")
     if not np.allclose(gw[:m], want_w[r // dp][:m], rtol=1e-4, atol=1e-4) or (gw[m:] != 9).any():
         fails.append(f"{label}: combine_backward's grad_weights differ from the reference")
@@ -125,8 +126,7 @@ def check(a2a, comm, groups, m, wd, fails, label, between=None):
     ids = np.where(np.arange(M)[:, None] % dp == c.dp_rank, phys, -1)
     if not np.array_equal(plan.expert, ids):
         fails.append(f"{label}: plan.expert differs from the pairs this rank sent")
-    filled = origins[r][..., 0] >= 0
-    listed = np.flatnonzero(plan.origin[..., 0] >= 0)
+    listed = np.flatnonzero(here)
     if plan.held[0] != listed.size or not np.array_equal(np.sort(plan.held[1:1 + listed.size]), listed):
         fails.append(f"{label}: plan.held does not list the slots plan.origin holds")
     if int(filled.sum()) != int(n.sum()):
