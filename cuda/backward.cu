@@ -2,22 +2,25 @@
 // last dispatch as data, and the two backward operations, exchanges of gradient rows that follow a plan, not
 // the forward's call state (so they may run after other calls, and in any order).
 //
-// Wire: rows of f.grad_buf, f.grad_row_bytes each (moecomm/_abi.py, grad_row_bytes): hidden values in the
-// sender's gradient dtype (at most float32), the token's router weights (combine_backward), then a trailer
-// int4 {call, dtype code}. A row counts only when its trailer holds the call, so nothing is cleared between
-// calls.
-//   dispatch_backward  the expert side sends each slot's gradient to every rank of its source's DP group, into
-//                      row (token * topk + k); the token side sums a token's rows in float32.
-//   combine_backward   the token side sends grad_out[t] with its weights once to each expert rank of its pairs,
-//                      into row (source rank * max_tokens + t); the expert side writes each slot's gradient
-//                      (weight * row) and sends <row, expert_y[slot]> back as one word per pair,
-//                      f.grad_w[t * topk + k] = (call << 32 | float bits), to the source's DP group.
+// Wire: rows of f.grad_buf, f.grad_row_bytes each (moecomm/_abi.py, grad_row_bytes): hidden values in the row's
+// dtype (the sender's gradient dtype, or float32 for a partial sum), the token's router weights
+// (combine_backward), then a trailer int4 {call, dtype code}. A row counts only when its trailer holds the
+// call, so nothing is cleared between calls. Both operations use row (sending rank * max_tokens + token):
+//   dispatch_backward  the expert side sends one row per (token, expert rank) to every rank of the token's DP
+//                      group: a token's one slot there as it is, or the float32 sum of its slots there (the
+//                      forward combine's partial sums); the token side sums a token's rows in float32.
+//   combine_backward   the token side sends grad_out[t] with its weights once to each expert rank of its pairs;
+//                      the expert side writes each slot's gradient (weight * row) and sends <row, expert_y[slot]>
+//                      back as one word per pair, f.grad_w[t * topk + k] = (call << 32 | float bits), to the
+//                      source's DP group.
 // Completion: f.grad_sig[0][q] (rows from rank q) and f.grad_sig[1][q] (router weights' gradients from q) =
 // (call << 32 | q's plan word), or SIG_BAD | reason where q's part failed; the plan words let every rank check
 // that all follow the plan of the same dispatch (ERR_PLAN_DIFFERS). A rank writes into a peer's grad_buf only
 // once that peer has read the previous backward call's rows: f.grad_sig[2][q] holds the last call q finished.
 // Calls of both operations are counted in state[EPOCH_B] on the device, so CUDA graphs replay them.
-// Kernels: dispatch_backward = grad_send, grad_recv; combine_backward = grad_send, grad_expert, grad_recv.
+// Kernels: moecomm_plan; each operation in one launch of a grid resident at once, in parts that follow each
+// other through those signals (dispatch_backward: send, receive; combine_backward: send, the expert side,
+// receive). A part's blocks count themselves in state[DONE_B]; its last block resets the count and signals.
 #include "alltoall.cuh"
 
 using namespace moecomm;
@@ -44,14 +47,12 @@ __device__ __forceinline__ void store8(uint8_t* row, int code, int c, const floa
   ((float4*)row)[2 * c + 1] = make_float4(v[4], v[5], v[6], v[7]);
 }
 
-// The plan's call as its signals carry it (moecomm/_constants.py, PLAN_CALL_BITS).
+// The plan's call as its signals carry it (moecomm/_constants.py, PLAN_CALL_BITS); 0 for a skipped call
+// (it has no plan).
 __device__ __forceinline__ unsigned plan_word(const Grad& g) {
+  if (g.skip) return 0;
   return ((unsigned)g.call[0] & ((1u << MOECOMM_PLAN_GEN_BITS) - 1)) << MOECOMM_PLAN_CALL_BITS |
          ((unsigned)g.call[1] & ((1u << MOECOMM_PLAN_CALL_BITS) - 1));
-}
-
-__device__ __forceinline__ int phase_of(const Grad& g) {
-  return g.op == MOECOMM_GRAD_DISPATCH ? MOECOMM_PHASE_DISPATCH_BACKWARD : MOECOMM_PHASE_COMBINE_BACKWARD;
 }
 
 // This rank's part of the call failed (`reason`): its signals flag it, and it writes nothing more.
@@ -106,18 +107,46 @@ __device__ void build_list(Targets& tg, const Fixed& f, uint8_t* symmetric, cons
   __syncthreads();
 }
 
-// Block-wide, after the row is in tg.dsts: its trailer, then the puts of a staged row: its `bytes` of values,
-// and its weights with the trailer.
-__device__ void finish_row(const Fixed& f, const Targets& tg, int bytes, unsigned epoch, int code) {
+// Block-wide: put a staged row (tg.staged) to tg's put targets, its bytes [from, to) and its part from `tail`
+// on (weights, trailer). Not inlined (as put_block_all): NVSHMEM's put path would take registers from the sums.
+static __device__ __noinline__ void put_row(const Targets& tg, int from, int to, int tail, int row_bytes) {
+  for (int j = 0; j < tg.n_put; ++j) {
+    put_block(tg.remote[j] + from, tg.staged + from, to - from, tg.pes[j]);
+    put_block(tg.remote[j] + tail, tg.staged + tail, row_bytes - tail, tg.pes[j]);
+  }
+}
+
+// Block-wide, after the row's bytes [from, to) are in tg.dsts: its trailer, then the puts of a staged row: those
+// bytes, and its weights with the trailer.
+__device__ void finish_row(const Fixed& f, const Targets& tg, int from, int to, unsigned epoch, int code) {
   if (threadIdx.x == 0)
     for (int j = 0; j < tg.n; ++j)
       *(int4*)(tg.dsts[j] + f.grad_row_bytes - TRAILER) = make_int4((int)epoch, code, 0, 0);
   if (!tg.n_put) return;
   __syncthreads();  // the staged row is complete
-  const int tail = 4 * f.hidden;
-  for (int j = 0; j < tg.n_put; ++j) {
-    put_block(tg.remote[j], tg.staged, bytes, tg.pes[j]);
-    put_block(tg.remote[j] + tail, tg.staged + tail, f.grad_row_bytes - tail, tg.pes[j]);
+  put_row(tg, from, to, 4 * f.hidden, f.grad_row_bytes);
+}
+
+// Block-wide: chunks c0 .. c1-1 (8 values each) of rows dsts[0..nd) (dtype out_code) = the float32 sum of rows
+// srcs[0..n) (dtype codes[j]), BATCH rows' loads in flight before the adds (R1: all of a token's rows). Not
+// inlined: its loads take the registers that the callers' NVSHMEM paths hold.
+static __device__ __noinline__ void sum_rows(uint8_t* const* dsts, int nd, int out_code, const uint8_t* const* srcs,
+                                             const int* codes, int n, int c0, int c1) {
+  constexpr int BATCH = 8;
+  for (int c = c0 + threadIdx.x; c < c1; c += THREADS) {
+    float a[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    for (int j = 0; j < n; j += BATCH) {
+      float v[BATCH][8];
+#pragma unroll
+      for (int u = 0; u < BATCH; ++u)
+        if (j + u < n) load8(srcs[j + u], codes[j + u], c, v[u]);
+#pragma unroll
+      for (int u = 0; u < BATCH; ++u)
+        if (j + u < n)
+#pragma unroll
+          for (int i = 0; i < 8; ++i) a[i] += v[u][i];
+    }
+    for (int d = 0; d < nd; ++d) store8(dsts[d], out_code, c, a);
   }
 }
 
@@ -133,11 +162,63 @@ __device__ __forceinline__ bool pair_at(const Fixed& f, const Grad& g, int s, in
   return q >= 0 && q < f.world && t >= 0 && t < f.max_tokens && k >= 0 && k < f.topk;
 }
 
-// The last block of a kernel: set this rank's word `sig` ([world]: index rank) on every unmasked rank.
+// Group starts find_groups examines at a time: a group (at most topk <= MOECOMM_MAX_TOPK slots) that starts
+// among them ends within the warp's 32 positions.
+constexpr int GROUP_WINDOW = 32 - MOECOMM_MAX_TOPK;
+
+// Warp 0 (every lane): the groups of g.held (n entries) that start at positions i .. min(i + GROUP_WINDOW,
+// end) - 1. A group is the held slots of one (source rank, token), consecutive in g.held (moecomm_plan lists a
+// record's slots together). Their first positions, sizes, source ranks and tokens go to first / size / src /
+// tok (shared), their count to *count; a slot that names no pair, or a group of more than topk slots (not a
+// plan of this AllToAll's), is a group of source -1.
+__device__ void find_groups(const Fixed& f, const Grad& g, int i, int end, int n, int* first, int* size, int* src,
+                            int* tok, int* count) {
+  const int lane = threadIdx.x & 31, p = i + lane;
+  auto key = [&](int at) {  // (source rank, token) of held position `at` as one number, unique where none
+    int q, t, k;
+    return pair_at(f, g, g.held[1 + at], q, t, k) ? (long long)q * f.max_tokens + t : -2ll - at;
+  };
+  const long long mine = p < n ? key(p) : -1;
+  long long before = __shfl_up_sync(FULL, mine, 1);
+  if (lane == 0) before = p > 0 ? key(p - 1) : -1;
+  const bool starts = p >= n || mine != before;
+  const unsigned bounds = __ballot_sync(FULL, starts);
+  const bool take = starts && p < end && lane < GROUP_WINDOW;
+  const unsigned taken = __ballot_sync(FULL, take);
+  if (take) {
+    const unsigned later = bounds & ~((2u << lane) - 1);  // the starts after this one
+    const int at = __popc(taken & ((1u << lane) - 1)), len = later ? __ffs(later) - 1 - lane : 32 - lane;
+    int q, t, k;
+    const bool valid = pair_at(f, g, g.held[1 + p], q, t, k) && len <= f.topk;
+    first[at] = p;
+    size[at] = len;
+    src[at] = valid ? q : -1;
+    tok[at] = t;
+  }
+  if (lane == 0) *count = __popc(taken);
+}
+
+// The last block of a part: set this rank's word `sig` ([world]: index rank) on every unmasked rank.
 __device__ void signal_all(const Fixed& f, uint64_t* sig, uint64_t v) {
   for (int q = threadIdx.x; q < f.world; q += blockDim.x)
     if (!f.mask[q]) signal_set(f.peers, &sig[f.rank], v, q);
   __syncthreads();
+}
+
+// Every thread, at the end of a part: true in the part's last block, which first resets the completion
+// count (so that a block that hears the signal and finishes the next part counts afresh) and then sets this
+// rank's word of `sig` ([world]) on every unmasked rank: the call with SIG_BAD | reason where this rank's
+// call failed, else with `word`.
+__device__ bool part_done(const Fixed& f, uint64_t* sig, unsigned epoch, uint64_t word) {
+  if (!last_block(&f.state[MOECOMM_S_DONE_B], true)) return false;
+  const unsigned bad = (unsigned)load_volatile((const int*)&f.state[MOECOMM_S_BAD_B]);
+  if (threadIdx.x == 0) {
+    f.state[MOECOMM_S_DONE_B] = 0;
+    __threadfence();
+  }
+  __syncthreads();
+  signal_all(f, sig, epoch_signal(epoch, bad ? SIG_BAD | bad : word));
+  return true;
 }
 
 }  // namespace
@@ -146,7 +227,8 @@ __device__ void signal_all(const Fixed& f, uint64_t* sig, uint64_t v) {
 // first): g.expert [max_tokens, topk] = f.sent for this rank's tokens of its DP group below the dispatched m,
 // else -1; g.origin[slot] = (source rank, token, k) of each slot f.slot_of holds, from the records received
 // (this rank's own: as many as its dispatch signal counts; combine_send reads them alike), and those slots
-// listed in g.held (a warp's at a time, in any order); g.call = (g.generation, the dispatch's call).
+// listed in g.held (a record's together, the records in any order: find_groups); g.call = (g.generation, the
+// dispatch's call).
 extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, MOECOMM_BLOCKS_PER_SM)
     moecomm_plan(const Fixed f, const Grad g) {
   const unsigned dispatched = f.state[MOECOMM_S_M];
@@ -194,18 +276,21 @@ extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, MOECOMM_BLOC
   }
 }
 
-// grid: any number of blocks (dispatch_backward: the held slots, combine_backward: tokens, strided).
-// The send half of both operations, after the checks of
-// this rank's m (ERR_BAD_M) and plan (pairs for tokens >= m: ERR_PLAN_M), and once each peer has read the last
-// call's rows. dispatch_backward (expert side): each slot g.held lists sends g.grad[slot] ([slots, hidden],
-// g.grad_code) to its source's DP group. combine_backward (token side): each token t < m of this rank's DP
+namespace {
+
+// The send part of both operations (every block of the call's launch), after the checks of this rank's m
+// (ERR_BAD_M) and plan (pairs for tokens >= m: ERR_PLAN_M), and once each peer has read the last call's rows.
+// Dispatch (expert side): each group of g.held (a token's slots on this rank, find_groups) sends one row of
+// g.grad ([slots, hidden], g.grad_code) to its source's DP group: the slot's gradient as it is when the group
+// has one slot, else the group's sum in float32. Combine (token side): each token t < m of this rank's DP
 // share sends g.grad[t] ([rows, hidden]) and g.weights[t] to the ranks of its experts in g.expert (masked
-// ranks skipped). Ends with f.grad_sig[0][me] on every unmasked rank, and the call in state[EPOCH_B].
-extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, MOECOMM_BLOCKS_PER_SM)
-    moecomm_grad_send(const Fixed f, const Grad g) {
+// ranks skipped). Ends with f.grad_sig[0][me] on every unmasked rank and the call in state[EPOCH_B]; returns
+// the call.
+template <bool Dispatch>
+__device__ unsigned send_part(const Fixed& f, const Grad& g) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const unsigned epoch = f.state[MOECOMM_S_EPOCH_B] + 1;
-  const int phase = phase_of(g);
+  const int phase = Dispatch ? MOECOMM_PHASE_DISPATCH_BACKWARD : MOECOMM_PHASE_COMBINE_BACKWARD;
   const int m = g.skip ? 0 : *g.bound_m;
   const bool bad_m = !g.skip && (m < 0 || m > g.rows || m > f.max_tokens);
   if (blockIdx.x == 0 && threadIdx.x == 0) {
@@ -238,32 +323,53 @@ extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, MOECOMM_BLOC
   Targets tg{dsts, remote, pes};
   Stage st(f);
   const int bytes = f.hidden * value_bytes(g.grad_code);
-  if (send && g.op == MOECOMM_GRAD_DISPATCH) {
-    const int n = held_count(g);
-    for (int i = blockIdx.x; i < n; i += gridDim.x) {  // a held slot per block
-      const int s = g.held[1 + i];
-      int q, t, k;
-      if (!pair_at(f, g, s, q, t, k)) {
-        if (threadIdx.x == 0) {
-          record_error(f.err, MOECOMM_ERR_PLAN_DIFFERS, f.rank, phase, -2, (int)epoch, s);
-          fail(f, MOECOMM_ERR_PLAN_DIFFERS);
+  if (send && Dispatch) {
+    __shared__ int first[GROUP_WINDOW], size[GROUP_WINDOW], src[GROUP_WINDOW], tok[GROUP_WINDOW];
+    __shared__ int n_groups;
+    __shared__ const uint8_t* srcs[MOECOMM_MAX_TOPK];
+    __shared__ int codes[MOECOMM_MAX_TOPK];
+    // the grid as ranges of g.held in `parts` blocks each, a block per part of a row's chunks (8 values), so that
+    // a small batch fills the grid (parts as if every group had topk slots)
+    const int n = held_count(g), chunks = f.hidden / 8;
+    const int parts = max(1, min((int)gridDim.x * f.topk / max(n, 1), chunks / 32)), range = blockIdx.x / parts;
+    const int per = (n + gridDim.x / parts - 1) / (gridDim.x / parts), per_part = (chunks + parts - 1) / parts;
+    const int begin = min(n, range * per), end = min(n, begin + per);
+    const int c0 = blockIdx.x % parts * per_part, c1 = min(chunks, c0 + per_part);
+    for (int i = begin; i < end; i += GROUP_WINDOW) {
+      __syncthreads();  // the group lists are rewritten
+      if (warp == 0) find_groups(f, g, i, end, n, first, size, src, tok, &n_groups);
+      __syncthreads();
+      for (int j = 0; j < n_groups; ++j) {
+        const int p = first[j], slots = size[j], q = src[j], t = tok[j];
+        if (q < 0) {
+          if (threadIdx.x == 0 && c0 == 0) {
+            record_error(f.err, MOECOMM_ERR_PLAN_DIFFERS, f.rank, phase, -2, (int)epoch, g.held[1 + p]);
+            fail(f, MOECOMM_ERR_PLAN_DIFFERS);
+          }
+          continue;
         }
-        continue;
-      }
-      uint8_t* const row = f.grad_buf + ((size_t)t * f.topk + k) * f.grad_row_bytes;
-      const int group0 = q / f.dp * f.dp, group1 = group0 + f.dp;
-      for (int q0 = group0; q0 < group1; q0 += MOECOMM_MAX_TOPK) {  // the group in batches of the fan-out
-        __syncthreads();
-        if (threadIdx.x == 0) {
-          int n_in = 0;
-          for (int r = q0; r < min(group1, q0 + MOECOMM_MAX_TOPK); ++r)
-            if (!f.mask[r]) ranks[n_in++] = r;
-          n_ranks = n_in;
+        __syncthreads();  // srcs may still be read for the previous group
+        if (threadIdx.x < slots) {
+          srcs[threadIdx.x] = g.grad + (size_t)g.held[1 + p + threadIdx.x] * bytes;
+          codes[threadIdx.x] = g.grad_code;
         }
-        __syncthreads();
-        build_list(tg, f, row, ranks, n_ranks, st);
-        fanout16(tg.dsts, tg.n, g.grad + (size_t)s * bytes, bytes);
-        finish_row(f, tg, bytes, epoch, g.grad_code);
+        // one slot travels as it is, a sum in float32
+        const int code = slots == 1 ? g.grad_code : MOECOMM_DT_FP32, item = value_bytes(code);
+        uint8_t* const row = f.grad_buf + ((size_t)f.rank * f.max_tokens + t) * f.grad_row_bytes;
+        const int group0 = q / f.dp * f.dp, group1 = group0 + f.dp;
+        for (int q0 = group0; q0 < group1; q0 += MOECOMM_MAX_TOPK) {  // the group in batches of the fan-out
+          __syncthreads();
+          if (threadIdx.x == 0) {
+            int n_in = 0;
+            for (int r = q0; r < min(group1, q0 + MOECOMM_MAX_TOPK); ++r)
+              if (!f.mask[r]) ranks[n_in++] = r;
+            n_ranks = n_in;
+          }
+          __syncthreads();
+          build_list(tg, f, row, ranks, n_ranks, st);
+          sum_rows(tg.dsts, tg.n, code, srcs, codes, slots, c0, c1);
+          finish_row(f, tg, 8 * item * c0, 8 * item * c1, epoch, code);
+        }
       }
     }
   } else if (send) {
@@ -273,13 +379,13 @@ extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, MOECOMM_BLOC
         const int e = lane < f.topk ? g.expert[(size_t)t * f.topk + lane] : -1;
         int d = e >= 0 && e < f.world * f.local_experts ? e / f.local_experts : -1;
         if (d >= 0 && f.mask[d]) d = -1;
-        bool first = d >= 0;
+        bool once = d >= 0;
         for (int j = 0; j < f.topk; ++j) {
           const int dj = __shfl_sync(FULL, d, j);
-          if (j < lane) first = first && dj != d;
+          if (j < lane) once = once && dj != d;
         }
-        const unsigned mask = __ballot_sync(FULL, first);
-        if (first) ranks[__popc(mask & ((1u << lane) - 1))] = d;
+        const unsigned mask = __ballot_sync(FULL, once);
+        if (once) ranks[__popc(mask & ((1u << lane) - 1))] = d;
         if (lane == 0) n_ranks = __popc(mask);
       }
       __syncthreads();
@@ -290,169 +396,166 @@ extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, MOECOMM_BLOC
         const float w = g.weights[(size_t)t * f.topk + threadIdx.x];
         for (int j = 0; j < tg.n; ++j) ((float*)(tg.dsts[j] + 4 * f.hidden))[threadIdx.x] = w;
       }
-      finish_row(f, tg, bytes, epoch, g.grad_code);
+      finish_row(f, tg, 0, bytes, epoch, g.grad_code);
     }
   }
   if (st.used_puts) quiet();
-  if (last_block(&f.state[MOECOMM_S_DONE_B], true)) {
-    const unsigned bad = (unsigned)load_volatile((const int*)&f.state[MOECOMM_S_BAD_B]);
-    signal_all(f, f.grad_sig, epoch_signal(epoch, bad ? SIG_BAD | bad : plan_word(g)));
-    if (threadIdx.x == 0) {
-      f.state[MOECOMM_S_DONE_B] = 0;
-      f.state[MOECOMM_S_EPOCH_B] = epoch;
-    }
-  }
+  if (part_done(f, f.grad_sig, epoch, plan_word(g)) && threadIdx.x == 0) f.state[MOECOMM_S_EPOCH_B] = epoch;
+  return epoch;
 }
 
-// grid: any number of blocks (a held slot per block, strided).
-// combine_backward's expert side, after every unmasked rank's rows: each slot the plan holds (g.held) gets
-// g.out[slot] = weight * row ([slots, hidden], g.out_code; empty slots are left as they are) and sends
-// <row, g.y[slot]> (summed in float32) as the pair's word of f.grad_w to the source's DP group. A source whose
-// row did not come (the ranks' plans differ) is recorded (ERR_PLAN_DIFFERS, detail -1). Nothing is written
-// when the call failed anywhere (state[ABORT_B] tells grad_recv). Ends with f.grad_sig[1][me] on every
-// unmasked rank.
-extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, MOECOMM_BLOCKS_PER_SM)
-    moecomm_grad_expert(const Fixed f, const Grad g) {
+// combine_backward's expert side (every block), after every unmasked rank's rows: each slot the plan holds
+// (g.held, a slot per block, strided) gets g.out[slot] = weight * row ([slots, hidden], g.out_code; empty slots
+// are left as they are) and sends <row, g.y[slot]> (summed in float32) as the pair's word of f.grad_w to the
+// source's DP group. Warp 0 reads the plan entries, trailers and weights of SLOT_BATCH slots at once, and their
+// words go out together after the batch. A source whose row did not come (the ranks' plans differ) is recorded
+// (ERR_PLAN_DIFFERS, detail -1). Nothing is written when the call failed anywhere (state[ABORT_B] tells the
+// receive part). Ends with f.grad_sig[1][me] on every unmasked rank.
+__device__ void expert_part(const Fixed& f, const Grad& g, unsigned epoch) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const unsigned epoch = f.state[MOECOMM_S_EPOCH_B];
   const int phase = MOECOMM_PHASE_COMBINE_BACKWARD;
-  const bool mine_ok = !g.skip && !load_volatile((const int*)&f.state[MOECOMM_S_BAD_B]);
-  const bool ok = heard(f, f.grad_sig, epoch, mine_ok ? plan_word(g) : 0, mine_ok, phase) && mine_ok;
+  const bool ok = heard(f, f.grad_sig, epoch, plan_word(g), !g.skip, phase);
+  if (!ok && threadIdx.x == 0) f.state[MOECOMM_S_ABORT_B] = 1;
   const int out_bytes = f.hidden * value_bytes(g.out_code), row_chunks = out_bytes / 16;
-  __shared__ float partial[THREADS / 32];  // the warps' parts of a slot's dot product
+  constexpr int SLOT_BATCH = 8;
+  // the batch's slots (-1: none), pairs (source rank, token, k), row dtypes (-1: the row did not come), weights,
+  // and the warps' parts of each slot's dot product
+  __shared__ int b_slot[SLOT_BATCH], b_src[SLOT_BATCH], b_tok[SLOT_BATCH], b_k[SLOT_BATCH], b_code[SLOT_BATCH];
+  __shared__ float b_w[SLOT_BATCH], partial[SLOT_BATCH][THREADS / 32];
   const int n = ok ? held_count(g) : 0;
-  for (int i = blockIdx.x; i < n; i += gridDim.x) {
-    const int s = g.held[1 + i];
-    int q, t, k;
-    const bool in_range = pair_at(f, g, s, q, t, k);
-    const bool valid = in_range && !f.mask[q];  // a masked source's pair gets zeros
-    const uint8_t* const row =
-        f.grad_buf + ((size_t)(valid ? q : 0) * f.max_tokens + (valid ? t : 0)) * f.grad_row_bytes;
-    const int4 trailer = valid ? *(const int4*)(row + f.grad_row_bytes - TRAILER) : make_int4(0, 0, 0, 0);
-    const bool came = valid && (unsigned)trailer.x == epoch && trailer.y >= 0 && trailer.y <= MOECOMM_DT_FP32;
-    if (!came && (valid || !in_range) && threadIdx.x == 0) {  // the plans differ, or this one is not a plan
-      record_error(f.err, MOECOMM_ERR_PLAN_DIFFERS, in_range ? q : f.rank, phase, in_range ? -1 : -2, (int)epoch, s);
-      fail(f, MOECOMM_ERR_PLAN_DIFFERS);
-    }
-    if (s < 0 || s >= g.slots) continue;
-    uint8_t* const out = g.out + (size_t)s * out_bytes;
-    if (!came) {
-      for (int j = threadIdx.x; j < row_chunks; j += THREADS) ((int4*)out)[j] = make_int4(0, 0, 0, 0);
-      continue;
-    }
-    const float w = ((const float*)(row + 4 * f.hidden))[k];
-    const uint8_t* const y = g.y + (size_t)s * f.out_row_bytes;
-    float dot = 0.0f;
-    constexpr int AHEAD = 4;  // chunks of the row and of y loaded before any is used (R1: the whole row)
-    for (int c0 = threadIdx.x; c0 < f.hidden / 8; c0 += THREADS * AHEAD) {
-      float v[AHEAD][8];
-      int4 u[AHEAD];
-#pragma unroll
-      for (int a = 0; a < AHEAD; ++a) {
-        const int c = c0 + THREADS * a;
-        if (c < f.hidden / 8) {
-          load8(row, trailer.y, c, v[a]);
-          u[a] = ((const int4*)y)[c];
+  for (int i0 = blockIdx.x; i0 < n; i0 += gridDim.x * SLOT_BATCH) {
+    __syncthreads();  // the batch's entries are rewritten
+    if (warp == 0 && lane < SLOT_BATCH) {
+      const int i = i0 + lane * gridDim.x;
+      int s = -1, q = 0, t = 0, k = 0, code = -1;
+      float w = 0.0f;
+      if (i < n) {
+        s = g.held[1 + i];
+        const bool in_range = pair_at(f, g, s, q, t, k);
+        const bool valid = in_range && !f.mask[q];  // a masked source's pair gets zeros
+        if (valid) {
+          const uint8_t* const row = f.grad_buf + ((size_t)q * f.max_tokens + t) * f.grad_row_bytes;
+          const int4 trailer = *(const int4*)(row + f.grad_row_bytes - TRAILER);
+          if ((unsigned)trailer.x == epoch && trailer.y >= 0 && trailer.y <= MOECOMM_DT_FP32) {
+            code = trailer.y;
+            w = ((const float*)(row + 4 * f.hidden))[k];
+          }
         }
-      }
-#pragma unroll
-      for (int a = 0; a < AHEAD; ++a) {
-        const int c = c0 + THREADS * a;
-        if (c >= f.hidden / 8) continue;
-        float yv[8];
-        to_float8(u[a], f.out_code, yv);
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-          dot += v[a][j] * yv[j];
-          v[a][j] *= w;
+        if (code < 0 && (valid || !in_range)) {  // the plans differ, or this one is not a plan
+          record_error(f.err, MOECOMM_ERR_PLAN_DIFFERS, in_range ? q : f.rank, phase, in_range ? -1 : -2, (int)epoch,
+                       s);
+          fail(f, MOECOMM_ERR_PLAN_DIFFERS);
         }
-        store8(out, g.out_code, c, v[a]);
+        if (s >= g.slots) s = -1;
       }
+      b_slot[lane] = s, b_src[lane] = q, b_tok[lane] = t, b_k[lane] = k, b_code[lane] = code, b_w[lane] = w;
     }
-    for (int o = 16; o; o >>= 1) dot += __shfl_xor_sync(FULL, dot, o);
-    if (lane == 0) partial[warp] = dot;
     __syncthreads();
-    if (threadIdx.x == 0) {
+    for (int j = 0; j < SLOT_BATCH; ++j) {
+      const int s = b_slot[j], code = b_code[j];
+      if (s < 0) continue;
+      uint8_t* const out = g.out + (size_t)s * out_bytes;
+      if (code < 0) {
+        for (int c = threadIdx.x; c < row_chunks; c += THREADS) ((int4*)out)[c] = make_int4(0, 0, 0, 0);
+        continue;
+      }
+      const uint8_t* const row = f.grad_buf + ((size_t)b_src[j] * f.max_tokens + b_tok[j]) * f.grad_row_bytes;
+      const uint8_t* const y = g.y + (size_t)s * f.out_row_bytes;
+      const float w = b_w[j];
+      float dot = 0.0f;
+      constexpr int AHEAD = 4;  // chunks of the row and of y loaded before any is used (R1: the whole row)
+      for (int c0 = threadIdx.x; c0 < f.hidden / 8; c0 += THREADS * AHEAD) {
+        float v[AHEAD][8];
+        int4 u[AHEAD];
+#pragma unroll
+        for (int a = 0; a < AHEAD; ++a) {
+          const int c = c0 + THREADS * a;
+          if (c < f.hidden / 8) {
+            load8(row, code, c, v[a]);
+            u[a] = ((const int4*)y)[c];
+          }
+        }
+#pragma unroll
+        for (int a = 0; a < AHEAD; ++a) {
+          const int c = c0 + THREADS * a;
+          if (c >= f.hidden / 8) continue;
+          float yv[8];
+          to_float8(u[a], f.out_code, yv);
+#pragma unroll
+          for (int e = 0; e < 8; ++e) {
+            dot += v[a][e] * yv[e];
+            v[a][e] *= w;
+          }
+          store8(out, g.out_code, c, v[a]);
+        }
+      }
+      for (int o = 16; o; o >>= 1) dot += __shfl_xor_sync(FULL, dot, o);
+      if (lane == 0) partial[j][warp] = dot;
+    }
+    __syncthreads();
+    if (warp == 0 && lane < SLOT_BATCH && b_slot[lane] >= 0 && b_code[lane] >= 0) {  // the batch's words
       float sum = 0.0f;
-      for (int j = 0; j < THREADS / 32; ++j) sum += partial[j];
+      for (int j = 0; j < THREADS / 32; ++j) sum += partial[lane][j];
       const uint64_t v = epoch_signal(epoch, __float_as_uint(sum));
-      uint64_t* const word = &f.grad_w[(size_t)t * f.topk + k];
-      const int group0 = q / f.dp * f.dp;
-      for (int r = group0; r < group0 + f.dp; ++r) {  // stored relaxed: the kernel's signal releases them all
+      uint64_t* const word = &f.grad_w[(size_t)b_tok[lane] * f.topk + b_k[lane]];
+      const int group0 = b_src[lane] / f.dp * f.dp;
+      for (int r = group0; r < group0 + f.dp; ++r) {  // stored relaxed: the part's signal releases them all
         if (f.mask[r]) continue;
         if (uint64_t* const p = peer_ptr(f.peers, word, r)) store_relaxed(p, v);
         else signal_set(f.peers, word, v, r);
       }
     }
-    __syncthreads();  // partial is rewritten for the next slot
   }
-  if (last_block(&f.state[MOECOMM_S_DONE_B], true)) {
-    const unsigned bad = (unsigned)load_volatile((const int*)&f.state[MOECOMM_S_BAD_B]);
-    signal_all(f, f.grad_sig + f.world, epoch_signal(epoch, bad ? SIG_BAD | bad : mine_ok ? plan_word(g) : 0));
-    if (threadIdx.x == 0) {
-      if (!ok) f.state[MOECOMM_S_ABORT_B] = 1;
-      f.state[MOECOMM_S_DONE_B] = 0;
-    }
-  }
+  part_done(f, f.grad_sig + f.world, epoch, plan_word(g));
 }
 
-// grid: any number of blocks. The receive half of both operations, after every unmasked rank's signal
-// (f.grad_sig[0] for dispatch_backward, [1] for combine_backward), if the call failed nowhere.
-// dispatch_backward: rows 0..m-1 of g.out ([rows, hidden], g.out_code) = the sum, in float32, of each token's
-// rows that came in this call (none: zeros). combine_backward: rows 0..m-1 of g.out_w ([rows, topk] float32) =
-// each pair's word of f.grad_w of this call, else 0. Rows >= m are left as they are. Then this rank's buffer
-// is free: f.grad_sig[2][me] = the call on every unmasked rank.
-extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, MOECOMM_BLOCKS_PER_SM)
-    moecomm_grad_recv(const Fixed f, const Grad g) {
+// The receive part of both operations (every block), after every unmasked rank's signal (f.grad_sig[0] for
+// dispatch_backward, [1] for combine_backward), if the call failed nowhere. Dispatch: rows 0..m-1 of g.out
+// ([rows, hidden], g.out_code) = the sum, in float32, of each token's rows that came in this call (one per
+// expert rank of its pairs; none: zeros), a token in pieces of its row where the batch is smaller than the
+// grid. Combine: rows 0..m-1 of g.out_w ([rows, topk] float32) = each pair's word of f.grad_w of this call,
+// else 0. Rows >= m are left as they are. Then this rank's buffer is free: f.grad_sig[2][me] = the call on
+// every unmasked rank.
+template <bool Dispatch>
+__device__ void recv_part(const Fixed& f, const Grad& g, unsigned epoch) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const unsigned epoch = f.state[MOECOMM_S_EPOCH_B];
-  const int phase = phase_of(g);
-  const bool mine_ok = !g.skip && !load_volatile((const int*)&f.state[MOECOMM_S_BAD_B]) &&
-                       !load_volatile((const int*)&f.state[MOECOMM_S_ABORT_B]);
-  const uint64_t* const sig = f.grad_sig + (g.op == MOECOMM_GRAD_DISPATCH ? 0 : f.world);
-  const bool ok = heard(f, sig, epoch, mine_ok ? plan_word(g) : 0, mine_ok, phase) && mine_ok;
+  const int phase = Dispatch ? MOECOMM_PHASE_DISPATCH_BACKWARD : MOECOMM_PHASE_COMBINE_BACKWARD;
+  const bool ok = heard(f, f.grad_sig + (Dispatch ? 0 : f.world), epoch, plan_word(g), !g.skip, phase) &&
+                  !load_volatile((const int*)&f.state[MOECOMM_S_ABORT_B]);
   const int m = ok ? *g.bound_m : 0;
-  if (g.op == MOECOMM_GRAD_DISPATCH) {
+  if (Dispatch) {
     __shared__ const uint8_t* srcs[MOECOMM_MAX_TOPK];
     __shared__ int codes[MOECOMM_MAX_TOPK];
     __shared__ int n;
+    __shared__ uint8_t* out[1];
     const int out_bytes = f.hidden * value_bytes(g.out_code), chunks = f.hidden / 8;
-    // a token in `parts` pieces of its hidden chunks (a block each), so that a small batch fills the grid
     const int parts = max(1, min((int)gridDim.x / max(m, 1), chunks / 32)), per = (chunks + parts - 1) / parts;
     for (int unit = blockIdx.x; unit < m * parts; unit += gridDim.x) {
       const int t = unit / parts, c1 = min(chunks, (unit % parts + 1) * per);
-      if (warp == 0) {  // the token's rows of this call
-        const uint8_t* const row = f.grad_buf + ((size_t)t * f.topk + lane) * f.grad_row_bytes;
-        const int4 trailer = lane < f.topk ? *(const int4*)(row + f.grad_row_bytes - TRAILER) : make_int4(0, 0, 0, 0);
-        const bool use =
-            lane < f.topk && (unsigned)trailer.x == epoch && trailer.y >= 0 && trailer.y <= MOECOMM_DT_FP32;
-        const unsigned mask = __ballot_sync(FULL, use);
-        if (use) {
-          const int pos = __popc(mask & ((1u << lane) - 1));
-          srcs[pos] = row;
-          codes[pos] = trailer.y;
+      if (warp == 0) {  // the token's rows of this call, one per rank (a lane per rank)
+        int found = 0;
+        for (int e0 = 0; e0 < f.world; e0 += 32) {
+          const int e = e0 + lane;
+          const uint8_t* const row = f.grad_buf + ((size_t)e * f.max_tokens + t) * f.grad_row_bytes;
+          const int4 trailer = e < f.world ? *(const int4*)(row + f.grad_row_bytes - TRAILER) : make_int4(0, 0, 0, 0);
+          const bool use =
+              e < f.world && (unsigned)trailer.x == epoch && trailer.y >= 0 && trailer.y <= MOECOMM_DT_FP32;
+          const unsigned mask = __ballot_sync(FULL, use);
+          const int pos = found + __popc(mask & ((1u << lane) - 1));
+          if (use && pos < MOECOMM_MAX_TOPK) {  // at most topk ranks hold a token's pairs
+            srcs[pos] = row;
+            codes[pos] = trailer.y;
+          }
+          found += __popc(mask);
         }
-        if (lane == 0) n = __popc(mask);
+        if (lane == 0) {
+          n = min(found, MOECOMM_MAX_TOPK);
+          out[0] = g.out + (size_t)t * out_bytes;
+        }
       }
       __syncthreads();
-      uint8_t* const out = g.out + (size_t)t * out_bytes;
-      for (int c = (unit % parts) * per + threadIdx.x; c < c1; c += THREADS) {
-        float a[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-        constexpr int BATCH = 8;  // rows' loads in flight before the adds (R1: every row of the token)
-        for (int j = 0; j < n; j += BATCH) {
-          float v[BATCH][8];
-#pragma unroll
-          for (int u = 0; u < BATCH; ++u)
-            if (j + u < n) load8(srcs[j + u], codes[j + u], c, v[u]);
-#pragma unroll
-          for (int u = 0; u < BATCH; ++u)
-            if (j + u < n)
-#pragma unroll
-              for (int i = 0; i < 8; ++i) a[i] += v[u][i];
-        }
-        store8(out, g.out_code, c, a);
-      }
-      __syncthreads();  // srcs, codes and n are rewritten
+      sum_rows(out, 1, g.out_code, srcs, codes, n, (unit % parts) * per, c1);
+      __syncthreads();  // srcs, codes, n and out are rewritten
     }
   } else {
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < m * f.topk; i += gridDim.x * blockDim.x) {
@@ -468,4 +571,23 @@ extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, MOECOMM_BLOC
       f.state[MOECOMM_S_DONE_B] = 0;
     }
   }
+}
+
+}  // namespace
+
+// grid: _abi._gpu_blocks, resident at once (its parts wait for each other's signals). dispatch_backward:
+// g.grad is grad_expert_x [slots, hidden], g.out out_grad_x [rows, hidden] (send_part, recv_part).
+extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, MOECOMM_BLOCKS_PER_SM)
+    moecomm_dispatch_backward(const Fixed f, const Grad g) {
+  recv_part<true>(f, g, send_part<true>(f, g));
+}
+
+// grid: as moecomm_dispatch_backward. combine_backward: g.grad is grad_out [rows, hidden], g.weights
+// [rows, topk], g.y expert_y [slots, hidden], g.out out_grad_expert_y [slots, hidden], g.out_w
+// out_grad_weights [rows, topk] (send_part, expert_part, recv_part).
+extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, MOECOMM_BLOCKS_PER_SM)
+    moecomm_combine_backward(const Fixed f, const Grad g) {
+  const unsigned epoch = send_part<false>(f, g);
+  expert_part(f, g, epoch);
+  recv_part<false>(f, g, epoch);
 }

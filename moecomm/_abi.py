@@ -60,7 +60,7 @@ FIXED_FIELDS = (
     # gradients (AllToAll(gradients=True), else null; cuda/backward.cu):
     ("sent", "int*"),               # [max_tokens, topk] physical expert each pair of the last dispatch went to
                                     # (-1: not sent), written by dispatch_send for this rank's tokens
-    ("grad_buf", "uint8_t*"),       # symmetric [max(world, topk) * max_tokens, grad_row_bytes] gradient rows
+    ("grad_buf", "uint8_t*"),       # symmetric [world * max_tokens, grad_row_bytes] gradient rows
     ("grad_sig", "uint64_t*"),      # symmetric [3, world]: backward signals of the rows, of the router weights'
                                     # gradients, and each rank's "read" word (its buffer is free again)
     ("grad_w", "uint64_t*"),        # symmetric [max_tokens, topk]: (call << 32 | float bits) router weights'
@@ -126,7 +126,6 @@ GRAD_FIELDS = (
     ("out_w", "float*"),            # combine_backward: out_grad_weights [rows, topk] float32
     ("weights", "const float*"),    # combine_backward: [rows, topk] float32 router weights
     ("y", "const uint8_t*"),        # combine_backward: expert_y [slots, hidden] out_dtype
-    ("op", "int"),                  # MOECOMM_GRAD_DISPATCH / MOECOMM_GRAD_COMBINE
     ("rows", "int"),                # the fewest rows of the call's per-token arrays
     ("slots", "int"),               # expert slots (padded: local_experts * cap; packed: rows)
     ("grad_code", "int"), ("out_code", "int"),  # MOECOMM_DT_* of grad and out
@@ -277,8 +276,8 @@ def _token_blocks(cfg, num_sms):
 
 
 def _gpu_blocks(cfg, num_sms):
-    """BLOCKS_PER_SM per SM, the blocks resident at once: the backward kernels (cuda/backward.cu), whose blocks
-    never wait for each other (a second wave would repeat each block's fixed waits)."""
+    """BLOCKS_PER_SM per SM, the blocks resident at once (resident()): the backward kernels (cuda/backward.cu),
+    each operation in one launch whose parts wait for each other's signals."""
     return C.BLOCKS_PER_SM * num_sms
 
 
@@ -311,9 +310,8 @@ KERNELS = {k.name: k for k in (
     Kernel("moecomm_combine_recv_wire", (Fixed, Call), _token_blocks),
     Kernel("moecomm_combine_wire", (Fixed, Call), _per_source_blocks),
     Kernel("moecomm_plan", (Fixed, Grad), _gpu_blocks),
-    Kernel("moecomm_grad_send", (Fixed, Grad), _gpu_blocks),
-    Kernel("moecomm_grad_expert", (Fixed, Grad), _gpu_blocks),
-    Kernel("moecomm_grad_recv", (Fixed, Grad), _gpu_blocks),
+    Kernel("moecomm_dispatch_backward", (Fixed, Grad), _gpu_blocks),
+    Kernel("moecomm_combine_backward", (Fixed, Grad), _gpu_blocks),
     Kernel("moecomm_peer_check", (PeerCheck,), threads=32),
     Kernel("moecomm_delay", (Delay,), threads=1),
 )}
@@ -323,7 +321,7 @@ STREAMED_DISPATCH = "moecomm_dispatch_streamed"  # the one-launch dispatch of st
 PACK_KERNEL = "moecomm_dispatch_pack"  # the packed layout's third dispatch kernel (after the receive half)
 WIRE = "_wire"  # the combine kernels of an FP8 combine wire: their names end so (cuda/combine*.cu)
 WIRE_KERNELS = ("moecomm_combine_send_wire", "moecomm_combine_recv_wire", "moecomm_combine_wire")
-GRAD_KERNELS = ("moecomm_plan", "moecomm_grad_send", "moecomm_grad_expert", "moecomm_grad_recv")  # backward.cu
+GRAD_KERNELS = ("moecomm_plan", "moecomm_dispatch_backward", "moecomm_combine_backward")  # backward.cu
 
 
 def _on_wire(cfg, name):

@@ -84,9 +84,8 @@ PHASES = ("peer_check", "dispatch", "combine", "dispatch_backward", "combine_bac
 # The four halves of a call, in the order every rank issues them (moecomm._calls.CallOrder).
 HALVES = ("dispatch_send", "dispatch_recv", "combine_send", "combine_recv")
 PHASE_PEER_CHECK, PHASE_DISPATCH, PHASE_COMBINE, PHASE_DISPATCH_BACKWARD, PHASE_COMBINE_BACKWARD = range(len(PHASES))
-# The backward kernels' two operations (Grad.op), and a plan's call in their signals: (generation mod
-# 2**PLAN_GEN_BITS) << PLAN_CALL_BITS | dispatch call mod 2**PLAN_CALL_BITS.
-GRAD_DISPATCH, GRAD_COMBINE = 0, 1
+# A plan's call in the backward kernels' signals: (generation mod 2**PLAN_GEN_BITS) << PLAN_CALL_BITS |
+# dispatch call mod 2**PLAN_CALL_BITS.
 PLAN_CALL_BITS, PLAN_GEN_BITS = 24, 7
 
 # Bounded waits. Default in seconds, overridable per object and by one environment variable.
@@ -157,8 +156,8 @@ TRACE_SPAN = 8
 # build options and the indices of the field tables (S_*, C_*, B_*, TRACE_<half>).
 _DEVICE_SCALARS = ("TIMEOUT_LEFT", "ERROR_WORDS", "REASON_ARG_SHIFT", "SIG_COUNT_BITS", "SIG_GEN_BITS", "MAX_TOPK",
                    "MAX_EXPERTS", "ROW_ALIGN", "BLOCK_THREADS", "BLOCKS_PER_SM", "ARRIVAL_BATCH", "ARRIVAL_FIRST",
-                   "TRACE_POINTS", "TRACE_SPAN", "COMBINE_BLOCK", "GRAD_DISPATCH", "GRAD_COMBINE",
-                   "PLAN_CALL_BITS", "PLAN_GEN_BITS")
+                   "TRACE_POINTS", "TRACE_SPAN", "COMBINE_BLOCK", "PLAN_CALL_BITS",
+                   "PLAN_GEN_BITS")
 _DEVICE_LITERALS = {"REPLICA_TOKEN": "u", "REPLICA_GROUP": "u", "PEER_UNMAPPED": "ll", "E4M3_MAX": "f"}
 
 

@@ -390,7 +390,7 @@ def test_max_sms_caps_every_grid_and_is_checked():
 
 
 def test_gradients_option_sizes_the_gradient_rows_and_is_in_the_key(comm):
-    """AllToAll(gradients=True): GPU transports add max(world, top-k) * max_num_tokens gradient rows of
+    """AllToAll(gradients=True): GPU transports add world * max_num_tokens gradient rows of
     grad_row_bytes (float32 values, the weights, a trailer) and their words, and stage rows big enough for
     one; the option is in the key every rank must pass alike; the host transport computes gradients
     either way."""
@@ -402,7 +402,7 @@ def test_gradients_option_sizes_the_gradient_rows_and_is_in_the_key(comm):
     assert _abi.grad_row_bytes(on) == 4 * 7168 + 32 + 16
     a, b = symmetric_sizes(off, 132), symmetric_sizes(on, 132)
     assert (a["grad_buf"], a["grad_words"]) == (0, 0)
-    assert b["grad_buf"] == 8 * 128 * _abi.grad_row_bytes(on) and b["grad_words"] == (3 * 2 + 128 * 8) * 8
+    assert b["grad_buf"] == 2 * 128 * _abi.grad_row_bytes(on) and b["grad_words"] == (3 * 2 + 128 * 8) * 8
     assert b["stage_row"] >= _abi.grad_row_bytes(on) > a["stage_row"]
     assert off.key()["gradients"] is False and on.key()["gradients"] is True
     a2a = moecomm.AllToAll(comm, 8, 4, 2, 16)  # gradients=False: the host transport computes them anyway

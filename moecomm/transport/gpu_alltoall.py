@@ -13,7 +13,7 @@ Symmetric memory per rank (bytes), W ranks, M = max_num_tokens, K = top-k, H = h
     signals            3 * W * 8          (dispatch, combine, and the detail of a failed call)
     arrival words      2 * W * M * 8      (one per dispatch record slot, one per partial sum of combine)
     drop words         W * M * 8          (only with overflow="drop")
-    gradient rows      max(W, K) * M * G  G = 4H + align16(4K) + 16 (only with gradients=True; backward.cu)
+    gradient rows      W * M * G          G = 4H + align16(4K) + 16 (only with gradients=True; backward.cu)
     gradient words     (3 * W + M * K) * 8   (signals, "read" words, router weights' gradients; same)
 
 (:func:`symmetric_bytes`). Bytes on the wire per call, for n tokens sent by a rank and reaching on
@@ -62,12 +62,12 @@ def symmetric_sizes(cfg, num_sms):
     stage_row = max(record_bytes(cfg), comb_row, grad_row)
     grid = blocks(cfg, num_sms)  # the kernels that stage rows (a block's rows at blockIdx * STAGE_SLOTS)
     stagers = (*_abi.half_kernels(cfg)[::2], *_abi.whole_kernels(cfg, num_sms).values())
-    stage_rows = max([grid[n] for n in stagers] + ([_abi.KERNELS["moecomm_grad_send"].grid(cfg, num_sms)]
+    stage_rows = max([grid[n] for n in stagers] + ([_abi.KERNELS["moecomm_dispatch_backward"].grid(cfg, num_sms)]
                                                     if cfg.gradients else [])) * C.STAGE_SLOTS
     return dict(recv_buf=W * M * record_bytes(cfg), comb_buf=max(W, K) * M * comb_row,
                 stage=stage_rows * stage_row, signals=3 * W * 8, arrive=2 * W * M * 8, stage_row=stage_row,
                 drop_buf=W * M * 8 if cfg.capacity is not None and cfg.overflow == "drop" else 0,
-                grad_buf=max(W, K) * M * grad_row, grad_words=(3 * W + M * K) * 8 if cfg.gradients else 0)
+                grad_buf=W * M * grad_row, grad_words=(3 * W + M * K) * 8 if cfg.gradients else 0)
 
 
 def symmetric_bytes(cfg, num_sms=132):
@@ -78,8 +78,6 @@ def symmetric_bytes(cfg, num_sms=132):
 
 # MOECOMM_DT_* of the dtypes the kernels convert (expert outputs, gradients)
 _DT_CODES = {np.dtype(bfloat16): C.DT_BF16, np.dtype(float16): C.DT_FP16, np.dtype(np.float32): C.DT_FP32}
-_BACKWARD_KERNELS = {C.GRAD_DISPATCH: ("moecomm_grad_send", "moecomm_grad_recv"),
-                     C.GRAD_COMBINE: ("moecomm_grad_send", "moecomm_grad_expert", "moecomm_grad_recv")}
 
 
 def _pointers(**arrays):
@@ -255,30 +253,27 @@ class GpuAllToAll(AllToAllBackend):
         self._grads[0]["moecomm_plan"](stream)
 
     def dispatch_backward(self, a, stream):
-        self._run_backward(C.GRAD_DISPATCH, a, stream, a.out)
+        self._run_backward("dispatch_backward", a, stream, a.out)
 
     def combine_backward(self, a, stream):
-        self._run_backward(C.GRAD_COMBINE, a, stream, a.out_grad_y)
+        self._run_backward("combine_backward", a, stream, a.out_grad_y)
 
-    def _run_backward(self, op, a, stream, out):
+    def _run_backward(self, phase, a, stream, out):
         """Fill the backward record from ``a`` (a moecomm.alltoall._Backward of device addresses) and launch
-        operation ``op``'s kernels on ``stream``."""
+        ``phase``'s kernel on ``stream``."""
         self.check_error(timeout_only=True)
         g = self._grad
-        g.op, g.expert, g.origin, g.call, g.held = op, a.expert, a.origin, a.call, a.held
+        g.expert, g.origin, g.call, g.held = a.expert, a.origin, a.call, a.held
         g.bound_m, g.rows = a.bound_m, a.rows
         g.grad, g.out, g.grad_code, g.out_code = a.grad, out, _DT_CODES[a.grad_dtype], _DT_CODES[a.out_dtype]
         g.out_w, g.weights, g.y = a.out_grad_weights or 0, a.weights or 0, a.y or 0
-        for name in _BACKWARD_KERNELS[op]:
-            self._grads[0][name](stream)
+        self._grads[0]["moecomm_" + phase](stream)
         self.check_error()
 
     def skip_backward(self, phase, refusal, stream):
-        op = C.GRAD_DISPATCH if phase == "dispatch_backward" else C.GRAD_COMBINE
         self.check_error(timeout_only=True)
-        self._grad_skipped.op, self._grad_skipped.reason = op, refusal.code
-        for name in _BACKWARD_KERNELS[op]:
-            self._grads[1][name](stream)
+        self._grad_skipped.reason = refusal.code
+        self._grads[1]["moecomm_" + phase](stream)
 
     def skip(self, halves, stream, refusal=None):
         """Launch ``halves`` with no data (Call.skip); the first send half's signals carry the refusal's code."""
