@@ -6,7 +6,8 @@ it goes, and they raise PeerExited naming it (and saying what it raised) long be
     mpiexec -disable-auto-cleanup -n 3 python tests/mpi_faults.py --fault dispatch_send --mode exit --result DIR
     mpirun -n 2 python tests/mpi_faults.py --transport nvshmem --fault combine_recv --mode stall --result DIR
 
-Points: init, construction, dispatch_send, dispatch_recv, combine_send, combine_recv, destroy, finalize.
+Points: init, construction, dispatch_send, dispatch_recv, combine_send, combine_recv, dispatch_backward,
+combine_backward (the backward calls along the dispatch's plan), destroy, finalize.
 Every surviving rank writes DIR/rank<r>.json: what it raised, naming which peer, how long after the start
 of the step that raised, and when it left main(); the faulty rank writes nothing. (The launcher must not
 end the job when a rank leaves without MPI_Finalize: MPICH's -disable-auto-cleanup. Open MPI ends it, so
@@ -22,8 +23,8 @@ import time
 
 import numpy as np
 
-POINTS = ("init", "construction", "dispatch_send", "dispatch_recv", "combine_send", "combine_recv", "destroy",
-          "finalize")
+POINTS = ("init", "construction", "dispatch_send", "dispatch_recv", "combine_send", "combine_recv",
+          "dispatch_backward", "combine_backward", "destroy", "finalize")
 
 
 def main():
@@ -63,7 +64,7 @@ def main():
         at("init")
         comm = moecomm.init(transport=args.transport, timeout=args.timeout)
         at("construction")
-        a2a = moecomm.AllToAll(comm, M, E, K, H, None, "float16", "float16")
+        a2a = moecomm.AllToAll(comm, M, E, K, H, None, "float16", "float16", gradients=True)
         xp = np
         if args.transport != "host":
             import cupy as xp
@@ -76,10 +77,16 @@ def main():
         a2a.dispatch(n, ex, None, x, None, idx, m, do_recv=False, weights=w)
         at("dispatch_recv")
         a2a.dispatch(n, ex, None, x, None, idx, m, do_send=False, weights=w)
+        plan = moecomm.RoutingPlan(*(xp.zeros(s, np.int32) for s in a2a.plan_shapes()))
+        a2a.plan(plan)
         at("combine_send")
         a2a.combine(out, idx, None, ex, m, do_recv=False)
         at("combine_recv")
         a2a.combine(out, idx, None, ex, m, do_send=False)
+        at("dispatch_backward")
+        a2a.dispatch_backward(xp.zeros((M, H), np.float16), plan, ex, m)
+        at("combine_backward")
+        a2a.combine_backward(xp.zeros_like(ex), xp.zeros((M, K), np.float32), plan, out, w, ex, m)
         at("destroy")
         a2a.destroy()
         at("finalize")

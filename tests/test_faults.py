@@ -12,8 +12,8 @@ import pytest
 from conftest import ROOT, mpi_launcher
 
 TIMEOUT, RANKS = 1.0, 3
-POINTS = ("init", "construction", "dispatch_send", "dispatch_recv", "combine_send", "combine_recv", "destroy",
-          "finalize")
+POINTS = ("init", "construction", "dispatch_send", "dispatch_recv", "combine_send", "combine_recv",
+          "dispatch_backward", "combine_backward", "destroy", "finalize")
 
 
 def _run(tmp_path, fault, mode, timeout=TIMEOUT):
@@ -56,7 +56,7 @@ def test_a_rank_whose_program_fails_says_so(tmp_path, fault):
     assert "no answer from rank(s) [0" not in log and "timed out" not in log, log
 
 
-@pytest.mark.parametrize("fault", ["dispatch_send", "combine_recv"])
+@pytest.mark.parametrize("fault", ["dispatch_send", "combine_recv", "combine_backward"])
 def test_a_rank_that_stalls_is_named(tmp_path, fault):
     p, records, _ = _run(tmp_path, fault, "stall")
     log = p.stdout[-2000:] + p.stderr[-2000:]

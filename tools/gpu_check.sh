@@ -158,7 +158,8 @@ expect ": 0 failures" "${MPIRUN[@]}" -np "$ngpu" python3 tests/mpi_peer_check.py
 if [ "${1:-}" = faults ]; then
   expect ": 0 failures" "${MPIRUN[@]}" -np "$ngpu" python3 tests/mpi_control.py --transport $T
   expect ": 0 failures" "${MPIRUN[@]}" -np "$ngpu" python3 tests/mpi_mask.py --transport $T
-  for point in init construction dispatch_send dispatch_recv combine_send combine_recv destroy finalize; do
+  for point in init construction dispatch_send dispatch_recv combine_send combine_recv dispatch_backward \
+      combine_backward destroy finalize; do
     rm -rf /tmp/faults && mkdir -p /tmp/faults
     timeout 60 "${MPIRUN[@]}" -np "$ngpu" python3 tests/mpi_faults.py --transport $T --fault $point \
       --mode stall --timeout 1 --result /tmp/faults >> "$out/gpu_check.log" 2>&1
