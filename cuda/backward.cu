@@ -9,8 +9,8 @@
 //   dispatch_backward  the expert side sends one row per (token, expert rank) to every rank of the token's DP
 //                      group: a token's one slot there as it is, or the float32 sum of its slots there (the
 //                      forward combine's partial sums); the token side sums a token's rows in float32.
-//   combine_backward   the token side sends grad_out[t] with its weights once to each expert rank of its pairs;
-//                      the expert side writes each slot's gradient (weight * row) and sends <row, expert_y[slot]>
+//   combine_backward   the token side sends grad_out[t] with its weights once to each other expert rank of its
+//                      pairs (its own expert side reads them in place); the expert side writes each slot's gradient (weight * row) and sends <row, expert_y[slot]>
 //                      back as one word per pair, f.grad_w[t * topk + k] = (call << 32 | float bits), to the
 //                      source's DP group.
 // Completion: f.grad_sig[0][q] (rows from rank q) and f.grad_sig[1][q] (router weights' gradients from q) =
@@ -283,8 +283,8 @@ namespace {
 // Dispatch (expert side): each group of g.held (a token's slots on this rank, find_groups) sends one row of
 // g.grad ([slots, hidden], g.grad_code) to its source's DP group: the slot's gradient as it is when the group
 // has one slot, else the group's sum in float32. Combine (token side): each token t < m of this rank's DP
-// share sends g.grad[t] ([rows, hidden]) and g.weights[t] to the ranks of its experts in g.expert (masked
-// ranks skipped). Ends with f.grad_sig[0][me] on every unmasked rank and the call in state[EPOCH_B]; returns
+// share sends g.grad[t] ([rows, hidden]) and g.weights[t] to the other ranks of its experts in g.expert (masked
+// ranks skipped; expert_part reads them in place for this rank's own experts). Ends with f.grad_sig[0][me] on every unmasked rank and the call in state[EPOCH_B]; returns
 // the call.
 template <bool Dispatch>
 __device__ unsigned send_part(const Fixed& f, const Grad& g) {
@@ -378,7 +378,7 @@ __device__ unsigned send_part(const Fixed& f, const Grad& g) {
       if (warp == 0) {  // the distinct unmasked ranks of the token's pairs
         const int e = lane < f.topk ? g.expert[(size_t)t * f.topk + lane] : -1;
         int d = e >= 0 && e < f.world * f.local_experts ? e / f.local_experts : -1;
-        if (d >= 0 && f.mask[d]) d = -1;
+        if (d >= 0 && (f.mask[d] || d == f.rank)) d = -1;  // this rank's expert side reads g.grad in place
         bool once = d >= 0;
         for (int j = 0; j < f.topk; ++j) {
           const int dj = __shfl_sync(FULL, d, j);
@@ -407,8 +407,9 @@ __device__ unsigned send_part(const Fixed& f, const Grad& g) {
 // combine_backward's expert side (every block), after every unmasked rank's rows: each slot the plan holds
 // (g.held, a slot per block, strided) gets g.out[slot] = weight * row ([slots, hidden], g.out_code; empty slots
 // are left as they are) and sends <row, g.y[slot]> (summed in float32) as the pair's word of f.grad_w to the
-// source's DP group. Warp 0 reads the plan entries, trailers and weights of SLOT_BATCH slots at once, and their
-// words go out together after the batch. A source whose row did not come (the ranks' plans differ) is recorded
+// source's DP group; a pair of this rank's own token reads g.grad[t] and g.weights[t] where they are (t < m).
+// Warp 0 reads the plan entries, trailers and weights of SLOT_BATCH slots at once, and their words go out
+// together after the batch. A source whose row did not come (the ranks' plans differ) is recorded
 // (ERR_PLAN_DIFFERS, detail -1). Nothing is written when the call failed anywhere (state[ABORT_B] tells the
 // receive part). Ends with f.grad_sig[1][me] on every unmasked rank.
 __device__ void expert_part(const Fixed& f, const Grad& g, unsigned epoch) {
@@ -421,20 +422,28 @@ __device__ void expert_part(const Fixed& f, const Grad& g, unsigned epoch) {
   // the batch's slots (-1: none), pairs (source rank, token, k), row dtypes (-1: the row did not come), weights,
   // and the warps' parts of each slot's dot product
   __shared__ int b_slot[SLOT_BATCH], b_src[SLOT_BATCH], b_tok[SLOT_BATCH], b_k[SLOT_BATCH], b_code[SLOT_BATCH];
+  __shared__ const uint8_t* b_row[SLOT_BATCH];
   __shared__ float b_w[SLOT_BATCH], partial[SLOT_BATCH][THREADS / 32];
-  const int n = ok ? held_count(g) : 0;
+  const int n = ok ? held_count(g) : 0, m = ok ? *g.bound_m : 0;  // m: checked by the send part
   for (int i0 = blockIdx.x; i0 < n; i0 += gridDim.x * SLOT_BATCH) {
     __syncthreads();  // the batch's entries are rewritten
     if (warp == 0 && lane < SLOT_BATCH) {
       const int i = i0 + lane * gridDim.x;
       int s = -1, q = 0, t = 0, k = 0, code = -1;
       float w = 0.0f;
+      const uint8_t* row = nullptr;
       if (i < n) {
         s = g.held[1 + i];
         const bool in_range = pair_at(f, g, s, q, t, k);
         const bool valid = in_range && !f.mask[q];  // a masked source's pair gets zeros
-        if (valid) {
-          const uint8_t* const row = f.grad_buf + ((size_t)q * f.max_tokens + t) * f.grad_row_bytes;
+        if (valid && q == f.rank) {  // this rank's own token: its gradient and weights where they are
+          if (t < m) {
+            code = g.grad_code;
+            row = g.grad + (size_t)t * f.hidden * value_bytes(code);
+            w = g.weights[(size_t)t * f.topk + k];
+          }
+        } else if (valid) {
+          row = f.grad_buf + ((size_t)q * f.max_tokens + t) * f.grad_row_bytes;
           const int4 trailer = *(const int4*)(row + f.grad_row_bytes - TRAILER);
           if ((unsigned)trailer.x == epoch && trailer.y >= 0 && trailer.y <= MOECOMM_DT_FP32) {
             code = trailer.y;
@@ -449,6 +458,7 @@ __device__ void expert_part(const Fixed& f, const Grad& g, unsigned epoch) {
         if (s >= g.slots) s = -1;
       }
       b_slot[lane] = s, b_src[lane] = q, b_tok[lane] = t, b_k[lane] = k, b_code[lane] = code, b_w[lane] = w;
+      b_row[lane] = row;
     }
     __syncthreads();
     for (int j = 0; j < SLOT_BATCH; ++j) {
@@ -459,7 +469,7 @@ __device__ void expert_part(const Fixed& f, const Grad& g, unsigned epoch) {
         for (int c = threadIdx.x; c < row_chunks; c += THREADS) ((int4*)out)[c] = make_int4(0, 0, 0, 0);
         continue;
       }
-      const uint8_t* const row = f.grad_buf + ((size_t)b_src[j] * f.max_tokens + b_tok[j]) * f.grad_row_bytes;
+      const uint8_t* const row = b_row[j];
       const uint8_t* const y = g.y + (size_t)s * f.out_row_bytes;
       const float w = b_w[j];
       float dot = 0.0f;
