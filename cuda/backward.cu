@@ -10,9 +10,9 @@
 //                      group: a token's one slot there as it is, or the float32 sum of its slots there (the
 //                      forward combine's partial sums); the token side sums a token's rows in float32.
 //   combine_backward   the token side sends grad_out[t] with its weights once to each other expert rank of its
-//                      pairs (its own expert side reads them in place); the expert side writes each slot's gradient (weight * row) and sends <row, expert_y[slot]>
-//                      back as one word per pair, f.grad_w[t * topk + k] = (call << 32 | float bits), to the
-//                      source's DP group.
+//                      pairs (its own expert side reads them in place); the expert side writes each slot's
+//                      gradient (weight * row) and sends <row, expert_y[slot]> back as one word per pair,
+//                      f.grad_w[t * topk + k] = (call << 32 | float bits), to the source's DP group.
 // Completion: f.grad_sig[0][q] (rows from rank q) and f.grad_sig[1][q] (router weights' gradients from q) =
 // (call << 32 | q's plan word), or SIG_BAD | reason where q's part failed; the plan words let every rank check
 // that all follow the plan of the same dispatch (ERR_PLAN_DIFFERS). A rank writes into a peer's grad_buf only
@@ -284,8 +284,8 @@ namespace {
 // g.grad ([slots, hidden], g.grad_code) to its source's DP group: the slot's gradient as it is when the group
 // has one slot, else the group's sum in float32. Combine (token side): each token t < m of this rank's DP
 // share sends g.grad[t] ([rows, hidden]) and g.weights[t] to the other ranks of its experts in g.expert (masked
-// ranks skipped; expert_part reads them in place for this rank's own experts). Ends with f.grad_sig[0][me] on every unmasked rank and the call in state[EPOCH_B]; returns
-// the call.
+// ranks skipped; expert_part reads them in place for this rank's own experts). Ends with f.grad_sig[0][me] on
+// every unmasked rank and the call in state[EPOCH_B]; returns the call.
 template <bool Dispatch>
 __device__ unsigned send_part(const Fixed& f, const Grad& g) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
