@@ -1,10 +1,9 @@
 """Gradients along a routing plan on any transport: dispatch_backward and combine_backward equal the
 numpy reference's for every input dtype (FP8 straight-through), router weights given at combine or sent with
-dispatch, m below max_num_tokens, DP groups, a capacity that drops pairs, replicated experts and the packed
-layout; a plan kept
-while another call runs still gives its own call's gradients; a refused backward argument, and plans of
-different calls on different ranks, raise on every rank and the next call is right; a plan is refused before
-any dispatch.
+dispatch, m below max_num_tokens, DP groups, a capacity that drops pairs, replicated experts, column-major
+scales with the FP8 combine wire, and the packed layout; a plan kept while another call runs still gives its
+own call's gradients; a refused backward argument, and plans of different calls on different ranks, raise on
+every rank and the next call is right; a plan is refused before any dispatch.
 
     mpiexec -n 3 python tests/mpi_backward.py [--transport host|ipc|nvshmem]
 
@@ -22,7 +21,7 @@ from report import finish
 
 A = Host  # the arrays of the transport under test (main): numpy, or DeviceBuffers on GPUs
 
-E_PER_RANK, K, H, M = 3, 2, 64, 10
+E_PER_RANK, K, H, M = 3, 2, 512, 10  # H: rows of 64 chunks, which the GPU expert side splits over blocks
 CASES = (  # (in_dtype, scales, out_dtype, gradient dtype)
     (moecomm.bfloat16, None, moecomm.bfloat16, moecomm.bfloat16),
     (moecomm.float16, None, moecomm.float16, moecomm.float32),
@@ -263,6 +262,15 @@ def main():
                   f"replicas weights {'at dispatch' if wd else 'at combine'}")
             checks += 1
         a2a.destroy()
+    # the formats of the wire beside gradients: column-major scales, the FP8 combine wire (the backward does not
+    # depend on either)
+    a2a = moecomm.AllToAll(comm, M, E, K, H, 2, moecomm.float8_e4m3fn, "bf16", scale_layout="column",
+                           combine_wire="e4m3", **G)
+    for wd in (False, True):
+        check(a2a, comm, draw(comm, 1, 110 + wd, moecomm.float8_e4m3fn, 2, moecomm.bfloat16, M), M, wd, fails,
+              f"column scales, FP8 combine wire, weights {'at dispatch' if wd else 'at combine'}")
+        checks += 1
+    a2a.destroy()
     a2a = moecomm.AllToAll(comm, M, E, K, H, None, "bf16", "bf16", layout="packed", **G)
     for wd in (False, True):
         check(a2a, comm, draw(comm, 1, 80 + wd, moecomm.bfloat16, None, np.float32, M - 1), M - 1, wd, fails,

@@ -102,7 +102,8 @@ def test_telemetry_equals_the_routing(ranks):
 @pytest.mark.parametrize("ranks", [1, 2, 3], ids=lambda n: f"ranks{n}")
 def test_gradients_along_a_routing_plan(ranks):
     """tests/mpi_backward.py: dispatch_backward and combine_backward equal the reference for every dtype,
-    both places of the router weights, m < max, DP groups, capacity drops and the packed layout; a kept plan
+    both places of the router weights, m < max, DP groups, capacity drops, column-major scales with the FP8
+    combine wire and the packed layout; a kept plan
     outlives another call; a refused backward argument raises on every rank and the next call is right."""
     p = run_mpi(ranks, "tests/mpi_backward.py", timeout=120)
     assert p.returncode == 0 and ": 0 failures" in p.stdout, p.stdout[-3000:] + p.stderr[-3000:]
