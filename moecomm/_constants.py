@@ -156,8 +156,7 @@ TRACE_SPAN = 8
 # build options and the indices of the field tables (S_*, C_*, B_*, TRACE_<half>).
 _DEVICE_SCALARS = ("TIMEOUT_LEFT", "ERROR_WORDS", "REASON_ARG_SHIFT", "SIG_COUNT_BITS", "SIG_GEN_BITS", "MAX_TOPK",
                    "MAX_EXPERTS", "ROW_ALIGN", "BLOCK_THREADS", "BLOCKS_PER_SM", "ARRIVAL_BATCH", "ARRIVAL_FIRST",
-                   "TRACE_POINTS", "TRACE_SPAN", "COMBINE_BLOCK", "PLAN_CALL_BITS",
-                   "PLAN_GEN_BITS")
+                   "TRACE_POINTS", "TRACE_SPAN", "COMBINE_BLOCK", "PLAN_CALL_BITS", "PLAN_GEN_BITS")
 _DEVICE_LITERALS = {"REPLICA_TOKEN": "u", "REPLICA_GROUP": "u", "PEER_UNMAPPED": "ll", "E4M3_MAX": "f"}
 
 
