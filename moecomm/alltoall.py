@@ -91,8 +91,9 @@ class RoutingPlan(NamedTuple):
         call: [2] int32, the forward call it describes (the AllToAll's restart generation, the dispatch's
             number): the backward calls check that every rank passes the plan of the same call.
         held: [1 + slots] int32 (slots: origin's size / 3): held[0] = n, the slots (padded) or rows (packed)
-            that hold a pair, and held[1 .. n] those slots in any order (the backward kernels share them
-            out evenly instead of scanning every slot); the rest unspecified.
+            that hold a pair, and held[1 .. n] those slots in the order plan() wrote them (the backward
+            kernels share them out evenly instead of scanning every slot; on GPUs a dispatched record's
+            slots stand together, and dispatch_backward sums them so); the rest unspecified.
     """
     expert: object
     origin: object
@@ -198,10 +199,10 @@ class AllToAll:
             launch needs its whole grid resident at once: work that holds SMs only delays it. GPU transports
             (the host transport has no kernels); the same on every rank.
         gradients: False (default) or True: GPU transports allocate what :meth:`plan`, :meth:`dispatch_backward`
-            and :meth:`combine_backward` need (a gradient row buffer of max(world_size, experts_per_token) *
-            max_num_tokens rows of about 4 * hidden_dim bytes in symmetric memory: ``tools/memory_report.py``),
-            and dispatch records each pair's expert for the plan. Training sets it; the host transport computes
-            gradients either way. The same on every rank.
+            and :meth:`combine_backward` need (a gradient row buffer of world_size * max_num_tokens rows of
+            about 4 * hidden_dim bytes in symmetric memory: ``tools/memory_report.py``), and dispatch records
+            each pair's expert for the plan. Training sets it; the host transport computes gradients either
+            way. The same on every rank.
     """
 
     def __init__(self, comm, max_num_tokens, num_experts, experts_per_token, hidden_dim,
