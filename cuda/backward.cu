@@ -5,14 +5,17 @@
 // Wire: rows of f.grad_buf, f.grad_row_bytes each (moecomm/_abi.py, grad_row_bytes): hidden values in the row's
 // dtype (the sender's gradient dtype, or float32 for a partial sum), the token's router weights
 // (combine_backward), then a trailer int4 {call, dtype code}. A row counts only when its trailer holds the
-// call, so nothing is cleared between calls. Both operations use row (sending rank * max_tokens + token):
-//   dispatch_backward  the expert side sends one row per (token, expert rank) to every rank of the token's DP
-//                      group: a token's one slot there as it is, or the float32 sum of its slots there (the
-//                      forward combine's partial sums); the token side sums a token's rows in float32.
+// call, so nothing is cleared between calls. Both operations use row (sending rank * max_tokens + token).
+// What a rank's own tokens need from its own expert slots never passes through the buffers: the plan's `local`
+// names those slots, and each side reads the other's arrays where they are.
+//   dispatch_backward  the expert side sends one row per (token, expert rank) to every other rank of the
+//                      token's DP group: a token's one slot there as it is, or the float32 sum of its slots
+//                      there (the forward combine's partial sums); the token side sums, in float32, its own
+//                      slots (plan.local) and the rows that came.
 //   combine_backward   the token side sends grad_out[t] with its weights once to each other expert rank of its
-//                      pairs (its own expert side reads them in place); the expert side writes each slot's
-//                      gradient (weight * row) and sends <row, expert_y[slot]> back as one word per pair,
-//                      f.grad_w[t * topk + k] = (call << 32 | float bits), to the source's DP group.
+//                      pairs; the expert side writes each slot's gradient (weight * row) and sends <row,
+//                      expert_y[slot]> back as one word per pair, f.grad_w[t * topk + k] = (call << 32 | float
+//                      bits), to the source's DP group (to its own tokens' out_grad_weights directly).
 // Completion: f.grad_sig[0][q] (rows from rank q) and f.grad_sig[1][q] (router weights' gradients from q) =
 // (call << 32 | q's plan word), or SIG_BAD | reason where q's part failed; the plan words let every rank check
 // that all follow the plan of the same dispatch (ERR_PLAN_DIFFERS). A rank writes into a peer's grad_buf only
@@ -20,7 +23,11 @@
 // Calls of both operations are counted in state[EPOCH_B] on the device, so CUDA graphs replay them.
 // Kernels: moecomm_plan; each operation in one launch of a grid resident at once, in parts that follow each
 // other through those signals (dispatch_backward: send, receive; combine_backward: send, the expert side,
-// receive). A part's blocks count themselves in state[DONE_B]; its last block resets the count and signals.
+// receive). A rank waits only for the signals of ranks whose rows or words it reads (its own where the DP
+// group has other ranks), and does the work that needs none first: its own tokens whose pairs are all on this
+// rank, its own tokens' slots. The blocks count each part in a counter of its own (state[DONE_B0 + part]),
+// and a part's last block signals (with one rank, only the last part is counted: nobody waits for the others).
+// When a backward call fails (on any rank), what it writes is unspecified: its outputs may be partly written.
 #include "alltoall.cuh"
 
 using namespace moecomm;
@@ -60,13 +67,15 @@ __device__ __forceinline__ void fail(const Fixed& f, unsigned reason) {
   atomicCAS(&f.state[MOECOMM_S_BAD_B], 0u, reason);
 }
 
-// Every thread: wait (bounded) for every unmasked rank's word in `sig` ([world]) of call `epoch`. A peer that
-// failed, or (`check`) follows another plan than `mine`, is recorded. True in every thread when all is well.
-__device__ bool heard(const Fixed& f, const uint64_t* sig, unsigned epoch, unsigned mine, bool check, int phase) {
+// Every thread: wait (bounded) for every unmasked rank's word in `sig` ([world]) of call `epoch`, this rank's
+// own only with `self`. A peer that failed, or (`check`) follows another plan than `mine`, is recorded. True in
+// every thread when all is well.
+__device__ bool heard(const Fixed& f, const uint64_t* sig, unsigned epoch, unsigned mine, bool check, int phase,
+                      bool self) {
   const uint64_t deadline = now_ns() + f.timeout_ns;
   bool ok = true;
   for (int q = threadIdx.x; q < f.world; q += blockDim.x) {
-    if (f.mask[q]) continue;
+    if (f.mask[q] || (q == f.rank && !self)) continue;
     const uint64_t v = wait_epoch(f, &sig[q], epoch, deadline, q, phase);
     if (!v) {
       ok = false;  // timed out (recorded)
@@ -205,30 +214,40 @@ __device__ void signal_all(const Fixed& f, uint64_t* sig, uint64_t v) {
   __syncthreads();
 }
 
-// Every thread, at the end of a part: true in the part's last block, which first resets the completion
-// count (so that a block that hears the signal and finishes the next part counts afresh) and then sets this
-// rank's word of `sig` ([world]) on every unmasked rank: the call with SIG_BAD | reason where this rank's
-// call failed, else with `word`.
-__device__ bool part_done(const Fixed& f, uint64_t* sig, unsigned epoch, uint64_t word) {
-  if (!last_block(&f.state[MOECOMM_S_DONE_B], true)) return false;
-  const unsigned bad = (unsigned)load_volatile((const int*)&f.state[MOECOMM_S_BAD_B]);
-  if (threadIdx.x == 0) {
-    f.state[MOECOMM_S_DONE_B] = 0;
-    __threadfence();
-  }
-  __syncthreads();
-  signal_all(f, sig, epoch_signal(epoch, bad ? SIG_BAD | bad : word));
+// Every thread, at the end of part `part` (0, 1, 2) of the kernel: true in the part's last block (counted in
+// state[DONE_B0 + part], which it resets for the next call).
+__device__ bool part_last(const Fixed& f, int part) {
+  unsigned* const done = &f.state[MOECOMM_S_DONE_B0 + part];
+  if (!last_block(done, true)) return false;
+  if (threadIdx.x == 0) *done = 0;
   return true;
 }
 
+// Every thread, at the end of part `part` (but the last): the part's last block sets this rank's word of `sig`
+// ([world]) on every unmasked rank: the call with SIG_BAD | reason where this rank's call failed, else `word`.
+// With one rank nobody waits for the word, and the part is not counted.
+__device__ void part_done(const Fixed& f, int part, uint64_t* sig, unsigned epoch, uint64_t word) {
+  if (f.world == 1 || !part_last(f, part)) return;
+  const unsigned bad = (unsigned)load_volatile((const int*)&f.state[MOECOMM_S_BAD_B]);
+  signal_all(f, sig, epoch_signal(epoch, bad ? SIG_BAD | bad : word));
+}
+
+// What every block of a backward call knows once its send part is over: the call, and m where this rank's part
+// of it runs with data (`ok`: not skipped, m in range; else m is 0).
+struct Begun {
+  unsigned epoch;
+  int m;
+  bool ok;
+};
+
 }  // namespace
 
-// grid: any number of blocks. The plan of the last dispatch (the host cleared g.origin to -1 and g.held[0] to 0
-// first): g.expert [max_tokens, topk] = f.sent for this rank's tokens of its DP group below the dispatched m,
-// else -1; g.origin[slot] = (source rank, token, k) of each slot f.slot_of holds, from the records received
-// (this rank's own: as many as its dispatch signal counts; combine_send reads them alike), and those slots
-// listed in g.held (a record's together, the records in any order: find_groups); g.call = (g.generation, the
-// dispatch's call).
+// grid: any number of blocks. The plan of the last dispatch (the host cleared g.origin and g.local to -1 and
+// g.held[0] to 0 first): g.expert [max_tokens, topk] = f.sent for this rank's tokens of its DP group below the
+// dispatched m, else -1; g.origin[slot] = (source rank, token, k) of each slot f.slot_of holds, from the records
+// received (this rank's own: as many as its dispatch signal counts; combine_send reads them alike), and those
+// slots listed in g.held (a record's together, the records in any order: find_groups); g.local[t * topk + k] =
+// the slot of this rank's own pair (t, k); g.call = (g.generation, the dispatch's call).
 extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, MOECOMM_BLOCKS_PER_SM)
     moecomm_plan(const Fixed f, const Grad g) {
   const unsigned dispatched = f.state[MOECOMM_S_M];
@@ -268,6 +287,7 @@ extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, MOECOMM_BLOC
       g.origin[3 * s + 1] = t;
       g.origin[3 * s + 2] = k;
       g.held[1 + first++] = s;
+      if (q == f.rank && t >= 0 && t < f.max_tokens) g.local[t * f.topk + k] = s;
     }
   }
   if (tid == 0) {
@@ -278,19 +298,9 @@ extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, MOECOMM_BLOC
 
 namespace {
 
-// The send part of both operations (every block of the call's launch), after the checks of this rank's m
-// (ERR_BAD_M) and plan (pairs for tokens >= m: ERR_PLAN_M), and once each peer has read the last call's rows.
-// Dispatch (expert side): each group of g.held (a token's slots on this rank, find_groups) sends one row of
-// g.grad ([slots, hidden], g.grad_code) to its source's DP group: the slot's gradient as it is when the group
-// has one slot, else the group's sum in float32. Combine (token side): each token t < m of this rank's DP
-// share sends g.grad[t] ([rows, hidden]) and g.weights[t] to the other ranks of its experts in g.expert (masked
-// ranks skipped; expert_part reads them in place for this rank's own experts). Ends with f.grad_sig[0][me] on
-// every unmasked rank and the call in state[EPOCH_B]; returns the call.
-template <bool Dispatch>
-__device__ unsigned send_part(const Fixed& f, const Grad& g) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+// Every block, first: the call, m, and whether m is in range (ERR_BAD_M: block 0 records it).
+__device__ Begun begin(const Fixed& f, const Grad& g, int phase) {
   const unsigned epoch = f.state[MOECOMM_S_EPOCH_B] + 1;
-  const int phase = Dispatch ? MOECOMM_PHASE_DISPATCH_BACKWARD : MOECOMM_PHASE_COMBINE_BACKWARD;
   const int m = g.skip ? 0 : *g.bound_m;
   const bool bad_m = !g.skip && (m < 0 || m > g.rows || m > f.max_tokens);
   if (blockIdx.x == 0 && threadIdx.x == 0) {
@@ -301,7 +311,26 @@ __device__ unsigned send_part(const Fixed& f, const Grad& g) {
       fail(f, MOECOMM_ERR_BAD_M);
     }
   }
-  if (blockIdx.x == 0 && !g.skip && !bad_m) {  // another call's plan: pairs for tokens >= m
+  const bool ok = !g.skip && !bad_m;
+  return Begun{epoch, ok ? m : 0, ok};
+}
+
+// The send part of both operations (every block of the call's launch, part 0), after the checks of this rank's
+// m (begin) and plan (pairs for tokens >= m: ERR_PLAN_M, block 0), once each peer has read the last call's rows.
+// Dispatch (expert side): each group of g.held (a token's slots on this rank, find_groups) sends one row of
+// g.grad ([slots, hidden], g.grad_code) to the other ranks of its source's DP group: the slot's gradient as it
+// is when the group has one slot, else the group's sum in float32 (this rank's own tokens read their slots in
+// place: recv_part). Combine (token side): each token t < m of this rank's DP share sends g.grad[t] ([rows,
+// hidden]) and g.weights[t] to the other ranks of its experts in g.expert (masked ranks skipped; expert_part
+// reads them in place for this rank's own experts). Ends with f.grad_sig[0][me] on every unmasked rank.
+template <bool Dispatch>
+__device__ void send_part(const Fixed& f, const Grad& g, const Begun& b) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const unsigned epoch = b.epoch;
+  const int phase = Dispatch ? MOECOMM_PHASE_DISPATCH_BACKWARD : MOECOMM_PHASE_COMBINE_BACKWARD;
+  const int m = b.m;
+  const bool send = b.ok;
+  if (blockIdx.x == 0 && send) {  // another call's plan: pairs for tokens >= m
     bool extra = false;
     for (int i = m * f.topk + threadIdx.x; i < f.max_tokens * f.topk; i += blockDim.x) extra |= g.expert[i] >= 0;
     if (__syncthreads_or(extra) && threadIdx.x == 0) {
@@ -309,7 +338,6 @@ __device__ unsigned send_part(const Fixed& f, const Grad& g) {
       fail(f, MOECOMM_ERR_PLAN_M);
     }
   }
-  const bool send = !g.skip && !bad_m;
   const uint64_t deadline = now_ns() + f.timeout_ns;
   for (int q = threadIdx.x; q < f.world; q += blockDim.x)  // each peer's buffer is free once it read the last call
     if (send && q != f.rank && !f.mask[q])
@@ -348,6 +376,7 @@ __device__ unsigned send_part(const Fixed& f, const Grad& g) {
           }
           continue;
         }
+        if (q == f.rank && f.dp == 1) continue;  // this rank's own token, and nobody else's: recv_part sums it
         __syncthreads();  // srcs may still be read for the previous group
         if (threadIdx.x < slots) {
           srcs[threadIdx.x] = g.grad + (size_t)g.held[1 + p + threadIdx.x] * bytes;
@@ -362,10 +391,11 @@ __device__ unsigned send_part(const Fixed& f, const Grad& g) {
           if (threadIdx.x == 0) {
             int n_in = 0;
             for (int r = q0; r < min(group1, q0 + MOECOMM_MAX_TOPK); ++r)
-              if (!f.mask[r]) ranks[n_in++] = r;
+              if (!f.mask[r] && (r != f.rank || q != f.rank)) ranks[n_in++] = r;  // own tokens: recv in place
             n_ranks = n_in;
           }
           __syncthreads();
+          if (!n_ranks) continue;
           build_list(tg, f, row, ranks, n_ranks, st);
           sum_rows(tg.dsts, tg.n, code, srcs, codes, slots, c0, c1);
           finish_row(f, tg, 8 * item * c0, 8 * item * c1, epoch, code);
@@ -400,31 +430,32 @@ __device__ unsigned send_part(const Fixed& f, const Grad& g) {
     }
   }
   if (st.used_puts) quiet();
-  if (part_done(f, f.grad_sig, epoch, plan_word(g)) && threadIdx.x == 0) f.state[MOECOMM_S_EPOCH_B] = epoch;
-  return epoch;
+  part_done(f, 0, f.grad_sig, epoch, plan_word(g));
 }
 
-// combine_backward's expert side (every block), after every unmasked rank's rows: each slot the plan holds
-// (g.held, a slot per block, strided) gets g.out[slot] = weight * row ([slots, hidden], g.out_code; empty slots
-// are left as they are) and sends <row, g.y[slot]> (summed in float32) as the pair's word of f.grad_w to the
-// source's DP group; a pair of this rank's own token reads g.grad[t] and g.weights[t] where they are (t < m).
+// Slots combine_backward's expert side takes at a time per block (slot_pass).
+constexpr int SLOT_BATCH = 8;
+
+// combine_backward's expert side, one pass over the slots the plan holds (g.held, a slot per block, strided):
+// with `own`, those of this rank's own tokens below b.m, else the others. Each gets g.out[slot] = weight * row
+// ([slots, hidden], g.out_code; empty slots are left as they are) and sends <row, g.y[slot]> (summed in float32)
+// as the pair's word of f.grad_w to the source's DP group; this rank's own pairs read g.grad[t] and
+// g.weights[t] where they are and store their word's value into g.out_w[t * topk + k] ([rows, topk]) directly.
 // Warp 0 reads the plan entries, trailers and weights of SLOT_BATCH slots at once, and their words go out
 // together after the batch. A source whose row did not come (the ranks' plans differ) is recorded
-// (ERR_PLAN_DIFFERS, detail -1). Nothing is written when the call failed anywhere (state[ABORT_B] tells the
-// receive part). Ends with f.grad_sig[1][me] on every unmasked rank.
-__device__ void expert_part(const Fixed& f, const Grad& g, unsigned epoch) {
+// (ERR_PLAN_DIFFERS, detail -1). True in every thread when the block's share holds slots of the other pass.
+__device__ bool slot_pass(const Fixed& f, const Grad& g, const Begun& b, bool own) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int phase = MOECOMM_PHASE_COMBINE_BACKWARD;
-  const bool ok = heard(f, f.grad_sig, epoch, plan_word(g), !g.skip, phase);
-  if (!ok && threadIdx.x == 0) f.state[MOECOMM_S_ABORT_B] = 1;
+  const unsigned epoch = b.epoch;
   const int out_bytes = f.hidden * value_bytes(g.out_code), row_chunks = out_bytes / 16;
-  constexpr int SLOT_BATCH = 8;
   // the batch's slots (-1: none), pairs (source rank, token, k), row dtypes (-1: the row did not come), weights,
   // and the warps' parts of each slot's dot product
   __shared__ int b_slot[SLOT_BATCH], b_src[SLOT_BATCH], b_tok[SLOT_BATCH], b_k[SLOT_BATCH], b_code[SLOT_BATCH];
   __shared__ const uint8_t* b_row[SLOT_BATCH];
   __shared__ float b_w[SLOT_BATCH], partial[SLOT_BATCH][THREADS / 32];
-  const int n = ok ? held_count(g) : 0, m = ok ? *g.bound_m : 0;  // m: checked by the send part
+  const int n = b.ok ? held_count(g) : 0, m = b.m;
+  bool other = false;  // warp 0: a slot of the other pass was seen
   for (int i0 = blockIdx.x; i0 < n; i0 += gridDim.x * SLOT_BATCH) {
     __syncthreads();  // the batch's entries are rewritten
     if (warp == 0 && lane < SLOT_BATCH) {
@@ -436,13 +467,14 @@ __device__ void expert_part(const Fixed& f, const Grad& g, unsigned epoch) {
         s = g.held[1 + i];
         const bool in_range = pair_at(f, g, s, q, t, k);
         const bool valid = in_range && !f.mask[q];  // a masked source's pair gets zeros
-        if (valid && q == f.rank) {  // this rank's own token: its gradient and weights where they are
-          if (t < m) {
-            code = g.grad_code;
-            row = g.grad + (size_t)t * f.hidden * value_bytes(code);
-            w = g.weights[(size_t)t * f.topk + k];
-          }
-        } else if (valid) {
+        if ((valid && q == f.rank && t < m) != own) {
+          other = true;
+          s = -1;
+        } else if (own) {  // this rank's own token: its gradient and weights where they are
+          code = g.grad_code;
+          row = g.grad + (size_t)t * f.hidden * value_bytes(code);
+          w = g.weights[(size_t)t * f.topk + k];
+        } else if (valid && q != f.rank) {
           row = f.grad_buf + ((size_t)q * f.max_tokens + t) * f.grad_row_bytes;
           const int4 trailer = *(const int4*)(row + f.grad_row_bytes - TRAILER);
           if ((unsigned)trailer.x == epoch && trailer.y >= 0 && trailer.y <= MOECOMM_DT_FP32) {
@@ -450,7 +482,7 @@ __device__ void expert_part(const Fixed& f, const Grad& g, unsigned epoch) {
             w = ((const float*)(row + 4 * f.hidden))[k];
           }
         }
-        if (code < 0 && (valid || !in_range)) {  // the plans differ, or this one is not a plan
+        if (s >= 0 && code < 0 && (valid || !in_range)) {  // the plans differ, or this one is not a plan
           record_error(f.err, MOECOMM_ERR_PLAN_DIFFERS, in_range ? q : f.rank, phase, in_range ? -1 : -2, (int)epoch,
                        s);
           fail(f, MOECOMM_ERR_PLAN_DIFFERS);
@@ -506,98 +538,165 @@ __device__ void expert_part(const Fixed& f, const Grad& g, unsigned epoch) {
     if (warp == 0 && lane < SLOT_BATCH && b_slot[lane] >= 0 && b_code[lane] >= 0) {  // the batch's words
       float sum = 0.0f;
       for (int j = 0; j < THREADS / 32; ++j) sum += partial[lane][j];
+      const size_t pair = (size_t)b_tok[lane] * f.topk + b_k[lane];
+      if (own) g.out_w[pair] = sum;
       const uint64_t v = epoch_signal(epoch, __float_as_uint(sum));
-      uint64_t* const word = &f.grad_w[(size_t)b_tok[lane] * f.topk + b_k[lane]];
       const int group0 = b_src[lane] / f.dp * f.dp;
       for (int r = group0; r < group0 + f.dp; ++r) {  // stored relaxed: the part's signal releases them all
-        if (f.mask[r]) continue;
-        if (uint64_t* const p = peer_ptr(f.peers, word, r)) store_relaxed(p, v);
-        else signal_set(f.peers, word, v, r);
+        if (f.mask[r] || (own && r == f.rank)) continue;
+        if (uint64_t* const p = peer_ptr(f.peers, &f.grad_w[pair], r)) store_relaxed(p, v);
+        else signal_set(f.peers, &f.grad_w[pair], v, r);
       }
     }
   }
-  part_done(f, f.grad_sig + f.world, epoch, plan_word(g));
+  return __syncthreads_or(other);
 }
 
-// The receive part of both operations (every block), after every unmasked rank's signal (f.grad_sig[0] for
-// dispatch_backward, [1] for combine_backward), if the call failed nowhere. Dispatch: rows 0..m-1 of g.out
-// ([rows, hidden], g.out_code) = the sum, in float32, of each token's rows that came in this call (one per
-// expert rank of its pairs; none: zeros), a token in pieces of its row where the batch is smaller than the
-// grid. Combine: rows 0..m-1 of g.out_w ([rows, topk] float32) = each pair's word of f.grad_w of this call,
-// else 0. Rows >= m are left as they are. Then this rank's buffer is free: f.grad_sig[2][me] = the call on
-// every unmasked rank.
-template <bool Dispatch>
-__device__ void recv_part(const Fixed& f, const Grad& g, unsigned epoch) {
+// combine_backward's expert side (every block, part 1): slot_pass over this rank's own tokens' slots, which need
+// no signal, then, once every other unmasked rank's rows have come (f.grad_sig[0]; this rank writes none into
+// its own buffer), over the others. Ends with f.grad_sig[1][me] on every unmasked rank.
+__device__ void expert_part(const Fixed& f, const Grad& g, const Begun& b) {
+  for (int pass = 0; pass < 2; ++pass) {  // one loop, not two calls: the pass's code once (registers)
+    if (pass == 1 && !heard(f, f.grad_sig, b.epoch, plan_word(g), !g.skip, MOECOMM_PHASE_COMBINE_BACKWARD, false))
+      break;
+    if (!slot_pass(f, g, b, pass == 0)) break;  // no slots of the other pass
+  }
+  part_done(f, 1, f.grad_sig + f.world, b.epoch, plan_word(g));
+}
+
+// One unit of dispatch_backward's token side: chunks c0 .. c1-1 (8 values each) of g.out[t] ([rows, hidden],
+// g.out_code) = the float32 sum of this rank's own slots of token t (g.local: rows of g.grad, g.grad_code) and,
+// with `rows`, of the token's rows of this call in f.grad_buf (one per rank that sent one: by trailer).
+__device__ void sum_token(const Fixed& f, const Grad& g, unsigned epoch, int t, int c0, int c1, bool rows) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int phase = Dispatch ? MOECOMM_PHASE_DISPATCH_BACKWARD : MOECOMM_PHASE_COMBINE_BACKWARD;
-  const bool ok = heard(f, f.grad_sig + (Dispatch ? 0 : f.world), epoch, plan_word(g), !g.skip, phase) &&
-                  !load_volatile((const int*)&f.state[MOECOMM_S_ABORT_B]);
-  const int m = ok ? *g.bound_m : 0;
-  if (Dispatch) {
-    __shared__ const uint8_t* srcs[MOECOMM_MAX_TOPK];
-    __shared__ int codes[MOECOMM_MAX_TOPK];
-    __shared__ int n;
-    __shared__ uint8_t* out[1];
-    const int out_bytes = f.hidden * value_bytes(g.out_code), chunks = f.hidden / 8;
-    const int parts = max(1, min((int)gridDim.x / max(m, 1), chunks / 32)), per = (chunks + parts - 1) / parts;
-    for (int unit = blockIdx.x; unit < m * parts; unit += gridDim.x) {
-      const int t = unit / parts, c1 = min(chunks, (unit % parts + 1) * per);
-      if (warp == 0) {  // the token's rows of this call, one per rank (a lane per rank)
-        int found = 0;
-        for (int e0 = 0; e0 < f.world; e0 += 32) {
-          const int e = e0 + lane;
-          const uint8_t* const row = f.grad_buf + ((size_t)e * f.max_tokens + t) * f.grad_row_bytes;
-          const int4 trailer = e < f.world ? *(const int4*)(row + f.grad_row_bytes - TRAILER) : make_int4(0, 0, 0, 0);
-          const bool use =
-              e < f.world && (unsigned)trailer.x == epoch && trailer.y >= 0 && trailer.y <= MOECOMM_DT_FP32;
-          const unsigned mask = __ballot_sync(FULL, use);
-          const int pos = found + __popc(mask & ((1u << lane) - 1));
-          if (use && pos < MOECOMM_MAX_TOPK) {  // at most topk ranks hold a token's pairs
-            srcs[pos] = row;
-            codes[pos] = trailer.y;
-          }
-          found += __popc(mask);
-        }
-        if (lane == 0) {
-          n = min(found, MOECOMM_MAX_TOPK);
-          out[0] = g.out + (size_t)t * out_bytes;
-        }
+  __shared__ const uint8_t* srcs[MOECOMM_MAX_TOPK];
+  __shared__ int codes[MOECOMM_MAX_TOPK];
+  __shared__ int n;
+  __shared__ uint8_t* out[1];
+  if (warp == 0) {
+    int found = 0;
+    if (t % f.dp == f.rank % f.dp) {  // this rank's own token: its slots here (a lane per pair)
+      const int s = lane < f.topk ? g.local[(size_t)t * f.topk + lane] : -1;
+      const bool use = s >= 0 && s < g.slots;
+      const unsigned mask = __ballot_sync(FULL, use);
+      if (use) {
+        const int pos = __popc(mask & ((1u << lane) - 1));
+        srcs[pos] = g.grad + (size_t)s * f.hidden * value_bytes(g.grad_code);
+        codes[pos] = g.grad_code;
       }
-      __syncthreads();
-      sum_rows(out, 1, g.out_code, srcs, codes, n, (unit % parts) * per, c1);
-      __syncthreads();  // srcs, codes, n and out are rewritten
+      found = __popc(mask);
     }
-  } else {
-    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < m * f.topk; i += gridDim.x * blockDim.x) {
-      const uint64_t v = load_acquire(&f.grad_w[i]);
-      g.out_w[i] = (unsigned)(v >> 32) == epoch ? __uint_as_float((unsigned)v) : 0.0f;
+    for (int e0 = 0; rows && e0 < f.world; e0 += 32) {  // the rows of this call, a lane per rank
+      const int e = e0 + lane;
+      const uint8_t* const row = f.grad_buf + ((size_t)e * f.max_tokens + t) * f.grad_row_bytes;
+      const int4 trailer = e < f.world ? *(const int4*)(row + f.grad_row_bytes - TRAILER) : make_int4(0, 0, 0, 0);
+      const bool use = e < f.world && (unsigned)trailer.x == epoch && trailer.y >= 0 && trailer.y <= MOECOMM_DT_FP32;
+      const unsigned mask = __ballot_sync(FULL, use);
+      const int pos = found + __popc(mask & ((1u << lane) - 1));
+      if (use && pos < MOECOMM_MAX_TOPK) {  // at most topk ranks hold a token's pairs
+        srcs[pos] = row;
+        codes[pos] = trailer.y;
+      }
+      found += __popc(mask);
+    }
+    if (lane == 0) {
+      n = min(found, MOECOMM_MAX_TOPK);
+      out[0] = g.out + (size_t)t * f.hidden * value_bytes(g.out_code);
     }
   }
-  if (last_block(&f.state[MOECOMM_S_DONE_B], true)) {
-    signal_all(f, f.grad_sig + 2 * f.world, epoch_signal(epoch, 1));
-    if (threadIdx.x == 0) {
-      f.state[MOECOMM_S_BAD_B] = 0;
-      f.state[MOECOMM_S_ABORT_B] = 0;
-      f.state[MOECOMM_S_DONE_B] = 0;
-    }
+  __syncthreads();
+  sum_rows(out, 1, g.out_code, srcs, codes, n, c0, c1);
+  __syncthreads();  // srcs, codes, n and out are rewritten
+}
+
+// dispatch_backward's token side (every block, part 1): rows 0..b.m-1 of g.out, as units of (token, piece of
+// its row) so that a batch smaller than the grid fills it (sum_token). The tokens whose pairs all went to this
+// rank's experts first, from its own slots alone; the others once every unmasked rank that sends this rank
+// rows has signalled (f.grad_sig[0]; this rank's own only where its DP group has other ranks). Rows >= m are
+// left as they are.
+__device__ void token_side(const Fixed& f, const Grad& g, const Begun& b) {
+  const int chunks = f.hidden / 8, m = b.m;
+  const int parts = max(1, min((int)gridDim.x / max(m, 1), chunks / 32)), per = (chunks + parts - 1) / parts;
+  const int units = m * parts;
+  auto sum_unit = [&](int unit, bool rows) {
+    const int t = unit / parts, piece = unit % parts;
+    sum_token(f, g, b.epoch, t, piece * per, min(chunks, (piece + 1) * per), rows);
+  };
+  // bit j: the block's unit j (blockIdx.x + j * gridDim.x, j < 32) is such a token: a thread per pair
+  __shared__ unsigned local_units;
+  const int j = threadIdx.x / f.topk, unit = blockIdx.x + j * gridDim.x, t = unit / parts;
+  const bool listed = j < 32 && unit < units && t % f.dp == f.rank % f.dp;
+  if (threadIdx.x == 0) local_units = 0;
+  __syncthreads();
+  if (listed && threadIdx.x % f.topk == 0) atomicOr(&local_units, 1u << j);
+  __syncthreads();
+  if (listed) {
+    const int e = g.expert[(size_t)t * f.topk + threadIdx.x % f.topk];
+    if (e >= 0 && e / f.local_experts != f.rank) atomicAnd(&local_units, ~(1u << j));
+  }
+  __syncthreads();
+  const unsigned local = local_units;
+  for (unsigned left = local; left; left &= left - 1) sum_unit(blockIdx.x + (__ffs(left) - 1) * gridDim.x, false);
+  if (!heard(f, f.grad_sig, b.epoch, plan_word(g), !g.skip, MOECOMM_PHASE_DISPATCH_BACKWARD, f.dp > 1)) return;
+  for (int i = 0, u = blockIdx.x; u < units; ++i, u += gridDim.x)
+    if (i >= 32 || !(local >> i & 1)) sum_unit(u, true);
+}
+
+// combine_backward's receive part (every block, part 2): rows 0..b.m-1 of g.out_w ([rows, topk] float32). Of
+// this rank's own tokens, the pairs with a slot here (g.local) were written by the expert side, and the others
+// that were not sent or have no slot on this rank's experts (dropped there) get 0 at once; the rest, once
+// every unmasked rank that sends this rank words has signalled (f.grad_sig[1]; this rank's own only where its
+// DP group has other ranks), get their word of f.grad_w of this call, else 0. Rows >= m are left as they are.
+__device__ void weight_side(const Fixed& f, const Grad& g, const Begun& b) {
+  const int first = blockIdx.x * blockDim.x + threadIdx.x, all = gridDim.x * blockDim.x, pairs = b.m * f.topk;
+  auto here = [&](int i) {  // 1: this rank's own pair with a slot here, -1: its own with none, 0: a word's
+    if (i / f.topk % f.dp != f.rank % f.dp) return 0;
+    const int e = g.expert[i];
+    return g.local[i] >= 0 ? 1 : e < 0 || e / f.local_experts == f.rank ? -1 : 0;
+  };
+  for (int i = first; i < pairs; i += all)
+    if (here(i) < 0) g.out_w[i] = 0.0f;
+  const bool ok = heard(f, f.grad_sig + f.world, b.epoch, plan_word(g), !g.skip, MOECOMM_PHASE_COMBINE_BACKWARD,
+                        f.dp > 1);
+  for (int i = first; ok && i < pairs; i += all) {
+    if (here(i)) continue;
+    const uint64_t v = load_acquire(&f.grad_w[i]);
+    g.out_w[i] = (unsigned)(v >> 32) == b.epoch ? __uint_as_float((unsigned)v) : 0.0f;
+  }
+}
+
+// The end of both operations (every block, after the last part, `part`): this rank has read every row and
+// word of the call, so its buffer is free: f.grad_sig[2][me] = the call on every unmasked rank; the call is
+// counted in state[EPOCH_B] (every block read it in begin) and its failure reason reset.
+__device__ void finish(const Fixed& f, int part, unsigned epoch) {
+  if (!part_last(f, part)) return;
+  signal_all(f, f.grad_sig + 2 * f.world, epoch_signal(epoch, 1));
+  if (threadIdx.x == 0) {
+    f.state[MOECOMM_S_BAD_B] = 0;
+    f.state[MOECOMM_S_EPOCH_B] = epoch;
   }
 }
 
 }  // namespace
 
 // grid: _abi._gpu_blocks, resident at once (its parts wait for each other's signals). dispatch_backward:
-// g.grad is grad_expert_x [slots, hidden], g.out out_grad_x [rows, hidden] (send_part, recv_part).
+// g.grad is grad_expert_x [slots, hidden], g.out out_grad_x [rows, hidden] (send_part, token_side).
 extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, MOECOMM_BLOCKS_PER_SM)
     moecomm_dispatch_backward(const Fixed f, const Grad g) {
-  recv_part<true>(f, g, send_part<true>(f, g));
+  const Begun b = begin(f, g, MOECOMM_PHASE_DISPATCH_BACKWARD);
+  send_part<true>(f, g, b);
+  token_side(f, g, b);
+  finish(f, 1, b.epoch);
 }
 
 // grid: as moecomm_dispatch_backward. combine_backward: g.grad is grad_out [rows, hidden], g.weights
 // [rows, topk], g.y expert_y [slots, hidden], g.out out_grad_expert_y [slots, hidden], g.out_w
-// out_grad_weights [rows, topk] (send_part, expert_part, recv_part).
+// out_grad_weights [rows, topk] (send_part, expert_part, weight_side).
 extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, MOECOMM_BLOCKS_PER_SM)
     moecomm_combine_backward(const Fixed f, const Grad g) {
-  const unsigned epoch = send_part<false>(f, g);
-  expert_part(f, g, epoch);
-  recv_part<false>(f, g, epoch);
+  const Begun b = begin(f, g, MOECOMM_PHASE_COMBINE_BACKWARD);
+  send_part<false>(f, g, b);
+  expert_part(f, g, b);
+  weight_side(f, g, b);
+  finish(f, 2, b.epoch);
 }

@@ -118,6 +118,7 @@ GRAD_FIELDS = (
     ("origin", "int*"),             # plan.origin [slots, 3] int32 (source rank, token, k)
     ("call", "int*"),               # plan.call [2] int32 (generation, dispatch call)
     ("held", "int*"),               # plan.held [1 + slots] int32: n, then the n slots that hold a pair
+    ("local", "int*"),              # plan.local [max_tokens, topk] int32: the slot of each pair on this rank
     ("bound_m", "const int*"),      # [1] int32: m
     ("grad", "const uint8_t*"),     # dispatch_backward: grad_expert_x [slots, hidden]; combine_backward:
                                     # grad_out [rows, hidden]; grad_code

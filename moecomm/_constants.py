@@ -49,10 +49,11 @@ DT_BF16, DT_FP16, DT_FP32 = 0, 1, 2
 # the packed layout's row counter, then the arrays of moecomm._abi.state_layout (their offsets depend on the
 # sizes). TOKENS_EVEN / TOKENS_ODD: tokens the streamed combine_recv has claimed in even / odd calls (each
 # combine_send zeroes the next call's). The backward calls (cuda/backward.cu): EPOCH_B counts them (both
-# kinds), DONE_B is their kernels' block counter, BAD_B the reason this rank's part failed (its signals flag
-# it), ABORT_B set when the call failed anywhere (nothing more is written).
+# kinds), DONE_B0 .. DONE_B2 are their kernels' block counters (one per part: a block may be in the next part
+# before the last one has finished this one), BAD_B the reason this rank's part failed (its signals flag it).
 STATE_FIELDS = ("EPOCH_DS", "EPOCH_DR", "EPOCH_CS", "DONE_DS", "DONE_DR", "DONE_CS", "BAD", "M", "BAD_RECV", "WHY",
-                "GEN", "ROWS", "TOKENS_EVEN", "TOKENS_ODD", "EPOCH_B", "DONE_B", "BAD_B", "ABORT_B")
+                "GEN", "ROWS", "TOKENS_EVEN", "TOKENS_ODD", "EPOCH_B", "DONE_B0", "DONE_B1", "DONE_B2",
+                "BAD_B")
 STATE_FIXED = len(STATE_FIELDS)
 STAGE_SLOTS = 4       # staging rows per block for puts to peers without a load/store mapping
 BLOCK_THREADS = 256   # threads of every alltoall block: a block handles one token or record at a time

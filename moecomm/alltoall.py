@@ -94,11 +94,15 @@ class RoutingPlan(NamedTuple):
             that hold a pair, and held[1 .. n] those slots in the order plan() wrote them (the backward
             kernels share them out evenly instead of scanning every slot; on GPUs a dispatched record's
             slots stand together, and dispatch_backward sums them so); the rest unspecified.
+        local: [max_num_tokens, experts_per_token] int32, the slot (padded) or row (packed) of each pair this
+            rank sent to one of its own experts (as held lists them); -1 elsewhere. The backward calls read a
+            rank's own tokens' slots there instead of passing them through its buffers.
     """
     expert: object
     origin: object
     call: object
     held: object
+    local: object
 
 
 class _Backward(NamedTuple):
@@ -113,6 +117,7 @@ class _Backward(NamedTuple):
     origin: object
     call: object
     held: object
+    local: object
     grad: object
     grad_dtype: object
     out_dtype: object
@@ -483,8 +488,8 @@ class AllToAll:
         """The shapes of a :class:`RoutingPlan` of this AllToAll (its arrays are int32)."""
         c = self.cfg
         slots = tuple(c.expert_x_shape()[:-1])
-        return RoutingPlan((c.max_num_tokens, c.experts_per_token), slots + (3,), (2,),
-                           (1 + int(np.prod(slots)),))
+        pairs = (c.max_num_tokens, c.experts_per_token)
+        return RoutingPlan(pairs, slots + (3,), (2,), (1 + int(np.prod(slots)),), pairs)
 
     def plan(self, out_plan, stream=None):
         """Write the placement of the last dispatch into ``out_plan`` (a :class:`RoutingPlan` of int32 arrays
@@ -516,7 +521,8 @@ class AllToAll:
         Raises InvalidArgument for a refused argument (the peers raise PeerError naming this rank), and as
         :meth:`dispatch` for timeouts. On GPUs the kernels check m and the plans (every rank's must be of
         the same dispatch), and what they record is raised at the end of this call or a later one, or by
-        :meth:`synchronize`, as for dispatch.
+        :meth:`synchronize`, as for dispatch. A call that raises leaves its outputs unspecified (it may have
+        written part of them); the next call is unaffected.
         """
         self._backward("dispatch_backward", stream, out_grad_x, lambda: self._read_backward(
             plan, bound_m, (grad_expert_x, "grad_expert_x", self._expert_shape),
@@ -593,7 +599,8 @@ class AllToAll:
         origin, _, _, _ = read(plan.origin, "plan.origin", _COUNTS, shapes.origin, output)
         call, _, _, _ = read(plan.call, "plan.call", _COUNTS, shapes.call, output)
         held, _, _, _ = read(plan.held, "plan.held", _COUNTS, shapes.held, output)
-        return RoutingPlan(expert, origin, call, held)
+        local, _, _, _ = read(plan.local, "plan.local", _COUNTS, shapes.local, output)
+        return RoutingPlan(expert, origin, call, held, local)
 
     def _read_backward(self, plan, bound_m, grad, **named):
         """A backward call's arguments: the plan, m, the gradient ``grad`` and ``named`` others, each

@@ -128,6 +128,12 @@ def check(a2a, comm, groups, m, wd, fails, label, between=None):
     listed = np.flatnonzero(here)
     if plan.held[0] != listed.size or not np.array_equal(np.sort(plan.held[1:1 + listed.size]), listed):
         fails.append(f"{label}: plan.held does not list the slots plan.origin holds")
+    flat = plan.origin.reshape(-1, 3)
+    own = np.flatnonzero(flat[:, 0] == r)  # slots of this rank's own pairs
+    want_local = np.full((M, K), -1, np.int32)
+    want_local[flat[own, 1], flat[own, 2]] = own
+    if not np.array_equal(plan.local, want_local):
+        fails.append(f"{label}: plan.local does not name the slots of this rank's own pairs")
     if int(filled.sum()) != int(n.sum()):
         fails.append(f"{label}: plan.origin holds {int(filled.sum())} pairs, the dispatch received {int(n.sum())}")
 

@@ -7,8 +7,8 @@ input buffer out_expert_x (with its scales) each rank holds, sized for the worst
 every rank to one expert: max_num_tokens * ranks slots per local expert) against a capacity of
 ``--capacity-factor`` times the mean demand per expert (tokens * ranks * top-k / experts), the setting
 of ``AllToAll(capacity=..., overflow=...)``. Third table: the routing plan a training step keeps per MoE
-layer and rank for its backward (``AllToAll.plan``: expert [max_num_tokens, k], origin [slots, 3] and held
-[1 + slots], int32), for the padded layout's slots (worst case, and the capacity above) and the packed
+layer and rank for its backward (``AllToAll.plan``: expert and local [max_num_tokens, k], origin [slots, 3]
+and held [1 + slots], int32), for the padded layout's slots (worst case, and the capacity above) and the packed
 layout's worst-case rows (max_num_tokens * ranks * min(k, local experts)), beside the layer's out_expert_x it
 describes, and the symmetric memory ``gradients=True`` adds per AllToAll on GPUs (the gradient rows and words).
 
@@ -65,7 +65,7 @@ def main():
             row = c.hidden_dim * c.in_dtype.itemsize + 4 * c.hidden_dim_scale
             demand = args.capacity_factor * tokens * world * c.experts_per_token / c.num_experts
             cap = min(c.expert_capacity, ceil(demand))
-            expert = 4 * tokens * c.experts_per_token  # plan.expert
+            expert = 2 * 4 * tokens * c.experts_per_token  # plan.expert and plan.local
             packed = tokens * world * min(c.experts_per_token, c.num_local_experts)
             plans = [expert + 16 * slots + 4 for slots in (c.num_local_experts * c.expert_capacity,
                                                        c.num_local_experts * cap, packed)]

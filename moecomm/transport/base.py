@@ -113,7 +113,9 @@ class AllToAllBackend(abc.ABC):
         RoutingPlan of arrays as read): ``expert`` [max_num_tokens, k] int32, the physical expert of each
         (token, k) pair this rank sent (-1: none); ``origin`` [out_expert_x's shape but the last, 3] int32,
         (source rank, token, k) of each slot (-1: empty); ``call`` [2] int32, (restart generation, dispatch
-        number), the same on every rank. Not collective."""
+        number), the same on every rank; ``held`` [1 + slots] int32, how many slots hold a pair and which;
+        ``local`` [max_num_tokens, k] int32, the slot of each pair this rank sent to its own experts (-1:
+        none). Not collective."""
         raise NotImplementedError
 
     def dispatch_backward(self, args, stream) -> None:

@@ -246,9 +246,11 @@ class GpuAllToAll(AllToAllBackend):
         if not self._dispatched:
             raise InvalidArgument("plan: no dispatch has been received since construction or the last mask_ranks")
         g = self._grad
-        g.expert, g.origin, g.call, g.held = plan.expert, plan.origin, plan.call, plan.held
+        g.expert, g.origin, g.call, g.held, g.local = plan
         g.generation = self._restarts
         self._cupy.cuda.runtime.memsetAsync(plan.origin, 0xFF, 12 * g.slots, stream)  # -1: empty slots
+        self._cupy.cuda.runtime.memsetAsync(plan.local, 0xFF, 4 * self.cfg.max_num_tokens * self.cfg.experts_per_token,
+                                            stream)  # -1: not on this rank
         self._cupy.cuda.runtime.memsetAsync(plan.held, 0, 4, stream)  # none held yet
         self._grads[0]["moecomm_plan"](stream)
 
@@ -263,7 +265,7 @@ class GpuAllToAll(AllToAllBackend):
         ``phase``'s kernel on ``stream``."""
         self.check_error(timeout_only=True)
         g = self._grad
-        g.expert, g.origin, g.call, g.held = a.expert, a.origin, a.call, a.held
+        g.expert, g.origin, g.call, g.held, g.local = a.expert, a.origin, a.call, a.held, a.local
         g.bound_m, g.rows = a.bound_m, a.rows
         g.grad, g.out, g.grad_code, g.out_code = a.grad, out, _DT_CODES[a.grad_dtype], _DT_CODES[a.out_dtype]
         g.out_w, g.weights, g.y = a.out_grad_weights or 0, a.weights or 0, a.y or 0

@@ -492,7 +492,7 @@ class HostAllToAll(AllToAllBackend):
 
     # backward: the gradients, along a routing plan ------------------------------------------
     def write_plan(self, plan, stream=None):
-        expert, origin, call, held = plan
+        expert, origin, call, held, local = plan
         if self._received is None:
             raise InvalidArgument("plan: no dispatch has been received since construction or the last mask_ranks "
                                   "(or the last one failed)")
@@ -504,6 +504,10 @@ class HostAllToAll(AllToAllBackend):
         call[:] = self._dispatch_call
         slots = np.flatnonzero(origin[..., 0] >= 0)
         held[0], held[1:1 + slots.size] = slots.size, slots
+        pairs = origin.reshape(-1, 3)
+        own = slots[pairs[slots, 0] == self.cfg.rank]
+        local[:] = -1
+        local[pairs[own, 1], pairs[own, 2]] = own
 
     def dispatch_backward(self, a, stream=None):
         cfg = self.cfg
