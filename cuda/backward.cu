@@ -557,9 +557,11 @@ __device__ bool slot_pass(const Fixed& f, const Grad& g, const Begun& b, bool ow
 // its own buffer), over the others. Ends with f.grad_sig[1][me] on every unmasked rank.
 __device__ void expert_part(const Fixed& f, const Grad& g, const Begun& b) {
   for (int pass = 0; pass < 2; ++pass) {  // one loop, not two calls: the pass's code once (registers)
-    if (pass == 1 && !heard(f, f.grad_sig, b.epoch, plan_word(g), !g.skip, MOECOMM_PHASE_COMBINE_BACKWARD, false))
+    const bool others = slot_pass(f, g, b, pass == 0);
+    // every block hears the peers here, before any later wait: a rank that never came is the one a timeout names
+    if (pass == 0 && (!heard(f, f.grad_sig, b.epoch, plan_word(g), !g.skip, MOECOMM_PHASE_COMBINE_BACKWARD, false) ||
+                      !others))
       break;
-    if (!slot_pass(f, g, b, pass == 0)) break;  // no slots of the other pass
   }
   part_done(f, 1, f.grad_sig + f.world, b.epoch, plan_word(g));
 }
