@@ -30,8 +30,9 @@
 #                                    groups, a rank whose program fails
 #   bash tools/gpu_check.sh grads    gradients: tests/mpi_backward.py (1 rank on both transports and the put path, 2
 #                                    and 4 ranks time-sliced over ipc), the JAX and PyTorch layers' gradients,
-#                                    then tools/grad_bench.py at world size 1 (GRAD_BENCH= skips it; GRAD_NCU=1
-#                                    adds Nsight Compute of every kernel of one eager pass at R1-decode)
+#                                    then tools/grad_bench.py at world size 1, and on every GPU where there are
+#                                    several (GRAD_BENCH= skips it; GRAD_NCU=1 adds Nsight Compute of every
+#                                    kernel of one eager pass at R1-decode)
 #   bash tools/gpu_check.sh formats  the formats of the wire (tests/mpi_formats.py: scale dtypes and layouts, opaque
 #                                    rows, the FP8 combine wire) at world size 1 on both transports and at 2 and 4
 #                                    ranks time-sliced over ipc, then R1-decode at world size 1 with combine's rows
@@ -125,6 +126,8 @@ if [ "${1:-}" = grads ]; then  # gradients: the plan and both backward calls, th
     [ $status = 0 ] ) || status=1
   [ -n "${GRAD_BENCH-1}" ] && step "${MPIRUN[@]}" -np 1 python3 tools/grad_bench.py --transport ipc \
     --iters ${BENCH_ITERS:-300} --json "$out/ws1-gradients.json"
+  [ -n "${GRAD_BENCH-1}" ] && [ "$ngpu" -gt 1 ] && step "${MPIRUN[@]}" -np "$ngpu" python3 tools/grad_bench.py \
+    --transport $T --iters ${BENCH_ITERS:-300} --json "$out/ep$ngpu-gradients.json"
   if [ -n "${GRAD_NCU:-}" ]; then  # every kernel of one eager pass of each phase, forward and backward, at decode
     for cfg in r1-decode-cap32 r1-decode; do
       step "${MPIRUN[@]}" -x LD_LIBRARY_PATH -np 1 ncu --clock-control none -k "regex:moecomm_" --launch-count 12 \
