@@ -226,8 +226,9 @@ struct Stage {
   }
 };
 
-// Destinations of one row on the peers [q0, q1), built by every thread of the block alike: mapped peers
-// get direct stores (into dsts), the others a staged copy (appended to dsts) and a put (send_puts).
+// Destinations of one row on the peers [q0, q1) (or on a list of ranks: start, add each, finish), built by
+// every thread of the block alike: mapped peers get direct stores (into dsts), the others a staged copy
+// (appended to dsts) and a put (send_puts).
 struct Targets {
   uint8_t** dsts;    // shared, MAX_FANOUT
   uint8_t** remote;  // shared, symmetric addresses of the put targets
@@ -235,22 +236,29 @@ struct Targets {
   int n, n_put;
   uint8_t* staged;
   __device__ void build(const long long* peers, uint8_t* symmetric, int q0, int q1, Stage& st) {
+    start();
+    for (int q = q0; q < q1; ++q) add(peers, symmetric, q);
+    finish(st);
+  }
+  __device__ __forceinline__ void start() {
     __syncthreads();  // the shared arrays may still be read for the previous row
     n = n_put = 0;
     staged = nullptr;
-    for (int q = q0; q < q1; ++q) {
-      uint8_t* p = peer_ptr(peers, symmetric, q);
-      if (p) {
-        if (threadIdx.x == 0) dsts[n] = p;
-        ++n;
-      } else {
-        if (threadIdx.x == 0) {
-          remote[n_put] = symmetric;
-          pes[n_put] = q;
-        }
-        ++n_put;
+  }
+  __device__ __forceinline__ void add(const long long* peers, uint8_t* symmetric, int q) {
+    uint8_t* p = peer_ptr(peers, symmetric, q);
+    if (p) {
+      if (threadIdx.x == 0) dsts[n] = p;
+      ++n;
+    } else {
+      if (threadIdx.x == 0) {
+        remote[n_put] = symmetric;
+        pes[n_put] = q;
       }
+      ++n_put;
     }
+  }
+  __device__ __forceinline__ void finish(Stage& st) {
     if (n_put) {
       staged = st.next();
       if (threadIdx.x == 0) dsts[n] = staged;

@@ -90,32 +90,6 @@ __device__ bool heard(const Fixed& f, const uint64_t* sig, unsigned epoch, unsig
   return __syncthreads_and(ok);
 }
 
-// Destinations of a row on ranks[0..n) (shared; every thread alike), as Targets::build does for a range.
-__device__ void build_list(Targets& tg, const Fixed& f, uint8_t* symmetric, const int* ranks, int n, Stage& st) {
-  __syncthreads();  // the shared arrays may still be read for the previous row
-  tg.n = tg.n_put = 0;
-  tg.staged = nullptr;
-  for (int j = 0; j < n; ++j) {
-    uint8_t* p = peer_ptr(f.peers, symmetric, ranks[j]);
-    if (p) {
-      if (threadIdx.x == 0) tg.dsts[tg.n] = p;
-      ++tg.n;
-    } else {
-      if (threadIdx.x == 0) {
-        tg.remote[tg.n_put] = symmetric;
-        tg.pes[tg.n_put] = ranks[j];
-      }
-      ++tg.n_put;
-    }
-  }
-  if (tg.n_put) {
-    tg.staged = st.next();
-    if (threadIdx.x == 0) tg.dsts[tg.n] = tg.staged;
-    ++tg.n;
-  }
-  __syncthreads();
-}
-
 // Block-wide: put a staged row (tg.staged) to tg's put targets, its bytes [from, to) and its part from `tail`
 // on (weights, trailer). Not inlined (as put_block_all): NVSHMEM's put path would take registers from the sums.
 static __device__ __noinline__ void put_row(const Targets& tg, int from, int to, int tail, int row_bytes) {
@@ -396,7 +370,9 @@ __device__ void send_part(const Fixed& f, const Grad& g, const Begun& b) {
           }
           __syncthreads();
           if (!n_ranks) continue;
-          build_list(tg, f, row, ranks, n_ranks, st);
+          tg.start();
+          for (int j = 0; j < n_ranks; ++j) tg.add(f.peers, row, ranks[j]);
+          tg.finish(st);
           sum_rows(tg.dsts, tg.n, code, srcs, codes, slots, c0, c1);
           finish_row(f, tg, 8 * item * c0, 8 * item * c1, epoch, code);
         }
@@ -420,7 +396,10 @@ __device__ void send_part(const Fixed& f, const Grad& g, const Begun& b) {
       }
       __syncthreads();
       if (!n_ranks) continue;
-      build_list(tg, f, f.grad_buf + ((size_t)f.rank * f.max_tokens + t) * f.grad_row_bytes, ranks, n_ranks, st);
+      uint8_t* const row = f.grad_buf + ((size_t)f.rank * f.max_tokens + t) * f.grad_row_bytes;
+      tg.start();
+      for (int j = 0; j < n_ranks; ++j) tg.add(f.peers, row, ranks[j]);
+      tg.finish(st);
       fanout16(tg.dsts, tg.n, g.grad + (size_t)t * bytes, bytes);
       if (threadIdx.x < f.topk) {
         const float w = g.weights[(size_t)t * f.topk + threadIdx.x];
