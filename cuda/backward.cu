@@ -206,8 +206,8 @@ __device__ void part_done(const Fixed& f, int part, uint64_t* sig, unsigned epoc
   signal_all(f, sig, epoch_signal(epoch, bad ? SIG_BAD | bad : word));
 }
 
-// What every block of a backward call knows once its send part is over: the call, and m where this rank's part
-// of it runs with data (`ok`: not skipped, m in range; else m is 0).
+// What every block of a backward call knows from its start (begin): the call, and m where this rank's part of
+// it runs with data (`ok`: not skipped, m in range; else m is 0).
 struct Begun {
   unsigned epoch;
   int m;
@@ -294,7 +294,7 @@ __device__ Begun begin(const Fixed& f, const Grad& g, int phase) {
 // Dispatch (expert side): each group of g.held (a token's slots on this rank, find_groups) sends one row of
 // g.grad ([slots, hidden], g.grad_code) to the other ranks of its source's DP group: the slot's gradient as it
 // is when the group has one slot, else the group's sum in float32 (this rank's own tokens read their slots in
-// place: recv_part). Combine (token side): each token t < m of this rank's DP share sends g.grad[t] ([rows,
+// place: token_side). Combine (token side): each token t < m of this rank's DP share sends g.grad[t] ([rows,
 // hidden]) and g.weights[t] to the other ranks of its experts in g.expert (masked ranks skipped; expert_part
 // reads them in place for this rank's own experts). Ends with f.grad_sig[0][me] on every unmasked rank.
 template <bool Dispatch>
@@ -350,7 +350,7 @@ __device__ void send_part(const Fixed& f, const Grad& g, const Begun& b) {
           }
           continue;
         }
-        if (q == f.rank && f.dp == 1) continue;  // this rank's own token, and nobody else's: recv_part sums it
+        if (q == f.rank && f.dp == 1) continue;  // this rank's own token, and nobody else's: token_side sums it
         __syncthreads();  // srcs may still be read for the previous group
         if (threadIdx.x < slots) {
           srcs[threadIdx.x] = g.grad + (size_t)g.held[1 + p + threadIdx.x] * bytes;
