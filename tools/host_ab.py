@@ -3,14 +3,17 @@
     python tools/host_ab.py --base DIR [--rounds 3] [--json ws1-host-time.json]
 
 DIR is another checkout of moecomm (the call path before a change, say); this tree is the other. Each round
-runs ``python -m moecomm.bench --configs r1-decode --no-graph`` once per tree, alternating, and the JSON keeps
-every round's medians (DeviceBuffer, CuPy and torch inputs; dispatch and combine) and the best of each: this
-VM's eager figures move by tens of percent between runs, so only interleaved rounds compare.
+runs ``python -m moecomm.bench --configs r1-decode --no-graph`` once per tree (which goes first alternates
+between rounds), and the JSON keeps every round's medians (DeviceBuffer, CuPy and torch inputs; dispatch and
+combine), the best of each, and the median over rounds of this tree's difference from the base within a round:
+this VM's eager figures move by tens of percent between runs, so only interleaved rounds compare, and the
+paired difference is the steadier figure where a whole round runs slow.
 """
 import argparse
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -41,19 +44,24 @@ def main():
     args = p.parse_args()
     trees = {"base": Path(args.base).resolve(), "this": HERE}
     runs = {name: [] for name in trees}
-    for _ in range(args.rounds):
-        for name, tree in trees.items():
-            runs[name].append(host_times(tree, args.iters))
+    for i in range(args.rounds):
+        for name in (trees if i % 2 == 0 else reversed(trees)):
+            runs[name].append(host_times(trees[name], args.iters))
+    kinds = runs["this"][0]
     best = {name: {kind: {phase: min(r[kind][phase] for r in rs) for phase in rs[0][kind]} for kind in rs[0]}
             for name, rs in runs.items()}
+    paired = {kind: {phase: round(statistics.median(t[kind][phase] - b[kind][phase]
+                                                    for b, t in zip(runs["base"], runs["this"])), 2)
+                     for phase in kinds[kind]} for kind in kinds}
     doc = {"command": "python tools/host_ab.py " + " ".join(sys.argv[1:]), "host": platform.node(),
            "python": platform.python_version(), "trees": {k: str(v) for k, v in trees.items()}, "rounds": runs,
-           "best": best}
+           "best": best, "median_difference_this_minus_base": paired}
     Path(args.json).write_text(json.dumps(doc, indent=1))
-    print(f"{'host us per call (best of rounds)':<34} {'base d/c':>14} {'this d/c':>14}")
-    for kind in best["this"]:
-        b, t = best["base"][kind], best["this"][kind]
-        print(f"{kind:<34} {b['dispatch']:>6.1f}/{b['combine']:<7.1f} {t['dispatch']:>6.1f}/{t['combine']:<7.1f}")
+    print(f"{'host us per call':<12} {'base best d/c':>15} {'this best d/c':>15} {'this - base, median d/c':>25}")
+    for kind in kinds:
+        b, t, d = best["base"][kind], best["this"][kind], paired[kind]
+        print(f"{kind:<12} {b['dispatch']:>7.1f}/{b['combine']:<7.1f} {t['dispatch']:>7.1f}/{t['combine']:<7.1f} "
+              f"{d['dispatch']:>+12.2f}/{d['combine']:<+12.2f}")
 
 
 if __name__ == "__main__":
