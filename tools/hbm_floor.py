@@ -1,16 +1,21 @@
 """The memory floor of R1-prefill's two phases on one GPU: HBM rates of their access patterns, measured.
 
-    python tools/hbm_floor.py [--iters 50] [--json hbm-floor.json]
+    python tools/hbm_floor.py [--world 2|1] [--iters 50] [--json hbm-floor.json]
 
 At prefill sizes each phase moves a few hundred MB through HBM beside its NVLink traffic. This tool times,
 on one GPU with nothing else running, kernels that do nothing but each phase's memory pattern at full
-occupancy (every thread a 16-byte chunk, grid-stride), with R1-prefill's shapes at EP2 per rank:
+occupancy (every thread a 16-byte chunk, grid-stride), with R1-prefill's shapes per rank. At EP2
+(``--world 2``, the default):
 
 * dispatch: token rows (fp8 + scales, 7392 B) read once and written into four expert rows each (a rank's own
   tokens, then the records it received), and the records landing from the peer (a memset of their bytes);
 * combine: bf16 rows (14336 B) summed four at a time (the expert side: a peer's record) and five at a time
   (the token side: four own expert rows and the peer's partial sum), one row written per sum, and the
   partial sums landing from the peer (a memset).
+
+At world size 1 (``--world 1``: every pair is the rank's own) the dispatch writes each token into its eight
+expert rows, and the combine's token side sums a token's eight expert rows (the streamed combine forms no
+partial sums of its own rows); nothing lands.
 
 It prints each pattern's rate (bytes read + written per second) and the phase's time at those rates: a floor
 that no kernel moving the same bytes can go below on this GPU (the NVLink floor, 369 GB/s of SM stores
@@ -53,13 +58,14 @@ extern "C" __global__ void wsum(const int4* src, int4* dst, const int* rows_of, 
 }
 """
 
-# R1-prefill at EP2, uniform routing: tokens, records to the peer, own experts per token
-TOKENS, PEER_RECORDS, LOCAL = 4096, 4081, 4
+# R1-prefill, uniform routing: tokens, top-k, and at EP2 the records to the peer and own experts per token
+TOKENS, TOPK, PEER_RECORDS, LOCAL = 4096, 8, 4081, 4
 X_ROW, Y_ROW = 7168 + 56 * 4, 7168 * 2       # a token row (fp8 + float32 scales); an expert output row (bf16)
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--world", type=int, default=2, choices=(1, 2), help="R1-prefill per rank at EP2, or alone")
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--json", default=None, help="write the figures here")
     args = p.parse_args(argv)
@@ -67,7 +73,8 @@ def main(argv=None):
     from moecomm.bench import environment, stats
     from moecomm.transport.gpu_alltoall import record_bytes
     from moecomm._config import AllToAllConfig
-    cfg = AllToAllConfig.create(2, 0, TOKENS, 256, 8, 7168, 56, "float8_e4m3fn", "bfloat16", None, 1)
+    cfg = AllToAllConfig.create(args.world, 0, TOKENS, 256, TOPK, 7168, 56, "float8_e4m3fn", "bfloat16", None, 1)
+    peer_records, local = (PEER_RECORDS, LOCAL) if args.world == 2 else (0, TOPK)
     rec = record_bytes(cfg)
     mod = cp.RawModule(code=KERNELS)
     fanout, wsum = mod.get_function("fanout"), mod.get_function("wsum")
@@ -92,49 +99,62 @@ def main(argv=None):
         return cp.asarray(rng.permutation(n_dst)[:n_src * per].astype(np.int32))
 
     out = {}
-    # dispatch: own tokens and received records fanned out to LOCAL expert rows each; records landing
-    src_rows = TOKENS + PEER_RECORDS
+    # dispatch: own tokens and received records fanned out to `local` expert rows each; records landing
+    src_rows = TOKENS + peer_records
     x = cp.zeros((src_rows, X_ROW // 16, 4), np.int32)
-    expert_rows = cp.zeros((src_rows * LOCAL, X_ROW // 16, 4), np.int32)
-    dest = rows(src_rows, src_rows * LOCAL, LOCAL)
-    landing = cp.zeros(PEER_RECORDS * rec, np.uint8)
-    fan_bytes = src_rows * X_ROW * (1 + LOCAL)
+    expert_rows = cp.zeros((src_rows * local, X_ROW // 16, 4), np.int32)
+    dest = rows(src_rows, src_rows * local, local)
+    fan_bytes = src_rows * X_ROW * (1 + local)
     out["fanout"] = dict(timed(lambda x=x, expert_rows=expert_rows: fanout(
                              grid, threads, (x, expert_rows, dest, np.int64(src_rows), np.int32(X_ROW // 16),
-                                             np.int32(LOCAL)))),
+                                             np.int32(local)))),
                          bytes=fan_bytes)
-    out["landing_dispatch"] = dict(timed(lambda: landing.fill(0)), bytes=landing.nbytes)  # a memset
-    del x, expert_rows, landing
-    # combine: the expert side sums LOCAL rows per peer record, the token side LOCAL + 1 per token
-    y = cp.zeros((src_rows * LOCAL, Y_ROW // 16, 4), np.int32)
-    partial = cp.zeros((PEER_RECORDS, Y_ROW // 16, 4), np.int32)
+    dispatch_keys, combine_keys = ["fanout"], []
+    if peer_records:
+        landing = cp.zeros(peer_records * rec, np.uint8)
+        out["landing_dispatch"] = dict(timed(lambda: landing.fill(0)), bytes=landing.nbytes)  # a memset
+        dispatch_keys.append("landing_dispatch")
+        del landing
+    del x, expert_rows
+    # combine: the expert side sums `local` rows per peer record, the token side its own expert rows and the
+    # peer's partial sum (world size 1: its eight own rows)
+    y = cp.zeros((src_rows * local, Y_ROW // 16, 4), np.int32)
     tokens_out = cp.zeros((TOKENS, Y_ROW // 16, 4), np.int32)
-    of4 = rows(PEER_RECORDS, src_rows * LOCAL, LOCAL)
-    of5 = rows(TOKENS, src_rows * LOCAL, LOCAL + 1)
-    out["sum4"] = dict(timed(lambda: wsum(grid, threads, (y, partial, of4, np.int64(PEER_RECORDS),
-                                                            np.int32(Y_ROW // 16), np.int32(LOCAL)))),
-                       bytes=PEER_RECORDS * Y_ROW * (LOCAL + 1))
-    out["sum5"] = dict(timed(lambda: wsum(grid, threads, (y, tokens_out, of5, np.int64(TOKENS),
-                                                            np.int32(Y_ROW // 16), np.int32(LOCAL + 1)))),
-                       bytes=TOKENS * Y_ROW * (LOCAL + 2))
-    landing = cp.zeros(PEER_RECORDS * Y_ROW, np.uint8)
-    out["landing_combine"] = dict(timed(lambda: landing.fill(0)), bytes=landing.nbytes)
+    if peer_records:
+        partial = cp.zeros((peer_records, Y_ROW // 16, 4), np.int32)
+        of_expert = rows(peer_records, src_rows * local, local)
+        out[f"sum{local}"] = dict(timed(lambda: wsum(grid, threads, (y, partial, of_expert, np.int64(peer_records),
+                                                                       np.int32(Y_ROW // 16), np.int32(local)))),
+                                  bytes=peer_records * Y_ROW * (local + 1))
+        combine_keys.append(f"sum{local}")
+    n_token = local + (1 if peer_records else 0)  # rows each token sums
+    of_token = rows(TOKENS, src_rows * local, n_token)
+    out[f"sum{n_token}"] = dict(timed(lambda: wsum(grid, threads, (y, tokens_out, of_token, np.int64(TOKENS),
+                                                                     np.int32(Y_ROW // 16), np.int32(n_token)))),
+                                bytes=TOKENS * Y_ROW * (n_token + 1))
+    combine_keys.append(f"sum{n_token}")
+    if peer_records:
+        landing = cp.zeros(peer_records * Y_ROW, np.uint8)
+        out["landing_combine"] = dict(timed(lambda: landing.fill(0)), bytes=landing.nbytes)
+        combine_keys.append("landing_combine")
     big = cp.zeros(1 << 30, np.uint8)
     copy = cp.empty_like(big)
     out["copy_1GiB"] = dict(timed(lambda: copy.__setitem__(Ellipsis, big)), bytes=2 * big.nbytes)
     for k, v in out.items():
         v["TBps"] = v["bytes"] / v["median_us"] / 1e6
-    floors = {"dispatch": sum(out[k]["median_us"] for k in ("fanout", "landing_dispatch")),
-              "combine": sum(out[k]["median_us"] for k in ("sum4", "sum5", "landing_combine"))}
+    floors = {"dispatch": sum(out[k]["median_us"] for k in dispatch_keys),
+              "combine": sum(out[k]["median_us"] for k in combine_keys)}
     print(f"{'pattern':<18} {'MB':>8} {'median us':>10} {'TB/s':>6}")
     for k, v in out.items():
         print(f"{k:<18} {v['bytes'] / 1e6:>8.1f} {v['median_us']:>10.1f} {v['TBps']:>6.2f}")
-    print(f"HBM floor of R1-prefill per rank at EP2: dispatch {floors['dispatch']:.1f} us, "
+    print(f"HBM floor of R1-prefill per rank at {'EP2' if args.world == 2 else 'world size 1'}: "
+          f"dispatch {floors['dispatch']:.1f} us, "
           f"combine {floors['combine']:.1f} us")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"command": "python " + " ".join(sys.argv), "environment": environment(),
-                       "patterns": out, "floors_us": floors, "record_bytes": rec, "grid": [grid[0], threads[0]]},
+                       "world_size": args.world, "patterns": out, "floors_us": floors, "record_bytes": rec,
+                       "grid": [grid[0], threads[0]]},
                       f, indent=1)
 
 
