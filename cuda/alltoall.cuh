@@ -46,16 +46,19 @@ constexpr unsigned M_INVALID = 0x80000000u;
 // dispatch_send sends on the grid's first `senders` blocks: all of them in the split kernel, f.senders in the
 // one-launch kernel (a share of it where records stream: its other blocks unpack the records that have landed,
 // from HBM, while the sends keep NVLink busy; moecomm/_abi.py, dispatch_senders).
-// Pipelined: the one-launch kernel of streamed batches (moecomm_dispatch_streamed), whose sending blocks
-// route a token while they send the one before, in a build without puts (HAS_PUTS, transport.cuh); the other
-// kernels carry none of that code.
+// Pipelined: the one-launch kernel of streamed batches (moecomm_dispatch_streamed) and the local path's
+// (local.cu), whose sending blocks route a token while they send the one before where they have several, in a
+// build without puts (HAS_PUTS, transport.cuh); the other kernels carry none of that code. `local` (local.cu:
+// world size 1, the padded layout, so that no record is unpacked): the send half's last block also ends the
+// receive half, dispatch_counts (the counts per local expert, telemetry, the receive half's call number).
 // combine_send returns its call number, which combine_recv waits for (the split kernel reads it back from
 // state[EPOCH_CS]). `stream`: the one-launch combine's streamed form (combine.cu). Wire: the combine's rows
 // travel on the FP8 combine wire (f.wire; weighted_sum), in kernels of their own (moecomm_combine*_wire), so
 // that the out-dtype kernels carry none of its code.
 template <bool Pipelined>
-__device__ void dispatch_send(const Fixed& f, const Call& c, int senders);
+__device__ void dispatch_send(const Fixed& f, const Call& c, int senders, bool local = false);
 __device__ void dispatch_recv(const Fixed& f, const Call& c);
+__device__ void dispatch_counts(const Fixed& f, const Call& c, unsigned epoch);
 template <bool Wire>
 __device__ unsigned combine_send(const Fixed& f, const Call& c, bool stream);
 template <bool Wire>
@@ -273,6 +276,33 @@ struct Targets {
   }
 };
 
+// A combine call's checks, by every thread of its grid: rows 0..m-1 of the call are combined unless `reason` (0:
+// none) says why nothing is: c.skip (a refused call: c.reason), a bound_m other than the dispatched m
+// (ERR_M_DIFFERS) or above c.rows, the fewest rows of the call's per-token arrays (ERR_BAD_M), or a dispatch
+// whose receive half failed (`bad_recv`, state[BAD_RECV], which the next dispatch_send clears). Block 0's
+// thread 0 records the first two (the call number `epoch`) and zeroes the next call's token claims
+// (combine_recv's streamed form).
+struct CombineCheck {
+  int m;
+  unsigned reason, bad_recv;
+};
+__device__ __forceinline__ CombineCheck combine_check(const Fixed& f, const Call& c, unsigned epoch) {
+  const int m = c.skip ? 0 : *c.bound_m;
+  const unsigned dispatched = f.state[MOECOMM_S_M];
+  const bool differs = !c.skip && dispatched != M_INVALID && m != (int)dispatched;
+  const bool short_rows = !c.skip && !differs && dispatched != M_INVALID && m > c.rows;
+  const unsigned bad_recv = f.state[MOECOMM_S_BAD_RECV];
+  const unsigned reason = c.skip ? (unsigned)c.reason
+      : differs ? (unsigned)MOECOMM_ERR_M_DIFFERS : short_rows ? (unsigned)MOECOMM_ERR_BAD_M : bad_recv;
+  if (blockIdx.x == 0 && threadIdx.x == 0) {
+    f.state[MOECOMM_S_TOKENS_EVEN + (epoch + 1) % 2] = 0;
+    if (differs) record_error(f.err, MOECOMM_ERR_M_DIFFERS, f.rank, MOECOMM_PHASE_COMBINE, m, (int)epoch);
+    if (short_rows)
+      record_error(f.err, MOECOMM_ERR_BAD_M, f.rank, MOECOMM_PHASE_COMBINE, m, (int)epoch, min(c.rows, f.max_tokens));
+  }
+  return {m, reason, bad_recv};
+}
+
 // True in every thread of the block that finishes last. All threads call it after their work (threads that
 // put have completed their puts: quiet). One fence per block, by thread 0 after a barrier: the barrier makes
 // every thread's writes observed by thread 0, whose fence is cumulative (the pattern of cooperative groups'
@@ -486,26 +516,28 @@ __device__ __forceinline__ void store_chunk(const Fixed& f, const float* a, int 
 }
 
 // Block-wide (or by the block's threads tid = 0..nthreads-1): dsts[0..nd) = sum_j w[j] * rows[j] over n rows of
-// f.hidden values, accumulated in float. Rows and destinations are in the output dtype, or (SrcWire, DstWire)
-// on the FP8 combine wire. Each thread handles two 8-value chunks at a time and loads them from 4 rows before
-// accumulating, so up to 8 loads are in flight; a 14 KB bf16 row takes two such rounds per group of 4 rows.
+// f.hidden values, accumulated in float; only the 8-value chunks [from, to) of the rows where `to` is given (0:
+// the whole row). Rows and destinations are in the output dtype, or (SrcWire, DstWire) on the FP8 combine wire.
+// Each thread handles two chunks at a time and loads them from Batch rows before accumulating, so up to
+// 2 * Batch loads are in flight; a 14 KB bf16 row takes two such rounds per group of Batch rows.
 // nthreads is a multiple of 16 and f.hidden of MOECOMM_COMBINE_BLOCK where a side is on the wire, so a
 // half-warp's lanes hold the 16 chunks of one scale block together.
-template <bool SrcWire, bool DstWire>
+template <bool SrcWire, bool DstWire, int Batch = 4>
 __device__ __forceinline__ void weighted_sum(const Fixed& f, const uint8_t* const* rows, const float* w, int n,
                                              uint8_t* const* dsts, int nd, int tid = threadIdx.x,
-                                             int nthreads = THREADS) {
+                                             int nthreads = THREADS, int from = 0, int to = 0) {
   constexpr bool exact = SrcWire || DstWire;  // round each product and sum, as the reference does
-  const int chunks = f.hidden / 8;
-  for (int c = tid; c < chunks; c += 2 * nthreads) {
+  const int chunks = to ? to : f.hidden / 8;
+  for (int c = from + tid; c < chunks; c += 2 * nthreads) {
     const int c1 = c + nthreads;
     const bool two = c1 < chunks;
     float a0[8] = {0, 0, 0, 0, 0, 0, 0, 0}, a1[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    for (int j = 0; j < n; j += 4) {
-      int4 v0[4], v1[4];
-      float s0[4] = {1, 1, 1, 1}, s1[4] = {1, 1, 1, 1};
+    for (int j = 0; j < n; j += Batch) {
+      int4 v0[Batch], v1[Batch];
+      float s0[Batch], s1[Batch];
 #pragma unroll
-      for (int u = 0; u < 4; ++u) {
+      for (int u = 0; u < Batch; ++u) {
+        s0[u] = s1[u] = 1.0f;
         if (j + u < n) {
           v0[u] = load_chunk<SrcWire>(rows[j + u], c);
           if (SrcWire) s0[u] = wire_scale(f, rows[j + u], c);
@@ -516,7 +548,7 @@ __device__ __forceinline__ void weighted_sum(const Fixed& f, const uint8_t* cons
         }
       }
 #pragma unroll
-      for (int u = 0; u < 4; ++u) {
+      for (int u = 0; u < Batch; ++u) {
         if (j + u >= n) continue;
         float v[8];
         chunk_to_float<SrcWire>(f, v0[u], s0[u], v);

@@ -29,19 +29,8 @@ __device__ unsigned moecomm::combine_send(const Fixed& f, const Call& c, bool st
   TRACE(MOECOMM_TRACE_COMBINE_SEND, 0);
   const int src = blockIdx.x % f.world, part = blockIdx.x / f.world, parts = gridDim.x / f.world;
   const unsigned epoch = f.state[MOECOMM_S_EPOCH_CS] + 1;
-  const int m = c.skip ? 0 : *c.bound_m;
-  const unsigned dispatched = f.state[MOECOMM_S_M];
-  const bool differs = !c.skip && dispatched != M_INVALID && m != (int)dispatched;
-  const bool short_rows = !c.skip && !differs && dispatched != M_INVALID && m > c.rows;
-  const unsigned bad_recv = f.state[MOECOMM_S_BAD_RECV];
-  const unsigned reason = c.skip ? (unsigned)c.reason
-      : differs ? (unsigned)MOECOMM_ERR_M_DIFFERS : short_rows ? (unsigned)MOECOMM_ERR_BAD_M : bad_recv;
-  if (blockIdx.x == 0 && threadIdx.x == 0) {
-    f.state[MOECOMM_S_TOKENS_EVEN + (epoch + 1) % 2] = 0;  // the next call's token claims (combine_recv)
-    if (differs) record_error(f.err, MOECOMM_ERR_M_DIFFERS, f.rank, MOECOMM_PHASE_COMBINE, m, (int)epoch);
-    if (short_rows)
-      record_error(f.err, MOECOMM_ERR_BAD_M, f.rank, MOECOMM_PHASE_COMBINE, m, (int)epoch, min(c.rows, f.max_tokens));
-  }
+  const CombineCheck check = combine_check(f, c, epoch);
+  const unsigned bad_recv = check.bad_recv, reason = check.reason;
   // the records received from src, loaded beside the reason, not after it: dispatch_recv kept the count, or,
   // for this rank's own records in the padded layout (their rows placed by dispatch_send), the own signal of
   // this call's dispatch holds it (there already: the wait is bounded only because a put may carry it)
@@ -136,7 +125,6 @@ __device__ unsigned moecomm::combine_send(const Fixed& f, const Call& c, bool st
     }
     __syncthreads();
     if (threadIdx.x == 0) {
-      f.state[MOECOMM_S_BAD_RECV] = 0;
       f.state[MOECOMM_S_DONE_CS] = 0;
       f.state[MOECOMM_S_EPOCH_CS] = epoch;
     }

@@ -185,53 +185,61 @@ __device__ void moecomm::dispatch_recv(const Fixed& f, const Call& c) {
   TRACE(MOECOMM_TRACE_DISPATCH_RECV, 5);
   if (is_last) {
     TRACE_LAST_START();
-    const size_t row = f.window ? (size_t)(f.counters[MOECOMM_C_CALLS] % f.window) * f.local_experts : 0;
-    for (int le = threadIdx.x; le < f.local_experts; le += blockDim.x) {
-      const unsigned demand = atomicExch(&f.state[f.s_expert + le], 0u);
-      const unsigned kept = f.packed ? atomicExch(&f.state[f.s_kept + le], 0u) : min(demand, (unsigned)f.cap);
-      const unsigned over = demand - kept;
-      if (c.skip) continue;
-      c.out_num[le] = kept;
-      if (f.window) {
-        f.ring[row + le] = demand;
-        tally(f, f.c_received + le, kept);
-      }
-      if (over && f.drop) {
-        tally(f, f.c_dropped + le, over);
-        tally(f, MOECOMM_C_DROPPED_PAIRS, over);
-      } else if (over) {
-        tally(f, MOECOMM_C_OVERFLOW_PAIRS, over);
-      }
-      if (over && !f.drop && !f.packed && atomicCAS(&f.state[MOECOMM_S_BAD_RECV], 0u,
-                                   MOECOMM_ERR_CAPACITY | (lo + le + 1) << MOECOMM_REASON_ARG_SHIFT) == 0u) {
-        f.state[MOECOMM_S_WHY] = demand;
-        record_error(f.err, MOECOMM_ERR_CAPACITY, f.rank, MOECOMM_PHASE_DISPATCH, lo + le, (int)epoch, (int)demand);
-      }
-    }
-    if (threadIdx.x == 0 && f.packed) {  // the rank's rows against its capacity ("error"; "drop" counted above)
-      const unsigned rows = atomicExch(&f.state[MOECOMM_S_ROWS], 0u);
-      if (!c.skip && !f.drop && rows > (unsigned)f.cap &&
-          atomicCAS(&f.state[MOECOMM_S_BAD_RECV], 0u, MOECOMM_ERR_CAPACITY) == 0u) {
-        f.state[MOECOMM_S_WHY] = rows;
-        record_error(f.err, MOECOMM_ERR_CAPACITY, f.rank, MOECOMM_PHASE_DISPATCH, -1, (int)epoch, (int)rows);
-      }
-    }
-    for (int s = threadIdx.x; s < f.world; s += blockDim.x) f.state[f.s_claim + s] = 0;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      if (f.packed && !c.skip) {  // each expert's first row, from the kept counts the loop above wrote
-        int first = 0;
-        for (int le = 0; le < f.local_experts; ++le) {
-          c.out_offsets[le] = first;
-          first += c.out_num[le];
-        }
-        c.out_offsets[f.local_experts] = first;
-      }
-      if (!c.skip) tally(f, MOECOMM_C_CALLS, 1);  // an atomic, not waited for (a plain ++ waits for the load)
-      f.state[MOECOMM_S_DONE_DR] = 0;
-      f.state[MOECOMM_S_EPOCH_DR] = epoch;
-    }
+    dispatch_counts(f, c, epoch);
     TRACE_LAST(MOECOMM_TRACE_DISPATCH_RECV);
+  }
+}
+
+// The receive half's end, by the block that finishes it (every thread): each local expert's count into c.out_num
+// (with c.out_offsets in the packed layout), the capacity policy's verdict (counters, or ERR_CAPACITY and
+// state[BAD_RECV]), telemetry, and the per-call state reset for the next call, whose number `epoch` then is.
+__device__ void moecomm::dispatch_counts(const Fixed& f, const Call& c, unsigned epoch) {
+  const int lo = f.rank * f.local_experts;
+  const size_t row = f.window ? (size_t)(f.counters[MOECOMM_C_CALLS] % f.window) * f.local_experts : 0;
+  for (int le = threadIdx.x; le < f.local_experts; le += blockDim.x) {
+    const unsigned demand = atomicExch(&f.state[f.s_expert + le], 0u);
+    const unsigned kept = f.packed ? atomicExch(&f.state[f.s_kept + le], 0u) : min(demand, (unsigned)f.cap);
+    const unsigned over = demand - kept;
+    if (c.skip) continue;
+    c.out_num[le] = kept;
+    if (f.window) {
+      f.ring[row + le] = demand;
+      tally(f, f.c_received + le, kept);
+    }
+    if (over && f.drop) {
+      tally(f, f.c_dropped + le, over);
+      tally(f, MOECOMM_C_DROPPED_PAIRS, over);
+    } else if (over) {
+      tally(f, MOECOMM_C_OVERFLOW_PAIRS, over);
+    }
+    if (over && !f.drop && !f.packed && atomicCAS(&f.state[MOECOMM_S_BAD_RECV], 0u,
+                                 MOECOMM_ERR_CAPACITY | (lo + le + 1) << MOECOMM_REASON_ARG_SHIFT) == 0u) {
+      f.state[MOECOMM_S_WHY] = demand;
+      record_error(f.err, MOECOMM_ERR_CAPACITY, f.rank, MOECOMM_PHASE_DISPATCH, lo + le, (int)epoch, (int)demand);
+    }
+  }
+  if (threadIdx.x == 0 && f.packed) {  // the rank's rows against its capacity ("error"; "drop" counted above)
+    const unsigned rows = atomicExch(&f.state[MOECOMM_S_ROWS], 0u);
+    if (!c.skip && !f.drop && rows > (unsigned)f.cap &&
+        atomicCAS(&f.state[MOECOMM_S_BAD_RECV], 0u, MOECOMM_ERR_CAPACITY) == 0u) {
+      f.state[MOECOMM_S_WHY] = rows;
+      record_error(f.err, MOECOMM_ERR_CAPACITY, f.rank, MOECOMM_PHASE_DISPATCH, -1, (int)epoch, (int)rows);
+    }
+  }
+  for (int s = threadIdx.x; s < f.world; s += blockDim.x) f.state[f.s_claim + s] = 0;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    if (f.packed && !c.skip) {  // each expert's first row, from the kept counts the loop above wrote
+      int first = 0;
+      for (int le = 0; le < f.local_experts; ++le) {
+        c.out_offsets[le] = first;
+        first += c.out_num[le];
+      }
+      c.out_offsets[f.local_experts] = first;
+    }
+    if (!c.skip) tally(f, MOECOMM_C_CALLS, 1);  // an atomic, not waited for (a plain ++ waits for the load)
+    f.state[MOECOMM_S_DONE_DR] = 0;
+    f.state[MOECOMM_S_EPOCH_DR] = epoch;
   }
 }
 

@@ -28,7 +28,7 @@ using namespace moecomm;
 // call) nothing is sent and every signal carries SIG_BAD | c.reason; otherwise a signal carries the count
 // and the expert-map generation (state[GEN]).
 template <bool Pipelined>
-__device__ void moecomm::dispatch_send(const Fixed& f, const Call& c, int senders) {
+__device__ void moecomm::dispatch_send(const Fixed& f, const Call& c, int senders, bool local) {
   TRACE(MOECOMM_TRACE_DISPATCH_SEND, 0);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const unsigned epoch = f.state[MOECOMM_S_EPOCH_DS] + 1;
@@ -64,6 +64,7 @@ __device__ void moecomm::dispatch_send(const Fixed& f, const Call& c, int sender
   const bool bad_m = m < 0 || m > c.rows || m > f.max_tokens;
   if (blockIdx.x == 0 && threadIdx.x == 0) {
     f.state[MOECOMM_S_M] = bad_m ? M_INVALID : (unsigned)m;  // combine checks its bound_m against it
+    f.state[MOECOMM_S_BAD_RECV] = 0;  // the previous call's (its combine has read it; the receive half sets it)
     if (c.skip) {
       if (c.reason) atomicCAS(&f.state[MOECOMM_S_BAD], 0u, (unsigned)c.reason);
     } else if (bad_m) {
@@ -77,7 +78,7 @@ __device__ void moecomm::dispatch_send(const Fixed& f, const Call& c, int sender
   const uint8_t* x = c.x;
   Arrivals arr{words};
   const bool arrivals = f.streamed && senders < (int)gridDim.x;
-  const bool own_of = MOECOMM_STREAMS_COMBINE && f.comb_streamed;
+  const bool own_of = (MOECOMM_STREAMS_COMBINE && f.comb_streamed) || f.world == 1;
   uint8_t* const recv_buf = f.recv_buf;
   // Pipelined (a block with a second token, no puts): warp 0 routes token i+1 into list b^1 and
   // writes its records' metadata while the other warps send token i from list b; with arrival words the last
@@ -275,6 +276,7 @@ __device__ void moecomm::dispatch_send(const Fixed& f, const Call& c, int sender
       f.state[MOECOMM_S_DONE_DS] = 0;
       f.state[MOECOMM_S_EPOCH_DS] = epoch;
     }
+    if (local) dispatch_counts(f, c, f.state[MOECOMM_S_EPOCH_DR] + 1);  // the receive half's end, with no records
     TRACE_LAST(MOECOMM_TRACE_DISPATCH_SEND);
   }
 }
@@ -285,5 +287,5 @@ extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, MOECOMM_BLOC
   dispatch_send<false>(f, c, gridDim.x);
   TRACE_SPAN(MOECOMM_TRACE_DISPATCH_SEND, 1);
 }
-template __device__ void moecomm::dispatch_send<false>(const Fixed&, const Call&, int);
-template __device__ void moecomm::dispatch_send<true>(const Fixed&, const Call&, int);
+template __device__ void moecomm::dispatch_send<false>(const Fixed&, const Call&, int, bool);
+template __device__ void moecomm::dispatch_send<true>(const Fixed&, const Call&, int, bool);

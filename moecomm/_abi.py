@@ -44,7 +44,8 @@ FIXED_FIELDS = (
     ("comb_sig", "uint64_t*"),      # symmetric [world] combine signals
     ("slot_of", "int*"),            # [world, max_tokens, topk] expert slot of each received record's k-th id
     ("own_of", "int2*"),            # [max_tokens, topk] this rank's expert slot of token t's k-th id (or -1)
-                                    # and its weight (float bits); written where comb_streamed (dispatch_send)
+                                    # and its weight (float bits); written by dispatch_send at world size 1
+                                    # (combine_local) and where comb_streamed
     ("mask", "const int*"),         # [world] int32: 1 = rank masked (no data to or from it, no wait for it)
     ("counters", "unsigned long long*"),  # uint64 cumulative counters, MOECOMM_C_* indices, then arrays at c_*
     ("ring", "unsigned*"),          # [window, local_experts] (token, expert) pairs routed per local expert, per
@@ -310,6 +311,8 @@ KERNELS = {k.name: k for k in (
     Kernel("moecomm_combine_send_wire", (Fixed, Call), _per_source_blocks),
     Kernel("moecomm_combine_recv_wire", (Fixed, Call), _token_blocks),
     Kernel("moecomm_combine_wire", (Fixed, Call), _per_source_blocks),
+    Kernel("moecomm_dispatch_local", (Fixed, Call), _send_blocks),
+    Kernel("moecomm_combine_local", (Fixed, Call), _gpu_blocks),
     Kernel("moecomm_plan", (Fixed, Grad), _gpu_blocks),
     Kernel("moecomm_dispatch_backward", (Fixed, Grad), _gpu_blocks),
     Kernel("moecomm_combine_backward", (Fixed, Grad), _gpu_blocks),
@@ -319,6 +322,7 @@ KERNELS = {k.name: k for k in (
 ALLTOALL_KERNELS = tuple(f"moecomm_{half}" for half in C.HALVES)  # the four halves' kernels, in order
 WHOLE_KERNELS = {"dispatch": "moecomm_dispatch", "combine": "moecomm_combine"}  # a phase's halves in one launch
 STREAMED_DISPATCH = "moecomm_dispatch_streamed"  # the one-launch dispatch of streamed batches (cuda/dispatch.cu)
+LOCAL_KERNELS = {"dispatch": "moecomm_dispatch_local", "combine": "moecomm_combine_local"}  # local() (cuda/local.cu)
 PACK_KERNEL = "moecomm_dispatch_pack"  # the packed layout's third dispatch kernel (after the receive half)
 WIRE = "_wire"  # the combine kernels of an FP8 combine wire: their names end so (cuda/combine*.cu)
 WIRE_KERNELS = ("moecomm_combine_send_wire", "moecomm_combine_recv_wire", "moecomm_combine_wire")
@@ -335,12 +339,25 @@ def half_kernels(cfg):
     return tuple(_on_wire(cfg, n) for n in ALLTOALL_KERNELS)
 
 
+def local(cfg):
+    """Whether a phase in one launch takes the local path (cuda/local.cu): world size 1 in the padded layout,
+    where every pair is the rank's own, so the dispatch unpacks no record and the combine forms each token's sum
+    straight from its expert rows (not on an FP8 combine wire, whose rows only a peer would need), and no block
+    waits for another."""
+    return cfg.world_size == 1 and cfg.layout == "padded"
+
+
 def whole_kernels(cfg, num_sms):
-    """{phase: the kernel that runs its two halves in one launch} for this configuration: the dispatch of
-    streamed (prefill-sized) batches is its own kernel, so the small batches' kernel carries none of its code;
-    so is the combine on an FP8 combine wire."""
+    """{phase: the kernel that runs its two halves in one launch} for this configuration: the local path's
+    (local()); else the dispatch of streamed (prefill-sized) batches is its own kernel, so the small batches'
+    kernel carries none of its code; so is the combine on an FP8 combine wire."""
     whole = dict(WHOLE_KERNELS, dispatch=STREAMED_DISPATCH) if streamed(cfg, num_sms) else WHOLE_KERNELS
-    return {phase: _on_wire(cfg, n) for phase, n in whole.items()}
+    whole = {phase: _on_wire(cfg, n) for phase, n in whole.items()}
+    if local(cfg):
+        whole["dispatch"] = LOCAL_KERNELS["dispatch"]
+        if cfg.combine_wire is None:
+            whole["combine"] = LOCAL_KERNELS["combine"]
+    return whole
 
 
 # The device header --------------------------------------------------------------------------------

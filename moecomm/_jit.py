@@ -62,7 +62,7 @@ class Variant:
 
 
 _KERNELS = ("dispatch_send.cu", "dispatch_recv.cu", "dispatch_pack.cu", "dispatch.cu", "combine_send.cu",
-            "combine_recv.cu", "combine.cu", "backward.cu", "peer_check.cu", "trace.cu")
+            "combine_recv.cu", "combine.cu", "local.cu", "backward.cu", "peer_check.cu", "trace.cu")
 VARIANTS = {
     # The nvshmem build's prefill-sized kernels run only in groups with a network peer (an NVLink-only group
     # runs the ipc build's there: its twin): puts carry no arrival words, so the streamed combine's token side

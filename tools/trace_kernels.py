@@ -52,6 +52,8 @@ def figures(rows, mhz):
     out = {}
     for h, half in enumerate(C.HALVES):
         reached = [i for i, _ in enumerate(STAGES[half]) if rows[:, h, i].all()]
+        if not reached:  # a half no kernel of the graph stamps (the local path: cuda/local.cu)
+            continue
         names = [STAGES[half][i] for i in reached]
         stamps = rows[:, h, reached]
         d = np.diff(stamps, axis=1) / mhz
@@ -105,10 +107,10 @@ def timeline(spans):
 def table(everyone):
     """The figures of every rank (a list of figures()), a stage per line, a column per rank."""
     lines = []
-    for half in C.HALVES:
+    for half in (h for h in C.HALVES if any(h in f for f in everyone)):
         lines.append(f"{half}" + "".join(f"{'rank ' + str(r):>16s}" for r in range(len(everyone))))
-        for stage in dict.fromkeys(s for f in everyone for s in f[half]):
-            cells = "  ".join(f"{f[half][stage][0]:6.2f} ({f[half][stage][1]:5.2f})" if stage in f[half]
+        for stage in dict.fromkeys(s for f in everyone for s in f.get(half, {})):
+            cells = "  ".join(f"{f[half][stage][0]:6.2f} ({f[half][stage][1]:5.2f})" if stage in f.get(half, {})
                               else f"{'-':>14s}" for f in everyone)
             lines.append(f"  {stage:38s} {cells}")
     return "\n".join(lines)
