@@ -256,7 +256,7 @@ __device__ void moecomm::dispatch_send(const Fixed& f, const Call& c, int sender
   arr.release_last(epoch);
   TRACE(MOECOMM_TRACE_DISPATCH_SEND, 4);
   if (st.used_puts) quiet();
-  const bool is_last = last_block(&f.state[MOECOMM_S_DONE_DS], true);
+  const bool is_last = last_block(&f.state[MOECOMM_S_DONE_DS], f.world > 1);  // alone, stores stay on this GPU
   TRACE(MOECOMM_TRACE_DISPATCH_SEND, 5);
   if (is_last) {
     TRACE_LAST_START();
@@ -269,6 +269,8 @@ __device__ void moecomm::dispatch_send(const Fixed& f, const Call& c, int sender
                    bad ? epoch_signal(epoch, SIG_BAD | bad) : count_signal(epoch, cnt, generation), d);
       if (d != f.rank) tally_bytes(f, MOECOMM_B_DISPATCH_SENT, d, (unsigned long long)cnt * f.rec_bytes);
     }
+    // the receive half's end, with no records: its counts' atomics in flight beside the signals
+    if (local) dispatch_counts(f, c, f.state[MOECOMM_S_EPOCH_DR] + 1);
     __syncthreads();
     if (threadIdx.x == 0) {
       if (bad) f.state[MOECOMM_S_M] = M_INVALID;  // nothing of this rank's tokens comes back: combine writes nothing
@@ -276,7 +278,6 @@ __device__ void moecomm::dispatch_send(const Fixed& f, const Call& c, int sender
       f.state[MOECOMM_S_DONE_DS] = 0;
       f.state[MOECOMM_S_EPOCH_DS] = epoch;
     }
-    if (local) dispatch_counts(f, c, f.state[MOECOMM_S_EPOCH_DR] + 1);  // the receive half's end, with no records
     TRACE_LAST(MOECOMM_TRACE_DISPATCH_SEND);
   }
 }

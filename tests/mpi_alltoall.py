@@ -197,7 +197,12 @@ def run_case(comm, A, c, seed, tol):
             send_w = c["weights_at"] == "dispatch"
             dargs = (out_n, out_x, out_s, A.put(pad(x[g])), A.put(pad(xs[g])) if S else None,
                      idx_in(idx[g]), bound_m)
-            if c["split"]:  # other work runs on the stream between the halves
+            # split: both phases as two halves (other work runs on the stream between them); "alternate": the
+            # dispatch in even iterations, the combine in odd ones, so that each phase in one launch meets the
+            # other's halves, the state one leaves being what the other starts from
+            split_d = c["split"] is True or (c["split"] == "alternate" and it % 2 == 0)
+            split_c = c["split"] is True or (c["split"] == "alternate" and it % 2 == 1)
+            if split_d:
                 a2a.dispatch(*dargs, do_send=True, do_recv=False, weights=A.put(pad(w[g])) if send_w else None)
                 A.work()
                 a2a.dispatch(*dargs, do_send=False, do_recv=True, weights=A.put(pad(w[g])) if send_w else None)
@@ -227,7 +232,7 @@ def run_case(comm, A, c, seed, tol):
             out_t = A.empty((rows, H), out_dt)
             cw = None if send_w else A.put(pad(w[g]))
             cargs = (out_t, idx_in(idx[g]), cw, A.put(y), bound_m)
-            if c["split"]:
+            if split_c:
                 a2a.combine(*cargs, do_send=True, do_recv=False)
                 A.work()
                 a2a.combine(*cargs, do_send=False, do_recv=True)
@@ -372,6 +377,8 @@ def cases(world, quick):
     out.append(dict(base, routing="holes", idx_dtype="uint32", split=True, topk=4, num_experts=8 * world))
     out.append(dict(base, weights_at="combine"))
     out.append(dict(base, split=True))
+    out.append(dict(base, split="alternate", iters=4))
+    out.append(dict(base, split="alternate", iters=4, weights_at="combine", routing="holes"))
     # grids capped at one or two SMs (max_sms; the host transport has no grids): a block takes many tokens, so
     # at 512 tokens records stream and the one-launch phases run on a few blocks
     out.append(dict(base, max_sms=1, split=True))
@@ -393,6 +400,7 @@ def gpu_cases(world, quick):
                 topk=8, max_m=128, m="random", routing="uniform", dp_size=1, weights_at="dispatch",
                 split=False, iters=2, max_sms=None)
     out = [base, dict(base, m=128), dict(base, weights_at="combine"), dict(base, split=True),
+           dict(base, split="alternate"),
            dict(base, routing="one_expert"), dict(base, routing="other_rank"), dict(base, m=0),
            dict(base, in_dtype="bfloat16", scale=None, out_dtype="float16"),
            # a prefill-sized batch: the one-launch dispatch's sending blocks hold more than STREAM_TOKENS tokens,
