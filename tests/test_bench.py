@@ -129,6 +129,10 @@ def test_trace_figures_time_each_reached_stage():
     assert "last block: signals, counters" not in figures["combine_recv"]
     text = tool.table([figures, figures])
     assert "rank 1" in text and "first record copied" not in text
+    rows[:, 3] = 0  # the local path: no kernel stamps combine_recv, whose half is then left out
+    local = tool.figures(rows, mhz)
+    assert "combine_recv" not in local and local["combine_send"] == figures["combine_send"]
+    assert "combine_recv" not in tool.table([local])
     # kernel spans: the one-launch dispatch (slot of dispatch_send) and combine (combine_send) ran, 2 GHz
     spans = np.zeros((replays, 2 + len(C.HALVES) * C.TRACE_SPAN), np.int64)
     spans[:, 0], spans[:, 1] = 1_000_000, 1_030_000  # the stamps before and after the graph's kernels (ns)

@@ -1,6 +1,6 @@
 """The memory floor of R1-prefill's two phases on one GPU: HBM rates of their access patterns, measured.
 
-    python tools/hbm_floor.py [--world 2|1] [--iters 50] [--json hbm-floor.json]
+    python tools/hbm_floor.py [--world 2,1] [--iters 50] [--json hbm-floor.json]
 
 At prefill sizes each phase moves a few hundred MB through HBM beside its NVLink traffic. This tool times,
 on one GPU with nothing else running, kernels that do nothing but each phase's memory pattern at full
@@ -14,13 +14,16 @@ occupancy (every thread a 16-byte chunk, grid-stride), with R1-prefill's shapes 
   partial sums landing from the peer (a memset).
 
 At world size 1 (``--world 1``: every pair is the rank's own) the dispatch writes each token into its eight
-expert rows, and the combine's token side sums a token's eight expert rows (the streamed combine forms no
-partial sums of its own rows); nothing lands.
+expert rows, and the combine's token side sums a token's eight expert rows (the local path forms no partial
+sums); nothing lands. ``--world 2,1`` measures both, one after the other, into one JSON.
 
-It prints each pattern's rate (bytes read + written per second) and the phase's time at those rates: a floor
-that no kernel moving the same bytes can go below on this GPU (the NVLink floor, 369 GB/s of SM stores
-measured on 2xH200, is the other; benchmarks/NOTES.md). CUDA events, warm-up, median over ``--iters``; no MPI,
-no NVSHMEM.
+It prints each pattern's rate (bytes read + written per second) and each phase's time at those rates (the
+pattern floor), and its time at the rate of a 1 GiB device-to-device copy (the copy floor): moecomm's kernels
+are measured against both. The pattern kernels are plain grid-stride loops, so a kernel that keeps more
+loads in flight can come in under their time by a few percent (the local path's R1-prefill does); the copy
+rate bounds any kernel moving the same bytes more tightly. The NVLink floor, 369 GB/s of SM stores measured
+on 2xH200, is the other (benchmarks/NOTES.md). CUDA events, warm-up, median over ``--iters``; no MPI, no
+NVSHMEM.
 """
 import argparse
 import json
@@ -63,18 +66,16 @@ TOKENS, TOPK, PEER_RECORDS, LOCAL = 4096, 8, 4081, 4
 X_ROW, Y_ROW = 7168 + 56 * 4, 7168 * 2       # a token row (fp8 + float32 scales); an expert output row (bf16)
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--world", type=int, default=2, choices=(1, 2), help="R1-prefill per rank at EP2, or alone")
-    p.add_argument("--iters", type=int, default=50)
-    p.add_argument("--json", default=None, help="write the figures here")
-    args = p.parse_args(argv)
+def floor(world, iters):
+    """R1-prefill's patterns per rank at world size ``world`` (2: EP2, 1: alone): {world_size, patterns (each
+    pattern's median / p99 / bytes / TB/s), floors_us (each phase at the patterns' rates), copy_floors_us (each
+    phase's bytes at the 1 GiB copy's rate), record_bytes, grid}."""
     import cupy as cp
-    from moecomm.bench import environment, stats
+    from moecomm.bench import stats
     from moecomm.transport.gpu_alltoall import record_bytes
     from moecomm._config import AllToAllConfig
-    cfg = AllToAllConfig.create(args.world, 0, TOKENS, 256, TOPK, 7168, 56, "float8_e4m3fn", "bfloat16", None, 1)
-    peer_records, local = (PEER_RECORDS, LOCAL) if args.world == 2 else (0, TOPK)
+    cfg = AllToAllConfig.create(world, 0, TOKENS, 256, TOPK, 7168, 56, "float8_e4m3fn", "bfloat16", None, 1)
+    peer_records, local = (PEER_RECORDS, LOCAL) if world == 2 else (0, TOPK)
     rec = record_bytes(cfg)
     mod = cp.RawModule(code=KERNELS)
     fanout, wsum = mod.get_function("fanout"), mod.get_function("wsum")
@@ -87,7 +88,7 @@ def main(argv=None):
         for _ in range(5):
             fn()
         t = []
-        for _ in range(args.iters):
+        for _ in range(iters):
             ev[0].record()
             fn()
             ev[1].record()
@@ -140,21 +141,37 @@ def main(argv=None):
     big = cp.zeros(1 << 30, np.uint8)
     copy = cp.empty_like(big)
     out["copy_1GiB"] = dict(timed(lambda: copy.__setitem__(Ellipsis, big)), bytes=2 * big.nbytes)
-    for k, v in out.items():
+    for v in out.values():
         v["TBps"] = v["bytes"] / v["median_us"] / 1e6
-    floors = {"dispatch": sum(out[k]["median_us"] for k in dispatch_keys),
-              "combine": sum(out[k]["median_us"] for k in combine_keys)}
+    phases = {"dispatch": dispatch_keys, "combine": combine_keys}
+    floors = {phase: sum(out[k]["median_us"] for k in keys) for phase, keys in phases.items()}
+    copy_floors = {phase: sum(out[k]["bytes"] for k in keys) / out["copy_1GiB"]["TBps"] / 1e6
+                   for phase, keys in phases.items()}
     print(f"{'pattern':<18} {'MB':>8} {'median us':>10} {'TB/s':>6}")
     for k, v in out.items():
         print(f"{k:<18} {v['bytes'] / 1e6:>8.1f} {v['median_us']:>10.1f} {v['TBps']:>6.2f}")
-    print(f"HBM floor of R1-prefill per rank at {'EP2' if args.world == 2 else 'world size 1'}: "
-          f"dispatch {floors['dispatch']:.1f} us, "
-          f"combine {floors['combine']:.1f} us")
+    where = "EP2" if world == 2 else "world size 1"
+    print(f"R1-prefill per rank at {where}: pattern floor dispatch {floors['dispatch']:.1f} us, combine "
+          f"{floors['combine']:.1f} us; copy floor dispatch {copy_floors['dispatch']:.1f} us, combine "
+          f"{copy_floors['combine']:.1f} us")
+    return {"world_size": world, "patterns": out, "floors_us": floors, "copy_floors_us": copy_floors,
+            "record_bytes": rec, "grid": [grid[0], threads[0]]}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--world", default="2", help="R1-prefill per rank at EP2 (2), alone (1), or both (2,1)")
+    p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--json", default=None, help="write the figures here")
+    args = p.parse_args(argv)
+    worlds = [int(w) for w in args.world.split(",")]
+    if not set(worlds) <= {1, 2}:
+        p.error(f"--world {args.world}: world sizes 1 and 2 only")
+    from moecomm.bench import environment
+    runs = [floor(w, args.iters) for w in worlds]
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"command": "python " + " ".join(sys.argv), "environment": environment(),
-                       "world_size": args.world, "patterns": out, "floors_us": floors, "record_bytes": rec,
-                       "grid": [grid[0], threads[0]]},
+            json.dump({"command": "python " + " ".join(sys.argv), "environment": environment(), "runs": runs},
                       f, indent=1)
 
 
