@@ -201,8 +201,9 @@ class AllToAll:
         max_sms: None (default: the kernels' grids are sized for the whole GPU), or the most SMs they are
             sized for (at most 2 blocks per SM), leaving the others to work on other streams (a shared
             expert, another micro-batch), as DeepEP's ``Buffer.set_num_sms`` does. A phase that runs in one
-            launch needs its whole grid resident at once: work that holds SMs only delays it. GPU transports
-            (the host transport has no kernels); the same on every rank.
+            launch needs its whole grid resident at once (but at world size 1 in the padded layout, where no
+            block waits for another: docs/design.md, the local path): work that holds SMs only delays it.
+            GPU transports (the host transport has no kernels); the same on every rank.
         gradients: False (default) or True: GPU transports allocate what :meth:`plan`, :meth:`dispatch_backward`
             and :meth:`combine_backward` need (a gradient row buffer of world_size * max_num_tokens rows of
             about 4 * hidden_dim bytes in symmetric memory: ``tools/memory_report.py``), and dispatch records

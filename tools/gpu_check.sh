@@ -266,7 +266,7 @@ if [ "${1:-}" = transports ] || [ "${1:-}" = bench-both ]; then
   exit $status
 fi
 if [ "${1:-}" = floors ]; then  # what the phases could reach at best: HBM rates of their patterns, bare exchanges
-  step python3 tools/hbm_floor.py --json "$out/hbm-floor.json"
+  step python3 tools/hbm_floor.py --world 2,1 --json "$out/hbm-floor.json"
   for t in ipc nvshmem; do
     step "${MPIRUN[@]}" -x LD_LIBRARY_PATH -np 2 python3 tools/exchange_floor.py --transport $t --json "$out/exchange-floor-$t.json"
   done
