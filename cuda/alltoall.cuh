@@ -276,12 +276,13 @@ struct Targets {
   }
 };
 
-// A combine call's checks, by every thread of its grid: rows 0..m-1 of the call are combined unless `reason` (0:
-// none) says why nothing is: c.skip (a refused call: c.reason), a bound_m other than the dispatched m
+// A combine call's checks, by every thread of its grid. `reason` (0: none) is what the call's signals carry
+// where this rank sends nothing: c.skip (a refused call: c.reason), a bound_m other than the dispatched m
 // (ERR_M_DIFFERS) or above c.rows, the fewest rows of the call's per-token arrays (ERR_BAD_M), or a dispatch
-// whose receive half failed (`bad_recv`, state[BAD_RECV], which the next dispatch_send clears). Block 0's
-// thread 0 records the first two (the call number `epoch`) and zeroes the next call's token claims
-// (combine_recv's streamed form).
+// whose receive half failed (`bad_recv`, state[BAD_RECV], which the next dispatch_send clears). `m`: the rows
+// this rank may combine, 0 where there is a reason or its dispatch failed (state[M] invalid: dispatch_send
+// reported it). Block 0's thread 0 records the bound_m errors (the call number `epoch`) and zeroes the next
+// call's token claims (combine_recv's streamed form).
 struct CombineCheck {
   int m;
   unsigned reason, bad_recv;
@@ -300,7 +301,7 @@ __device__ __forceinline__ CombineCheck combine_check(const Fixed& f, const Call
     if (short_rows)
       record_error(f.err, MOECOMM_ERR_BAD_M, f.rank, MOECOMM_PHASE_COMBINE, m, (int)epoch, min(c.rows, f.max_tokens));
   }
-  return {m, reason, bad_recv};
+  return {reason || dispatched == M_INVALID ? 0 : m, reason, bad_recv};
 }
 
 // True in every thread of the block that finishes last. All threads call it after their work (threads that

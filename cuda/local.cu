@@ -22,15 +22,14 @@ extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, MOECOMM_BLOC
 // share a slice, all of a chunk's rows (up to 8) loaded before the first add; each warp lists the token's rows
 // itself (no block barrier). Writes rows 0..m-1 of c.out_tokens [rows, hidden] out_dtype (a token with no row
 // gets zeros) and, when given, c.out_dropped [rows, topk] uint8 (from f.drop_buf, which dispatch_send wrote);
-// nothing where combine_check finds a reason. The call number is the dispatch's: every block stores it as the
+// nothing where combine_check leaves no rows. The call number is the dispatch's: every block stores it as the
 // combine's (no block of this call reads it); state[BAD_RECV] is cleared by the next dispatch_send.
 extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, MOECOMM_BLOCKS_PER_SM)
     moecomm_combine_local(const Fixed f, const Call c) {
   TRACE_SPAN(MOECOMM_TRACE_COMBINE_SEND, 0);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const unsigned epoch = f.state[MOECOMM_S_EPOCH_DS];
-  const CombineCheck check = combine_check(f, c, epoch);
-  const int m = check.reason ? 0 : check.m;
+  const int m = combine_check(f, c, epoch).m;
   const int chunks = f.hidden / 8;
   const int slices = max(1, min((int)gridDim.x / max(m, 1), (chunks + 63) / 64));
   const int per = (chunks + slices - 1) / slices;
