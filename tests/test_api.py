@@ -236,6 +236,25 @@ def test_dispatch_streams_only_prefill_sized_batches():
             assert tokens > C.STREAM_TOKENS * senders
 
 
+
+def test_world_size_1_takes_the_local_path_in_the_padded_layout():
+    """At world size 1 the phases in one launch are the local path's kernels (cuda/local.cu), at every batch
+    size; the packed layout keeps the general kernels, and the FP8 combine wire its own combine (its dispatch is
+    local); at world size 2 nothing is local."""
+    from moecomm import _abi
+    from moecomm._config import AllToAllConfig
+
+    def cfg(world, tokens, **kw):
+        return AllToAllConfig.create(world, 0, tokens, 256, 8, 7168, 56, "float8_e4m3fn", "bfloat16", None, 1, **kw)
+    for tokens in (1, 128, 4096):
+        assert _abi.local(cfg(1, tokens))
+        assert _abi.whole_kernels(cfg(1, tokens), 132) == _abi.LOCAL_KERNELS
+        assert not _abi.local(cfg(2, tokens))
+    assert not _abi.local(cfg(1, 128, layout="packed"))
+    assert _abi.whole_kernels(cfg(1, 128, layout="packed"), 132) == _abi.WHOLE_KERNELS
+    assert _abi.whole_kernels(cfg(1, 128, combine_wire="e4m3"), 132) == {
+        "dispatch": _abi.LOCAL_KERNELS["dispatch"], "combine": "moecomm_combine_wire"}
+
 def _r1_cfg(tokens, dp=1, layout="padded"):
     from moecomm._config import AllToAllConfig
     return AllToAllConfig.create(2 * dp, 0, tokens, 256, 8, 7168, 56, "float8_e4m3fn", "bfloat16", None, dp,
