@@ -75,6 +75,15 @@ def test_failed_calls_are_collective(transport):
     assert ": 0 failures" in p.stdout, p.stdout[-4000:] + p.stderr[-4000:]
 
 
+@needs_gpu
+@each_transport
+def test_failed_calls_at_one_rank_leave_the_next_call_right(transport):
+    """tests/mpi_control.py at one rank (the local path, cuda/local.cu): a refused or failed call writes
+    nothing it should not and the next call is right."""
+    p = run_mpi(1, "tests/mpi_control.py", "--transport", transport, timeout=300)
+    assert p.returncode == 0 and ": 0 failures" in p.stdout, p.stdout[-4000:] + p.stderr[-4000:]
+
+
 @pytest.mark.skipif(GPUS < 2, reason="needs 2 GPUs")
 @each_transport
 def test_a_masked_dead_rank_leaves_the_survivors_serving(transport):

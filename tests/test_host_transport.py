@@ -26,6 +26,13 @@ def test_failed_calls_are_collective_and_out_of_step_calls_refused():
     assert p.returncode == 0 and ": 0 failures" in p.stdout, p.stdout[-4000:] + p.stderr[-4000:]
 
 
+def test_failed_calls_at_one_rank_leave_the_next_call_right():
+    """tests/mpi_control.py at one rank (as GPUs run their local path there): every check that needs no other
+    rank, each failed call followed by a right one."""
+    p = run_mpi(1, "tests/mpi_control.py", timeout=120)
+    assert p.returncode == 0 and ": 0 failures" in p.stdout, p.stdout[-4000:] + p.stderr[-4000:]
+
+
 def test_a_masked_dead_rank_leaves_the_survivors_serving():
     """tests/mpi_mask.py: the survivors name the stalled rank, mask it, match the reference without its
     experts (and count the pairs not sent), then take it back."""

@@ -24,7 +24,8 @@
 #   bash tools/gpu_check.sh floors   build, peer check, then the floors the phases are measured against: HBM
 #                                    rates of R1-prefill's memory patterns (tools/hbm_floor.py) and two bare
 #                                    exchanges of a small batch's rows on each transport (tools/exchange_floor.py)
-#   bash tools/gpu_check.sh ranks    world size 1 on both transports, then more ranks than GPUs: 2, 4 and 8 ranks
+#   bash tools/gpu_check.sh ranks    world size 1 on both transports (the local path: model sizes, control),
+#                                    then more ranks than GPUs: 2, 4 and 8 ranks
 #                                    ($RANKS) time-sliced on GPU 0 over ipc (correct and slow): quick sweeps,
 #                                    control, the JAX matrix, telemetry, capacity, packed, replicas, masking, DP
 #                                    groups, a rank whose program fails
@@ -90,6 +91,9 @@ expect() { local want=$1; shift; echo "=== $*"; timeout ${STEP_TIMEOUT:-240} "$@
 step python3 -m moecomm.build --arch sm_90 ${BUILD_VARIANTS:+--variants $BUILD_VARIANTS}
 if [ "${1:-}" = ranks ]; then  # more ranks than GPUs: every rank on GPU 0, time-sliced, over ipc
   for t in ipc nvshmem; do step "${MPIRUN[@]}" -np 1 python3 tests/mpi_alltoall.py --transport $t --quick; done
+  # world size 1 takes the local path (cuda/local.cu): model sizes, and refusals and failed calls
+  step "${MPIRUN[@]}" -np 1 python3 tests/mpi_alltoall.py --transport ipc --quick --full
+  expect ": 0 failures" "${MPIRUN[@]}" -np 1 python3 tests/mpi_control.py --transport ipc
   export MOECOMM_TRANSPORT=ipc MOECOMM_IPC_HEAP_MB=${MOECOMM_IPC_HEAP_MB:-1024} XLA_PYTHON_CLIENT_PREALLOCATE=false
   export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0}
   rm -rf /tmp/faults && mkdir -p /tmp/faults  # the last rank's program fails: the others name it at once
