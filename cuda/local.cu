@@ -1,5 +1,5 @@
 // The local path: dispatch and combine at world size 1 in the padded layout, where every pair is this rank's
-// own, so nothing is exchanged and no block waits for another (moecomm/_abi.py, local_kernels).
+// own, so nothing is exchanged and no block waits for another (moecomm/_abi.py: local).
 #include "alltoall.cuh"
 
 using namespace moecomm;
