@@ -127,7 +127,8 @@ def main():
             ends = np.array([cp.cuda.get_elapsed_time(ours_evs[0], e) for e in ours_evs[1:]])
             during = per_iter_us(cp, ours_evs)[(ends > start) & (ends <= end)]
             sms = _abi.sm_budget(a2a.cfg, comm.transport.num_sms)
-            grid = {phase: blocks(a2a.cfg, sms)[n] for phase, n in _abi.whole_kernels(a2a.cfg, sms).items()}
+            grids = blocks(a2a.cfg, sms)
+            grid = {phase: grids[n] for phase, n in _abi.whole_kernels(a2a.cfg, sms).items()}
             result = dict(config=name, tokens=tokens, max_sms=budget or None, grid_blocks=grid, ours_alone=alone,
                           ours_beside_gemm=stats(during) if len(during) else None, gemm_solo=solo,
                           gemm_beside_ours=beside, gemm_kept=solo["median_us"] / beside["median_us"],
