@@ -340,10 +340,10 @@ def half_kernels(cfg):
 
 
 def local(cfg):
-    """Whether a phase in one launch takes the local path (cuda/local.cu): world size 1 in the padded layout,
-    where every pair is the rank's own, so the dispatch unpacks no record and the combine forms each token's sum
-    straight from its expert rows (not on an FP8 combine wire, whose rows only a peer would need), and no block
-    waits for another."""
+    """Whether the phases in one launch take the local path (cuda/local.cu): world size 1 in the padded layout,
+    where every pair is the rank's own, so the dispatch unpacks no record, the combine forms each token's sum
+    straight from its expert rows, and no block waits for another. On an FP8 combine wire only the dispatch
+    does (whole_kernels): the wire's combine keeps its own kernel."""
     return cfg.world_size == 1 and cfg.layout == "padded"
 
 
