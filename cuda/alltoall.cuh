@@ -87,6 +87,12 @@ __device__ __forceinline__ int physical(const Fixed& f, int e, int t) {
   return row[1 + h % (unsigned)row[0]];
 }
 
+// Warp-wide (every lane calls it): whether no lane below this one holds the same v (a token's pairs: an expert
+// repeated, a rank that an earlier pair already sends to).
+__device__ __forceinline__ bool first_of(int v) {
+  return !(__match_any_sync(FULL, v) & ((1u << (threadIdx.x & 31)) - 1));
+}
+
 // Telemetry: add to counter i (relaxed; read by the host after the work ends).
 __device__ __forceinline__ void tally(const Fixed& f, int i, unsigned long long n) {
   if (n) atomicAdd(&f.counters[i], n);

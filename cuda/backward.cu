@@ -385,11 +385,7 @@ __device__ void send_part(const Fixed& f, const Grad& g, const Begun& b) {
         const int e = lane < f.topk ? g.expert[(size_t)t * f.topk + lane] : -1;
         int d = e >= 0 && e < f.world * f.local_experts ? e / f.local_experts : -1;
         if (d >= 0 && (f.mask[d] || d == f.rank)) d = -1;  // this rank's expert side reads g.grad in place
-        bool once = d >= 0;
-        for (int j = 0; j < f.topk; ++j) {
-          const int dj = __shfl_sync(FULL, d, j);
-          if (j < lane) once = once && dj != d;
-        }
+        const bool once = first_of(d) && d >= 0;
         const unsigned mask = __ballot_sync(FULL, once);
         if (once) ranks[__popc(mask & ((1u << lane) - 1))] = d;
         if (lane == 0) n_ranks = __popc(mask);

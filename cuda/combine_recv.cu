@@ -25,11 +25,7 @@ static __device__ __forceinline__ int token_ranks(const Fixed& f, const Call& c,
   int rank = valid ? physical(f, e, t) / f.local_experts : -1;
   valid = valid && !f.mask[rank];
   if (!valid) rank = -1;
-  bool once = valid;
-  for (int j = 0; j < f.topk; ++j) {
-    const int rj = __shfl_sync(FULL, rank, j);
-    if (j < lane) once = once && rj != rank;
-  }
+  const bool once = first_of(rank) && valid;
   use = c.partials ? once : valid;
   if (stream && rank == f.rank) use = own.x >= 0;
   return rank;

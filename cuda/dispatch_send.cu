@@ -109,13 +109,9 @@ __device__ void moecomm::dispatch_send(const Fixed& f, const Call& c, int sender
     const int dest_masked = mask_lanes ? __shfl_sync(FULL, masked_lane, dest & 31) : dest >= 0 && f.mask[dest];
     if (dest >= 0 && dest_masked) dest = -2;  // masked: not sent, counted below
     first = dest >= 0;
-    for (int j = 0; j < f.topk; ++j) {  // repeated experts are invalid; repeated ranks are sent once
-      const int ej = __shfl_sync(FULL, e, j), dj = __shfl_sync(FULL, dest, j);
-      if (j < lane && lane < f.topk) {
-        ok = ok && (ej != e || e < 0);
-        first = first && dj != dest;
-      }
-    }
+    const bool first_e = first_of(e), first_dest = first_of(dest);
+    ok = ok && (e < 0 || first_e);  // repeated experts are invalid; repeated ranks are sent once
+    first = first && first_dest;
     if (__any_sync(FULL, !ok)) {
       if (lane == 0) {
         record_error(f.err, MOECOMM_ERR_BAD_EXPERT, f.rank, MOECOMM_PHASE_DISPATCH, t, (int)epoch);
