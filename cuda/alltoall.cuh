@@ -410,6 +410,52 @@ __device__ __forceinline__ uint64_t count_signal(unsigned epoch, unsigned count,
 // The record count of this rank's own dispatch signal (0 when its sends failed).
 __device__ __forceinline__ unsigned own_count(uint64_t v) { return v & SIG_BAD ? 0 : (unsigned)v & SIG_COUNT; }
 
+// The send half's start and end, in dispatch_send and the local path's small batches (local.cu).
+// dispatch_begin, every thread: the call's m (0 for a skipped call or an m out of range: ERR_BAD_M), block 0
+// recording it for combine (state[M]) and the call's errors. dispatch_sent, every thread of the half's last
+// block: each rank's signal (the call, its record count, or SIG_BAD with the call's error), then the per-call
+// state reset; `local` also ends the receive half first (dispatch_counts) and stores the signal without a
+// release; `own_records` >= 0: this rank's own record count (else its slot atomics' count, state[FIXED + rank]).
+__device__ __forceinline__ int dispatch_begin(const Fixed& f, const Call& c, unsigned epoch) {
+  const int m = c.skip ? 0 : *c.bound_m;
+  const bool bad_m = m < 0 || m > c.rows || m > f.max_tokens;
+  if (blockIdx.x == 0 && threadIdx.x == 0) {
+    f.state[MOECOMM_S_M] = bad_m ? M_INVALID : (unsigned)m;  // combine checks its bound_m against it
+    f.state[MOECOMM_S_BAD_RECV] = 0;  // the previous call's (its combine has read it; the receive half sets it)
+    if (c.skip) {
+      if (c.reason) atomicCAS(&f.state[MOECOMM_S_BAD], 0u, (unsigned)c.reason);
+    } else if (bad_m) {
+      record_error(f.err, MOECOMM_ERR_BAD_M, f.rank, MOECOMM_PHASE_DISPATCH, m, (int)epoch, min(c.rows, f.max_tokens));
+      atomicCAS(&f.state[MOECOMM_S_BAD], 0u, (unsigned)MOECOMM_ERR_BAD_M);
+    }
+  }
+  return bad_m ? 0 : m;
+}
+
+__device__ __forceinline__ void dispatch_sent(const Fixed& f, const Call& c, unsigned epoch, bool local, int own_records) {
+  TRACE_LAST_START();
+  const unsigned bad = (unsigned)load_volatile((const int*)&f.state[MOECOMM_S_BAD]);
+  const unsigned generation = f.state[MOECOMM_S_GEN];
+  // the receive half's end, with no records: its counts' atomics issued first (nobody waits for the signal)
+  if (local) dispatch_counts(f, c, f.state[MOECOMM_S_EPOCH_DR] + 1);
+  for (int d = threadIdx.x; d < f.world; d += blockDim.x) {
+    const unsigned cnt =
+        d == f.rank && own_records >= 0 ? (unsigned)own_records : atomicExch(&f.state[MOECOMM_S_FIXED + d], 0u);
+    const uint64_t word = bad ? epoch_signal(epoch, SIG_BAD | bad) : count_signal(epoch, cnt, generation);
+    if (!f.mask[d] && local) f.sig[f.rank] = word;  // read by later kernels only (world size 1): no release
+    else if (!f.mask[d]) signal_set(f.peers, &f.sig[f.rank], word, d);
+    if (d != f.rank) tally_bytes(f, MOECOMM_B_DISPATCH_SENT, d, (unsigned long long)cnt * f.rec_bytes);
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    if (bad) f.state[MOECOMM_S_M] = M_INVALID;  // nothing of this rank's tokens comes back: combine writes nothing
+    f.state[MOECOMM_S_BAD] = 0;
+    f.state[MOECOMM_S_DONE_DS] = 0;
+    f.state[MOECOMM_S_EPOCH_DS] = epoch;
+  }
+  TRACE_LAST(MOECOMM_TRACE_DISPATCH_SEND);
+}
+
 // 8 values of the output dtype in 16 bytes <-> float.
 __device__ __forceinline__ void to_float8(const int4& v, int code, float* f) {
   if (code == MOECOMM_DT_BF16) {

@@ -60,19 +60,7 @@ __device__ void moecomm::dispatch_send(const Fixed& f, const Call& c, int sender
   // warp 0, lane q: whether rank q is masked (world <= 32: looked up by a shuffle, not a load per token)
   const bool mask_lanes = f.world <= 32;
   const int masked_lane = warp == 0 && mask_lanes && lane < f.world ? f.mask[lane] : 0;
-  int m = c.skip ? 0 : *c.bound_m;
-  const bool bad_m = m < 0 || m > c.rows || m > f.max_tokens;
-  if (blockIdx.x == 0 && threadIdx.x == 0) {
-    f.state[MOECOMM_S_M] = bad_m ? M_INVALID : (unsigned)m;  // combine checks its bound_m against it
-    f.state[MOECOMM_S_BAD_RECV] = 0;  // the previous call's (its combine has read it; the receive half sets it)
-    if (c.skip) {
-      if (c.reason) atomicCAS(&f.state[MOECOMM_S_BAD], 0u, (unsigned)c.reason);
-    } else if (bad_m) {
-      record_error(f.err, MOECOMM_ERR_BAD_M, f.rank, MOECOMM_PHASE_DISPATCH, m, (int)epoch, min(c.rows, f.max_tokens));
-      atomicCAS(&f.state[MOECOMM_S_BAD], 0u, (unsigned)MOECOMM_ERR_BAD_M);
-    }
-  }
-  if (bad_m) m = 0;
+  const int m = dispatch_begin(f, c, epoch);
   TRACE(MOECOMM_TRACE_DISPATCH_SEND, 1);
   const int lo = f.rank * f.local_experts;
   const uint8_t* x = c.x;
@@ -254,28 +242,7 @@ __device__ void moecomm::dispatch_send(const Fixed& f, const Call& c, int sender
   if (st.used_puts) quiet();
   const bool is_last = last_block(&f.state[MOECOMM_S_DONE_DS], f.world > 1);  // alone, stores stay on this GPU
   TRACE(MOECOMM_TRACE_DISPATCH_SEND, 5);
-  if (is_last) {
-    TRACE_LAST_START();
-    const unsigned bad = (unsigned)load_volatile((const int*)&f.state[MOECOMM_S_BAD]);
-    const unsigned generation = f.state[MOECOMM_S_GEN];
-    for (int d = threadIdx.x; d < f.world; d += blockDim.x) {
-      const unsigned cnt = atomicExch(&f.state[MOECOMM_S_FIXED + d], 0u);
-      if (!f.mask[d])
-        signal_set(f.peers, &f.sig[f.rank],
-                   bad ? epoch_signal(epoch, SIG_BAD | bad) : count_signal(epoch, cnt, generation), d);
-      if (d != f.rank) tally_bytes(f, MOECOMM_B_DISPATCH_SENT, d, (unsigned long long)cnt * f.rec_bytes);
-    }
-    // the receive half's end, with no records: its counts' atomics in flight beside the signals
-    if (local) dispatch_counts(f, c, f.state[MOECOMM_S_EPOCH_DR] + 1);
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      if (bad) f.state[MOECOMM_S_M] = M_INVALID;  // nothing of this rank's tokens comes back: combine writes nothing
-      f.state[MOECOMM_S_BAD] = 0;
-      f.state[MOECOMM_S_DONE_DS] = 0;
-      f.state[MOECOMM_S_EPOCH_DS] = epoch;
-    }
-    TRACE_LAST(MOECOMM_TRACE_DISPATCH_SEND);
-  }
+  if (is_last) dispatch_sent(f, c, epoch, local, -1);
 }
 
 extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, MOECOMM_BLOCKS_PER_SM)

@@ -312,6 +312,7 @@ KERNELS = {k.name: k for k in (
     Kernel("moecomm_combine_recv_wire", (Fixed, Call), _token_blocks),
     Kernel("moecomm_combine_wire", (Fixed, Call), _per_source_blocks),
     Kernel("moecomm_dispatch_local", (Fixed, Call), _send_blocks),
+    Kernel("moecomm_dispatch_tokens", (Fixed, Call), _send_blocks),
     Kernel("moecomm_combine_local", (Fixed, Call), _gpu_blocks),
     Kernel("moecomm_plan", (Fixed, Grad), _gpu_blocks),
     Kernel("moecomm_dispatch_backward", (Fixed, Grad), _gpu_blocks),
@@ -323,6 +324,7 @@ ALLTOALL_KERNELS = tuple(f"moecomm_{half}" for half in C.HALVES)  # the four hal
 WHOLE_KERNELS = {"dispatch": "moecomm_dispatch", "combine": "moecomm_combine"}  # a phase's halves in one launch
 STREAMED_DISPATCH = "moecomm_dispatch_streamed"  # the one-launch dispatch of streamed batches (cuda/dispatch.cu)
 LOCAL_KERNELS = {"dispatch": "moecomm_dispatch_local", "combine": "moecomm_combine_local"}  # local() (cuda/local.cu)
+LOCAL_TOKENS = "moecomm_dispatch_tokens"  # the local path's dispatch where every token has a block (local.cu)
 PACK_KERNEL = "moecomm_dispatch_pack"  # the packed layout's third dispatch kernel (after the receive half)
 WIRE = "_wire"  # the combine kernels of an FP8 combine wire: their names end so (cuda/combine*.cu)
 WIRE_KERNELS = ("moecomm_combine_send_wire", "moecomm_combine_recv_wire", "moecomm_combine_wire")
@@ -349,12 +351,14 @@ def local(cfg):
 
 def whole_kernels(cfg, num_sms):
     """{phase: the kernel that runs its two halves in one launch} for this configuration: the local path's
-    (local()); else the dispatch of streamed (prefill-sized) batches is its own kernel, so the small batches'
+    (local()), whose dispatch has a kernel of its own (LOCAL_TOKENS) where every token of max_num_tokens gets a
+    block; else the dispatch of streamed (prefill-sized) batches is its own kernel, so the small batches'
     kernel carries none of its code; so is the combine on an FP8 combine wire."""
     whole = dict(WHOLE_KERNELS, dispatch=STREAMED_DISPATCH) if streamed(cfg, num_sms) else WHOLE_KERNELS
     whole = {phase: _on_wire(cfg, n) for phase, n in whole.items()}
     if local(cfg):
-        whole["dispatch"] = LOCAL_KERNELS["dispatch"]
+        every_token = _send_blocks(cfg, num_sms) >= cfg.max_num_tokens  # a block per token: no block has two
+        whole["dispatch"] = LOCAL_TOKENS if every_token else LOCAL_KERNELS["dispatch"]
         if cfg.combine_wire is None:
             whole["combine"] = LOCAL_KERNELS["combine"]
     return whole

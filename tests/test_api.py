@@ -246,14 +246,17 @@ def test_world_size_1_takes_the_local_path_in_the_padded_layout():
 
     def cfg(world, tokens, **kw):
         return AllToAllConfig.create(world, 0, tokens, 256, 8, 7168, 56, "float8_e4m3fn", "bfloat16", None, 1, **kw)
-    for tokens in (1, 128, 4096):
+    for tokens in (1, 128, 264, 265, 4096):
         assert _abi.local(cfg(1, tokens))
-        assert _abi.whole_kernels(cfg(1, tokens), 132) == _abi.LOCAL_KERNELS
+        # a block per token up to 2 per SM (264 on 132 SMs): the small batches' dispatch
+        small = dict(_abi.LOCAL_KERNELS, dispatch=_abi.LOCAL_TOKENS)
+        assert _abi.whole_kernels(cfg(1, tokens), 132) == (small if tokens <= 264 else _abi.LOCAL_KERNELS)
         assert not _abi.local(cfg(2, tokens))
+    assert _abi.whole_kernels(cfg(1, 128), 44) == _abi.LOCAL_KERNELS  # 88 blocks: some have two tokens
     assert not _abi.local(cfg(1, 128, layout="packed"))
     assert _abi.whole_kernels(cfg(1, 128, layout="packed"), 132) == _abi.WHOLE_KERNELS
     assert _abi.whole_kernels(cfg(1, 128, combine_wire="e4m3"), 132) == {
-        "dispatch": _abi.LOCAL_KERNELS["dispatch"], "combine": "moecomm_combine_wire"}
+        "dispatch": _abi.LOCAL_TOKENS, "combine": "moecomm_combine_wire"}
 
 def _r1_cfg(tokens, dp=1, layout="padded"):
     from moecomm._config import AllToAllConfig

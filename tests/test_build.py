@@ -47,7 +47,7 @@ def test_cli_builds_every_variant_then_hits_cache(built):
     assert first.stdout.count(" built in ") == len(_jit.VARIANTS)
     kernels = _variant_kernels(first.stdout)
     alltoall = set(_abi.ALLTOALL_KERNELS) | set(_abi.WHOLE_KERNELS.values()) | set(_abi.WIRE_KERNELS) | {
-        *_abi.GRAD_KERNELS, *_abi.LOCAL_KERNELS.values(), _abi.STREAMED_DISPATCH, _abi.PACK_KERNEL,
+        *_abi.GRAD_KERNELS, *_abi.LOCAL_KERNELS.values(), _abi.LOCAL_TOKENS, _abi.STREAMED_DISPATCH, _abi.PACK_KERNEL,
         "moecomm_peer_check"}
     assert set(kernels["nvshmem"]) == set(kernels["ipc"]) == alltoall, kernels
     assert kernels["bench"] == ["moecomm_delay"]  # the benchmark's kernel is in no transport's module
