@@ -436,14 +436,16 @@ __device__ __forceinline__ void dispatch_sent(const Fixed& f, const Call& c, uns
   TRACE_LAST_START();
   const unsigned bad = (unsigned)load_volatile((const int*)&f.state[MOECOMM_S_BAD]);
   const unsigned generation = f.state[MOECOMM_S_GEN];
+  const bool self_masked = f.mask[f.rank];  // loaded beside the rest (the local path's only signal is its own)
   // the receive half's end, with no records: its counts' atomics issued first (nobody waits for the signal)
   if (local) dispatch_counts(f, c, f.state[MOECOMM_S_EPOCH_DR] + 1);
   for (int d = threadIdx.x; d < f.world; d += blockDim.x) {
     const unsigned cnt =
         d == f.rank && own_records >= 0 ? (unsigned)own_records : atomicExch(&f.state[MOECOMM_S_FIXED + d], 0u);
     const uint64_t word = bad ? epoch_signal(epoch, SIG_BAD | bad) : count_signal(epoch, cnt, generation);
-    if (!f.mask[d] && local) f.sig[f.rank] = word;  // read by later kernels only (world size 1): no release
-    else if (!f.mask[d]) signal_set(f.peers, &f.sig[f.rank], word, d);
+    const bool masked = d == f.rank ? self_masked : f.mask[d];
+    if (!masked && local) f.sig[f.rank] = word;  // read by later kernels only (world size 1): no release
+    else if (!masked) signal_set(f.peers, &f.sig[f.rank], word, d);
     if (d != f.rank) tally_bytes(f, MOECOMM_B_DISPATCH_SENT, d, (unsigned long long)cnt * f.rec_bytes);
   }
   __syncthreads();

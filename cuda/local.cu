@@ -4,19 +4,13 @@
 
 using namespace moecomm;
 
-namespace {
-constexpr int WARPS = THREADS / 32;
-constexpr int ROW_CHUNKS = 16;  // 16-byte chunks of the row per lane loaded at entry: 8 KB per warp in one round
-}  // namespace
-
 // grid: a block per token, f.max_tokens or more (moecomm/_abi.py: whole_kernels; small batches). Block t takes
-// token t, and its warp w the token's pairs k = w, w + WARPS, ... < topk, each from the token's ids to the last
-// store into the pair's expert slot with no block barrier before the block's end. Every warp loads the token's
-// ids and weights (it checks them all: a repeated or invalid id fails the token, ERR_BAD_EXPERT, and nothing of it
-// is stored) and the token's row and scales, takes its pair's slot by one atomic, and stores the row there. The
-// last block ends the receive half as moecomm_dispatch_local's does. It writes what dispatch_send writes, but
-// for the records: the token's own record is record t (f.recv_buf row t: metadata, f.slot_of), so there are m
-// of them and no record atomic; the signal carries m.
+// token t: its threads load the token's row and scales (RowCopy) while warp 0 reads the ids and weights, checks
+// them (a repeated or invalid id fails the token, ERR_BAD_EXPERT, and nothing of it is stored) and takes each
+// pair's slot in its own lane, all atomics in flight at once; then the block stores the row into those slots.
+// The last block ends the receive half as moecomm_dispatch_local's does. It writes what dispatch_send writes,
+// but for the records: the token's own record is record t (f.recv_buf row t: metadata, f.slot_of), so there are
+// m of them and no record atomic; the signal carries m.
 extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, MOECOMM_BLOCKS_PER_SM)
     moecomm_dispatch_tokens(const Fixed f, const Call c) {
   TRACE_SPAN(MOECOMM_TRACE_DISPATCH_SEND, 0);
@@ -27,77 +21,64 @@ extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, MOECOMM_BLOC
   const bool readable = t < min(c.rows, f.max_tokens);
   const uint8_t* const xt = c.x + (size_t)t * f.x_bytes;
   const uint8_t* const scales = c.x_scale + (size_t)t * f.scale_bytes;
-  const size_t pair0 = (size_t)t * f.topk;
-  int e = -1;
+  const size_t pair = (size_t)t * f.topk + lane;
+  int e = -1;  // warp 0, lane k: the token's k-th id and weight
   float w = 0.0f;
-  if (readable && lane < f.topk) {
-    e = expert_id(c, pair0 + lane, f.num_experts);
-    if (c.weights) w = c.weights[pair0 + lane];
+  if (warp == 0 && readable && lane < f.topk) {
+    e = expert_id(c, pair, f.num_experts);
+    if (c.weights) w = c.weights[pair];
   }
-  const int chunks = f.x_bytes / 16;
-  int4 v[ROW_CHUNKS];
-#pragma unroll
-  for (int u = 0; u < ROW_CHUNKS; ++u)
-    if (readable && lane + 32 * u < chunks) v[u] = ((const int4*)xt)[lane + 32 * u];
-  const int first_word = readable && lane < f.scale_bytes / 4 ? ((const int*)scales)[lane] : 0;
-  const bool masked = f.mask[f.rank];
+  const bool masked = warp == 0 && f.mask[f.rank];
+  RowCopy row;
+  if (readable) row.load(f, xt, scales);
   const int m = dispatch_begin(f, c, epoch);
   TRACE(MOECOMM_TRACE_DISPATCH_SEND, 1);
-  const bool first_e = first_of(e);  // every lane
-  const bool ok = __all_sync(FULL, e < f.num_experts && (e < 0 || first_e));
-  __shared__ unsigned drops[WARPS];  // each warp's pairs past their expert's capacity (f.drop)
-  unsigned dropped = 0;
-  if (t < m && !ok && warp == 0 && lane == 0) {
-    record_error(f.err, MOECOMM_ERR_BAD_EXPERT, f.rank, MOECOMM_PHASE_DISPATCH, t, (int)epoch);
-    atomicCAS(&f.state[MOECOMM_S_BAD], 0u, (unsigned)MOECOMM_ERR_BAD_EXPERT);
-  }
-  if (t < m && ok) {
-    const int slot_id = e >= 0 ? physical(f, e, t) : -1;  // the lane's pair's physical expert slot
+  __shared__ uint8_t* xd[MOECOMM_MAX_TOPK];  // the token's rows of c.out_x and c.out_scale, compacted
+  __shared__ uint8_t* sd[MOECOMM_MAX_TOPK];
+  __shared__ int n;
+  if (warp == 0 && t < m) {
+    const bool first_e = first_of(e);
     const unsigned pairs = __ballot_sync(FULL, e >= 0);
-    if (masked && warp == 0 && lane == 0) tally(f, MOECOMM_C_MASKED_PAIRS, __popc(pairs));
-    const size_t rec = (size_t)f.rank * f.max_tokens + t;  // this rank's own record t
-    int* const meta = meta_of(f.recv_buf + rec * f.rec_bytes, f);
-    if (warp == 0 && lane == 0) meta[0] = t;
-    for (int k = warp; k < f.topk; k += WARPS) {
-      const int pe = __shfl_sync(FULL, masked ? -1 : slot_id, k);  // the pair's expert slot; -1: not sent
-      const float wk = __shfl_sync(FULL, w, k);
-      unsigned slot = 0;
-      if (pe >= 0 && lane == 0) slot = atomicAdd(&f.state[f.s_expert + pe - f.rank * f.local_experts], 1u);
-      slot = __shfl_sync(FULL, slot, 0);
-      TRACE(MOECOMM_TRACE_DISPATCH_SEND, 2);
-      const int where = pe >= 0 && slot < (unsigned)f.cap ? (pe - f.rank * f.local_experts) * f.cap + (int)slot : -1;
-      if (pe >= 0 && where < 0 && f.drop) dropped |= 1u << k;
-      if (where >= 0) {
-        int4* const dx = (int4*)(c.out_x + (size_t)where * f.x_bytes);
-#pragma unroll
-        for (int u = 0; u < ROW_CHUNKS; ++u)
-          if (lane + 32 * u < chunks) dx[lane + 32 * u] = v[u];
-        if (chunks > 32 * ROW_CHUNKS) {
-          uint8_t* const dst[1] = {(uint8_t*)dx};
-          fanout16(dst, 1, xt, f.x_bytes, 32 * ROW_CHUNKS, lane, 32);
-        }
-        uint8_t* const sd = scale_row(f, c, where);
-        for (int i = lane; i < f.scale_bytes / 4; i += 32)
-          store_scale_word(f, sd, i, i == lane ? first_word : ((const int*)scales)[i]);
-      }
+    if (!__all_sync(FULL, e < f.num_experts && (e < 0 || first_e))) {
       if (lane == 0) {
-        f.own_of[pair0 + k] = make_int2(where, __float_as_int(wk));
-        f.slot_of[rec * f.topk + k] = where;
-        meta[1 + k] = pe;
-        ((float*)meta)[1 + f.topk + k] = wk;
-        if (f.sent) f.sent[pair0 + k] = pe;  // the routing plan's (backward.cu)
+        record_error(f.err, MOECOMM_ERR_BAD_EXPERT, f.rank, MOECOMM_PHASE_DISPATCH, t, (int)epoch);
+        atomicCAS(&f.state[MOECOMM_S_BAD], 0u, (unsigned)MOECOMM_ERR_BAD_EXPERT);
+        n = 0;
+      }
+    } else {
+      const int lo = f.rank * f.local_experts;
+      const int pe = e >= 0 && !masked ? physical(f, e, t) : -1;  // the pair's physical expert; -1: not sent
+      const unsigned slot = pe >= 0 ? atomicAdd(&f.state[f.s_expert + pe - lo], 1u) : 0u;
+      const int where = pe >= 0 && slot < (unsigned)f.cap ? (pe - lo) * f.cap + (int)slot : -1;
+      const unsigned drops = __ballot_sync(FULL, pe >= 0 && where < 0 && f.drop);
+      const unsigned rows = __ballot_sync(FULL, where >= 0);
+      if (where >= 0) {
+        const int pos = __popc(rows & ((1u << lane) - 1));
+        xd[pos] = c.out_x + (size_t)where * f.x_bytes;
+        sd[pos] = scale_row(f, c, where);
+      }
+      const size_t rec = (size_t)f.rank * f.max_tokens + t;  // this rank's own record t
+      int* const meta = meta_of(f.recv_buf + rec * f.rec_bytes, f);
+      if (lane == 0) {
+        n = __popc(rows);
+        meta[0] = t;
+        if (masked) tally(f, MOECOMM_C_MASKED_PAIRS, __popc(pairs));
+        if (drops)  // read by combine_local
+          f.drop_buf[(size_t)f.rank * f.max_tokens + t] = epoch_signal(epoch, drops);
+      }
+      if (lane < f.topk) {
+        f.own_of[pair] = make_int2(where, __float_as_int(w));
+        f.slot_of[rec * f.topk + lane] = where;
+        meta[1 + lane] = pe;
+        ((float*)meta)[1 + f.topk + lane] = w;
+        if (f.sent) f.sent[pair] = pe;  // the routing plan's (backward.cu)
       }
     }
-    TRACE(MOECOMM_TRACE_DISPATCH_SEND, 3);
+    TRACE(MOECOMM_TRACE_DISPATCH_SEND, 2);
   }
-  if (lane == 0) drops[warp] = dropped;
   __syncthreads();
-  if (threadIdx.x == 0) {
-    unsigned all = 0;
-    for (int i = 0; i < WARPS; ++i) all |= drops[i];
-    if (all)  // read by combine_local
-      f.drop_buf[(size_t)f.rank * f.max_tokens + t] = epoch_signal(epoch, all);
-  }
+  if (t < m) row.store(f, xd, sd, n, 0, xt, scales);
+  TRACE(MOECOMM_TRACE_DISPATCH_SEND, 3);
   // a grid of one block is its own last: no fence, no count (the kernel's end orders its writes for the next)
   const bool is_last = gridDim.x == 1 || last_block(&f.state[MOECOMM_S_DONE_DS], false);
   TRACE(MOECOMM_TRACE_DISPATCH_SEND, 5);
