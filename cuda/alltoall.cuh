@@ -315,15 +315,18 @@ __device__ __forceinline__ CombineCheck combine_check(const Fixed& f, const Call
 // every thread's writes observed by thread 0, whose fence is cumulative (the pattern of cooperative groups'
 // grid sync, and of NCCL's primitives before a flag). `system`: the block's writes include stores to peers,
 // which the last block's signals must follow (a fence per thread measured 2-5 us at decode sizes).
+// count_block is thread 0's part: its fence covers its own writes and those it has observed.
+__device__ __forceinline__ bool count_block(unsigned* done, bool system) {
+  if (system) fence_system();
+  else __threadfence();
+  const bool last = atomicAdd(done, 1u) == gridDim.x - 1;
+  if (last) __threadfence();
+  return last;
+}
 __device__ __forceinline__ bool last_block(unsigned* done, bool system) {
   __shared__ bool last;
   __syncthreads();
-  if (threadIdx.x == 0) {
-    if (system) fence_system();
-    else __threadfence();
-    last = atomicAdd(done, 1u) == gridDim.x - 1;
-    if (last) __threadfence();
-  }
+  if (threadIdx.x == 0) last = count_block(done, system);
   __syncthreads();
   return last;
 }

@@ -7,8 +7,8 @@ using namespace moecomm;
 // grid: a block per token, f.max_tokens or more (moecomm/_abi.py: whole_kernels; small batches). Block t takes
 // token t: its threads load the token's row and scales (RowCopy) while warp 0 reads the ids and weights, checks
 // them (a repeated or invalid id fails the token, ERR_BAD_EXPERT, and nothing of it is stored) and takes each
-// pair's slot in its own lane, all atomics in flight at once; then the block stores the row into those slots.
-// The last block ends the receive half as moecomm_dispatch_local's does. It writes what dispatch_send writes,
+// pair's slot in its own lane, all atomics in flight at once, and counts the block done; then the block stores
+// the row into those slots. The last block ends the receive half as moecomm_dispatch_local's does. It writes what dispatch_send writes,
 // but for the records: the token's own record is record t (f.recv_buf row t: metadata, f.slot_of), so there are
 // m of them and no record atomic; the signal carries m.
 extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, MOECOMM_BLOCKS_PER_SM)
@@ -76,13 +76,18 @@ extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, MOECOMM_BLOC
     }
     TRACE(MOECOMM_TRACE_DISPATCH_SEND, 2);
   }
+  // The block counts itself done before its row is stored: the last block needs every block's slot atomics
+  // and error words (warp 0's), not the rows, which nothing in this kernel reads. A grid of one block is its
+  // own last (the kernel's end orders its writes for the next kernel).
+  __shared__ bool last;
+  if (warp == 0) {
+    __syncwarp();  // warp 0's atomics and words, observed by its lane 0 before its fence
+    if (lane == 0) last = gridDim.x == 1 || count_block(&f.state[MOECOMM_S_DONE_DS], false);
+  }
   __syncthreads();
   if (t < m) row.store(f, xd, sd, n, 0, xt, scales);
   TRACE(MOECOMM_TRACE_DISPATCH_SEND, 3);
-  // a grid of one block is its own last: no fence, no count (the kernel's end orders its writes for the next)
-  const bool is_last = gridDim.x == 1 || last_block(&f.state[MOECOMM_S_DONE_DS], false);
-  TRACE(MOECOMM_TRACE_DISPATCH_SEND, 5);
-  if (is_last) dispatch_sent(f, c, epoch, true, m);
+  if (last) dispatch_sent(f, c, epoch, true, m);
   TRACE_SPAN(MOECOMM_TRACE_DISPATCH_SEND, 1);
 }
 
