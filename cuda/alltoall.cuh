@@ -435,7 +435,8 @@ __device__ __forceinline__ int dispatch_begin(const Fixed& f, const Call& c, uns
   return bad_m ? 0 : m;
 }
 
-__device__ __forceinline__ void dispatch_sent(const Fixed& f, const Call& c, unsigned epoch, bool local, int own_records) {
+__device__ __forceinline__ void dispatch_sent(const Fixed& f, const Call& c, unsigned epoch, bool local,
+                                              int own_records) {
   TRACE_LAST_START();
   const unsigned bad = (unsigned)load_volatile((const int*)&f.state[MOECOMM_S_BAD]);
   const unsigned generation = f.state[MOECOMM_S_GEN];

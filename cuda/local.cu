@@ -7,10 +7,10 @@ using namespace moecomm;
 // grid: a block per token, f.max_tokens or more (moecomm/_abi.py: whole_kernels; small batches). Block t takes
 // token t: its threads load the token's row and scales (RowCopy) while warp 0 reads the ids and weights, checks
 // them (a repeated or invalid id fails the token, ERR_BAD_EXPERT, and nothing of it is stored) and takes each
-// pair's slot in its own lane, all atomics in flight at once, and counts the block done; then the block stores
-// the row into those slots. The last block ends the receive half as moecomm_dispatch_local's does. It writes what dispatch_send writes,
-// but for the records: the token's own record is record t (f.recv_buf row t: metadata, f.slot_of), so there are
-// m of them and no record atomic; the signal carries m.
+// pair's slot in its own lane, all atomics in flight at once, and counts the block done; then the block stores the
+// row into those slots. The last block ends the receive half as moecomm_dispatch_local's does. It writes what
+// dispatch_send writes, but for the records: the token's own record is record t (f.recv_buf row t: metadata,
+// f.slot_of), so there are m of them and no record atomic; the signal carries m.
 extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, MOECOMM_BLOCKS_PER_SM)
     moecomm_dispatch_tokens(const Fixed f, const Call c) {
   TRACE_SPAN(MOECOMM_TRACE_DISPATCH_SEND, 0);
