@@ -39,6 +39,9 @@
 #                                    ranks time-sliced over ipc, then R1-decode at world size 1 with combine's rows
 #                                    as bf16, e4m3 and e4m3_ue8m0 (bench JSON each); with $BASELINE (a tree of an
 #                                    earlier commit) the same bf16 benchmark from that tree, run in turn with ours
+#   bash tools/gpu_check.sh ab       a kernel change's A/B: with $BASELINE (a tree of the commit before it),
+#                                    R1-decode, V2-Lite, 1 and 16 tokens at world size 1 over ipc, the
+#                                    baseline's tree then this one, $ROUNDS rounds (default 2; bench JSON each)
 #   bash tools/gpu_check.sh --help   this text
 #   bash tools/gpu_check.sh latency  the checks a kernel change needs (quick sweeps on both transports, the
 #                                    put-only path, world size 1, the model-sized and streamed cases (--full),
@@ -157,6 +160,17 @@ if [ "${1:-}" = formats ]; then
       (cd "$BASELINE" && export PYTHONPATH=$PWD${PYTHONPATH#"$OLDPWD"} MOECOMM_CACHE_DIR=/tmp/moecomm-baseline &&
         step "${MPIRUN[@]}" -np 1 "${bench[@]}" --json "$out/baseline-bf16-$round.json")
     fi
+  done
+  exit $status
+fi
+if [ "${1:-}" = ab ]; then  # interleaved: the GPU's state drifts between runs by more than most changes move
+  [ -n "${BASELINE:-}" ] || { echo "gpu_check.sh ab: set BASELINE to a tree of the commit to compare with" >&2; exit 2; }
+  bench=(python3 -m moecomm.bench --transport ipc --configs r1-decode,v2-lite,sweep --sweep-tokens 1,16
+    --iters ${BENCH_ITERS:-300} --plot /dev/null)
+  for round in $(seq "${ROUNDS:-2}"); do
+    (cd "$BASELINE" && export PYTHONPATH=$PWD${PYTHONPATH#"$OLDPWD"} MOECOMM_CACHE_DIR=/tmp/moecomm-baseline &&
+      step "${MPIRUN[@]}" -np 1 "${bench[@]}" --json "$out/baseline-$round.json" && [ $status = 0 ]) || status=1
+    step "${MPIRUN[@]}" -np 1 "${bench[@]}" --json "$out/ab-$round.json"
   done
   exit $status
 fi
