@@ -1,20 +1,21 @@
 """The CUDA driver through cuda.bindings: one checking helper, the rank's context, modules, launches.
 
-Every driver call of moecomm goes through :func:`check`. Device work runs in the primary context of the
-rank's GPU (the one CuPy and NVSHMEM use): entry points make it current for their duration and give the
-caller's context back (:meth:`Context.enter` / :meth:`Context.leave`), so a caller whose current device
-is another GPU (JAX moves it to the GPU it last touched) neither breaks a call nor sees it changed.
+Every driver call of moecomm goes through :func:`check`, but the three that every call makes (the kernel
+launch, the context query and switch), which go through CuPy's driver module: its entry points take and
+return plain ints, where cuda.bindings converts each argument and result to its own types. Device work
+runs in the primary context of the rank's GPU (the one CuPy and NVSHMEM use): entry points make it
+current for their duration and give the caller's context back (:meth:`Context.enter` /
+:meth:`Context.leave`), so a caller whose current device is another GPU (JAX moves it to the GPU it last
+touched) neither breaks a call nor sees it changed.
 """
 import ctypes
 
 from cuda.bindings import driver
+from cupy.cuda import driver as per_call
 
 from ._errors import CompileError, MoeCommError
 
-_launch_kernel = driver.cuLaunchKernel
-_get_current = driver.cuCtxGetCurrent
-_set_current = driver.cuCtxSetCurrent
-NO_CONTEXT = driver.CUcontext(0)  # what Context.enter returns when no context was current
+NO_CONTEXT = 0  # what Context.enter returns when no context was current
 _DEVICE_MEMORY = (int(driver.CUmemorytype.CU_MEMORYTYPE_DEVICE), int(driver.CUmemorytype.CU_MEMORYTYPE_UNIFIED))
 
 
@@ -30,6 +31,11 @@ def error(code, what):
     return MoeCommError(f"{what} failed: {name.decode() if name else int(code)}")
 
 
+def _per_call_error(e, what):
+    """MoeCommError naming ``what`` from the CUDADriverError of a per-call entry point."""
+    return MoeCommError(f"{what} failed: {e}")
+
+
 class Context:
     """The primary context of CUDA device ``device``, retained for the life of this object."""
 
@@ -38,20 +44,27 @@ class Context:
         self.device = device
         self._dev = check(driver.cuDeviceGet(device), "cuDeviceGet")
         self.handle = check(driver.cuDevicePrimaryCtxRetain(self._dev), "cuDevicePrimaryCtxRetain")
+        self._address = int(self.handle)
 
     def enter(self):
         """Make this context current. Returns what :meth:`leave` needs to give the caller's back (None
-        when it already was current: the common case, one driver query)."""
-        current = _get_current()[1]
-        if current == self.handle:
-            return None
-        check(_set_current(self.handle), "cuCtxSetCurrent")
-        return NO_CONTEXT if current is None or not int(current) else current
+        when it already was current: the common case, one driver query; NO_CONTEXT when none was)."""
+        try:
+            current = per_call.ctxGetCurrent()
+            if current == self._address:
+                return None
+            per_call.ctxSetCurrent(self._address)
+        except per_call.CUDADriverError as e:
+            raise _per_call_error(e, "making the rank's context current") from None
+        return current
 
     @staticmethod
     def leave(previous):
         if previous is not None:
-            check(_set_current(previous), "cuCtxSetCurrent")
+            try:
+                per_call.ctxSetCurrent(previous)
+            except per_call.CUDADriverError as e:
+                raise _per_call_error(e, "giving the caller's context back") from None
 
     def __enter__(self):
         self._stack = getattr(self, "_stack", [])
@@ -107,14 +120,16 @@ class Launch:
             raise TypeError(f"{kernel.name} takes {[p.__name__ for p in kernel.params]}, "
                             f"got {[type(p).__name__ for p in params]}")
         self.function, self.name, self.threads, self.blocks = function, kernel.name, kernel.threads, int(blocks)
+        self._function = int(function)
         self._params = params  # kept alive: the pointer array points into them
         self._pointers = (ctypes.c_void_p * len(params))(*(ctypes.addressof(p) for p in params))
         self._address = ctypes.addressof(self._pointers)
 
     def __call__(self, stream):
-        err = _launch_kernel(self.function, self.blocks, 1, 1, self.threads, 1, 1, 0, stream, self._address, 0)[0]
-        if err:
-            raise error(err, f"launching {self.name}")
+        try:
+            per_call.launchKernel(self._function, self.blocks, 1, 1, self.threads, 1, 1, 0, stream, self._address, 0)
+        except per_call.CUDADriverError as e:
+            raise _per_call_error(e, f"launching {self.name}") from None
 
 
 class StreamOrder:

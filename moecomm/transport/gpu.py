@@ -61,7 +61,7 @@ class GpuTransport(Transport):
         try:
             self._start()
         finally:  # a thread that had no current device keeps this one (CuPy code after init uses it)
-            if previous is not _cuda.NO_CONTEXT:
+            if previous != _cuda.NO_CONTEXT:
                 self.context.leave(previous)
 
     def _start(self):
