@@ -331,8 +331,13 @@ WIRE_KERNELS = ("moecomm_combine_send_wire", "moecomm_combine_recv_wire", "moeco
 GRAD_KERNELS = ("moecomm_plan", "moecomm_dispatch_backward", "moecomm_combine_backward")  # backward.cu
 
 
+def phase_of(name):
+    """The phase ("dispatch" or "combine") of an AllToAll kernel: whose call record it reads."""
+    return "combine" if name.startswith("moecomm_combine") else "dispatch"
+
+
 def _on_wire(cfg, name):
-    return name + WIRE if cfg.combine_wire is not None and name.startswith("moecomm_combine") else name
+    return name + WIRE if cfg.combine_wire is not None and phase_of(name) == "combine" else name
 
 
 def half_kernels(cfg):

@@ -94,8 +94,10 @@ def check(name, dtype, shape, contiguous, accept, want_shape):
 
 
 class HostArrays:
-    """numpy arrays for the host transport: a value is the array itself, viewed as its expected dtype."""
+    """numpy arrays for the host transport: a value is the array itself, viewed as its expected dtype.
+    ``buffers`` (as DeviceArrays'): always False, numpy arrays being mutable."""
     memory = "host"
+    buffers = False
 
     def begin(self, stream, first):
         """The call's stream: none on the host."""
@@ -104,6 +106,7 @@ class HostArrays:
     def read(self, obj, name, accept, shape, output=False):
         """A checked numpy array as ``(value, address, shape, dtype)``: the array viewed as the dtype it is read
         as, its first byte, its shape and that dtype; ``output``: it must be writable."""
+        self.buffers = False
         if not isinstance(obj, np.ndarray):
             raise InvalidArgument(f"{name}: the host transport takes numpy arrays, got {type(obj).__name__}")
         dt = check(name, obj.dtype, obj.shape, obj.flags.c_contiguous, accept, shape)
@@ -262,9 +265,12 @@ class DeviceArrays:
     """Reads device arrays for one AllToAll on CUDA device ``device`` (one call at a time).
 
     Per call: :meth:`begin` resolves the launch stream, :meth:`read` reads and checks each argument,
-    :meth:`order` makes the launch stream wait for the producers of what was read.
+    :meth:`order` makes the launch stream wait for the producers of what was read. ``buffers``: set
+    True by the caller, cleared by :meth:`read` for an array that is not a :class:`DeviceBuffer` (whose
+    reading the next call cannot reuse: its shape or memory may have changed in place).
     """
     memory = "device"
+    buffers = False
 
     def __init__(self, device, stream_order, pointer_device):
         self.device = device
@@ -277,7 +283,9 @@ class DeviceArrays:
         current stream of the framework of ``first`` (the call's first array) on this device: PyTorch's for a
         tensor, else CuPy's. DLPack producers are asked to order their work before it in :meth:`read`."""
         self._producers.clear()
-        if stream is None:  # that framework's arrays are then written on the launch stream itself
+        if type(stream) is int:  # the common case, first
+            self._implied, self._stream = None, stream
+        elif stream is None:  # that framework's arrays are then written on the launch stream itself
             self._implied = _TORCH if _reader(first) is _TORCH else _CUPY
             self._stream = self._framework_stream(self._implied)
         else:
@@ -308,7 +316,7 @@ class DeviceArrays:
             raise InvalidArgument(
                 f"{name}: expected a device array (CuPy array, PyTorch tensor, __dlpack__, "
                 f"__cuda_array_interface__ or moecomm.DeviceBuffer), got {type(obj).__name__}")
-        readonly = False
+        readonly, self.buffers = False, False
         try:  # CuPy and torch by their attributes, here (no reader call: the hot path of every argument)
             if reader is _CUPY:
                 memory = obj.data

@@ -301,8 +301,11 @@ def bad_input_case(comm, A):
     return fails
 
 
-def graph_case(comm, iters=20):
-    """Capture dispatch -> experts -> combine in one CUDA graph, replay it with new data each time."""
+def repeated_case(comm, mode, iters=20):
+    """dispatch -> experts -> combine on the same arrays, with new data each time: captured once in a CUDA
+    graph and replayed (``mode`` "graph"), or called eagerly with DeviceBuffers made once over two sets of
+    arrays ("buffers": a call given the DeviceBuffers of its phase's last call is not read again), the sets
+    taken in an irregular order so that calls meet both the other set and their own."""
     import cupy
     W, rank = comm.world_size, comm.rank
     E, K, H, M = 4 * W, 2, 512, 32
@@ -310,47 +313,54 @@ def graph_case(comm, iters=20):
     a2a = moecomm.AllToAll(comm, M, E, K, H, None, dt, dt)
     stream = cupy.cuda.Stream(non_blocking=True)
     with stream:  # zeroed on the stream that reads them (a non-blocking stream does not wait for the null one)
-        x_d, idx_d = cupy.zeros((M, H), dt), cupy.zeros((M, K), np.int32)
-        w_d, m_d = cupy.zeros((M, K), np.float32), cupy.zeros(1, np.int32)
-        n_d, ex_d = cupy.zeros(L, np.int32), cupy.zeros((L, M * W, H), dt)
-        y_d, out_d = cupy.zeros((L, M * W, H), dt), cupy.zeros((M, H), dt)
+        sets = [dict(x=cupy.zeros((M, H), dt), idx=cupy.zeros((M, K), np.int32), w=cupy.zeros((M, K), np.float32),
+                     m=cupy.zeros(1, np.int32), n=cupy.zeros(L, np.int32), ex=cupy.zeros((L, M * W, H), dt),
+                     y=cupy.zeros((L, M * W, H), dt), out=cupy.zeros((M, H), dt)) for _ in range(2)]
         factor = cupy.asarray(np.array([1.0 + ((rank * L + le) % 7) / 8.0 for le in range(L)], dt))[:, None, None]
+    buffers = [{k: moecomm.DeviceBuffer(a.data.ptr, a.shape, a.dtype, comm.device, a) for k, a in d.items()}
+               for d in sets]
 
-    def step():
-        a2a.dispatch(n_d, ex_d, None, x_d, None, idx_d, m_d, weights=w_d, stream=stream)
-        cupy.multiply(ex_d, factor, out=y_d)
-        a2a.combine(out_d, idx_d, None, y_d, m_d, stream=stream)
+    def step(d, b):  # b: what the calls are given (d's arrays, or DeviceBuffers over them)
+        a2a.dispatch(b["n"], b["ex"], None, b["x"], None, b["idx"], b["m"], weights=b["w"], stream=stream)
+        cupy.multiply(d["ex"], factor, out=d["y"])
+        a2a.combine(b["out"], b["idx"], None, b["y"], b["m"], stream=stream)
     fails = []
     try:
         with stream:
-            step()  # warm-up (eager), then capture once
+            step(sets[0], sets[0])  # warm-up (eager)
             stream.synchronize()
             a2a.synchronize(stream)
-            stream.begin_capture(cupy.cuda.runtime.streamCaptureModeRelaxed)
-            step()
-            graph = stream.end_capture()
+            if mode == "graph":
+                stream.begin_capture(cupy.cuda.runtime.streamCaptureModeRelaxed)
+                step(sets[0], sets[0])
+                graph = stream.end_capture()
             for it in range(iters):
+                which = 0 if mode == "graph" else (0, 0, 1, 0, 1, 1)[it % 6]
+                d = sets[which]
                 rng = np.random.default_rng([77, it])
                 ms = [int(v) for v in rng.integers(0, M + 1, W)]
                 x = [random_tokens(rng, m, H, dt) for m in ms]
                 idx = [routing(rng, m, K, E, W, r, "uniform") for r, m in enumerate(ms)]
                 w = [rng.random((m, K), np.float32) for m in ms]
                 m = ms[rank]
-                x_d[:m], idx_d[:m], w_d[:m], m_d[0] = cupy.asarray(x[rank]), cupy.asarray(idx[rank]), \
+                d["x"][:m], d["idx"][:m], d["w"][:m], d["m"][0] = cupy.asarray(x[rank]), cupy.asarray(idx[rank]), \
                     cupy.asarray(w[rank]), m
-                out_d.fill(np.nan)
-                graph.launch(stream)
+                d["out"].fill(np.nan)
+                if mode == "graph":
+                    graph.launch(stream)
+                else:
+                    step(d, buffers[which])
                 stream.synchronize()
                 a2a.synchronize(stream)
                 ref = reference.dispatch(x, None, idx, E, W, M)
                 ref_y = [expert_outputs(r["expert_x"], r["expert_num_tokens"], q * L, dt)
                          for q, r in enumerate(ref)]
                 want = reference.combine(idx, w, ref_y, [r["origin"] for r in ref], E, W, dt)[rank]
-                got = out_d[:m].get()
-                if not np.array_equal(n_d.get(), ref[rank]["expert_num_tokens"]):
-                    fails.append(f"graph replay {it}: counts differ")
+                got = d["out"][:m].get()
+                if not np.array_equal(d["n"].get(), ref[rank]["expert_num_tokens"]):
+                    fails.append(f"{mode} call {it}: counts differ")
                 elif not np.allclose(got.astype(np.float32), want.astype(np.float32), rtol=2 ** -9, atol=1e-3):
-                    fails.append(f"graph replay {it}: combined tokens differ")
+                    fails.append(f"{mode} call {it}: combined tokens differ")
     finally:
         a2a.destroy()
     return fails
@@ -446,7 +456,8 @@ def main():
             failures.append(f"rank {comm.rank} case {c}: {f}")
     failures += [f"rank {comm.rank} bad input: {f}" for f in bad_input_case(comm, A)]
     if A is not Host:
-        failures += [f"rank {comm.rank} graph: {f}" for f in graph_case(comm)]
+        for mode in ("graph", "buffers"):
+            failures += [f"rank {comm.rank} {mode}: {f}" for f in repeated_case(comm, mode)]
     comm.check_peers()
     everyone = comm.allgather(failures)
     comm.finalize()
@@ -454,7 +465,7 @@ def main():
         flat = [f for fs in everyone for f in fs]
         for f in flat[:20]:
             print("FAIL", f)
-        print(f"{len(all_cases) + 1} cases on {len(everyone)} ranks ({args.transport}, {A.__name__}): "
+        print(f"{len(all_cases) + (1 if A is Host else 3)} cases on {len(everyone)} ranks ({args.transport}, {A.__name__}): "
               f"{len(flat)} failures in {time.time() - t0:.1f} s")
     sys.exit(1 if any(everyone) else 0)
 

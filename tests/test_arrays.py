@@ -195,10 +195,10 @@ E, K, H, S, M = 8, 2, 256, 2, 16
 
 class FakeBackend(AllToAllBackend):
     def __init__(self):
-        self.call, self.launches = _abi.Call(), []
+        self.calls, self.launches = {"dispatch": _abi.Call(), "combine": _abi.Call()}, []
 
-    def record(self):
-        return self.call
+    def records(self):
+        return self.calls
 
     def dispatch(self, record, do_send, do_recv, stream):
         self.launches.append(("dispatch", do_send, do_recv, stream, bytes(record)))
@@ -328,3 +328,82 @@ def test_out_dropped_reaches_the_call_record(fake):
     fake.combine(**good, stream=LAUNCH, out_dropped=moecomm.DeviceBuffer(0xb000, (M, K), np.uint8, 0))
     record = _abi.Call.from_buffer_copy(fake.comm.transport.backend.launches[-1][4])
     assert record.out_dropped == 0xb000
+
+
+def _device_buffers(**changed):
+    """A call of only DeviceBuffers (dispatch, combine), ``changed`` replacing some of dispatch's."""
+    B = moecomm.DeviceBuffer
+    dispatch = dict(out_expert_num_tokens=B(0x1000, (E,), np.int32, 0),
+                    out_expert_x=B(0x2000, (E, M, H), moecomm.float8_e4m3fn, 0),
+                    out_expert_x_scale=B(0x3000, (E, M, S), np.float32, 0),
+                    dp_x=B(0x4000, (M, H), moecomm.float8_e4m3fn, 0), dp_x_scale=B(0x5000, (M, S), np.float32, 0),
+                    indices=B(0x6000, (M, K), np.int64, 0), bound_m=B(0x7000, (1,), np.int32, 0),
+                    weights=B(0x8000, (M, K), np.float32, 0))
+    combine = dict(out_tokens=B(0x9000, (M, H), moecomm.bfloat16, 0), indices=B(0x6100, (M - 1, K), np.int32, 0),
+                   weights=None, expert_y=B(0xa000, (E, M, H), moecomm.bfloat16, 0), bound_m=dispatch["bound_m"])
+    return dict(dispatch, **changed), combine
+
+
+def _launched(fake, phase):
+    """The call record of the last launch of ``phase``."""
+    last = next(lc for lc in reversed(fake.comm.transport.backend.launches) if lc[0] == phase)
+    return _abi.Call.from_buffer_copy(last[4])
+
+
+def _dispatched(call):
+    return (call.x, call.x_scale, call.indices, call.idx64, call.bound_m, call.weights, call.out_num, call.out_x,
+            call.out_scale, call.rows)
+
+
+def test_the_same_device_buffers_find_their_record_as_they_left_it(fake):
+    """A call given the same DeviceBuffers as its phase's last is not read again (AllToAll._read): the
+    kernels still get its arrays after the other phase, other arrays and a refused call ran between."""
+    d, c = _device_buffers()
+    want_d = (0x4000, 0x5000, 0x6000, 1, 0x7000, 0x8000, 0x1000, 0x2000, 0x3000, M)
+    want_c = (0x9000, 0xa000, 0x6100, 0, 1, M - 1)
+
+    def combined():
+        call = _launched(fake, "combine")
+        return call.out_tokens, call.y, call.indices, call.idx64, call.partials, call.rows
+
+    for _ in range(2):
+        fake.dispatch(**d, stream=LAUNCH)
+        assert _dispatched(_launched(fake, "dispatch")) == want_d
+        fake.combine(**c, stream=LAUNCH)
+        assert combined() == want_c
+    other, _ = _device_buffers(out_expert_x=moecomm.DeviceBuffer(0x2800, (E, M, H), moecomm.float8_e4m3fn, 0),
+                               indices=moecomm.DeviceBuffer(0x6800, (M - 2, K), np.int32, 0))
+    fake.dispatch(**other, stream=LAUNCH)
+    assert _dispatched(_launched(fake, "dispatch")) == (0x4000, 0x5000, 0x6800, 0, 0x7000, 0x8000, 0x1000, 0x2800,
+                                                      0x3000, M - 2)
+    fake.combine(**c, stream=LAUNCH)
+    assert combined() == want_c
+    fake.dispatch(**d, stream=LAUNCH)
+    fake.combine(**c, stream=LAUNCH)
+    bad, _ = _device_buffers(dp_x=moecomm.DeviceBuffer(0x4800, (M, H), moecomm.float8_e4m3fn, 0),
+                             dp_x_scale=moecomm.DeviceBuffer(0x5000, (M, S + 1), np.float32, 0))
+    with pytest.raises(moecomm.InvalidArgument, match="^dp_x_scale: "):  # refused after dp_x was read
+        fake.dispatch(**bad, stream=LAUNCH)
+    fake.dispatch(**d, stream=LAUNCH)
+    assert _dispatched(_launched(fake, "dispatch")) == want_d
+    fake.combine(**c, stream=LAUNCH)
+
+
+def test_the_call_order_rules_hold_for_device_buffers_seen_before(fake):
+    """The checks that depend on the call order run for a call whose arrays were not read again."""
+    d, c = _device_buffers()
+    fake.dispatch(**d, stream=LAUNCH)
+    fake.combine(**c, stream=LAUNCH)
+    fake.dispatch(**d, do_recv=False, stream=LAUNCH)
+    moved, _ = _device_buffers(out_expert_x=moecomm.DeviceBuffer(0x2800, (E, M, H), moecomm.float8_e4m3fn, 0))
+    with pytest.raises(moecomm.InvalidArgument, match="receive half got other output arrays"):
+        fake.dispatch(**moved, do_send=False, stream=LAUNCH)
+    fake.dispatch(**d, do_send=False, stream=LAUNCH)  # the receive half with the send half's outputs
+    fake.combine(**dict(c, weights=d["weights"]), stream=LAUNCH)
+    unweighted = dict(d, weights=None)
+    fake.dispatch(**unweighted, stream=LAUNCH)
+    with pytest.raises(moecomm.InvalidArgument, match="weights=None needs the router weights"):
+        fake.combine(**c, stream=LAUNCH)
+    fake.dispatch(**d, stream=LAUNCH)
+    fake.combine(**c, stream=LAUNCH)
+    assert _dispatched(_launched(fake, "dispatch"))[5] == 0x8000

@@ -4,8 +4,10 @@ A transport moves bytes between the ranks of one communicator. :class:`moecomm.A
 checks every argument in Python (dtype, shape, contiguity, device, the order of split halves) and then
 calls a backend made by :meth:`Transport.new_alltoall`, so a backend never sees bad input.
 
-Arguments reach a backend as its *call record* (made once by ``backend.record()``), which AllToAll fills
-for each call with the fields of :data:`moecomm._abi.CALL_FIELDS` and passes to ``dispatch`` / ``combine``:
+Arguments reach a backend as the *call record* of their phase (one for dispatch, one for combine, made
+once by ``backend.records()``), which AllToAll fills for each call of the phase (a call given the same
+DeviceBuffers as the phase's last finds it as that call left it) with the fields of
+:data:`moecomm._abi.CALL_FIELDS` and passes to ``dispatch`` / ``combine``:
 ``x``, ``x_scale``, ``indices``, ``weights``, ``bound_m``, ``out_num``, ``out_x``, ``out_scale``,
 ``out_offsets`` (dispatch), ``indices``, ``weights``, ``bound_m``, ``y``, ``out_tokens``, ``out_dropped``
 (combine), and the ints ``rows`` (the fewest rows of the call's per-token arrays), ``idx64``, ``partials``.
@@ -50,9 +52,11 @@ from .._abi import CALL_FIELDS
 from .._constants import BYTE_FIELDS, COUNTER_FIELDS
 
 
-def host_call_record():
-    """A call record for host transports: every field of CALL_FIELDS, None (or 0 for the ints)."""
-    return SimpleNamespace(**{f: (0 if t == "int" else None) for f, t in CALL_FIELDS})
+def host_call_records():
+    """The call records of a host transport's AllToAll: ``{phase: record}``, each with every field of
+    CALL_FIELDS, None (or 0 for the ints)."""
+    return {phase: SimpleNamespace(**{f: (0 if t == "int" else None) for f, t in CALL_FIELDS})
+            for phase in ("dispatch", "combine")}
 
 
 def first_send(halves):
@@ -64,8 +68,9 @@ class AllToAllBackend(abc.ABC):
     """One AllToAll's transport-side state: buffers sized at construction, reused by every call."""
 
     @abc.abstractmethod
-    def record(self):
-        """The call record (see the module doc), made once: AllToAll fills it for every call."""
+    def records(self):
+        """``{"dispatch": record, "combine": record}``, the call records (see the module doc), made once:
+        AllToAll fills a phase's for each of its calls."""
 
     @abc.abstractmethod
     def dispatch(self, record, do_send: bool, do_recv: bool, stream) -> None:

@@ -135,6 +135,7 @@ class GpuAllToAll(AllToAllBackend):
         mem = cupy.cuda.PinnedMemoryPointer(
             cupy.cuda.PinnedMemory(4 * C.ERROR_WORDS, cupy.cuda.runtime.hostAllocMapped), 0)
         self._err_mem, self.err = mem, np.frombuffer(mem, np.int32, C.ERROR_WORDS)
+        self._code = self.err.data  # the same words as Python ints: the per-call check reads [0]
         self.err[:] = 0
         self.fixed = _abi.Fixed(
             state=self.state.data.ptr, err=mem.ptr, recv_buf=self.recv_buf.data.ptr,
@@ -160,10 +161,11 @@ class GpuAllToAll(AllToAllBackend):
             comb_streamed=int(_abi.combine_streams(cfg, sms, _jit.VARIANTS[variant].streams_combine)),
             **_pointers(sent=self.sent, grad_buf=self.grad_buf, grad_sig=self.grad_sig, grad_w=self.grad_w),
             grad_row_bytes=_abi.grad_row_bytes(cfg))
-        self._call = _abi.Call()  # the call record (record()): every launch below reads it
+        self._calls = {"dispatch": _abi.Call(), "combine": _abi.Call()}  # the call records (records())
         self._skipped = _abi.Call(skip=1)  # the call record of a half issued with no data
         grid = blocks(cfg, sms)
-        launch = {n: transport.launch(n, g, self.fixed, self._call, module=self.module) for n, g in grid.items()}
+        launch = {n: transport.launch(n, g, self.fixed, self._calls[_abi.phase_of(n)], module=self.module)
+                  for n, g in grid.items()}  # each kernel reads its phase's call record
         # the packed layout: a third dispatch kernel places the rows (no peer involved)
         pack = (launch[_abi.PACK_KERNEL],) if cfg.layout == "packed" else ()
         d_send, d_recv, c_send, c_recv = (launch[n] for n in _abi.half_kernels(cfg))
@@ -186,15 +188,15 @@ class GpuAllToAll(AllToAllBackend):
     def gradients(self):
         return self.cfg.gradients
 
-    def record(self):
-        return self._call
+    def records(self):
+        return self._calls
 
     # ------------------------------------------------------------------------------------------
     def check_error(self, timeout_only=False):
         """Raise the error a kernel recorded (no synchronization) and clear it; with ``timeout_only``, only
         a timeout (other errors wait for the end of a call). A call raises one error: what its kernels
         record after that (the consequences a peer's flag has on its last kernel) is dropped here."""
-        code = self.err[0]
+        code = self._code[0]
         if code != C.ERR_NONE and (code == C.ERR_TIMEOUT or not timeout_only):
             words = self.err.copy()
             self.err[:] = 0
@@ -225,7 +227,7 @@ class GpuAllToAll(AllToAllBackend):
 
     def _launch(self, phase, do_send, do_recv, stream):
         """Launch the phase's send and/or receive kernels on ``stream`` (timed with timing=True); they read
-        the call record (record(), filled by AllToAll)."""
+        the phase's call record (records(), filled by AllToAll)."""
         self.check_error(timeout_only=True)
         send, recv = self._halves[phase]
         if do_send and do_recv:

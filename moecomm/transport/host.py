@@ -29,7 +29,7 @@ from .._constants import BYTE_FIELDS, COUNTER_FIELDS
 from .._errors import (CapacityExceeded, ExpertMapMismatch, InvalidArgument, InvalidRouting, MoeCommError, OutOfStep,
                        PeerError)
 from .._mpi import TAG_PEER_CHECK, exchange_tag, wait_all
-from .base import AllToAllBackend, Transport, first_send, host_call_record, peer_pattern, snapshot
+from .base import AllToAllBackend, Transport, first_send, host_call_records, peer_pattern, snapshot
 
 # a header's status: the device error codes, as the kernels flag a failed call (moecomm._constants)
 _OK, _BAD_ROUTING, _BAD_M, _BAD_ARG = C.ERR_NONE, C.ERR_BAD_EXPERT, C.ERR_BAD_M, C.ERR_REFUSED
@@ -227,8 +227,8 @@ class HostAllToAll(AllToAllBackend):
         self._times = {"dispatch": deque(maxlen=window), "combine": deque(maxlen=window)} if timing else None
         self._started = {}
 
-    def record(self):
-        return host_call_record()
+    def records(self):
+        return host_call_records()
 
     # dispatch -------------------------------------------------------------------------------
     def dispatch(self, record, do_send, do_recv, stream=None):
