@@ -465,7 +465,8 @@ def main():
         flat = [f for fs in everyone for f in fs]
         for f in flat[:20]:
             print("FAIL", f)
-        print(f"{len(all_cases) + (1 if A is Host else 3)} cases on {len(everyone)} ranks ({args.transport}, {A.__name__}): "
+        cases_run = len(all_cases) + (1 if A is Host else 3)  # + bad input, graph and buffers
+        print(f"{cases_run} cases on {len(everyone)} ranks ({args.transport}, {A.__name__}): "
               f"{len(flat)} failures in {time.time() - t0:.1f} s")
     sys.exit(1 if any(everyone) else 0)
 
