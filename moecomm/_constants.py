@@ -82,6 +82,8 @@ DEFAULT_WINDOW = 64
 SIG_COUNT_BITS, SIG_GEN_BITS = 24, 7
 
 PHASES = ("peer_check", "dispatch", "combine", "dispatch_backward", "combine_backward")
+# The phases of a call, each with its own call record (moecomm.transport.base).
+CALL_PHASES = ("dispatch", "combine")
 # The four halves of a call, in the order every rank issues them (moecomm._calls.CallOrder).
 HALVES = ("dispatch_send", "dispatch_recv", "combine_send", "combine_recv")
 PHASE_PEER_CHECK, PHASE_DISPATCH, PHASE_COMBINE, PHASE_DISPATCH_BACKWARD, PHASE_COMBINE_BACKWARD = range(len(PHASES))

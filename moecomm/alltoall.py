@@ -264,7 +264,7 @@ class AllToAll:
         self._expert_shape, self._expert_scale_shape = c.expert_x_shape(), c.expert_x_scale_shape()
         self._order = CallOrder()
         self._max_rows = c.max_num_tokens  # read on every call (_rows)
-        self._seen = {"dispatch": None, "combine": None}  # {phase: _Seen of its last call, or None}
+        self._seen = dict.fromkeys(C.CALL_PHASES)  # {phase: _Seen of its last call, or None}
         self._serving_since = None      # comm.breaks when mask_ranks last resynchronized this AllToAll
         self._generation = 0            # restarts of the call sequence (mask_ranks), agreed by the ranks
 

@@ -49,14 +49,14 @@ from types import SimpleNamespace
 import numpy as np
 
 from .._abi import CALL_FIELDS
-from .._constants import BYTE_FIELDS, COUNTER_FIELDS
+from .._constants import BYTE_FIELDS, CALL_PHASES, COUNTER_FIELDS
 
 
 def host_call_records():
     """The call records of a host transport's AllToAll: ``{phase: record}``, each with every field of
     CALL_FIELDS, None (or 0 for the ints)."""
     return {phase: SimpleNamespace(**{f: (0 if t == "int" else None) for f, t in CALL_FIELDS})
-            for phase in ("dispatch", "combine")}
+            for phase in CALL_PHASES}
 
 
 def first_send(halves):

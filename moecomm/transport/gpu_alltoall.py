@@ -161,7 +161,7 @@ class GpuAllToAll(AllToAllBackend):
             comb_streamed=int(_abi.combine_streams(cfg, sms, _jit.VARIANTS[variant].streams_combine)),
             **_pointers(sent=self.sent, grad_buf=self.grad_buf, grad_sig=self.grad_sig, grad_w=self.grad_w),
             grad_row_bytes=_abi.grad_row_bytes(cfg))
-        self._calls = {"dispatch": _abi.Call(), "combine": _abi.Call()}  # the call records (records())
+        self._calls = {phase: _abi.Call() for phase in C.CALL_PHASES}  # the call records (records())
         self._skipped = _abi.Call(skip=1)  # the call record of a half issued with no data
         grid = blocks(cfg, sms)
         launch = {n: transport.launch(n, g, self.fixed, self._calls[_abi.phase_of(n)], module=self.module)
