@@ -224,6 +224,7 @@ struct Begun {
 // the slot of this rank's own pair (t, k); g.call = (g.generation, the dispatch's call).
 extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, MOECOMM_BLOCKS_PER_SM)
     moecomm_plan(const Fixed f, const Grad g) {
+  after_previous_kernel();
   const unsigned dispatched = f.state[MOECOMM_S_M];
   const int m = dispatched == M_INVALID ? 0 : (int)dispatched;
   const int tid = blockIdx.x * blockDim.x + threadIdx.x, all = gridDim.x * blockDim.x;
@@ -660,6 +661,7 @@ __device__ void finish(const Fixed& f, int part, unsigned epoch) {
 // g.grad is grad_expert_x [slots, hidden], g.out out_grad_x [rows, hidden] (send_part, token_side).
 extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, MOECOMM_BLOCKS_PER_SM)
     moecomm_dispatch_backward(const Fixed f, const Grad g) {
+  after_previous_kernel();
   const Begun b = begin(f, g, MOECOMM_PHASE_DISPATCH_BACKWARD);
   send_part<true>(f, g, b);
   token_side(f, g, b);
@@ -671,6 +673,7 @@ extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, MOECOMM_BLOC
 // out_grad_weights [rows, topk] (send_part, expert_part, weight_side).
 extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, MOECOMM_BLOCKS_PER_SM)
     moecomm_combine_backward(const Fixed f, const Grad g) {
+  after_previous_kernel();
   const Begun b = begin(f, g, MOECOMM_PHASE_COMBINE_BACKWARD);
   send_part<false>(f, g, b);
   expert_part(f, g, b);

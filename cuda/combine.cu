@@ -13,6 +13,7 @@ using namespace moecomm;
 // counts itself done in the send half, so before the send half's last block advances it.
 extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, MOECOMM_BLOCKS_PER_SM)
     moecomm_combine(const Fixed f, const Call c) {
+  after_previous_kernel();
   TRACE_SPAN(MOECOMM_TRACE_COMBINE_SEND, 0);
   const bool stream = MOECOMM_STREAMS_COMBINE && f.comb_streamed && c.partials;
   combine_recv<false>(f, c, combine_send<false>(f, c, stream), stream);
@@ -22,6 +23,7 @@ extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, MOECOMM_BLOC
 // On the FP8 combine wire (never streamed: moecomm/_abi.py, combine_streams).
 extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, MOECOMM_BLOCKS_PER_SM)
     moecomm_combine_wire(const Fixed f, const Call c) {
+  after_previous_kernel();
   TRACE_SPAN(MOECOMM_TRACE_COMBINE_SEND, 0);
   combine_recv<true>(f, c, combine_send<true>(f, c, false), false);
   TRACE_SPAN(MOECOMM_TRACE_COMBINE_SEND, 1);

@@ -148,6 +148,7 @@ __device__ void moecomm::combine_recv(const Fixed& f, const Call& c, unsigned ep
 // Both wait for the call that combine_send (the previous kernel) ended.
 extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, MOECOMM_BLOCKS_PER_SM)
     moecomm_combine_recv(const Fixed f, const Call c) {
+  after_previous_kernel();
   TRACE_SPAN(MOECOMM_TRACE_COMBINE_RECV, 0);
   combine_recv<false>(f, c, f.state[MOECOMM_S_EPOCH_CS], false);
   TRACE_SPAN(MOECOMM_TRACE_COMBINE_RECV, 1);
@@ -155,6 +156,7 @@ extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, MOECOMM_BLOC
 
 extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, MOECOMM_BLOCKS_PER_SM)
     moecomm_combine_recv_wire(const Fixed f, const Call c) {
+  after_previous_kernel();
   TRACE_SPAN(MOECOMM_TRACE_COMBINE_RECV, 0);
   combine_recv<true>(f, c, f.state[MOECOMM_S_EPOCH_CS], false);
   TRACE_SPAN(MOECOMM_TRACE_COMBINE_RECV, 1);

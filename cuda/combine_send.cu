@@ -135,6 +135,7 @@ __device__ unsigned moecomm::combine_send(const Fixed& f, const Call& c, bool st
 
 extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, MOECOMM_BLOCKS_PER_SM)
     moecomm_combine_send(const Fixed f, const Call c) {
+  after_previous_kernel();
   TRACE_SPAN(MOECOMM_TRACE_COMBINE_SEND, 0);
   combine_send<false>(f, c, false);
   TRACE_SPAN(MOECOMM_TRACE_COMBINE_SEND, 1);
@@ -142,6 +143,7 @@ extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, MOECOMM_BLOC
 
 extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, MOECOMM_BLOCKS_PER_SM)
     moecomm_combine_send_wire(const Fixed f, const Call c) {
+  after_previous_kernel();
   TRACE_SPAN(MOECOMM_TRACE_COMBINE_SEND, 0);
   combine_send<true>(f, c, false);
   TRACE_SPAN(MOECOMM_TRACE_COMBINE_SEND, 1);

@@ -74,6 +74,18 @@ __device__ __forceinline__ int load_volatile(const int* p) { return *(const vola
 // Lighter than __threadfence_system (fence.sc.sys), and all a release needs.
 __device__ __forceinline__ void fence_system() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
 
+// The first statement of every kernel moecomm/_abi.py marks dependent: such a kernel is a programmatic dependent
+// launch on Hopper and later (moecomm/_cuda.py: Launch), which may start while the stream's previous kernel still
+// runs. It waits here for that kernel to end, its writes visible, before anything touches memory, then lets the
+// stream's next kernel launch, whose blocks become resident as this one's leave and wait the same way: the launch
+// and block scheduling of a kernel overlap the end of the one before it. Launched otherwise, both pass at once.
+__device__ __forceinline__ void after_previous_kernel() {
+#if __CUDA_ARCH__ >= MOECOMM_PROGRAMMATIC_ARCH
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 // Error word: int32[MOECOMM_ERROR_WORDS] = {code, peer, phase, detail, call, amount}. The first error
 // recorded wins, except that a timeout replaces an error of another kind (it is the one that breaks the
 // communicator, so the host must see it) and an error of a later call replaces one of an earlier call (the

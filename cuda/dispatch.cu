@@ -8,6 +8,7 @@ using namespace moecomm;
 // block waits for peers only after its own sends, so the grid cannot wait on itself.
 extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, MOECOMM_BLOCKS_PER_SM)
     moecomm_dispatch(const Fixed f, const Call c) {
+  after_previous_kernel();
   TRACE_SPAN(MOECOMM_TRACE_DISPATCH_SEND, 0);
   dispatch_send<false>(f, c, f.senders);
   dispatch_recv(f, c);
@@ -20,6 +21,7 @@ extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, MOECOMM_BLOC
 // the start, as records land.
 extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, MOECOMM_BLOCKS_PER_SM)
     moecomm_dispatch_streamed(const Fixed f, const Call c) {
+  after_previous_kernel();
   TRACE_SPAN(MOECOMM_TRACE_DISPATCH_SEND, 0);
   dispatch_send<true>(f, c, f.senders);
   dispatch_recv(f, c);

@@ -11,6 +11,7 @@ using namespace moecomm;
 // Nothing crosses the link here.
 extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, MOECOMM_BLOCKS_PER_SM)
     moecomm_dispatch_pack(const Fixed f, const Call c) {
+  after_previous_kernel();
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int src = blockIdx.x % f.world, part = blockIdx.x / f.world, parts = gridDim.x / f.world;
   const int lo = f.rank * f.local_experts;

@@ -245,6 +245,7 @@ __device__ void moecomm::dispatch_counts(const Fixed& f, const Call& c, unsigned
 
 extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, MOECOMM_BLOCKS_PER_SM)
     moecomm_dispatch_recv(const Fixed f, const Call c) {
+  after_previous_kernel();
   TRACE_SPAN(MOECOMM_TRACE_DISPATCH_RECV, 0);
   dispatch_recv(f, c);
   TRACE_SPAN(MOECOMM_TRACE_DISPATCH_RECV, 1);

@@ -247,6 +247,7 @@ __device__ void moecomm::dispatch_send(const Fixed& f, const Call& c, int sender
 
 extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, MOECOMM_BLOCKS_PER_SM)
     moecomm_dispatch_send(const Fixed f, const Call c) {
+  after_previous_kernel();
   TRACE_SPAN(MOECOMM_TRACE_DISPATCH_SEND, 0);
   dispatch_send<false>(f, c, gridDim.x);
   TRACE_SPAN(MOECOMM_TRACE_DISPATCH_SEND, 1);

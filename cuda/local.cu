@@ -13,6 +13,7 @@ using namespace moecomm;
 // f.slot_of), so there are m of them and no record atomic; the signal carries m.
 extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, MOECOMM_BLOCKS_PER_SM)
     moecomm_dispatch_tokens(const Fixed f, const Call c) {
+  after_previous_kernel();
   TRACE_SPAN(MOECOMM_TRACE_DISPATCH_SEND, 0);
   TRACE(MOECOMM_TRACE_DISPATCH_SEND, 0);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, t = blockIdx.x;
@@ -96,6 +97,7 @@ extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, MOECOMM_BLOC
 // half (dispatch_counts): no signal is waited for.
 extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, MOECOMM_BLOCKS_PER_SM)
     moecomm_dispatch_local(const Fixed f, const Call c) {
+  after_previous_kernel();
   TRACE_SPAN(MOECOMM_TRACE_DISPATCH_SEND, 0);
   dispatch_send<true>(f, c, gridDim.x, true);
   TRACE_SPAN(MOECOMM_TRACE_DISPATCH_SEND, 1);
@@ -113,6 +115,7 @@ extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, MOECOMM_BLOC
 // combine's (no block of this call reads it); state[BAD_RECV] is cleared by the next dispatch_send.
 extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, MOECOMM_BLOCKS_PER_SM)
     moecomm_combine_local(const Fixed f, const Call c) {
+  after_previous_kernel();
   TRACE_SPAN(MOECOMM_TRACE_COMBINE_SEND, 0);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const unsigned epoch = f.state[MOECOMM_S_EPOCH_DS];

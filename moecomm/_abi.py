@@ -292,11 +292,15 @@ def resident(blocks, num_sms):
 
 @dataclass(frozen=True)
 class Kernel:
-    """One kernel: its symbol, its parameters (struct types, in order), its grid rule and block size."""
+    """One kernel: its symbol, its parameters (struct types, in order), its grid rule and block size, and
+    whether it is a programmatic dependent launch where the GPU has them (``dependent``; compute capability
+    from ``PROGRAMMATIC_ARCH``): it may then be launched while the stream's previous kernel runs, and its
+    first statement is ``after_previous_kernel()`` (cuda/device.cuh), which waits for that kernel's end."""
     name: str
     params: tuple
     grid: object = None      # (cfg, num_sms) -> blocks, for the AllToAll kernels
     threads: int = C.BLOCK_THREADS
+    dependent: bool = True
 
 
 KERNELS = {k.name: k for k in (
@@ -317,8 +321,8 @@ KERNELS = {k.name: k for k in (
     Kernel("moecomm_plan", (Fixed, Grad), _gpu_blocks),
     Kernel("moecomm_dispatch_backward", (Fixed, Grad), _gpu_blocks),
     Kernel("moecomm_combine_backward", (Fixed, Grad), _gpu_blocks),
-    Kernel("moecomm_peer_check", (PeerCheck,), threads=32),
-    Kernel("moecomm_delay", (Delay,), threads=1),
+    Kernel("moecomm_peer_check", (PeerCheck,), threads=32, dependent=False),
+    Kernel("moecomm_delay", (Delay,), threads=1, dependent=False),
 )}
 ALLTOALL_KERNELS = tuple(f"moecomm_{half}" for half in C.HALVES)  # the four halves' kernels, in order
 WHOLE_KERNELS = {"dispatch": "moecomm_dispatch", "combine": "moecomm_combine"}  # a phase's halves in one launch

@@ -1,8 +1,9 @@
 """The CUDA driver through cuda.bindings: one checking helper, the rank's context, modules, launches.
 
-Every driver call of moecomm goes through :func:`check`, but the three that every call makes (the kernel
-launch, the context query and switch), which go through CuPy's driver module: its entry points take and
-return plain ints, where cuda.bindings converts each argument and result to its own types. Device work
+Every driver call of moecomm goes through :func:`check`, but the three that every call makes: the kernel
+launch, through ``cuLaunchKernelEx`` itself (ctypes, its configuration built once: :class:`Launch`), and the
+context query and switch, through CuPy's driver module, whose entry points take and return plain ints where
+cuda.bindings converts each argument and result to its own types. Device work
 runs in the primary context of the rank's GPU (the one CuPy and NVSHMEM use): entry points make it
 current for their duration and give the caller's context back (:meth:`Context.enter` /
 :meth:`Context.leave`), so a caller whose current device is another GPU (JAX moves it to the GPU it last
@@ -104,32 +105,70 @@ class Module:
             self.handle = None
 
 
+class _LaunchAttribute(ctypes.Structure):
+    """CUlaunchAttribute: its id, then (at offset 8) a 64-byte union whose first int is all the attribute
+    used here takes."""
+    _fields_ = [("id", ctypes.c_int), ("_pad", ctypes.c_int), ("value", ctypes.c_int), ("_rest", ctypes.c_byte * 60)]
+
+
+class _LaunchConfig(ctypes.Structure):
+    """CUlaunchConfig."""
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("shared_bytes", ctypes.c_uint),
+                ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(_LaunchAttribute)), ("num_attrs", ctypes.c_uint)]
+
+
+_LAUNCH_EX = []  # cuLaunchKernelEx as a ctypes function, once looked up
+
+
+def _launch_ex():
+    if not _LAUNCH_EX:
+        address = check(driver.cuGetProcAddress(b"cuLaunchKernelEx", 12000,
+                                                driver.CUdriverProcAddress_flags.CU_GET_PROC_ADDRESS_DEFAULT),
+                        "cuGetProcAddress(cuLaunchKernelEx)")[0]
+        if not int(address):
+            raise MoeCommError("this CUDA driver has no cuLaunchKernelEx (CUDA 12.0 or newer is needed)")
+        signature = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p)
+        _LAUNCH_EX.append(signature(int(address)))
+    return _LAUNCH_EX[0]
+
+
 class Launch:
-    """One kernel with its parameter block built once. ``launch(stream)`` launches it with the current
-    contents of ``params`` (ctypes structures the owner keeps updating; a launch copies them).
+    """One kernel with its launch configuration and parameter block built once. ``launch(stream)`` launches it
+    with the current contents of ``params`` (ctypes structures the owner keeps updating; a launch copies them).
 
     Args:
         function: the kernel's CUfunction (:meth:`Module.function`).
         kernel: its :class:`moecomm._abi.Kernel` entry.
         blocks: grid size (blocks of ``kernel.threads`` threads).
         params: one instance of each struct in ``kernel.params``, in order.
+        programmatic: launch it as a programmatic dependent launch (the kernel must be ``kernel.dependent``:
+            it may start before the stream's previous kernel ends, and waits for it first).
     """
 
-    def __init__(self, function, kernel, blocks, *params):
+    def __init__(self, function, kernel, blocks, *params, programmatic=False):
         if tuple(type(p) for p in params) != kernel.params:
             raise TypeError(f"{kernel.name} takes {[p.__name__ for p in kernel.params]}, "
                             f"got {[type(p).__name__ for p in params]}")
+        if programmatic and not kernel.dependent:
+            raise TypeError(f"{kernel.name} does not wait for the kernel before it: not a programmatic launch")
         self.function, self.name, self.threads, self.blocks = function, kernel.name, kernel.threads, int(blocks)
+        self.programmatic = programmatic
         self._function = int(function)
         self._params = params  # kept alive: the pointer array points into them
         self._pointers = (ctypes.c_void_p * len(params))(*(ctypes.addressof(p) for p in params))
         self._address = ctypes.addressof(self._pointers)
+        self._attribute = _LaunchAttribute(
+            id=int(driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION), value=1)
+        self._config = _LaunchConfig(grid=(self.blocks, 1, 1), block=(self.threads, 1, 1),
+                                     attrs=ctypes.pointer(self._attribute), num_attrs=int(programmatic))
+        self._config_address = ctypes.addressof(self._config)
+        self._launch = _launch_ex()
 
     def __call__(self, stream):
-        try:
-            per_call.launchKernel(self._function, self.blocks, 1, 1, self.threads, 1, 1, 0, stream, self._address, 0)
-        except per_call.CUDADriverError as e:
-            raise _per_call_error(e, f"launching {self.name}") from None
+        self._config.stream = stream
+        code = self._launch(self._config_address, self._function, self._address, None)
+        if code:
+            raise error(driver.CUresult(code), f"launching {self.name}")
 
 
 class StreamOrder:

@@ -293,15 +293,24 @@ class Bench:
         return kinds
 
     def host_cost(self, a2a, d, calls=50, reps=20):
-        """Host microseconds per eager dispatch (both halves) and combine (both halves), per input kind.
-        The device is kept busy by a delay kernel queued first, so the launch queue never blocks the
-        host; ``calls`` pairs per repetition (4 launches each, well under the queue depth)."""
+        """Per input kind: host microseconds per eager dispatch (both halves) and combine (both halves), and
+        the eager layer (:meth:`eager_layer`) with those inputs. For the host times the device is kept busy
+        by a delay kernel queued first, so the launch queue never blocks the host; ``calls`` pairs per
+        repetition (4 launches each, well under the queue depth)."""
         s, out = self.stream, {}
         for kind, a in self.input_kinds(d).items():
             framework = nullcontext()
             if kind == "torch":  # the tensors' producer stream is torch's current one: make it ours
                 import torch
                 framework = torch.cuda.stream(torch.cuda.ExternalStream(s.ptr))
+
+            def dispatch():
+                a2a.dispatch(a["n"], a["ex"], a["es"], a["x"], a["xs"], a["idx"], a["m"], weights=a["w"], stream=s,
+                             out_expert_offsets=a.get("off"))
+
+            def combine():
+                a2a.combine(a["out"], a["idx"], None, a["y"], a["m"], stream=s)
+
             t = {"dispatch": [], "combine": []}
             with framework:
                 for _ in range(reps):
@@ -309,15 +318,16 @@ class Bench:
                     self.delay(20000)
                     for _ in range(calls):
                         t0 = time.perf_counter_ns()
-                        a2a.dispatch(a["n"], a["ex"], a["es"], a["x"], a["xs"], a["idx"], a["m"], weights=a["w"],
-                                     stream=s, out_expert_offsets=a.get("off"))
+                        dispatch()
                         t1 = time.perf_counter_ns()
-                        a2a.combine(a["out"], a["idx"], None, a["y"], a["m"], stream=s)
+                        combine()
                         t["combine"].append((time.perf_counter_ns() - t1) / 1e3)
                         t["dispatch"].append((t1 - t0) / 1e3)
                     s.synchronize()
+                a2a.synchronize(s)
+                out[kind] = {phase: stats(v) for phase, v in t.items()}
+                out[kind]["eager_layer"] = self.eager_layer(lambda: (dispatch(), combine()))
             a2a.synchronize(s)
-            out[kind] = {phase: stats(v) for phase, v in t.items()}
         return out
 
     def nccl_baseline(self, idx, tokens, k, L, hidden, scales):
@@ -426,15 +436,15 @@ def table(results):
     hosts = [r for r in results if "host_us" in r]
     if hosts:
         kinds = sorted({k for r in hosts for k in r["host_us"]})
-        head = (f"{'host us per call (median)':<28} {'tok':>5} "
-                + " ".join(f"{k + ' d/c':>14}" for k in kinds) + f" {'eager layer':>12} {'graph':>8}")
+        head = (f"{'host us per call; eager layer':<28} {'tok':>5} "
+                + " ".join(f"{k + ' d/c; layer':>21}" for k in kinds) + f" {'graph':>8}")
         lines += ["", head, "-" * len(head)]
         for r in hosts:
             h, g = r["host_us"], r.get("graph", {}).get("total")
-            per_kind = " ".join(f"{h[k]['dispatch']['median_us']:>6.1f}/{h[k]['combine']['median_us']:<7.1f}"
-                                if k in h else f"{'-':>14}" for k in kinds)
-            lines.append(f"{_label(r):<28} {r['tokens']:>5} {per_kind} {r['eager_layer']['median_us']:>12.1f}"
-                         + (f" {g['median_us']:>8.1f}" if g else ""))
+            per_kind = " ".join(f"{h[k]['dispatch']['median_us']:>6.1f}/{h[k]['combine']['median_us']:<6.1f}"
+                                f"{h[k]['eager_layer']['median_us']:>8.1f}" if k in h else f"{'-':>21}"
+                                for k in kinds)
+            lines.append(f"{_label(r):<28} {r['tokens']:>5} {per_kind}" + (f" {g['median_us']:>8.1f}" if g else ""))
     return "\n".join(lines)
 
 

@@ -32,7 +32,8 @@ def _result(tokens, graph=True, nccl=True):
     t = {p: bench.stats([1.0 + i]) for i, p in enumerate(bench.PHASES)}
     r = dict(config="r1-decode", tokens=tokens, eager=dict(t, total=bench.stats([10.0])), GBps_per_rank=12.5,
              eager_layer=bench.stats([7.0]),
-             host_us={"cupy": {"dispatch": bench.stats([9.5]), "combine": bench.stats([8.25])}})
+             host_us={"cupy": {"dispatch": bench.stats([9.5]), "combine": bench.stats([8.25]),
+                               "eager_layer": bench.stats([7.0])}})
 
     if graph:
         r["graph"] = dict(t, total=bench.stats([4.0]), split_total=bench.stats([5.5]))
@@ -55,7 +56,7 @@ def test_table_lists_totals_and_phases_alone():
 def test_table_lists_host_time_per_call():
     lines = bench.table([_result(128)]).splitlines()
     row = lines[lines.index(next(line for line in lines if line.startswith("host us per call"))) + 2]
-    assert row.split() == ["nvshmem", "r1-decode", "128", "9.5/8.2", "7.0", "4.0"]
+    assert row.split() == ["nvshmem", "r1-decode", "128", "9.5/8.2", "7.0", "4.0"]  # d/c, the layer, the graph
 
 
 def _cli(*args):

@@ -3,6 +3,7 @@ nvshmem and ipc transports, the benchmark's module), the disk cache is keyed, ch
 concurrency, and compile errors carry the log with file and line."""
 import ctypes
 import os
+import re
 import subprocess
 import sys
 
@@ -153,6 +154,19 @@ def test_abi_header_states_every_struct_field():
             assert f"decltype({struct.__name__}::{field})" in text
     for name, k in _abi.KERNELS.items():
         assert f'extern "C" __global__ void {name}(' in text
+
+
+def test_dependent_kernels_wait_for_the_kernel_before_them_first():
+    """A kernel launched as a programmatic dependent (Kernel.dependent) may start while the stream's previous
+    kernel runs: its body must begin with the wait for it; the others must not be dependent."""
+    bodies = {}
+    for f in (ROOT / "cuda").glob("*.cu"):
+        for m in re.finditer(r'extern "C" __global__ void[^{]*?(moecomm_\w+)\([^)]*\) \{\s*([^;]*;)', f.read_text()):
+            bodies[m.group(1)] = m.group(2)
+    assert set(bodies) == set(_abi.KERNELS)
+    for name, k in _abi.KERNELS.items():
+        assert (bodies[name] == "after_previous_kernel();") == k.dependent, (name, bodies[name])
+    assert {n for n, k in _abi.KERNELS.items() if not k.dependent} == {"moecomm_delay", "moecomm_peer_check"}
 
 
 def test_gpu_check_says_what_it_does_and_needs():

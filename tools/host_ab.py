@@ -4,7 +4,7 @@
 
 DIR is another checkout of moecomm (the call path before a change, say); this tree is the other. Each round
 runs ``python -m moecomm.bench --configs r1-decode --no-graph`` once per tree (which goes first alternates
-between rounds), and the JSON keeps every round's medians (DeviceBuffer, CuPy and torch inputs; dispatch and
+between rounds), and the JSON keeps every round's medians (DeviceBuffer, CuPy and torch inputs; dispatch,
 combine), the best of each, and the median over rounds of this tree's difference from the base within a round:
 this VM's eager figures move by tens of percent between runs, so only interleaved rounds compare, and the
 paired difference is the steadier figure where a whole round runs slow.
@@ -52,7 +52,7 @@ def main():
             for name, rs in runs.items()}
     paired = {kind: {phase: round(statistics.median(t[kind][phase] - b[kind][phase]
                                                     for b, t in zip(runs["base"], runs["this"])), 2)
-                     for phase in kinds[kind]} for kind in kinds}
+                     for phase in kinds[kind] if phase in runs["base"][0][kind]} for kind in kinds}
     doc = {"command": "python tools/host_ab.py " + " ".join(sys.argv[1:]), "host": platform.node(),
            "python": platform.python_version(), "trees": {k: str(v) for k, v in trees.items()}, "rounds": runs,
            "best": best, "median_difference_this_minus_base": paired}

@@ -7,10 +7,11 @@ rank 0 prints the functions by their own time per call pair (profiling inflates 
 read the shares, not the sums; the benchmark gives the unprofiled figures). ``--parts`` instead times
 each step of the call path alone, unprofiled (median over repetitions of the mean of a loop): the whole
 calls, the context check, the stream's resolution, the arguments' reading, and one kernel launch and one
-context query through moecomm, cuda.bindings and CuPy's driver module.
+context query through moecomm (its launch plain and programmatic), cuda.bindings and CuPy's driver module.
 """
 import argparse
 import cProfile
+import dataclasses
 import pstats
 import statistics
 import time
@@ -19,6 +20,7 @@ import cupy
 import numpy as np
 
 import moecomm
+from moecomm import _abi, _cuda
 from moecomm.bench import delay_kernel
 
 
@@ -136,6 +138,9 @@ def parts(comm, a2a, delay_args, delay, arrays, stream):
     launch = delay
     rows["launch (moecomm's Launch)"] = timed(lambda: launch(stream), 100, busy)
     f, threads, addr = launch.function, launch.threads, launch._address
+    kernel = dataclasses.replace(_abi.KERNELS["moecomm_delay"], dependent=True)  # the attribute's cost alone
+    dependent = _cuda.Launch(f, kernel, 1, delay_args, programmatic=True)
+    rows["launch, programmatic (moecomm's Launch)"] = timed(lambda: dependent(stream), 100, busy)
     rows["cuLaunchKernel (cuda.bindings)"] = timed(
         lambda: driver.cuLaunchKernel(f, 1, 1, 1, threads, 1, 1, 0, stream, addr, 0), 100, busy)
     fi, drv = int(f), cupy.cuda.driver

@@ -72,6 +72,7 @@ class GpuTransport(Transport):
         major, minor = dev.compute_capability
         self.num_sms = dev.properties.multiprocessor_count
         self.build = _jit.build(f"sm_{major}{minor}", self.variant)
+        self._programmatic = 100 * major + 10 * minor >= C.PROGRAMMATIC_ARCH  # dependent kernels: launch()
         self.module = _cuda.Module(self.build.cubin)
         self._load_module(self.module)
         self._twin = None  # the put-free twin's module (kernels), once an AllToAll needs it
@@ -151,10 +152,12 @@ class GpuTransport(Transport):
 
     def launch(self, name, blocks, *params, module=None):
         """A :class:`moecomm._cuda.Launch` of kernel ``name`` (see moecomm._abi.KERNELS) with ``params``, from
-        ``module`` (default: the transport's own)."""
+        ``module`` (default: the transport's own); a programmatic dependent launch where the kernel is
+        dependent and the GPU has them."""
         kernel = _abi.KERNELS[name]
         with self.context:
-            return _cuda.Launch((module or self.module).function(kernel), kernel, blocks, *params)
+            return _cuda.Launch((module or self.module).function(kernel), kernel, blocks, *params,
+                                programmatic=kernel.dependent and self._programmatic)
 
     def new_arrays(self):
         with self.context:
