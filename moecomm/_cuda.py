@@ -10,6 +10,7 @@ current for their duration and give the caller's context back (:meth:`Context.en
 touched) neither breaks a call nor sees it changed.
 """
 import ctypes
+import functools
 
 from cuda.bindings import driver
 from cupy.cuda import driver as per_call
@@ -117,24 +118,22 @@ class _LaunchConfig(ctypes.Structure):
                 ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(_LaunchAttribute)), ("num_attrs", ctypes.c_uint)]
 
 
-_LAUNCH_EX = []  # cuLaunchKernelEx as a ctypes function, once looked up
-
-
+@functools.cache
 def _launch_ex():
-    if not _LAUNCH_EX:
-        address = check(driver.cuGetProcAddress(b"cuLaunchKernelEx", 12000,
-                                                driver.CUdriverProcAddress_flags.CU_GET_PROC_ADDRESS_DEFAULT),
-                        "cuGetProcAddress(cuLaunchKernelEx)")[0]
-        if not int(address):
-            raise MoeCommError("this CUDA driver has no cuLaunchKernelEx (CUDA 12.0 or newer is needed)")
-        signature = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p)
-        _LAUNCH_EX.append(signature(int(address)))
-    return _LAUNCH_EX[0]
+    """cuLaunchKernelEx as a ctypes function (looked up once)."""
+    address = check(driver.cuGetProcAddress(b"cuLaunchKernelEx", 12000,
+                                            driver.CUdriverProcAddress_flags.CU_GET_PROC_ADDRESS_DEFAULT),
+                    "cuGetProcAddress(cuLaunchKernelEx)")[0]
+    if not int(address):
+        raise MoeCommError("this CUDA driver has no cuLaunchKernelEx (CUDA 12.0 or newer is needed)")
+    signature = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p)
+    return signature(int(address))
 
 
 class Launch:
     """One kernel with its launch configuration and parameter block built once. ``launch(stream)`` launches it
-    with the current contents of ``params`` (ctypes structures the owner keeps updating; a launch copies them).
+    with the current contents of ``params`` (ctypes structures the owner keeps updating; a launch copies them),
+    one launch at a time (the configuration holds the stream).
 
     Args:
         function: the kernel's CUfunction (:meth:`Module.function`).
@@ -152,7 +151,6 @@ class Launch:
         if programmatic and not kernel.dependent:
             raise TypeError(f"{kernel.name} does not wait for the kernel before it: not a programmatic launch")
         self.function, self.name, self.threads, self.blocks = function, kernel.name, kernel.threads, int(blocks)
-        self.programmatic = programmatic
         self._function = int(function)
         self._params = params  # kept alive: the pointer array points into them
         self._pointers = (ctypes.c_void_p * len(params))(*(ctypes.addressof(p) for p in params))
