@@ -324,7 +324,6 @@ class Bench:
                         t["combine"].append((time.perf_counter_ns() - t1) / 1e3)
                         t["dispatch"].append((t1 - t0) / 1e3)
                     s.synchronize()
-                a2a.synchronize(s)
                 out[kind] = {phase: stats(v) for phase, v in t.items()}
                 out[kind]["eager_layer"] = self.eager_layer(lambda: (dispatch(), combine()))
             a2a.synchronize(s)
