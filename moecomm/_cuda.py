@@ -1,9 +1,10 @@
 """The CUDA driver through cuda.bindings: one checking helper, the rank's context, modules, launches.
 
-Every driver call of moecomm goes through :func:`check`, but the three that every call makes: the kernel
-launch, through ``cuLaunchKernelEx`` itself (ctypes, its configuration built once: :class:`Launch`), and the
-context query and switch, through CuPy's driver module, whose entry points take and return plain ints where
-cuda.bindings converts each argument and result to its own types. Device work
+Every driver call of moecomm goes through :func:`check`, but those that every call makes: the kernel
+launch (:class:`Launch`), the capture query before a programmatic one, and the context query and switch,
+through CuPy's driver and runtime modules, whose entry points take and return plain ints where cuda.bindings
+converts each argument and result to its own types; a launch into a CUDA graph being captured goes through
+``cuLaunchKernelEx`` itself (ctypes, its configuration built once), the launch that takes attributes. Device work
 runs in the primary context of the rank's GPU (the one CuPy and NVSHMEM use): entry points make it
 current for their duration and give the caller's context back (:meth:`Context.enter` /
 :meth:`Context.leave`), so a caller whose current device is another GPU (JAX moves it to the GPU it last
@@ -14,6 +15,7 @@ import functools
 
 from cuda.bindings import driver
 from cupy.cuda import driver as per_call
+from cupy.cuda import runtime as per_call_runtime
 
 from ._errors import CompileError, MoeCommError
 
@@ -135,13 +137,19 @@ class Launch:
     with the current contents of ``params`` (ctypes structures the owner keeps updating; a launch copies them),
     one launch at a time (the configuration holds the stream).
 
+    A programmatic launch is one only where the stream is being captured into a CUDA graph: there the kernel
+    may start before the graph's previous kernel ends (it waits for it first), which every replay gains. An
+    eager launch is a plain one through CuPy's ``launchKernel``: an eager caller is usually slower than the
+    device, so its host time is what counts (a ctypes call of ``cuLaunchKernelEx`` cost ~1 µs more per launch
+    on an H200's host).
+
     Args:
         function: the kernel's CUfunction (:meth:`Module.function`).
         kernel: its :class:`moecomm._abi.Kernel` entry.
         blocks: grid size (blocks of ``kernel.threads`` threads).
         params: one instance of each struct in ``kernel.params``, in order.
-        programmatic: launch it as a programmatic dependent launch (the kernel must be ``kernel.dependent``:
-            it may start before the stream's previous kernel ends, and waits for it first).
+        programmatic: launch it as a programmatic dependent launch when captured (the kernel must be
+            ``kernel.dependent``: it waits for the stream's previous kernel first).
     """
 
     def __init__(self, function, kernel, blocks, *params, programmatic=False):
@@ -155,18 +163,26 @@ class Launch:
         self._params = params  # kept alive: the pointer array points into them
         self._pointers = (ctypes.c_void_p * len(params))(*(ctypes.addressof(p) for p in params))
         self._address = ctypes.addressof(self._pointers)
-        self._attribute = _LaunchAttribute(
-            id=int(driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION), value=1)
-        self._config = _LaunchConfig(grid=(self.blocks, 1, 1), block=(self.threads, 1, 1),
-                                     attrs=ctypes.pointer(self._attribute), num_attrs=int(programmatic))
-        self._config_address = ctypes.addressof(self._config)
-        self._launch = _launch_ex()
+        self._launch_ex = None  # cuLaunchKernelEx, for the launches being captured (programmatic only)
+        if programmatic:
+            self._attribute = _LaunchAttribute(
+                id=int(driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION), value=1)
+            self._config = _LaunchConfig(grid=(self.blocks, 1, 1), block=(self.threads, 1, 1),
+                                         attrs=ctypes.pointer(self._attribute), num_attrs=1)
+            self._config_address = ctypes.addressof(self._config)
+            self._launch_ex = _launch_ex()
 
     def __call__(self, stream):
-        self._config.stream = stream
-        code = self._launch(self._config_address, self._function, self._address, None)
-        if code:
-            raise error(driver.CUresult(code), f"launching {self.name}")
+        if self._launch_ex is not None and is_capturing(stream):
+            self._config.stream = stream
+            code = self._launch_ex(self._config_address, self._function, self._address, None)
+            if code:
+                raise error(driver.CUresult(code), f"launching {self.name}")
+            return
+        try:
+            per_call.launchKernel(self._function, self.blocks, 1, 1, self.threads, 1, 1, 0, stream, self._address, 0)
+        except per_call.CUDADriverError as e:
+            raise _per_call_error(e, f"launching {self.name}") from None
 
 
 class StreamOrder:
@@ -204,9 +220,11 @@ def destroy_event(event):
 
 
 def is_capturing(stream):
-    """Whether ``stream`` is being captured into a CUDA graph."""
-    status = check(driver.cuStreamIsCapturing(stream), "cuStreamIsCapturing")
-    return status != driver.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE
+    """Whether ``stream`` is being captured into a CUDA graph (or its capture was invalidated)."""
+    try:
+        return per_call_runtime.streamIsCapturing(stream)  # a bool
+    except per_call_runtime.CUDARuntimeError as e:
+        raise MoeCommError(f"cudaStreamIsCapturing failed: {e}") from None
 
 
 def stream_synchronize(stream):

@@ -6,8 +6,9 @@ The device is kept busy by a delay kernel queued first, so launches never wait f
 rank 0 prints the functions by their own time per call pair (profiling inflates every Python frame, so
 read the shares, not the sums; the benchmark gives the unprofiled figures). ``--parts`` instead times
 each step of the call path alone, unprofiled (median over repetitions of the mean of a loop): the whole
-calls, the context check, the stream's resolution, the arguments' reading, and one kernel launch and one
-context query through moecomm (its launch plain and programmatic), cuda.bindings and CuPy's driver module.
+calls, the context check, the stream's resolution, the arguments' reading, one kernel launch through moecomm
+(plain, and programmatic as an eager call makes it), the capture query, a programmatic ``cuLaunchKernelEx``
+(what a launch being captured takes), and one launch and one context query through cuda.bindings and CuPy.
 """
 import argparse
 import cProfile
@@ -140,7 +141,13 @@ def parts(comm, a2a, delay_args, delay, arrays, stream):
     f, threads, addr = launch.function, launch.threads, launch._address
     kernel = dataclasses.replace(_abi.KERNELS["moecomm_delay"], dependent=True)  # the attribute's cost alone
     dependent = _cuda.Launch(f, kernel, 1, delay_args, programmatic=True)
-    rows["launch, programmatic (moecomm's Launch)"] = timed(lambda: dependent(stream), 100, busy)
+    rows["launch, programmatic, eager (moecomm's Launch: capture query + launchKernel)"] = timed(
+        lambda: dependent(stream), 100, busy)
+    rows["capture query (_cuda.is_capturing)"] = timed(lambda: _cuda.is_capturing(stream), 2000)
+    dependent._config.stream = stream
+    ex, config, function = dependent._launch_ex, dependent._config_address, dependent._function
+    rows["cuLaunchKernelEx by ctypes, programmatic (a captured launch's path)"] = timed(
+        lambda: ex(config, function, addr, None), 100, busy)
     rows["cuLaunchKernel (cuda.bindings)"] = timed(
         lambda: driver.cuLaunchKernel(f, 1, 1, 1, threads, 1, 1, 0, stream, addr, 0), 100, busy)
     fi, drv = int(f), cupy.cuda.driver
