@@ -4,11 +4,14 @@
 
 using namespace moecomm;
 
-// grid: a block per token, f.max_tokens or more (moecomm/_abi.py: whole_kernels; small batches). Block t takes
-// token t: its threads load the token's row and scales (RowCopy) while warp 0 reads the ids and weights, checks
-// them (a repeated or invalid id fails the token, ERR_BAD_EXPERT, and nothing of it is stored) and takes each
-// pair's slot in its own lane, all atomics in flight at once, and counts the block done; then the block stores the
-// row into those slots. The last block ends the receive half as moecomm_dispatch_local's does. It writes what
+// grid: f.max_tokens * parts blocks (moecomm/_abi.py: whole_kernels, small batches; _token_part_blocks: parts
+// up to top-k where the GPU has room, 1 where pairs may be dropped for capacity, whose drop word is the
+// token's). Block b takes token t = b / parts and its pairs k with k % parts == b % parts, so that a small
+// batch's rows are stored from many SMs: its threads load the token's row and scales (RowCopy) while warp 0
+// reads all the token's ids and weights, checks them (a repeated or invalid id fails the token, ERR_BAD_EXPERT,
+// recorded by part 0, and nothing of it is stored) and takes each of its pairs' slot in its own lane, all
+// atomics in flight at once, and counts the block done; then the block stores the row into those slots. The
+// last block ends the receive half as moecomm_dispatch_local's does. It writes what
 // dispatch_send writes, but for the records: the token's own record is record t (f.recv_buf row t: metadata,
 // f.slot_of), so there are m of them and no record atomic; the signal carries m.
 extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, MOECOMM_BLOCKS_PER_SM)
@@ -16,7 +19,9 @@ extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, MOECOMM_BLOC
   after_previous_kernel();
   TRACE_SPAN(MOECOMM_TRACE_DISPATCH_SEND, 0);
   TRACE(MOECOMM_TRACE_DISPATCH_SEND, 0);
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, t = blockIdx.x;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int parts = gridDim.x / f.max_tokens, t = blockIdx.x / parts, part = blockIdx.x % parts;
+  const bool mine = lane % parts == part;  // lane k's pair is this block's to route and store
   const unsigned epoch = f.state[MOECOMM_S_EPOCH_DS] + 1;
   // loaded before m is known: any row < min(c.rows, max_tokens) is readable
   const bool readable = t < min(c.rows, f.max_tokens);
@@ -42,16 +47,19 @@ extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, MOECOMM_BLOC
     const unsigned pairs = __ballot_sync(FULL, e >= 0);
     if (!__all_sync(FULL, e < f.num_experts && (e < 0 || first_e))) {
       if (lane == 0) {
-        record_error(f.err, MOECOMM_ERR_BAD_EXPERT, f.rank, MOECOMM_PHASE_DISPATCH, t, (int)epoch);
-        atomicCAS(&f.state[MOECOMM_S_BAD], 0u, (unsigned)MOECOMM_ERR_BAD_EXPERT);
+        if (part == 0) {
+          record_error(f.err, MOECOMM_ERR_BAD_EXPERT, f.rank, MOECOMM_PHASE_DISPATCH, t, (int)epoch);
+          atomicCAS(&f.state[MOECOMM_S_BAD], 0u, (unsigned)MOECOMM_ERR_BAD_EXPERT);
+        }
         n = 0;
       }
     } else {
       const int lo = f.rank * f.local_experts;
       const int pe = e >= 0 && !masked ? physical(f, e, t) : -1;  // the pair's physical expert; -1: not sent
-      const unsigned slot = pe >= 0 ? atomicAdd(&f.state[f.s_expert + pe - lo], 1u) : 0u;
-      const int where = pe >= 0 && slot < (unsigned)f.cap ? (pe - lo) * f.cap + (int)slot : -1;
-      const unsigned drops = __ballot_sync(FULL, pe >= 0 && where < 0 && f.drop);
+      const bool take = pe >= 0 && mine;
+      const unsigned slot = take ? atomicAdd(&f.state[f.s_expert + pe - lo], 1u) : 0u;
+      const int where = take && slot < (unsigned)f.cap ? (pe - lo) * f.cap + (int)slot : -1;
+      const unsigned drops = __ballot_sync(FULL, take && where < 0 && f.drop);  // parts 1 where any can drop
       const unsigned rows = __ballot_sync(FULL, where >= 0);
       if (where >= 0) {
         const int pos = __popc(rows & ((1u << lane) - 1));
@@ -62,12 +70,14 @@ extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, MOECOMM_BLOC
       int* const meta = meta_of(f.recv_buf + rec * f.rec_bytes, f);
       if (lane == 0) {
         n = __popc(rows);
-        meta[0] = t;
-        if (masked) tally(f, MOECOMM_C_MASKED_PAIRS, __popc(pairs));
+        if (part == 0) {
+          meta[0] = t;
+          if (masked) tally(f, MOECOMM_C_MASKED_PAIRS, __popc(pairs));
+        }
         if (drops)  // read by combine_local
           f.drop_buf[(size_t)f.rank * f.max_tokens + t] = epoch_signal(epoch, drops);
       }
-      if (lane < f.topk) {
+      if (lane < f.topk && mine) {
         f.own_of[pair] = make_int2(where, __float_as_int(w));
         f.slot_of[rec * f.topk + lane] = where;
         meta[1 + lane] = pe;
@@ -103,16 +113,17 @@ extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, MOECOMM_BLOC
   TRACE_SPAN(MOECOMM_TRACE_DISPATCH_SEND, 1);
 }
 
-// grid: any number of blocks. Each token's sum is formed straight from its expert rows in c.y, as combine_send
-// and combine_recv would form and add its partial sum: its pairs' slots and dispatched weights from f.own_of
-// (dispatch_send), or the weights of c.weights where the dispatch had none (c.partials 0). No partial sum,
-// signal or grid-wide count: a block ends with its work. Work items, handed out strided: (token t < m, slice s
-// of its row's 8-value chunks), `slices` per token so that a small batch fills the grid; the block's threads
-// share a slice, all of a chunk's rows (up to 8) loaded before the first add; each warp lists the token's rows
-// itself (no block barrier). Writes rows 0..m-1 of c.out_tokens [rows, hidden] out_dtype (a token with no row
-// gets zeros) and, when given, c.out_dropped [rows, topk] uint8 (from f.drop_buf, which dispatch_send wrote);
-// nothing where combine_check leaves no rows. The call number is the dispatch's: every block stores it as the
-// combine's (no block of this call reads it); state[BAD_RECV] is cleared by the next dispatch_send.
+// grid: any number of blocks (moecomm/_abi.py: _sum_blocks). Each token's sum is formed straight from its expert
+// rows in c.y, as combine_send and combine_recv would form and add its partial sum: its pairs' slots and
+// dispatched weights from f.own_of (dispatch_send), or the weights of c.weights where the dispatch had none
+// (c.partials 0). No partial sum, signal or grid-wide count: a block ends with its work. Work items, handed
+// out strided: (token t < m, slice s of its row's 8-value chunks), `slices` per token so that a small batch
+// fills the grid; the block's threads share a slice, all of a chunk's rows (up to 8) loaded before the first
+// add; each warp lists the token's rows itself (no block barrier). Writes rows 0..m-1 of c.out_tokens
+// [rows, hidden] out_dtype (a token with no row gets zeros) and, when given, c.out_dropped [rows, topk] uint8
+// (from f.drop_buf, which dispatch_send wrote); nothing where combine_check leaves no rows. The call number is
+// the dispatch's: every block stores it as the combine's (no block of this call reads it); state[BAD_RECV] is
+// cleared by the next dispatch_send.
 extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, MOECOMM_BLOCKS_PER_SM)
     moecomm_combine_local(const Fixed f, const Call c) {
   after_previous_kernel();
@@ -121,7 +132,8 @@ extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, MOECOMM_BLOC
   const unsigned epoch = f.state[MOECOMM_S_EPOCH_DS];
   const int chunks = f.hidden / 8;
   const int rows_max = min(c.rows, f.max_tokens);  // m, once checked, is at most this: the slices are known early
-  const int slices = max(1, min((int)gridDim.x / max(rows_max, 1), (chunks + 63) / 64));
+  const int most_slices = (chunks + MOECOMM_SUM_SLICE_CHUNKS - 1) / MOECOMM_SUM_SLICE_CHUNKS;
+  const int slices = max(1, min((int)gridDim.x / max(rows_max, 1), most_slices));
   const int per = (chunks + slices - 1) / slices;
   __shared__ const uint8_t* rows[THREADS / 32][MOECOMM_MAX_TOPK];  // each warp's list of the token's rows
   __shared__ float wts[THREADS / 32][MOECOMM_MAX_TOPK];

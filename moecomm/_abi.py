@@ -277,6 +277,23 @@ def _token_blocks(cfg, num_sms):
     return max(1, min(C.BLOCKS_PER_SM * num_sms, cfg.max_num_tokens))
 
 
+def _token_part_blocks(cfg, num_sms):
+    """moecomm_dispatch_tokens (cuda/local.cu): max_num_tokens * parts blocks, each taking every parts-th pair of
+    its token, parts up to top-k while the grid stays within BLOCKS_PER_SM per SM, so that a small batch's rows
+    are stored from many SMs; 1 where pairs may be dropped for capacity (a token's drop word is one block's)."""
+    drops = cfg.capacity is not None and cfg.overflow == "drop"
+    room = C.BLOCKS_PER_SM * num_sms // cfg.max_num_tokens
+    return cfg.max_num_tokens * (1 if drops else max(1, min(cfg.experts_per_token, room)))
+
+
+def _sum_blocks(cfg, num_sms):
+    """moecomm_combine_local (cuda/local.cu): a block per (token, slice of SUM_SLICE_CHUNKS 16-byte chunks of its
+    row) work item, up to BLOCKS_PER_SM per SM (the kernel cuts a row into as many slices as the grid has room
+    for, up to that)."""
+    slices = -(-(cfg.hidden_dim // 8) // C.SUM_SLICE_CHUNKS)
+    return max(1, min(C.BLOCKS_PER_SM * num_sms, cfg.max_num_tokens * slices))
+
+
 def _gpu_blocks(cfg, num_sms):
     """BLOCKS_PER_SM per SM, the blocks resident at once (resident()): the backward kernels (cuda/backward.cu),
     each operation in one launch whose parts wait for each other's signals."""
@@ -316,8 +333,8 @@ KERNELS = {k.name: k for k in (
     Kernel("moecomm_combine_recv_wire", (Fixed, Call), _token_blocks),
     Kernel("moecomm_combine_wire", (Fixed, Call), _per_source_blocks),
     Kernel("moecomm_dispatch_local", (Fixed, Call), _send_blocks),
-    Kernel("moecomm_dispatch_tokens", (Fixed, Call), _send_blocks),
-    Kernel("moecomm_combine_local", (Fixed, Call), _gpu_blocks),
+    Kernel("moecomm_dispatch_tokens", (Fixed, Call), _token_part_blocks),
+    Kernel("moecomm_combine_local", (Fixed, Call), _sum_blocks),
     Kernel("moecomm_plan", (Fixed, Grad), _gpu_blocks),
     Kernel("moecomm_dispatch_backward", (Fixed, Grad), _gpu_blocks),
     Kernel("moecomm_combine_backward", (Fixed, Grad), _gpu_blocks),

@@ -60,6 +60,8 @@ BLOCK_THREADS = 256   # threads of every alltoall block: a block handles one tok
 BLOCKS_PER_SM = 2     # alltoall blocks resident per SM (kernels are built for it: 128 registers per thread)
 PROGRAMMATIC_ARCH = 900  # compute capability (as __CUDA_ARCH__: 100 * major + 10 * minor) from which moecomm's
                          # kernels are programmatic dependent launches (Hopper; moecomm/_abi.py: Kernel.dependent)
+SUM_SLICE_CHUNKS = 64  # 16-byte chunks of a token's row per work item of the local path's combine, at least
+                       # (cuda/local.cu: combine_local; a small batch's rows cut so, to fill the grid)
 SEND_SHARE = 64       # percent of a one-launch dispatch grid that sends (the rest unpacks records as they land)
 STREAM_TOKENS = 8     # the one-launch phases stream where a block of the send share holds more tokens than
                       # this (moecomm/_abi.py, streamed; below, claiming rows one by one costs more than it gains)
@@ -162,7 +164,7 @@ TRACE_SPAN = 8
 _DEVICE_SCALARS = ("TIMEOUT_LEFT", "ERROR_WORDS", "REASON_ARG_SHIFT", "SIG_COUNT_BITS", "SIG_GEN_BITS", "MAX_TOPK",
                    "MAX_EXPERTS", "ROW_ALIGN", "BLOCK_THREADS", "BLOCKS_PER_SM", "ARRIVAL_BATCH", "ARRIVAL_FIRST",
                    "TRACE_POINTS", "TRACE_SPAN", "COMBINE_BLOCK", "PLAN_CALL_BITS", "PLAN_GEN_BITS",
-                   "PROGRAMMATIC_ARCH")
+                   "PROGRAMMATIC_ARCH", "SUM_SLICE_CHUNKS")
 _DEVICE_LITERALS = {"REPLICA_TOKEN": "u", "REPLICA_GROUP": "u", "PEER_UNMAPPED": "ll", "E4M3_MAX": "f"}
 
 

@@ -258,6 +258,24 @@ def test_world_size_1_takes_the_local_path_in_the_padded_layout():
     assert _abi.whole_kernels(cfg(1, 128, combine_wire="e4m3"), 132) == {
         "dispatch": _abi.LOCAL_TOKENS, "combine": "moecomm_combine_wire"}
 
+
+def test_small_batches_spread_over_the_grid_at_world_size_1():
+    """The local path's small-batch dispatch gives a token up to top-k blocks while 2 per SM have room (one
+    where pairs may be dropped for capacity: a token's drop word is one block's), and its combine a block per
+    (token, slice of 64 chunks) up to 2 per SM (R1 shapes: 7168 values, 14 slices; 132 SMs)."""
+    from moecomm import _abi
+    from moecomm._config import AllToAllConfig
+
+    def grids(tokens, **kw):
+        c = AllToAllConfig.create(1, 0, tokens, 256, 8, 7168, 56, "float8_e4m3fn", "bfloat16", None, 1, **kw)
+        return _abi.KERNELS[_abi.LOCAL_TOKENS].grid(c, 132), _abi.KERNELS["moecomm_combine_local"].grid(c, 132)
+    assert grids(1) == (8, 14)
+    assert grids(16) == (128, 224)
+    assert grids(128) == (256, 264)
+    assert grids(200) == (200, 264)
+    assert grids(16, capacity=4, overflow="drop") == (16, 224)
+    assert grids(16, capacity=4) == (128, 224)  # overflow="error": nothing drops
+
 def _r1_cfg(tokens, dp=1, layout="padded"):
     from moecomm._config import AllToAllConfig
     return AllToAllConfig.create(2 * dp, 0, tokens, 256, 8, 7168, 56, "float8_e4m3fn", "bfloat16", None, dp,
