@@ -5,8 +5,8 @@
 using namespace moecomm;
 
 // grid: f.max_tokens * parts blocks (moecomm/_abi.py: whole_kernels, small batches; _token_part_blocks: parts
-// up to top-k where the GPU has room, 1 where pairs may be dropped for capacity, whose drop word is the
-// token's). Block b takes token t = b / parts and its pairs k with k % parts == b % parts, so that a small
+// up to top-k while half the resident grid has room, 1 where pairs may be dropped for capacity, whose drop word
+// is the token's). Block b takes token t = b / parts and its pairs k with k % parts == b % parts, so that a small
 // batch's rows are stored from many SMs: its threads load the token's row and scales (RowCopy) while warp 0
 // reads all the token's ids and weights, checks them (a repeated or invalid id fails the token, ERR_BAD_EXPERT,
 // recorded by part 0, and nothing of it is stored) and takes each of its pairs' slot in its own lane, all

@@ -260,9 +260,9 @@ def test_world_size_1_takes_the_local_path_in_the_padded_layout():
 
 
 def test_small_batches_spread_over_the_grid_at_world_size_1():
-    """The local path's small-batch dispatch gives a token up to top-k blocks while 2 per SM have room (one
-    where pairs may be dropped for capacity: a token's drop word is one block's), and its combine a block per
-    (token, slice of 64 chunks) up to 2 per SM (R1 shapes: 7168 values, 14 slices; 132 SMs)."""
+    """The local path's small-batch dispatch gives a token up to top-k blocks while the grid fills at most half
+    of 2 per SM (one where pairs may be dropped for capacity: a token's drop word is one block's), and its
+    combine a block per (token, slice of 64 chunks) up to 2 per SM (R1 shapes: 7168 values, 14 slices; 132 SMs)."""
     from moecomm import _abi
     from moecomm._config import AllToAllConfig
 
@@ -271,8 +271,8 @@ def test_small_batches_spread_over_the_grid_at_world_size_1():
         return _abi.KERNELS[_abi.LOCAL_TOKENS].grid(c, 132), _abi.KERNELS["moecomm_combine_local"].grid(c, 132)
     assert grids(1) == (8, 14)
     assert grids(16) == (128, 224)
-    assert grids(128) == (256, 264)
-    assert grids(200) == (200, 264)
+    assert grids(64) == (128, 264)
+    assert grids(128) == (128, 264)
     assert grids(16, capacity=4, overflow="drop") == (16, 224)
     assert grids(16, capacity=4) == (128, 224)  # overflow="error": nothing drops
 
