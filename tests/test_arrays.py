@@ -3,6 +3,7 @@ interface), stream ordering with producers, producer errors, and every bad argum
 combine through the device path, named in an InvalidArgument (a fake device transport stands in for
 the GPU, as tinygrad's fake driver does)."""
 import contextlib
+import dataclasses
 from types import SimpleNamespace
 
 import numpy as np
@@ -186,6 +187,13 @@ def test_raw_pointer_layer():
     assert b.nbytes == 32
     with pytest.raises(moecomm.InvalidArgument, match="x: expected a device array .* got list"):
         read([1, 2], np.float32, (2,))
+    # normalised at construction (a shape of numpy integers, a dtype by name), frozen, compared by value
+    c = moecomm.DeviceBuffer(0x1234_0000, [np.int64(2), 16], "float32", device=0)
+    assert (c.shape, type(c.shape[1]), c.dtype, c.owner) == ((2, 16), int, np.dtype(np.float32), None)
+    assert c == moecomm.DeviceBuffer(0x1234_0000, (2, 16), np.float32, 0)
+    assert dataclasses.replace(c, ptr=0x1235_0000).ptr == 0x1235_0000
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        c.ptr = 0
 
 
 # --- AllToAll through the device path, on a fake GPU transport ---------------------------------
