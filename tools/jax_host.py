@@ -1,0 +1,102 @@
+"""Host time of moecomm.jax's dispatch and combine inside a jitted step, one GPU (world size 1), R1 shapes in
+bfloat16 (128 tokens, 7168 hidden, 256 experts, top-8; router weights sent with dispatch).
+
+    python tools/jax_host.py [--steps 300] [--json jax-host.json]
+
+The step ``dispatch -> combine`` (expert outputs = the dispatched tokens) runs under ``jax.jit``; XLA calls
+moecomm's two buffer callbacks on its host thread at every execution. Each callback's own time is timed
+inside it: moecomm.jax's reading of XLA's buffers (``_buffer``) and the call itself (``AllToAll.run``: checks,
+call order, launch), the sum per call. The step's wall time (one step, then its wait) comes beside it. The
+output of the first step is checked against moecomm.reference. Medians and p99 over ``--steps`` steps.
+"""
+import argparse
+import json
+import os
+import platform
+import time
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # CuPy and JAX share the GPU
+
+import numpy as np  # noqa: E402
+
+import moecomm  # noqa: E402
+from moecomm import reference  # noqa: E402
+
+
+def summary(us):
+    us = np.asarray(us)
+    return {"median_us": float(np.median(us)), "p99_us": float(np.percentile(us, 99)), "n": int(us.size)}
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--transport", default="ipc", choices=["ipc", "nvshmem", "host"])
+    p.add_argument("--json", default="jax-host.json")
+    args = p.parse_args()
+    comm = moecomm.init(transport=args.transport)
+    import jax
+    import jax.numpy as jnp
+
+    from moecomm import jax as moecomm_jax  # after init, as a program may import it
+    M, E, K, H = 128, 256, 8, 7168
+    a2a = moecomm.AllToAll(comm, M, E, K, H, None, "bfloat16", "bfloat16")
+    layer = moecomm_jax.AllToAll(a2a)
+    spent = {"buffer": 0.0, "run": 0.0}  # seconds inside moecomm, per kind, since the last reset
+    calls = []  # [(phase, microseconds inside moecomm)] per callback
+
+    def timed(kind, fn, per_call=False):
+        def wrapper(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                spent[kind] += time.perf_counter() - t0
+                if per_call:  # run() ends a callback: its reads came just before it
+                    calls.append((a[0].phase, 1e6 * (spent["buffer"] + spent["run"])))
+                    spent["buffer"] = spent["run"] = 0.0
+        return wrapper
+    layer._buffer = timed("buffer", layer._buffer)  # instance attributes: moecomm.jax calls self._buffer, a2a.run
+    a2a.run = timed("run", a2a.run, per_call=True)
+
+    @jax.jit
+    def step(x, idx, m, w):
+        _, ex, _ = layer.dispatch(x, None, idx, m, w)
+        return layer.combine(idx, None, ex, m)
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((M, H), np.float32).astype(moecomm.bfloat16)
+    idx = np.argsort(rng.random((M, E)), axis=1)[:, :K].astype(np.int32)
+    w = rng.random((M, K), np.float32)
+    dev = jax.devices()[comm.device if a2a.comm.transport.memory == "device" else 0]
+    args_dev = [jax.device_put(a, dev) for a in (x, idx, np.array([M], np.int32), w)]
+    out = np.asarray(step(*args_dev).astype(jnp.float32))
+    ref = reference.dispatch([x], None, [idx], E, 1, M)[0]
+    want = reference.combine([idx], [w], [ref["expert_x"]], [ref["origin"]], E, 1, moecomm.bfloat16)[0]
+    if not np.allclose(out, want.astype(np.float32), rtol=2 ** -7, atol=1e-2):
+        raise SystemExit("jax_host.py: the jitted step's output differs from moecomm.reference")
+    for _ in range(20):
+        step(*args_dev).block_until_ready()
+    calls.clear()
+    wall = []
+    for _ in range(args.steps):
+        t0 = time.perf_counter()
+        step(*args_dev).block_until_ready()
+        wall.append(1e6 * (time.perf_counter() - t0))
+    per_phase = {ph: summary([us for q, us in calls if q == ph]) for ph in ("dispatch", "combine")}
+    result = {"command": "python tools/jax_host.py " + " ".join(f"--{k} {v}" for k, v in vars(args).items()
+                                                                  if k != "json"),
+              "environment": {"host": platform.node(), "python": platform.python_version(), "jax": jax.__version__,
+                              "device": str(dev)},
+              "moecomm_host_us": per_phase, "step_wall_us": summary(wall)}
+    for ph, s in per_phase.items():
+        print(f"moecomm.jax {ph}: {s['median_us']:.1f} us inside moecomm per call (p99 {s['p99_us']:.1f})")
+    print(f"jitted dispatch + combine step, one at a time: {result['step_wall_us']['median_us']:.1f} us")
+    with open(args.json, "w") as f:
+        json.dump(result, f, indent=1)
+    a2a.destroy()
+    comm.finalize()
+
+
+if __name__ == "__main__":
+    main()
