@@ -6,7 +6,7 @@ bfloat16 (128 tokens, 7168 hidden, 256 experts, top-8; router weights sent with 
 The step ``dispatch -> combine`` (expert outputs = the dispatched tokens) runs under ``jax.jit``; XLA calls
 moecomm's two buffer callbacks on its host thread at every execution. Each callback's own time is timed
 inside it: moecomm.jax's reading of XLA's buffers (``_buffer``) and the call itself (``AllToAll.run``: checks,
-call order, launch), the sum per call. The step's wall time (one step, then its wait) comes beside it. The
+call order, launch), each and their sum per call. The step's wall time (one step, then its wait) comes beside it. The
 output of the first step is checked against moecomm.reference. Medians and p99 over ``--steps`` steps.
 """
 import argparse
@@ -33,6 +33,7 @@ def main():
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--transport", default="ipc", choices=["ipc", "nvshmem", "host"])
     p.add_argument("--json", default="jax-host.json")
+    p.add_argument("--parts", action="store_true", help="also time each step of AllToAll.run (each wrapped)")
     args = p.parse_args()
     comm = moecomm.init(transport=args.transport)
     import jax
@@ -43,7 +44,7 @@ def main():
     a2a = moecomm.AllToAll(comm, M, E, K, H, None, "bfloat16", "bfloat16")
     layer = moecomm_jax.AllToAll(a2a)
     spent = {"buffer": 0.0, "run": 0.0}  # seconds inside moecomm, per kind, since the last reset
-    calls = []  # [(phase, microseconds inside moecomm)] per callback
+    calls = []  # [(phase, microseconds reading buffers, microseconds in run())] per callback
 
     def timed(kind, fn, per_call=False):
         def wrapper(*a, **k):
@@ -53,11 +54,30 @@ def main():
             finally:
                 spent[kind] += time.perf_counter() - t0
                 if per_call:  # run() ends a callback: its reads came just before it
-                    calls.append((a[0].phase, 1e6 * (spent["buffer"] + spent["run"])))
+                    calls.append((a[0].phase, 1e6 * spent["buffer"], 1e6 * spent["run"]))
                     spent["buffer"] = spent["run"] = 0.0
         return wrapper
     layer._buffer = timed("buffer", layer._buffer)  # instance attributes: moecomm.jax calls self._buffer, a2a.run
     a2a.run = timed("run", a2a.run, per_call=True)
+    steps = {}  # --parts: {step of run(): [microseconds per call]}
+
+    def part(owner, name, label):
+        fn = getattr(owner, name)
+
+        def wrapper(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                steps.setdefault(label, []).append(1e6 * (time.perf_counter() - t0))
+        setattr(owner, name, wrapper)
+    if args.parts:  # the steps of AllToAll.run, each timed on its own (instance attributes again)
+        for owner, name, label in ((a2a._context, "enter", "context enter"), (a2a._arrays, "begin", "arrays.begin"),
+                                   (a2a, "_read", "read and check the arrays"), (a2a._order, "advance", "call order"),
+                                   (a2a._backend, "dispatch", "backend.dispatch (launch)"),
+                                   (a2a._backend, "combine", "backend.combine (launch, error word)")):
+            if owner is not None:
+                part(owner, name, label)
 
     @jax.jit
     def step(x, idx, m, w):
@@ -78,20 +98,29 @@ def main():
     for _ in range(20):
         step(*args_dev).block_until_ready()
     calls.clear()
+    steps.clear()
     wall = []
     for _ in range(args.steps):
         t0 = time.perf_counter()
         step(*args_dev).block_until_ready()
         wall.append(1e6 * (time.perf_counter() - t0))
-    per_phase = {ph: summary([us for q, us in calls if q == ph]) for ph in ("dispatch", "combine")}
+    per_phase = {ph: {"total": summary([b + r for q, b, r in calls if q == ph]),
+                      "buffers": summary([b for q, b, _ in calls if q == ph]),
+                      "run": summary([r for q, _, r in calls if q == ph])} for ph in ("dispatch", "combine")}
     result = {"command": "python tools/jax_host.py " + " ".join(f"--{k} {v}" for k, v in vars(args).items()
-                                                                  if k != "json"),
+                                                                  if k not in ("json", "parts"))
+                                                       + (" --parts" if args.parts else ""),
               "environment": {"host": platform.node(), "python": platform.python_version(), "jax": jax.__version__,
                               "device": str(dev)},
-              "moecomm_host_us": per_phase, "step_wall_us": summary(wall)}
+              "moecomm_host_us": per_phase, "step_wall_us": summary(wall),
+              "run_steps_us": {label: summary(us) for label, us in steps.items()}}
     for ph, s in per_phase.items():
-        print(f"moecomm.jax {ph}: {s['median_us']:.1f} us inside moecomm per call (p99 {s['p99_us']:.1f})")
+        print(f"moecomm.jax {ph}: {s['total']['median_us']:.1f} us inside moecomm per call (p99 "
+              f"{s['total']['p99_us']:.1f}): reading XLA's buffers {s['buffers']['median_us']:.1f}, "
+              f"AllToAll.run {s['run']['median_us']:.1f}")
     print(f"jitted dispatch + combine step, one at a time: {result['step_wall_us']['median_us']:.1f} us")
+    for label, v in result["run_steps_us"].items():
+        print(f"  {v['median_us']:7.1f} us  {label}")
     with open(args.json, "w") as f:
         json.dump(result, f, indent=1)
     a2a.destroy()
