@@ -40,8 +40,9 @@
 #                                    as bf16, e4m3 and e4m3_ue8m0 (bench JSON each); with $BASELINE (a tree of an
 #                                    earlier commit) the same bf16 benchmark from that tree, run in turn with ours
 #   bash tools/gpu_check.sh host     the eager call path at world size 1 over ipc: the quick sweep, each step of
-#                                    a call timed alone (tools/host_profile.py --parts) and, with $BASELINE (a
-#                                    tree of an earlier commit), tools/host_ab.py against it ($ROUNDS rounds)
+#                                    a call timed alone (tools/host_profile.py --parts), the JAX layer's host time
+#                                    (tools/jax_host.py --parts) and, with $BASELINE (a tree of an earlier
+#                                    commit), tools/host_ab.py against it ($ROUNDS rounds)
 #   bash tools/gpu_check.sh ab       a kernel change's A/B: with $BASELINE (a tree of the commit before it),
 #                                    R1-decode, V2-Lite, 1 and 16 tokens at world size 1 over ipc, the
 #                                    baseline's tree then this one, $ROUNDS rounds (default 2; bench JSON each)
@@ -169,6 +170,7 @@ fi
 if [ "${1:-}" = host ]; then  # the eager call path at world size 1 over ipc: correct first, then its host time
   step "${MPIRUN[@]}" -np 1 python3 tests/mpi_alltoall.py --transport ipc --quick
   step "${MPIRUN[@]}" -np 1 python3 tools/host_profile.py --transport ipc --parts
+  step "${MPIRUN[@]}" -np 1 python3 tools/jax_host.py --transport ipc --parts --json "$out/ws1-jax-host.json"
   if [ -n "${BASELINE:-}" ]; then
     MOECOMM_TRANSPORT=ipc step python3 tools/host_ab.py --base "$BASELINE" --rounds ${ROUNDS:-2} --json "$out/ws1-host-ab.json"
   fi
