@@ -140,8 +140,8 @@ class Launch:
     A programmatic launch is one only where the stream is being captured into a CUDA graph: there the kernel
     may start before the graph's previous kernel ends (it waits for it first), which every replay gains. An
     eager launch is a plain one through CuPy's ``launchKernel``: an eager caller is usually slower than the
-    device, so its host time is what counts (a ctypes call of ``cuLaunchKernelEx`` cost ~1 µs more per launch
-    on an H200's host).
+    device, so its host time is what counts (a ctypes call of ``cuLaunchKernelEx`` measured +0.2 to +1.0 µs
+    per launch beside it on an H200's host).
 
     Args:
         function: the kernel's CUfunction (:meth:`Module.function`).

@@ -276,6 +276,7 @@ def test_small_batches_spread_over_the_grid_at_world_size_1():
     assert grids(16, capacity=4, overflow="drop") == (16, 224)
     assert grids(16, capacity=4) == (128, 224)  # overflow="error": nothing drops
 
+
 def _r1_cfg(tokens, dp=1, layout="padded"):
     from moecomm._config import AllToAllConfig
     return AllToAllConfig.create(2 * dp, 0, tokens, 256, 8, 7168, 56, "float8_e4m3fn", "bfloat16", None, dp,
