@@ -283,9 +283,8 @@ def _token_part_blocks(cfg, num_sms):
     most half of the BLOCKS_PER_SM per SM resident (each part loads the token's whole row: one H200 measured two
     parts per token 0.2 µs slower than one at 128 tokens, eight 0.5 µs faster at 16); 1 where pairs may be
     dropped for capacity (a token's drop word is one block's)."""
-    drops = cfg.capacity is not None and cfg.overflow == "drop"
     room = C.BLOCKS_PER_SM * num_sms // (2 * cfg.max_num_tokens)
-    return cfg.max_num_tokens * (1 if drops else max(1, min(cfg.experts_per_token, room)))
+    return cfg.max_num_tokens * (1 if cfg.drops else max(1, min(cfg.experts_per_token, room)))
 
 
 def _sum_blocks(cfg, num_sms):

@@ -171,6 +171,12 @@ class AllToAllConfig:
         worst = self.max_num_tokens * self.num_dp_groups
         return worst * min(self.experts_per_token, self.num_local_experts) if self.layout == "packed" else worst
 
+    @property
+    def drops(self):
+        """Whether pairs past an expert's capacity may be dropped (a capacity set with overflow="drop"): only
+        then are drop words kept."""
+        return self.capacity is not None and self.overflow == "drop"
+
     def expert_x_shape(self):
         if self.layout == "packed":
             return (self.expert_capacity, self.hidden_dim)

@@ -43,25 +43,13 @@ def main():
     M, E, K, H = 128, 256, 8, 7168
     a2a = moecomm.AllToAll(comm, M, E, K, H, None, "bfloat16", "bfloat16")
     layer = moecomm_jax.AllToAll(a2a)
-    spent = {"buffer": 0.0, "run": 0.0}  # seconds inside moecomm, per kind, since the last reset
+    spent = {"buffer": 0.0}  # seconds reading XLA's buffers since the last callback ended
     calls = []  # [(phase, microseconds reading buffers, microseconds in run())] per callback
-
-    def timed(kind, fn, per_call=False):
-        def wrapper(*a, **k):
-            t0 = time.perf_counter()
-            try:
-                return fn(*a, **k)
-            finally:
-                spent[kind] += time.perf_counter() - t0
-                if per_call:  # run() ends a callback: its reads came just before it
-                    calls.append((a[0].phase, 1e6 * spent["buffer"], 1e6 * spent["run"]))
-                    spent["buffer"] = spent["run"] = 0.0
-        return wrapper
-    layer._buffer = timed("buffer", layer._buffer)  # instance attributes: moecomm.jax calls self._buffer, a2a.run
-    a2a.run = timed("run", a2a.run, per_call=True)
     steps = {}  # --parts: {step of run(): [microseconds per call]}
 
-    def part(owner, name, label):
+    def wrap(owner, name, after):
+        """Replace owner.name (an instance attribute, which the callers look up) by a wrapper that passes its
+        seconds and arguments to ``after``."""
         fn = getattr(owner, name)
 
         def wrapper(*a, **k):
@@ -69,15 +57,24 @@ def main():
             try:
                 return fn(*a, **k)
             finally:
-                steps.setdefault(label, []).append(1e6 * (time.perf_counter() - t0))
+                after(time.perf_counter() - t0, a)
         setattr(owner, name, wrapper)
-    if args.parts:  # the steps of AllToAll.run, each timed on its own (instance attributes again)
+
+    def read(seconds, _):
+        spent["buffer"] += seconds
+
+    def ran(seconds, a):  # run() ends a callback: its reads came just before it
+        calls.append((a[0].phase, 1e6 * spent["buffer"], 1e6 * seconds))
+        spent["buffer"] = 0.0
+    wrap(layer, "_buffer", read)
+    wrap(a2a, "run", ran)
+    if args.parts:  # the steps of AllToAll.run, each timed on its own
         for owner, name, label in ((a2a._context, "enter", "context enter"), (a2a._arrays, "begin", "arrays.begin"),
                                    (a2a, "_read", "read and check the arrays"), (a2a._order, "advance", "call order"),
                                    (a2a._backend, "dispatch", "backend.dispatch (launch)"),
                                    (a2a._backend, "combine", "backend.combine (launch, error word)")):
             if owner is not None:
-                part(owner, name, label)
+                wrap(owner, name, lambda seconds, _, label=label: steps.setdefault(label, []).append(1e6 * seconds))
 
     @jax.jit
     def step(x, idx, m, w):

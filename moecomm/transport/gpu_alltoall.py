@@ -66,7 +66,7 @@ def symmetric_sizes(cfg, num_sms):
                                                     if cfg.gradients else [])) * C.STAGE_SLOTS
     return dict(recv_buf=W * M * record_bytes(cfg), comb_buf=max(W, K) * M * comb_row,
                 stage=stage_rows * stage_row, signals=3 * W * 8, arrive=2 * W * M * 8, stage_row=stage_row,
-                drop_buf=W * M * 8 if cfg.capacity is not None and cfg.overflow == "drop" else 0,
+                drop_buf=W * M * 8 if cfg.drops else 0,
                 grad_buf=W * M * grad_row, grad_words=(3 * W + M * K) * 8 if cfg.gradients else 0)
 
 
@@ -111,9 +111,8 @@ class GpuAllToAll(AllToAllBackend):
         self.sig = sym((3, W), np.uint64)  # [0]: dispatch signals, [1]: combine signals, [2]: why
         self.arrive = sym((2, W, M), np.uint64)  # arrival words (the call) of [0] dispatch records, [1] partial sums
         self._owned = [self.recv_buf, self.comb_buf, self.stage, self.sig, self.arrive]
-        drops = cfg.capacity is not None and cfg.overflow == "drop"
-        self.drop_buf = sym((W, M), np.uint64) if drops else None
-        if drops:
+        self.drop_buf = sym((W, M), np.uint64) if cfg.drops else None
+        if cfg.drops:
             self._owned.append(self.drop_buf)
             self.drop_buf.fill(0)
         self.sig.fill(0)
@@ -152,7 +151,7 @@ class GpuAllToAll(AllToAllBackend):
             scale_column=int(cfg.scale_layout == "column"), meta_off=rec.meta_off, rec_bytes=rec.size,
             out_code=_DT_CODES[np.dtype(cfg.out_dtype)],
             out_row_bytes=cfg.hidden_dim * cfg.out_dtype.itemsize, wire=C.WIRE_CODES[cfg.combine_wire],
-            comb_row_bytes=_abi.combine_row_bytes(cfg), cap=cfg.expert_capacity, drop=int(drops),
+            comb_row_bytes=_abi.combine_row_bytes(cfg), cap=cfg.expert_capacity, drop=int(cfg.drops),
             packed=int(cfg.layout == "packed"), window=window, stage_slots=C.STAGE_SLOTS,
             stage_bytes=sizes["stage_row"],
             c_received=counters["received"], c_dropped=counters["dropped"], c_bytes=counters["bytes"],
