@@ -326,8 +326,8 @@ def _ptxas_resources(info_log):
         elif current and (m := re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, "
                                          r"(\d+) bytes spill loads", line)):
             out[current].update(stack=int(m[1]), spill_stores=int(m[2]), spill_loads=int(m[3]))
-        elif current and (m := re.search(r"Used (\d+) registers(?:, used \d+ barriers)?(?:, (\d+) bytes smem)?",
-                                         line)):
+        elif current and (m := re.search(r"Used (\d+) registers(?:, used \d+ barriers)?"
+                                         r"(?:, \d+ bytes cumulative stack size)?(?:, (\d+) bytes smem)?", line)):
             out[current].update(registers=int(m[1]), smem=int(m[2] or 0))
             current = None
     return out

@@ -135,6 +135,16 @@ def test_resource_parser():
            "info    : used 40 registers, used 1 barriers, 16 stack, 2048 bytes smem, 564 bytes cmem[0]\n")
     assert _jit.parse_resources(log) == {"kern": dict(registers=40, stack=16, smem=2048, spill_stores=4,
                                                       spill_loads=12)}
+    # ptxas's own lines (no per-function summary), with and without a stack: the shared memory is read either way
+    log = ("ptxas info    : Compiling entry function 'a' for 'sm_90'\n"
+           "ptxas info    : Function properties for a\n"
+           "ptxas         .     64 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads\n"
+           "ptxas info    : Used 97 registers, used 1 barriers, 64 bytes cumulative stack size, 23052 bytes smem\n"
+           "ptxas info    : Compiling entry function 'b' for 'sm_90'\n"
+           "ptxas info    : Used 60 registers, used 1 barriers, 265 bytes smem\n")
+    assert _jit.parse_resources(log) == {
+        "a": dict(registers=97, stack=64, smem=23052, spill_stores=0, spill_loads=0),
+        "b": dict(registers=60, stack=0, smem=265, spill_stores=0, spill_loads=0)}
 
 
 def test_kernel_signature_must_match_the_abi_table(tmp_path):
