@@ -316,7 +316,7 @@ def parse_resources(info_log):
 
 def _ptxas_resources(info_log):
     """ptxas's lines for each entry function: "Compiling entry function 'k'", its stack frame and spills,
-    then "Used N registers[, used B barriers][, S bytes smem]"."""
+    then "Used N registers[, used B barriers][, S bytes cumulative stack size][, M bytes smem]"."""
     out, current = {}, None
     for line in info_log.splitlines():
         m = re.search(r"Compiling entry function '(\w+)'", line)
