@@ -315,13 +315,21 @@ __device__ __forceinline__ CombineCheck combine_check(const Fixed& f, const Call
 // every thread's writes observed by thread 0, whose fence is cumulative (the pattern of cooperative groups'
 // grid sync, and of NCCL's primitives before a flag). `system`: the block's writes include stores to peers,
 // which the last block's signals must follow (a fence per thread measured 2-5 us at decode sizes).
-// count_block is thread 0's part: its fence covers its own writes and those it has observed.
+// count_block is thread 0's part: its release covers its own writes and those it has observed. Release and
+// acquire only (no sequentially consistent fence, which __threadfence is: MEMBAR.SC.GPU): at GPU scope the
+// count is one acquire-release atomic (one MEMBAR.ALL.GPU before it, the L1 invalidated after it); at system
+// scope the release is a system fence, the last block's acquire a GPU-scope fence (the other blocks' writes
+// were made visible at system scope, which includes the GPU).
 __device__ __forceinline__ bool count_block(unsigned* done, bool system) {
-  if (system) fence_system();
-  else __threadfence();
-  const bool last = atomicAdd(done, 1u) == gridDim.x - 1;
-  if (last) __threadfence();
-  return last;
+  unsigned before;
+  if (system) {
+    fence_system();
+    before = atomicAdd(done, 1u);
+    if (before == gridDim.x - 1) asm volatile("fence.acq_rel.gpu;" ::: "memory");
+  } else {
+    asm volatile("atom.add.acq_rel.gpu.global.u32 %0, [%1], 1;" : "=r"(before) : "l"(done) : "memory");
+  }
+  return before == gridDim.x - 1;
 }
 __device__ __forceinline__ bool last_block(unsigned* done, bool system) {
   __shared__ bool last;
