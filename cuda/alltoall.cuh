@@ -310,6 +310,35 @@ __device__ __forceinline__ CombineCheck combine_check(const Fixed& f, const Call
   return {reason || dispatched == M_INVALID ? 0 : m, reason, bad_recv};
 }
 
+// Combine's expert ids of this rank's share of the tokens t < m against those its dispatch read (f.ids_of), a
+// pair per thread of the grid, strided: the thread's first pair is loaded at construction, before m is known
+// (any row below c.rows is readable), so that differ(), at the end of the thread's work, seldom waits.
+struct IdsCheck {
+  int p, given, dispatched;
+  __device__ __forceinline__ IdsCheck(const Fixed& f, const Call& c) : p(blockIdx.x * blockDim.x + threadIdx.x) {
+    load(f, c, min(c.rows, f.max_tokens));
+  }
+  __device__ __forceinline__ int token(const Fixed& f) const { return f.rank % f.dp + p / f.topk * f.dp; }
+  __device__ __forceinline__ void load(const Fixed& f, const Call& c, int below) {
+    const int t = token(f);
+    given = dispatched = 0;
+    if (t < below) {
+      const size_t pair = (size_t)t * f.topk + p % f.topk;
+      given = expert_id(c, pair, f.num_experts);
+      dispatched = f.ids_of[pair];
+    }
+  }
+  // whether an id of the thread's pairs of tokens t < m differs
+  __device__ __forceinline__ bool differ(const Fixed& f, const Call& c, int m) {
+    bool d = false;
+    for (; token(f) < m; p += gridDim.x * blockDim.x) {
+      d |= given != dispatched;
+      load(f, c, m);  // the next pair
+    }
+    return d;
+  }
+};
+
 // True in every thread of the block that finishes last. All threads call it after their work (threads that
 // put have completed their puts: quiet). One fence per block, by thread 0 after a barrier: the barrier makes
 // every thread's writes observed by thread 0, whose fence is cumulative (the pattern of cooperative groups'
@@ -413,6 +442,12 @@ __device__ __forceinline__ uint64_t epoch_signal(unsigned epoch, uint64_t payloa
   return ((uint64_t)epoch << 32) | payload;
 }
 
+// A combine signal's low bits: OK and whether the sender's combine was given no router weights (partial sums:
+// c.partials), which every rank's must match; or SIG_BAD | reason.
+__device__ __forceinline__ uint64_t combine_signal(unsigned epoch, const Call& c, unsigned reason) {
+  return epoch_signal(epoch, reason ? SIG_BAD | reason : 1u | (unsigned)c.partials << 1);
+}
+
 // A dispatch signal: the call, the expert-map generation, the record count.
 __device__ __forceinline__ uint64_t count_signal(unsigned epoch, unsigned count, unsigned generation) {
   return epoch_signal(epoch, ((generation & SIG_GEN) << MOECOMM_SIG_COUNT_BITS) | count);
@@ -433,6 +468,8 @@ __device__ __forceinline__ int dispatch_begin(const Fixed& f, const Call& c, uns
   if (blockIdx.x == 0 && threadIdx.x == 0) {
     f.state[MOECOMM_S_M] = bad_m ? M_INVALID : (unsigned)m;  // combine checks its bound_m against it
     f.state[MOECOMM_S_BAD_RECV] = 0;  // the previous call's (its combine has read it; the receive half sets it)
+    if (!c.skip && f.state[MOECOMM_S_EPOCH_CS] != epoch - 1)  // the previous call's combine has not run
+      record_error(f.err, MOECOMM_ERR_ORDER, f.rank, MOECOMM_PHASE_DISPATCH, 0, (int)epoch);
     if (c.skip) {
       if (c.reason) atomicCAS(&f.state[MOECOMM_S_BAD], 0u, (unsigned)c.reason);
     } else if (bad_m) {

@@ -109,11 +109,16 @@ __device__ void moecomm::combine_recv(const Fixed& f, const Call& c, unsigned ep
     if (stream && rank >= 0 && rank != f.rank) row_landed(f, rank, t, epoch, deadline);  // before its drop words
     token_rows(f, c, t, epoch, rank, use, own, stream, srcs[b], wts[b], &n[b], &dst[b]);
   };
-  auto signals = [&]() {  // every expert rank's signal (a thread per rank); a failed peer is reported
-    for (int q = threadIdx.x; q < f.world; q += blockDim.x)
-      if (!f.mask[q])
-        peer_failed(f, c, wait_epoch(f, &f.comb_sig[q], epoch, deadline, q, MOECOMM_PHASE_COMBINE), q,
-                    MOECOMM_PHASE_COMBINE, epoch);
+  auto signals = [&]() {  // every expert rank's signal (a thread per rank); a failed peer is reported, and one
+                         // whose combine disagrees on the router weights (its rows are not what this rank sums)
+    for (int q = threadIdx.x; q < f.world; q += blockDim.x) {
+      if (f.mask[q]) continue;
+      const uint64_t v = wait_epoch(f, &f.comb_sig[q], epoch, deadline, q, MOECOMM_PHASE_COMBINE);
+      peer_failed(f, c, v, q, MOECOMM_PHASE_COMBINE, epoch);
+      const unsigned theirs = (unsigned)(v >> 1) & 1u;
+      if (v && !(v & SIG_BAD) && !c.skip && theirs != (unsigned)c.partials)
+        record_error(f.err, MOECOMM_ERR_WEIGHTS_DIFFER, q, MOECOMM_PHASE_COMBINE, (int)!theirs, (int)epoch);
+    }
   };
   int t = warp == 0 ? claim(0) : 0;
   if (warp == 0 && t < m) rank = token_ranks(f, c, t, stream, use, own);  // before the wait: ids do not depend on it

@@ -16,8 +16,10 @@ static __device__ const float ONE = 1.0f;  // an expert row's weight when it tra
 //      f.comb_buf[me][token]; 0: send each expert's row to f.comb_buf[token][k].
 // Rows travel in out_dtype, or with f.wire quantised to the FP8 combine wire (weighted_sum), f.comb_row_bytes
 // each.
-// Sets f.comb_sig[me] on every unmasked rank to (epoch | 1) when done, or to (epoch | SIG_BAD | reason)
-// when this rank sends nothing: c.skip (a refused call; reason c.reason), a bound_m that differs from
+// Sets f.comb_sig[me] on every unmasked rank to combine_signal() when done (with c.partials), or to (epoch |
+// SIG_BAD | reason) when this rank's part failed: its expert ids differ from its dispatch's (IdsCheck; its
+// rows were sent; REASON_IDS_DIFFER, recorded here too), or it sends nothing: c.skip (a refused call; reason
+// c.reason), a bound_m that differs from
 // the dispatched m (ERR_M_DIFFERS, recorded here too) or exceeds c.rows, the fewest rows of the call's
 // per-token arrays (ERR_BAD_M, recorded here too: its token side would not have rows for the sums), or a
 // dispatch whose receive half failed (state[BAD_RECV]: capacity exceeded, the demand written to every peer's
@@ -29,6 +31,7 @@ __device__ unsigned moecomm::combine_send(const Fixed& f, const Call& c, bool st
   TRACE(MOECOMM_TRACE_COMBINE_SEND, 0);
   const int src = blockIdx.x % f.world, part = blockIdx.x / f.world, parts = gridDim.x / f.world;
   const unsigned epoch = f.state[MOECOMM_S_EPOCH_CS] + 1;
+  IdsCheck ids(f, c);
   const CombineCheck check = combine_check(f, c, epoch);
   const unsigned bad_recv = check.bad_recv, reason = check.reason;
   // the records received from src, loaded beside the reason, not after it: dispatch_recv kept the count, or,
@@ -114,17 +117,23 @@ __device__ unsigned moecomm::combine_send(const Fixed& f, const Call& c, bool st
   if (threadIdx.x == 0)
     for (int q = group0; q < group1; ++q)
       if (q != f.rank) tally_bytes(f, MOECOMM_B_COMBINE_SENT, q, rows_sent * f.comb_row_bytes);
+  if (ids.differ(f, c, check.m)) atomicOr(&f.state[MOECOMM_S_IDS], 1u);  // observed by the last block
   const bool is_last = last_block(&f.state[MOECOMM_S_DONE_CS], true);
   TRACE(MOECOMM_TRACE_COMBINE_SEND, 4);
   if (is_last) {
     TRACE_LAST_START();
+    // other ids than the dispatch's: this rank's error, and its signals flag it (its rows were sent)
+    const unsigned flag = !reason && f.state[MOECOMM_S_IDS] ? (unsigned)MOECOMM_REASON_IDS_DIFFER : reason;
+    if (flag != reason && threadIdx.x == 0)
+      record_error(f.err, MOECOMM_ERR_IDS_DIFFER, f.rank, MOECOMM_PHASE_COMBINE, 0, (int)epoch);
     for (int q = threadIdx.x; q < f.world; q += blockDim.x) {
       if (f.mask[q]) continue;
       if (reason == bad_recv && bad_recv) signal_set(f.peers, &f.why[f.rank], f.state[MOECOMM_S_WHY], q);
-      signal_set(f.peers, &f.comb_sig[f.rank], epoch_signal(epoch, reason ? SIG_BAD | reason : 1), q);
+      signal_set(f.peers, &f.comb_sig[f.rank], combine_signal(epoch, c, flag), q);
     }
     __syncthreads();
     if (threadIdx.x == 0) {
+      f.state[MOECOMM_S_IDS] = 0;
       f.state[MOECOMM_S_DONE_CS] = 0;
       f.state[MOECOMM_S_EPOCH_CS] = epoch;
     }

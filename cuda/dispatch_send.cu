@@ -15,7 +15,8 @@ using namespace moecomm;
 // receive half starts after it) have no arrival words, so no fence is added to their path. With
 // f.comb_streamed, f.own_of[t] also gets this rank's expert slots of token t and their weights, for the
 // streamed combine's token side (combine_recv). With gradients (f.sent), f.sent[t] gets the physical expert
-// each of token t's pairs went to (-1: not sent), for the routing plan (backward.cu).
+// each of token t's pairs went to (-1: not sent), for the routing plan (backward.cu). f.ids_of[t] gets the ids
+// as read, which combine's must equal (IdsCheck).
 // This rank sends the tokens t = dp_rank, dp_rank + dp, ... < m of its DP group, each once per other
 // destination rank as a record (the receiver fans it out to its experts); tokens for this rank's own
 // experts go straight into their expert slots, and only the record's metadata (for combine) is kept.
@@ -90,6 +91,7 @@ __device__ void moecomm::dispatch_send(const Fixed& f, const Call& c, int sender
     int dest = -1, slot_id = -1;  // the pair's physical expert slot and its rank
     bool ok = true, first = false;
     if (lane < f.topk) {
+      f.ids_of[(size_t)t * f.topk + lane] = e;  // combine checks its ids against these
       ok = e < f.num_experts;
       slot_id = ok && e >= 0 ? physical(f, e, t) : -1;
       dest = slot_id >= 0 ? slot_id / f.local_experts : -1;

@@ -79,6 +79,7 @@ extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, MOECOMM_BLOC
       }
       if (lane < f.topk && mine) {
         f.own_of[pair] = make_int2(where, __float_as_int(w));
+        f.ids_of[pair] = e;  // combine checks its ids against these
         f.slot_of[rec * f.topk + lane] = where;
         meta[1 + lane] = pe;
         ((float*)meta)[1 + f.topk + lane] = w;
@@ -121,7 +122,8 @@ extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, MOECOMM_BLOC
 // fills the grid; the block's threads share a slice, all of a chunk's rows (up to 8) loaded before the first
 // add; each warp lists the token's rows itself (no block barrier). Writes rows 0..m-1 of c.out_tokens
 // [rows, hidden] out_dtype (a token with no row gets zeros) and, when given, c.out_dropped [rows, topk] uint8
-// (from f.drop_buf, which dispatch_send wrote); nothing where combine_check leaves no rows. The call number is
+// (from f.drop_buf, which dispatch_send wrote); nothing where combine_check leaves no rows. Expert ids other
+// than the dispatch's (IdsCheck) are recorded as this rank's error. The call number is
 // the dispatch's: every block stores it as the combine's (no block of this call reads it); state[BAD_RECV] is
 // cleared by the next dispatch_send.
 extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, MOECOMM_BLOCKS_PER_SM)
@@ -147,6 +149,7 @@ extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, MOECOMM_BLOC
     w = c.partials ? __int_as_float(own.y) : t < rows_max && lane < f.topk ? c.weights[pair] : 0.0f;
   };
   load_pairs(blockIdx.x);
+  IdsCheck ids(f, c);
   const int m = combine_check(f, c, epoch).m;
   for (int i = blockIdx.x; i < m * slices; i += gridDim.x) {
     const int t = i / slices, s = i % slices;
@@ -168,6 +171,8 @@ extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, MOECOMM_BLOC
                                   min(chunks, (s + 1) * per));
     __syncwarp();  // the list is rewritten for the next item
   }
+  if (ids.differ(f, c, m))  // its rows were summed as dispatched: the call fails here (no peer to tell)
+    record_error(f.err, MOECOMM_ERR_IDS_DIFFER, f.rank, MOECOMM_PHASE_COMBINE, 0, (int)epoch);
   if (threadIdx.x == 0) f.state[MOECOMM_S_EPOCH_CS] = epoch;
   TRACE_SPAN(MOECOMM_TRACE_COMBINE_SEND, 1);
 }

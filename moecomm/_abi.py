@@ -46,6 +46,8 @@ FIXED_FIELDS = (
     ("own_of", "int2*"),            # [max_tokens, topk] this rank's expert slot of token t's k-th id (or -1)
                                     # and its weight (float bits); written by dispatch_send at world size 1
                                     # (combine_local) and where comb_streamed
+    ("ids_of", "int*"),             # [max_tokens, topk] the expert ids of this rank's tokens as its last
+                                    # dispatch read them (expert_id()), which combine's must equal
     ("mask", "const int*"),         # [world] int32: 1 = rank masked (no data to or from it, no wait for it)
     ("counters", "unsigned long long*"),  # uint64 cumulative counters, MOECOMM_C_* indices, then arrays at c_*
     ("ring", "unsigned*"),          # [window, local_experts] (token, expert) pairs routed per local expert, per

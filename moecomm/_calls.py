@@ -2,9 +2,18 @@
 
 A *call* is a dispatch followed by its combine. Each phase runs as its two halves at once or as a send half
 and later its receive half, so a call issues the four halves of :data:`moecomm._constants.HALVES` in order,
-each exactly once on every rank: that is what keeps the ranks' kernels and exchanges paired. A half a rank
-cannot run with data (its arguments were refused, or the call failed part-way) is still issued with no data
-(``AllToAllBackend.skip``), so the pairing holds after any error.
+each exactly once on every rank: that is what keeps the ranks' kernels and exchanges paired, and what numbers
+the calls alike on every rank. A half a rank cannot run with data is still issued with no data
+(``AllToAllBackend.skip``), flagged so that the peers raise for that call, so the pairing holds after any
+error. The rule, the same for every transport (moecomm.AllToAll applies it):
+
+* a refused request (an argument, or the order of halves) ends the call it belongs to: the call in progress
+  (its remaining halves), or else the next call (all four halves);
+* a dispatch that finds a call in progress (an error of the application between the halves, say) ends it
+  first, then runs as the next call; :meth:`moecomm.AllToAll.abort` ends one on purpose;
+* an error the transport raises on every rank in an exchange ends the call there (host), and one the kernels
+  recorded ends it once it is raised (GPUs: at the end of the call, or by synchronize(), which issues the
+  rest of the call with no data).
 """
 from ._constants import HALVES
 from ._errors import InvalidArgument
@@ -56,18 +65,13 @@ class CallOrder:
         return self.done == 2
 
     def check(self, phase, send, recv):
-        """Raise InvalidArgument when issuing ``phase``'s send and/or receive half now breaks the order."""
+        """Raise InvalidArgument when issuing ``phase``'s send and/or receive half now breaks the order (a
+        dispatch send half always finds no call in progress: AllToAll ends a call left open first)."""
         posted = self.posted(phase)
         if send and posted:
             raise InvalidArgument(f"{phase}: a send is already posted; call {phase}(do_send=False) first")
         if recv and not send and not posted:
             raise InvalidArgument(f"{phase}: do_recv without a prior do_send")
-        if phase == "dispatch" and send and self.done:
-            if self.done == 3:
-                raise InvalidArgument("dispatch: the previous combine's receive half has not run yet")
-            raise InvalidArgument("dispatch: the previous dispatch has not been combined (each dispatch is followed "
-                                  "by its combine before the next dispatch); this dispatch ends that call instead, "
-                                  "as a refused combine")
         if phase == "combine" and send:
             if not self.done:
                 raise InvalidArgument("combine: no dispatch to combine (each dispatch is followed by exactly one "

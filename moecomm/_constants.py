@@ -29,6 +29,12 @@ ERR_PLAN_DIFFERS = 11  # a backward call: rank `peer` follows the routing plan o
                        # plan's call, amount: this rank's; ((generation mod 128) << 24 | call mod 2**24)), or
                        # (detail -1) sent no gradient for a pair this rank's plan holds (amount: the slot)
 ERR_PLAN_M = 12       # a backward call: the plan has pairs for tokens >= bound_m (detail = m): another call's plan
+ERR_IDS_DIFFER = 13   # combine was given other expert ids than its dispatch (this rank's; flagged to the peers as a
+                      # refused "indices")
+ERR_ORDER = 15        # a dispatch began before the previous call's combine ran on this rank's GPU (calls replayed
+                      # from a graph with no host order: an operation run twice)
+ERR_WEIGHTS_DIFFER = 14  # rank `peer`'s combine was given router weights and this rank's not, or the reverse
+                         # (detail: 1 where that rank's combine was given them)
 ERROR_WORDS = 6
 # A rank whose part of a call failed still takes part ("no data") and flags its signals with a reason:
 # an ERR_* code, and for ERR_REFUSED the refused argument's number in ARGUMENTS shifted by REASON_ARG_SHIFT
@@ -39,21 +45,25 @@ ARGUMENTS = ("the order of calls", "out_expert_num_tokens", "out_expert_x", "out
              "do_recv", "out_dropped", "out_expert_offsets", "plan", "plan.expert", "plan.origin", "plan.call",
              "out_grad_x", "grad_expert_x", "out_grad_expert_y", "out_grad_weights", "grad_out")
 
+# The reason a combine's signals carry when its expert ids differ from its dispatch's: a refused "indices".
+REASON_IDS_DIFFER = ERR_REFUSED | ARGUMENTS.index("indices") << REASON_ARG_SHIFT
+
 # dtype codes of expert outputs and gradients in device code
 DT_BF16, DT_FP16, DT_FP32 = 0, 1, 2
 
-# Device state of one AllToAll (uint32): per-half epochs (calls completed; combine_recv waits for the call
-# combine_send ends) and block counters, the reason this rank's dispatch send failed (0: none), the
-# dispatched m, the reason its receive half failed (capacity: the combine flags it to the peers) and its
-# detail (the demand), the expert-map generation (set by set_expert_map, carried by every dispatch signal),
-# the packed layout's row counter, then the arrays of moecomm._abi.state_layout (their offsets depend on the
-# sizes). TOKENS_EVEN / TOKENS_ODD: tokens the streamed combine_recv has claimed in even / odd calls (each
-# combine_send zeroes the next call's). The backward calls (cuda/backward.cu): EPOCH_B counts them (both
-# kinds), DONE_B0 .. DONE_B2 are their kernels' block counters (one per part: a block may be in the next part
-# before the last one has finished this one), BAD_B the reason this rank's part failed (its signals flag it).
+# Device state of one AllToAll (uint32): per-half epochs (calls completed; combine_recv waits for the call combine_send
+# ends) and block counters, the reason this rank's dispatch send failed (0: none), the dispatched m, the reason its
+# receive half failed (capacity: the combine flags it to the peers) and its detail (the demand), the expert-map
+# generation (set by set_expert_map, carried by every dispatch signal), the packed layout's row counter, then the arrays
+# of moecomm._abi.state_layout (their offsets depend on the sizes). TOKENS_EVEN / TOKENS_ODD: tokens the streamed
+# combine_recv has claimed in even / odd calls (each combine_send zeroes the next call's). IDS: nonzero once a block of
+# combine_send found the call's expert ids other than its dispatch's (its last block flags the signals and clears it).
+# The backward calls (cuda/backward.cu): EPOCH_B counts them (both kinds), DONE_B0 .. DONE_B2 are their kernels' block
+# counters (one per part: a block may be in the next part before the last one has finished this one), BAD_B the reason
+# this rank's part failed (its signals flag it).
 STATE_FIELDS = ("EPOCH_DS", "EPOCH_DR", "EPOCH_CS", "DONE_DS", "DONE_DR", "DONE_CS", "BAD", "M", "BAD_RECV", "WHY",
                 "GEN", "ROWS", "TOKENS_EVEN", "TOKENS_ODD", "EPOCH_B", "DONE_B0", "DONE_B1", "DONE_B2",
-                "BAD_B")
+                "BAD_B", "IDS")
 STATE_FIXED = len(STATE_FIELDS)
 STAGE_SLOTS = 4       # staging rows per block for puts to peers without a load/store mapping
 BLOCK_THREADS = 256   # threads of every alltoall block: a block handles one token or record at a time
@@ -161,10 +171,10 @@ TRACE_SPAN = 8
 # Exported to device code as MOECOMM_<name> (moecomm/_abi.py writes them into the generated moecomm_abi.h):
 # every ERR_*, PHASE_*, DT_* and WIRE_* constant above, these scalars, these literals (with their C suffixes), the
 # build options and the indices of the field tables (S_*, C_*, B_*, TRACE_<half>).
-_DEVICE_SCALARS = ("TIMEOUT_LEFT", "ERROR_WORDS", "REASON_ARG_SHIFT", "SIG_COUNT_BITS", "SIG_GEN_BITS", "MAX_TOPK",
-                   "MAX_EXPERTS", "ROW_ALIGN", "BLOCK_THREADS", "BLOCKS_PER_SM", "ARRIVAL_BATCH", "ARRIVAL_FIRST",
-                   "TRACE_POINTS", "TRACE_SPAN", "COMBINE_BLOCK", "PLAN_CALL_BITS", "PLAN_GEN_BITS",
-                   "PROGRAMMATIC_ARCH", "SUM_SLICE_CHUNKS")
+_DEVICE_SCALARS = ("TIMEOUT_LEFT", "REASON_IDS_DIFFER", "ERROR_WORDS", "REASON_ARG_SHIFT", "SIG_COUNT_BITS",
+                   "SIG_GEN_BITS", "MAX_TOPK", "MAX_EXPERTS", "ROW_ALIGN", "BLOCK_THREADS", "BLOCKS_PER_SM",
+                   "ARRIVAL_BATCH", "ARRIVAL_FIRST", "TRACE_POINTS", "TRACE_SPAN", "COMBINE_BLOCK", "PLAN_CALL_BITS",
+                   "PLAN_GEN_BITS", "PROGRAMMATIC_ARCH", "SUM_SLICE_CHUNKS")
 _DEVICE_LITERALS = {"REPLICA_TOKEN": "u", "REPLICA_GROUP": "u", "PEER_UNMAPPED": "ll", "E4M3_MAX": "f"}
 
 

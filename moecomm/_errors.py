@@ -6,6 +6,21 @@ failures of the library, a peer or the device.
 """
 
 
+# combine given other expert ids than its dispatch (refused on every transport: the rows it would sum are another
+# routing's)
+IDS_DIFFER = ("indices: the expert ids given to combine differ from those given to its dispatch (rows 0..m-1 "
+              "must be the same)")
+
+
+def weights_differ(peer, theirs, mine):
+    """The message of ranks whose combines disagree on the router weights: rank ``peer``'s was given them
+    (``theirs``), this rank's (``mine``), or the reverse."""
+    def where(given):
+        return "to combine" if given else "with dispatch only (combine's weights=None)"
+    return (f"combine: rank {peer} gives the router weights {where(theirs)}, this rank {where(mine)}: every rank "
+            f"must do the same (with weights=None the expert side sums each token's rows)")
+
+
 class MoeCommError(RuntimeError):
     """A failure inside moecomm, the transport, a peer or the device."""
 

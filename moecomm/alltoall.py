@@ -1,5 +1,7 @@
 """The public dispatch/combine API, after pplx-kernels' ``AllToAll`` (framework-neutral)."""
+import contextlib
 import hashlib
+import warnings
 from contextlib import nullcontext
 from operator import is_
 from typing import NamedTuple
@@ -147,10 +149,10 @@ class AllToAll:
     InvalidArgument on every rank). Buffers are sized once for the worst case and reused by every call, so
     each dispatch must be followed by its combine before the next dispatch, and the calls of one AllToAll
     must run in order on the device (one stream, or streams ordered with events). Use one AllToAll per
-    concurrently live layer. Calls run on the communicator's GPU whatever the caller's current device is,
-    and leave the caller's current device as it was. Calls are asynchronous: the arrays passed to a call
-    must stay alive and unchanged until its work on the stream has run (moecomm does not tell another
-    framework's allocator about the streams it uses).
+    concurrently live layer; it lives until :meth:`destroy` or its communicator's finalize(). Calls run on
+    the communicator's GPU whatever the caller's current device is, and leave the caller's current device as
+    it was. Calls are asynchronous: the arrays passed to a call must stay alive and unchanged until its work
+    on the stream has run (moecomm does not tell another framework's allocator about the streams it uses).
 
 
     Args:
@@ -237,7 +239,7 @@ class AllToAll:
                                                  layout, scale_layout, combine_wire, max_sms, gradients)
             window = positive_int("telemetry_window", telemetry_window, minimum=0)
             self.timeout_s = comm.timeout_s if timeout is None else timeout_seconds(timeout)[0]
-            mine = (None, dict(c.key(), telemetry_window=window, timing=bool(timing)))
+            mine = (None, dict(c.key(), telemetry_window=window, timing=bool(timing), timeout=self.timeout_s))
         except InvalidArgument as e:
             error, mine = e, (str(e), None)
         everyone = comm.allgather(mine, "AllToAll(...)")
@@ -265,6 +267,7 @@ class AllToAll:
         self._order = CallOrder()
         self._max_rows = c.max_num_tokens  # read on every call (_rows)
         self._seen = dict.fromkeys(C.CALL_PHASES)  # {phase: _Seen of its last call, or None}
+        self._captured = False          # calls keep nothing on the host (captured())
         self._serving_since = None      # comm.breaks when mask_ranks last resynchronized this AllToAll
         self._generation = 0            # restarts of the call sequence (mask_ranks), agreed by the ranks
 
@@ -357,17 +360,26 @@ class AllToAll:
         if self._backend is None or self.comm.broken is not None:
             self._live()
         phase, send, recv = args.phase, bool(do_send), bool(do_recv)
-        if not (send or recv):
-            raise InvalidArgument(f"{phase}: do_send and do_recv are both False: nothing to run")
         previous = self._context.enter() if self._context else None
         stream = None
         try:
+            if self._captured:  # nothing kept on the host (captured())
+                stream = self._arrays.begin(args.stream, args.first)
+                self._read(args, stream, send, recv)
+                self._arrays.order()
+                return (self._backend.dispatch if phase == "dispatch" else self._backend.combine)(
+                    self._records[phase], send, recv, stream)
             try:
                 stream = self._arrays.begin(args.stream, args.first)
+                if send and phase == "dispatch" and self._order.done:  # a call left open: it ends here
+                    self._end(stream, f"dispatch: call {self._order.number} was not finished on this rank (its "
+                                      f"next dispatch ended it)", warn=True)
+                if not (send or recv):
+                    raise InvalidArgument(f"{phase}: do_send and do_recv are both False: nothing to run")
                 weights, outputs = self._read(args, stream, send, recv)
                 self._order.advance(phase, send, recv, weights, outputs)  # checks the order, then records it
             except InvalidArgument as e:
-                self._refuse(phase, send, e, stream)
+                self._refuse(e, stream)
             self._arrays.order()
             (self._backend.dispatch if phase == "dispatch" else self._backend.combine)(self._records[phase], send, recv,
                                                                                         stream)
@@ -375,8 +387,8 @@ class AllToAll:
             self._order.end()
             self.comm.fail(e)
             raise
-        except MoeCommError:  # the call is over on every rank
-            self._order.end()
+        except (MoeCommError, InvalidArgument):  # the call is over on every rank (a refusal ended it already;
+            self._order.end()                      # the backend raises what every rank raised, or at its end)
             raise
         finally:
             if previous is not None:
@@ -471,23 +483,49 @@ class AllToAll:
         rec.bound_m, _, _, _ = read(bound_m, "bound_m", _BOUND_M, _ONE)
         return weights is not None, None
 
-    def _refuse(self, phase, send, error, stream):
-        """Raise ``error``, a refused argument of a call. When the call would have opened a send half, the
-        peers are meeting this rank in it: take part with no data first, so that they raise PeerError naming
-        this rank instead of waiting for it, and the calls stay paired. A refused dispatch ends its call
-        (no combine follows); a refused combine, or a dispatch that comes while a combine is due, ends the
-        due call."""
-        if send and not (self._order.posted("dispatch") or self._order.posted("combine")):
-            halves = ()
-            if self._order.combine_due():
-                halves = HALVES[2:]
-            elif phase == "dispatch":
-                halves = HALVES
-            if halves:
-                code = C.ERR_REFUSED | _argument_of(error) << C.REASON_ARG_SHIFT
-                self._backend.skip(halves, stream, Refusal(str(error), code))
-                self._order.skipped(halves)
+    def _refuse(self, error, stream):
+        """Raise ``error``, a refused argument or call order, after ending the call it belongs to on this rank:
+        the call in progress (its remaining halves), or the next call (all four halves) when none is. Those
+        halves are issued with no data, flagged with the refusal, so that every peer raises PeerError for
+        the same call and the ranks' calls stay paired (the refusal's call is over; the next dispatch starts
+        the next call)."""
+        if stream is None and self._context is not None:  # the stream was refused: take part on the current one
+            stream = self._arrays.begin(None, None)
+        code = C.ERR_REFUSED | _argument_of(error) << C.REASON_ARG_SHIFT
+        halves = self._order.remaining() or HALVES
+        self._backend.skip(halves, stream, Refusal(str(error), code))
+        self._order.skipped(halves)
         raise error
+
+    def _end(self, stream, text, warn=False):
+        """End the call in progress on this rank: its remaining halves are issued with no data, flagged
+        ERR_ENDED (the peers raise PeerError for it, unless their halves with it are over); ``warn``: say so
+        (a dispatch found the call open: abort() is the way to end one on purpose)."""
+        halves = self._order.remaining()
+        if warn:
+            warnings.warn(text + "; the peers raise PeerError for that call (a2a.abort() ends a call on purpose)",
+                          RuntimeWarning, stacklevel=4)
+        self._backend.skip(halves, stream, Refusal(text, C.ERR_ENDED))
+        self._order.skipped(halves)
+
+    def abort(self, stream=None):
+        """End the call in progress on this rank, for a failure between its halves (the application's own,
+        say): its remaining halves are issued with no data, so that every peer raises PeerError for this
+        call (not a later one) and the next dispatch starts the next call on every rank. Calling the next
+        dispatch without it does the same, with a warning. Nothing to do between calls. Not collective (the
+        peers learn of it in the call); on GPUs ordered on ``stream`` (None: CuPy's current stream) after the
+        call's halves so far. Once this rank's combine send half has run, its peers have their data: only
+        its own receive half is dropped."""
+        self._live()
+        if not self._order.done:
+            return
+        with self._context or nullcontext(), self.comm.breaking():
+            s = None if self._context is None else self._arrays.begin(stream, None)
+            try:
+                self._end(s, f"call {self._order.number} aborted by the application on rank {self.cfg.rank}")
+            except (CommTimeout, OutOfStep):
+                self._order.end()
+                raise
 
     def synchronize(self, stream=None):
         """Wait for this AllToAll's work on ``stream`` and raise any error its kernels recorded
@@ -506,10 +544,37 @@ class AllToAll:
                 raise
             except MoeCommError as e:
                 if self._order.open and getattr(e, "call", None) == self._order.number:
-                    remaining = self._order.remaining()
-                    self._backend.skip(remaining, s, Refusal(str(e), C.ERR_ENDED))
-                    self._order.skipped(remaining)
+                    self._end(s, str(e))
                 raise
+
+    def check(self):
+        """Raise the error the kernels recorded that no call has raised yet (CommTimeout naming the peer,
+        PeerError, InvalidRouting, ...), without synchronizing: it covers the calls the GPU has finished. For
+        calls the host does not see, replayed from a CUDA graph (:meth:`captured`; ``moecomm.jax`` in a jitted
+        step): call it once the step's outputs are ready. Every rank's kernels record an error of a call that
+        failed on any rank. Not collective; nothing to do on the host transport, which raises in the call."""
+        self._live()
+        with self.comm.breaking():
+            self._backend.check_error()
+
+    @contextlib.contextmanager
+    def captured(self, recording=True):
+        """Within it, calls (dispatch, combine, plan and the backward calls) keep nothing on the host, for a
+        framework that may record them into a CUDA graph and replay it without the host (XLA's command
+        buffers: ``moecomm.jax``): their arguments are read and checked and their kernels launched, but the
+        call order is not kept on the host: the kernels keep it (each half counts its calls, and the ranks'
+        kernels pair by those counts), check what depends on the data there (m, the expert ids, the ranks'
+        agreement, capacity) and record errors, which :meth:`check` raises. ``recording``: the launches go
+        into a graph being recorded, so no recorded error is raised by them either (else a call raises the
+        errors recorded so far, as outside). The framework orders the calls (dispatch before its combine).
+        GPU transports only."""
+        if self.comm.transport.memory != "device":
+            raise InvalidArgument("captured(): CUDA graphs need a GPU transport")
+        self._captured, self._backend.captured = True, bool(recording)
+        try:
+            yield self
+        finally:
+            self._captured = self._backend.captured = False
 
     # gradients --------------------------------------------------------------------------------
     @property
@@ -773,6 +838,9 @@ class AllToAll:
         """Release the buffers (collective; local only when the communicator is broken or ranks are masked).
         Safe to call twice; later calls raise InvalidArgument."""
         if self._backend is not None:
+            if self._order.done and self.comm.broken is None:  # a call in progress: ended first, so that the
+                with contextlib.suppress(MoeCommError):         # peers' halves of it pair with this rank's
+                    self.abort()
             backend, self._backend = self._backend, None
             with self._context or nullcontext(), self.comm.breaking():
                 backend.destroy(collective=self.comm.broken is None and not self.masked)

@@ -16,7 +16,6 @@ import pickle
 import socket
 import sys
 import time
-import weakref
 
 from ._constants import timeout_seconds
 from ._errors import CommBroken, CommTimeout, InvalidArgument, MoeCommError, OutOfStep, PeerExited
@@ -28,6 +27,9 @@ TRANSPORTS = ("auto", "host", *GPU_TRANSPORTS)
 TRANSPORT_ENV = "MOECOMM_TRANSPORT"  # what "auto" means when set
 _POLL_S = 1e-3  # how often finalize looks for the peers' departures
 FINALIZE = "finalize"  # the departure reason of a rank that finalizes (it takes part in the teardown)
+BROKE = "its communicator broke"  # the start of the reason of a rank that leaves with a broken communicator (an
+                                  # earlier failure, which it raised itself: its finalize is local)
+FAILED = "it raised"  # the start of the reason of a rank whose program ended on an exception it did not handle
 _REASON_CHARS = 400  # of a departure's reason, at most
 
 
@@ -177,7 +179,8 @@ class Communicator:
     def __init__(self, bootstrap, transport_name, timeout_s, device=None):
         self.bootstrap, self.timeout_s, self.broken, self.transport = bootstrap, timeout_s, None, None
         self._alltoalls = 0  # AllToAlls constructed (each one's number: messages carry it)
-        self._live_alltoalls = []  # weak references to those not destroyed, in construction order
+        self._live_alltoalls = []  # those not destroyed, in construction order (held: a dropped one may have
+                                   # exchanges in flight, whose buffers must outlive them)
         self.breaks = 0  # times fail() was called (an AllToAll resynchronized since the last one may serve)
         self.mpi = getattr(bootstrap, "mpi", None)
         self.rank, self.world_size = bootstrap.rank, bootstrap.world_size
@@ -266,12 +269,12 @@ class Communicator:
         """Count a new AllToAll (finalize destroys it if it is still alive); returns its number on this
         communicator, the same on every rank (construction is collective and in the same order everywhere)."""
         self._alltoalls += 1
-        self._live_alltoalls.append(weakref.ref(alltoall))
+        self._live_alltoalls.append(alltoall)
         return self._alltoalls
 
     def unregister(self, alltoall):
         """A destroyed AllToAll."""
-        self._live_alltoalls = [r for r in self._live_alltoalls if r() not in (None, alltoall)]
+        self._live_alltoalls = [a for a in self._live_alltoalls if a is not alltoall]
 
     def check_live(self):
         """Raise unless the communicator can be used: finalized (InvalidArgument), broken (CommBroken)."""
@@ -303,18 +306,28 @@ class Communicator:
         transport (NVSHMEM included). Collective: every rank says it is leaving and waits, bounded, until
         every other rank has said so too, so that a rank still running is named here (CommTimeout) rather
         than waited for at exit, and a rank still waiting for this one in a call is told (PeerExited); local
-        only when the communicator is broken. Safe to call twice."""
+        only when the communicator is broken. A peer that left with its communicator broken (it raised what
+        broke it) makes the teardown local without an error here; one whose program failed is named
+        (PeerExited) after the local teardown. Safe to call twice."""
         if self.transport is None:
             return
         try:
-            for ref in list(self._live_alltoalls):
-                if ref() is not None:
-                    ref().destroy()
+            # a peer whose kernels still wait for this rank (it is in a call) stops waiting at once
+            self.transport.leave(drain=self.broken is None)
+            left = None
+            for alltoall in list(self._live_alltoalls):
+                try:
+                    alltoall.destroy()
+                except PeerExited as e:  # a peer left: the teardown is local from here (broken)
+                    left = left or e
             if self.broken is None:
                 self._leave_together()
             else:  # a peer still waiting in a call with this rank is told (it raises PeerExited)
-                self.bootstrap.leave(f"its communicator broke ({self.broken})"[:_REASON_CHARS])
+                self.bootstrap.leave(f"{BROKE} ({self.broken})"[:_REASON_CHARS])
+            if left is not None and left.reason.startswith(FAILED):
+                raise left  # its program failed
         finally:
+            _exit_guard.forget(self)
             t, self.transport = self.transport, None
             with self.breaking():
                 t.finalize(collective=self.broken is None)
@@ -327,7 +340,6 @@ class Communicator:
                 self.bootstrap.barrier(self.timeout_s, "finalize")
             return
         self.bootstrap.leave(FINALIZE)
-        self.transport.leave()
         others = [q for q in range(self.world_size) if q != self.rank]
         deadline = time.monotonic() + self.timeout_s
         while len(gone := self.bootstrap.departed(others)) < len(others):
@@ -338,13 +350,14 @@ class Communicator:
                 self.fail(error)
                 raise error
             time.sleep(_POLL_S)
-        failed = {q: why for q, why in gone.items() if why != FINALIZE}
-        if failed:  # it takes no part in the teardown, which is then local
-            q = min(failed)
-            error = PeerExited(f"finalize: rank {q} left the job ({failed[q]})", peer=q, phase="finalize",
-                               reason=failed[q])
+        local = {q: why for q, why in gone.items() if why != FINALIZE}
+        if local:  # they take no part in the teardown, which is then local
+            q = min(local)
+            error = PeerExited(f"finalize: rank {q} left the job ({local[q]})", peer=q, phase="finalize",
+                               reason=local[q])
             self.fail(error)
-            raise error
+            if any(why.startswith(FAILED) for why in local.values()):  # a program failed: said here too (a rank
+                raise error                                             # whose communicator broke raised that itself)
 
     def abandon(self, reason):
         """Leave without waiting for anyone (the process is ending after an error): the peers are told, with
@@ -365,9 +378,11 @@ class Communicator:
 class _ExitGuard:
     """At interpreter exit: a rank ending on an exception it did not handle tells its peers (each live
     communicator's :meth:`Communicator.abandon`, with the exception) and ends without MPI's finalization;
-    otherwise live communicators are finalized (collectively). If a wait for a peer failed (in init or in a
-    communicator), the process ends without MPI's finalization, which waits for every rank, dead ones
-    included. Installed by the first init()."""
+    otherwise live communicators are finalized (collectively; a peer waiting for this rank in a call raises
+    PeerExited at once). If a wait for a peer failed (in init
+    or in a communicator), the process ends without MPI's finalization, which waits for every rank, dead ones
+    included. It holds every communicator not finalized (a local of a function that returned too). Installed
+    by the first init()."""
 
     def __init__(self):
         self.comms, self.unhandled, self.broken, self._previous_hook = [], None, False, None
@@ -379,15 +394,17 @@ class _ExitGuard:
             atexit.register(self.at_exit)
 
     def watch(self, comm):
-        self.comms.append(weakref.ref(comm))
+        self.comms.append(comm)
+
+    def forget(self, comm):
+        self.comms = [c for c in self.comms if c is not comm]
 
     def _excepthook(self, kind, value, tb):
-        self.unhandled = f"it raised {kind.__name__}: {value}"[:_REASON_CHARS]
+        self.unhandled = f"{FAILED} {kind.__name__}: {value}"[:_REASON_CHARS]
         self._previous_hook(kind, value, tb)
 
     def at_exit(self):
-        comms = [c for c in (r() for r in self.comms) if c is not None]
-        for comm in comms:
+        for comm in list(self.comms):
             try:
                 if self.unhandled:
                     comm.abandon(self.unhandled)
@@ -446,13 +463,15 @@ def init(comm=None, transport="auto", timeout=None, device=None):
         transport = "gpu" if gpus > 0 else "host"  # which GPU transport: once the nodes are known
     if transport in GPU_TRANSPORTS and gpus == 0:
         raise MoeCommError(f"transport {transport!r} needs a GPU and this process sees none")
-    try:
-        chosen = [b.decode() for b in boot.allgather(transport.encode(), timeout_s, "init")]
+    try:  # what every rank must choose alike
+        chosen = [pickle.loads(b) for b in boot.allgather(pickle.dumps((transport, timeout_s)), timeout_s, "init")]
     except (CommTimeout, OutOfStep):
         _exit_guard.broken = True
         raise
-    if len(set(chosen)) != 1:
-        raise InvalidArgument(f"ranks chose different transports: {chosen}")
+    if len({t for t, _ in chosen}) != 1:
+        raise InvalidArgument(f"ranks chose different transports: {[t for t, _ in chosen]}")
+    if len({s for _, s in chosen}) != 1:
+        raise InvalidArgument(f"ranks chose different timeouts (seconds, by rank): {[s for _, s in chosen]}")
     if transport == "host" and getattr(boot, "mpi", None) is None:
         raise InvalidArgument("the host transport moves data over MPI: pass an mpi4py communicator")
     log.info("moecomm rank %d/%d: timeout %.3g s (from %s)", boot.rank, boot.world_size, timeout_s, source)

@@ -166,14 +166,21 @@ def test_combine_needs_weights_and_dispatch(comm):
 
 
 def test_split_send_recv_order(a2a):
+    """A refused half ends the call it belongs to (the next call when none is in progress); a dispatch send
+    that finds a call in progress ends it (saying so) and runs as the next call."""
     args = _good()
     with pytest.raises(moecomm.InvalidArgument, match="without a prior do_send"):
         a2a.dispatch(**args, do_send=False)
+    with pytest.raises(moecomm.InvalidArgument, match="both False"):
+        a2a.dispatch(**args, do_send=False, do_recv=False)
     a2a.dispatch(**args, do_recv=False)
-    with pytest.raises(moecomm.InvalidArgument, match="already posted"):
+    with pytest.warns(RuntimeWarning, match="was not finished"):
         a2a.dispatch(**args, do_recv=False)
     with pytest.raises(moecomm.InvalidArgument, match="other output arrays than the send half"):
         a2a.dispatch(**dict(args, out_expert_x=args["out_expert_x"].copy()), do_send=False)
+    with pytest.raises(moecomm.InvalidArgument, match="without a prior do_send"):  # that call is over
+        a2a.dispatch(**args, do_send=False)
+    a2a.dispatch(**args, do_recv=False)
     a2a.dispatch(**args, do_send=False)
     _combine(a2a, args)
     _roundtrip(a2a, _good())
@@ -185,12 +192,25 @@ def test_each_dispatch_has_one_combine(a2a):
         _combine(a2a, args)
     a2a.dispatch(**args, do_recv=False)
     with pytest.raises(moecomm.InvalidArgument, match="receive half has not run yet"):
-        _combine(a2a, args)
-    a2a.dispatch(**args, do_send=False)
-    with pytest.raises(moecomm.InvalidArgument, match="previous dispatch has not been combined"):
-        a2a.dispatch(**args)  # refused: it ends the call whose combine was due
+        _combine(a2a, args)  # refused: it ends the call
+    with pytest.raises(moecomm.InvalidArgument, match="without a prior do_send"):
+        a2a.dispatch(**args, do_send=False)
+    a2a.dispatch(**args)
+    with pytest.warns(RuntimeWarning, match="was not finished"):
+        a2a.dispatch(**args)  # it ends the call whose combine was due, then runs as the next
+    _combine(a2a, args)
+    _roundtrip(a2a, _good())
+
+
+def test_abort_ends_the_call_in_progress(a2a):
+    args = _good()
+    a2a.abort()  # between calls: nothing to do
+    a2a.dispatch(**args)
+    a2a.abort()
     with pytest.raises(moecomm.InvalidArgument, match="no dispatch to combine"):
         _combine(a2a, args)
+    a2a.dispatch(**args, do_recv=False)
+    a2a.abort()
     _roundtrip(a2a, _good())
 
 

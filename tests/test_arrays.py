@@ -405,7 +405,8 @@ def test_the_call_order_rules_hold_for_device_buffers_seen_before(fake):
     fake.dispatch(**d, do_recv=False, stream=LAUNCH)
     moved, _ = _device_buffers(out_expert_x=moecomm.DeviceBuffer(0x2800, (E, M, H), moecomm.float8_e4m3fn, 0))
     with pytest.raises(moecomm.InvalidArgument, match="receive half got other output arrays"):
-        fake.dispatch(**moved, do_send=False, stream=LAUNCH)
+        fake.dispatch(**moved, do_send=False, stream=LAUNCH)  # refused: it ends that call
+    fake.dispatch(**d, do_recv=False, stream=LAUNCH)
     fake.dispatch(**d, do_send=False, stream=LAUNCH)  # the receive half with the send half's outputs
     fake.combine(**dict(c, weights=d["weights"]), stream=LAUNCH)
     unweighted = dict(d, weights=None)

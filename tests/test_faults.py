@@ -114,3 +114,37 @@ def test_a_notice_that_overtakes_a_late_message_is_not_a_departure():
     comm = _LateMessage()
     assert Control(comm).allgather(b"mine", "gather", timeout_s=5.0) == [b"mine", b"theirs"]
     assert comm.looks == 2
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_a_failed_call_fails_on_every_rank_and_no_step_gets_another_steps_data(ranks):
+    """tests/mpi_recovery.py: an application error between the phases (reported by abort() or by the next
+    dispatch), call-order refusals, router weights and ids that disagree, a timeout that differs; markers in
+    every token catch another step's data."""
+    from conftest import run_mpi
+    p = run_mpi(ranks, "tests/mpi_recovery.py", timeout=300)
+    assert p.returncode == 0 and " 0 failures" in p.stdout, p.stdout[-3000:] + p.stderr[-3000:]
+
+
+@pytest.mark.parametrize("case", ["destroy", "leave", "finalize"])
+def test_every_process_exits_cleanly(tmp_path, case):
+    """Destroy with a send half posted, then finalize; a rank returning from main() with its communicator a
+    local (the others raise PeerExited within about a second); the rank that finalized first. Every process
+    exits with status 0."""
+    cmd = mpi_launcher()
+    if "--oversubscribe" in cmd:
+        pytest.skip("needs MPICH's mpiexec (-disable-auto-cleanup keeps the job alive when a rank leaves)")
+    cmd += ["-disable-auto-cleanup", "-n", "2", sys.executable, str(ROOT / "tests/mpi_recovery.py"), "--case", case,
+            "--result", str(tmp_path)]
+    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{ROOT / 'tests'}", PYTHONUNBUFFERED="1")
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
+    log = p.stdout[-2000:] + p.stderr[-2000:]
+    assert p.returncode == 0 and "Segmentation" not in log and "pending" not in log, log
+    records = {r: json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)
+               if (tmp_path / f"rank{r}.json").exists()}
+    if case == "leave":  # the rank that stayed was told at once
+        assert records[0]["raised"] == "PeerExited" and records[0]["after_s"] <= 1.5, (records, log)
+    else:
+        assert len(records) == 2, log
+    if case == "finalize":
+        assert records[1]["raised"] == "PeerExited" and records[0]["raised"] is None, (records, log)

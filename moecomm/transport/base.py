@@ -141,6 +141,14 @@ class AllToAllBackend(abc.ABC):
     def synchronize(self, stream) -> None:
         """Wait for this AllToAll's work on ``stream``; raise errors the device recorded. Not collective."""
 
+    def check_error(self) -> None:
+        """Raise an error the device recorded and no call has raised (no synchronization). Not collective."""
+
+    # A device transport issues the calls into a CUDA graph being recorded while ``captured`` is True (set
+    # by AllToAll.captured(recording=True)): then it raises nothing the device recorded (the graph's replays run
+    # without it).
+    captured = False
+
     @abc.abstractmethod
     def destroy(self, collective: bool) -> None:
         """Release buffers; called at most once. Collective, unless ``collective`` is False (the
@@ -178,9 +186,10 @@ class Transport(abc.ABC):
         """Release everything the transport holds. Collective (bounded by the communicator's timeout),
         unless ``collective`` is False (the communicator is broken): then release only what needs no peer."""
 
-    def leave(self) -> None:
+    def leave(self, drain=False) -> None:
         """This rank is leaving (Communicator.finalize, or its program ends on an error): tell the peers
-        through the transport where waits of theirs do not watch the bootstrap (their kernels)."""
+        through the transport where waits of theirs do not watch the bootstrap (their kernels); with ``drain``,
+        once this rank's own work has run (what it sends reaches them first)."""
 
 
 def snapshot(counters, received, dropped, bytes_by_peer, ring, times_us=None):

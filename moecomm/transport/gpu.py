@@ -12,8 +12,8 @@ import numpy as np
 from .. import _abi, _cuda, _jit
 from .. import _constants as C
 from .._arrays import DeviceArrays
-from .._errors import (CapacityExceeded, CommTimeout, ExpertMapMismatch, InvalidArgument, InvalidRouting, MoeCommError,
-                       PeerError, PeerExited)
+from .._errors import (IDS_DIFFER, CapacityExceeded, CommTimeout, ExpertMapMismatch, InvalidArgument, InvalidRouting,
+                       MoeCommError, OutOfStep, PeerError, PeerExited, weights_differ)
 from .base import Transport, peer_pattern
 from .gpu_alltoall import GpuAllToAll
 
@@ -166,12 +166,15 @@ class GpuTransport(Transport):
     def new_alltoall(self, cfg, timeout_s, ident, window, timing):
         return GpuAllToAll(self, cfg, timeout_s, window, timing)
 
-    def leave(self):
+    def leave(self, drain=False):
         """Set gone[this rank] on every peer this rank maps (copies on a stream of its own, so that kernels of
-        this rank still waiting do not hold them up): their kernels' waits for this rank end at once (a peer
-        reached only by puts learns of it from its own timeout, its host from the bootstrap)."""
+        this rank still waiting do not hold them up; with ``drain`` after those have ended, bounded): their
+        kernels' waits for this rank end at once (a peer reached only by puts learns of it from its own
+        timeout, its host from the bootstrap)."""
         cp = self._cupy
         with self.context:
+            if drain:
+                _cuda.context_synchronize()
             one = np.ones(1, np.uint64)
             stream = cp.cuda.Stream(non_blocking=True)
             mine = self.gone.data.ptr + 8 * self.rank
@@ -296,6 +299,14 @@ def _error(code, peer, phase, detail, call, amount, what, capacity, departed):
                                f"same call")
     if code == C.ERR_PLAN_M:
         return InvalidArgument(f"{where}: plan: it has pairs for tokens >= m={detail}: it is another call's plan")
+    if code == C.ERR_ORDER:
+        return OutOfStep(f"{where}: a dispatch began before the previous call's combine ran on this GPU (calls "
+                         f"replayed without the host ran out of order: an operation run twice; XLA does so with "
+                         f"jax.checkpoint inside lax.scan on GPUs)")
+    if code == C.ERR_IDS_DIFFER:
+        return InvalidArgument(f"{where}: {IDS_DIFFER}")
+    if code == C.ERR_WEIGHTS_DIFFER:
+        return InvalidArgument(f"{where}: {weights_differ(peer, detail, int(not detail))}")
     if code == C.ERR_M_DIFFERS:
         return InvalidArgument(f"{where}: bound_m={detail} differs from the dispatched m; nothing was sent")
     if code == C.ERR_OVERFLOW:

@@ -37,7 +37,7 @@ from .. import _abi, _cuda, _jit
 from .. import _constants as C
 from .._dtypes import bfloat16, float16
 from .._errors import InvalidArgument
-from .base import AllToAllBackend, first_send, snapshot
+from .base import AllToAllBackend, snapshot
 
 
 def record_bytes(cfg):
@@ -99,6 +99,7 @@ class GpuAllToAll(AllToAllBackend):
         self.state = cupy.zeros(state.size, np.uint32)
         self.slot_of = cupy.empty(W * M * K, np.int32)
         self.own_of = cupy.empty(M * K * 2, np.int32)
+        self.ids_of = cupy.empty(M * K, np.int32)
         self.mask = cupy.zeros(W, np.int32)
         self.counters = cupy.zeros(counters.size, np.uint64)
         self.ring = cupy.zeros((window, L), np.uint32)
@@ -140,6 +141,7 @@ class GpuAllToAll(AllToAllBackend):
             state=self.state.data.ptr, err=mem.ptr, recv_buf=self.recv_buf.data.ptr,
             comb_buf=self.comb_buf.data.ptr, stage=self.stage.data.ptr, sig=self.sig[0].data.ptr,
             arrive=self.arrive[0].data.ptr, comb_arrive=self.arrive[1].data.ptr, own_of=self.own_of.data.ptr,
+            ids_of=self.ids_of.data.ptr,
             comb_sig=self.sig[1].data.ptr, slot_of=self.slot_of.data.ptr, mask=self.mask.data.ptr,
             counters=self.counters.data.ptr, ring=self.ring.data.ptr, why=self.sig[2].data.ptr,
             drop_buf=0 if self.drop_buf is None else self.drop_buf.data.ptr,
@@ -221,13 +223,14 @@ class GpuAllToAll(AllToAllBackend):
 
     def combine(self, record, do_send, do_recv, stream):
         self._launch("combine", do_send, do_recv, stream)
-        if do_recv:
+        if do_recv and not self.captured:
             self.check_error()
 
     def _launch(self, phase, do_send, do_recv, stream):
         """Launch the phase's send and/or receive kernels on ``stream`` (timed with timing=True); they read
         the phase's call record (records(), filled by AllToAll)."""
-        self.check_error(timeout_only=True)
+        if not self.captured:
+            self.check_error(timeout_only=True)
         send, recv = self._halves[phase]
         if do_send and do_recv:
             send, recv = self._whole[phase], ()
@@ -264,14 +267,16 @@ class GpuAllToAll(AllToAllBackend):
     def _run_backward(self, phase, a, stream, out):
         """Fill the backward record from ``a`` (a moecomm.alltoall._Backward of device addresses) and launch
         ``phase``'s kernel on ``stream``."""
-        self.check_error(timeout_only=True)
+        if not self.captured:
+            self.check_error(timeout_only=True)
         g = self._grad
         g.expert, g.origin, g.call, g.held, g.local = a.expert, a.origin, a.call, a.held, a.local
         g.bound_m, g.rows = a.bound_m, a.rows
         g.grad, g.out, g.grad_code, g.out_code = a.grad, out, _DT_CODES[a.grad_dtype], _DT_CODES[a.out_dtype]
         g.out_w, g.weights, g.y = a.out_grad_weights or 0, a.weights or 0, a.y or 0
         self._grads[0]["moecomm_" + phase](stream)
-        self.check_error()
+        if not self.captured:
+            self.check_error()
 
     def skip_backward(self, phase, refusal, stream):
         self.check_error(timeout_only=True)
@@ -279,11 +284,11 @@ class GpuAllToAll(AllToAllBackend):
         self._grads[1]["moecomm_" + phase](stream)
 
     def skip(self, halves, stream, refusal=None):
-        """Launch ``halves`` with no data (Call.skip); the first send half's signals carry the refusal's code."""
+        """Launch ``halves`` with no data (Call.skip); their send halves' signals carry the refusal's code (the
+        peers raise the first, once per call)."""
         s = self._cupy.cuda.get_current_stream().ptr if stream is None else stream
-        flagged = first_send(halves) if refusal is not None else None
         for half in halves:
-            self._skipped.reason = refusal.code if half == flagged else 0
+            self._skipped.reason = refusal.code if refusal is not None and half.endswith("_send") else 0
             self._skip[half](s)
 
     def set_mask(self, masked, generation, barrier):

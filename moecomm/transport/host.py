@@ -26,8 +26,8 @@ from .._abi import RecordLayout
 from .._arrays import HostArrays
 from .._dtypes import float8_e4m3fn, float8_e8m0fnu
 from .._constants import BYTE_FIELDS, COUNTER_FIELDS
-from .._errors import (CapacityExceeded, ExpertMapMismatch, InvalidArgument, InvalidRouting, MoeCommError, OutOfStep,
-                       PeerError)
+from .._errors import (IDS_DIFFER, CapacityExceeded, ExpertMapMismatch, InvalidArgument, InvalidRouting,
+                       MoeCommError, OutOfStep, PeerError, weights_differ)
 from .._mpi import TAG_PEER_CHECK, exchange_tag, wait_all
 from .base import AllToAllBackend, Transport, first_send, host_call_records, peer_pattern, snapshot
 
@@ -37,8 +37,8 @@ _OK, _BAD_ROUTING, _BAD_M, _BAD_ARG = C.ERR_NONE, C.ERR_BAD_EXPERT, C.ERR_BAD_M,
 # capacity is set; the backward ones are the gradients' (dispatch_backward, combine_backward and its weights)
 _PHASES = ("dispatch", "combine", "demand", "dispatch_backward", "combine_backward", "weights_backward")
 _C = {name: i for i, name in enumerate(COUNTER_FIELDS)}
-_FIELDS, _HEADER = 7, 256  # header: int64 [alltoall, phase, call, status, count, map generation, plan], then
-                           # the reason (UTF-8); plan: the stamp of the routing plan a backward call follows, else 0
+_FIELDS, _HEADER = 7, 256  # header: int64 [alltoall, phase, call, status, count, map generation, agree], then
+                           # the reason (UTF-8); agree: what every rank must pass alike (_Exchange.post)
 
 
 class _Exchange:
@@ -69,10 +69,12 @@ class _Exchange:
         self._receives, self.calls, self.live = [], 0, list(live)
         self.tag = exchange_tag(_PHASES.index(self.phase), generation)
 
-    def post(self, rows, dest_counts, status, reason="", plan=0):
+    def post(self, rows, dest_counts, status, reason="", agree=0):
         """Exchange headers; then, if every rank's status is OK, post the rows. Returns (pending or None,
-        statuses [world], reasons [world]). ``plan``: a backward call's plan stamp (:func:`_stamp`); every
-        rank must pass the same (InvalidArgument on every rank otherwise, nothing exchanged)."""
+        statuses [world], reasons [world]). ``status``: OK, or the error code of this rank's failed part (a
+        refusal's reason: moecomm._constants). ``agree``: what every rank must pass alike in this exchange (a
+        backward call's plan stamp, :func:`_stamp`; combine: whether it was given router weights);
+        InvalidArgument on every rank otherwise (:func:`_disagreement`), nothing exchanged."""
         w, c, live = self.comm.Get_size(), self.comm, self.live
         self.calls += 1
         me = (self.alltoall, _PHASES.index(self.phase), self.calls)
@@ -80,12 +82,12 @@ class _Exchange:
         head = np.zeros((w, _HEADER), np.uint8)
         fields = head[:, :8 * _FIELDS].view(np.int64)
         fields[:, :3], fields[:, 3], fields[:, 4], fields[:, 5] = me, status, dest_counts, self.map_generation
-        fields[:, 6] = plan
+        fields[:, 6] = agree
         text = reason.encode()[:_HEADER - 8 * _FIELDS]
         head[:, 8 * _FIELDS:8 * _FIELDS + len(text)] = np.frombuffer(text, np.uint8)
         heads = np.zeros((w, _HEADER), np.uint8)
         heads[:, :8 * _FIELDS].view(np.int64)[:, :3] = me  # masked ranks: in step, OK, no rows, same map
-        heads[:, :8 * _FIELDS].view(np.int64)[:, 5:7] = self.map_generation, plan
+        heads[:, :8 * _FIELDS].view(np.int64)[:, 5:7] = self.map_generation, agree
         recvs = self._receives = [c.Irecv(heads[s], source=s, tag=self.tag) for s in live]
         sends = [c.Isend(head[d], dest=d, tag=self.tag) for d in live]
         wait_all(recvs + sends, live * 2, deadline, self.timeout_s, self.phase, self.departures)
@@ -103,15 +105,11 @@ class _Exchange:
                                     f"exchanged (set_expert_map is collective)")
         statuses = got[:, 3].copy()
         reasons = [bytes(heads[s, 8 * _FIELDS:]).rstrip(b"\0").decode(errors="replace") for s in range(w)]
-        if statuses.any():  # a refusal is named before plans are compared (a refused rank's may be unreadable)
+        if statuses.any():  # a refusal is named before the rest is compared (a refused rank's may be unreadable)
             return None, statuses, reasons
-        other = [s for s in live if got[s, 6] != plan]
+        other = [s for s in live if got[s, 6] != agree]
         if other:
-            theirs = int(got[other[0], 6])
-            raise InvalidArgument(f"{self.phase}: rank {other[0]} follows the routing plan of dispatch call "
-                                  f"{theirs & 0xFFFFFFFF} (generation {theirs >> 32}), this rank that of call "
-                                  f"{plan & 0xFFFFFFFF} (generation {plan >> 32}): every rank passes the plan of the "
-                                  f"same forward call; nothing was exchanged")
+            raise InvalidArgument(_disagreement(self.phase, other[0], int(got[other[0], 6]), agree))
         src_counts = got[:, 4].copy()
         recv = np.empty((int(src_counts.sum()), rows.shape[1]), np.uint8)
         reqs, peers = [], []
@@ -133,10 +131,20 @@ class _Exchange:
         wait_all(reqs, peers, deadline, self.timeout_s, self.phase, self.departures)
         return recv, src_counts
 
-    def refuse(self, reason):
-        """Take part in an exchange as a rank whose argument was refused: header only, no data (the call
+    def refuse(self, refusal):
+        """Take part in an exchange as a rank whose part of the call failed (``refusal``: a
+        moecomm.alltoall.Refusal, refused or ended): header only, flagged with its code, no data (the call
         ends there on every rank)."""
-        self.post(np.zeros((0, 0), np.uint8), np.zeros(self.comm.Get_size(), np.int64), _BAD_ARG, reason)
+        self.post(np.zeros((0, 0), np.uint8), np.zeros(self.comm.Get_size(), np.int64), refusal.code, refusal.text)
+
+
+def _disagreement(phase, q, theirs, mine):
+    """The message of an exchange whose ``agree`` words differ: rank q's ``theirs``, this rank's ``mine``."""
+    if phase == "combine":
+        return f"{weights_differ(q, theirs, mine)}; nothing was exchanged"
+    return (f"{phase}: rank {q} follows the routing plan of dispatch call {theirs & 0xFFFFFFFF} (generation "
+            f"{theirs >> 32}), this rank that of call {mine & 0xFFFFFFFF} (generation {mine >> 32}): every rank "
+            f"passes the plan of the same forward call; nothing was exchanged")
 
 
 def _raise_status(statuses, reasons, own, phase):
@@ -144,12 +152,13 @@ def _raise_status(statuses, reasons, own, phase):
     message) when its input was bad."""
     if own is not None:
         status, message = own
-        raise (InvalidArgument if status == _BAD_ARG else InvalidRouting)(f"{phase}: {message}")
+        raise (InvalidArgument if status & 0xFF == _BAD_ARG else InvalidRouting)(f"{phase}: {message}")
     bad = [int(r) for r in np.nonzero(statuses)[0]]
-    refused = [r for r in bad if statuses[r] == _BAD_ARG]
-    if refused:
-        r = refused[0]
-        raise PeerError(f"{phase}: rank {r} refused its call ({reasons[r]}); nothing was exchanged", peer=r,
+    ended = [r for r in bad if statuses[r] & 0xFF in (_BAD_ARG, C.ERR_ENDED)]
+    if ended:
+        r = ended[0]
+        what = "ended the call" if statuses[r] == C.ERR_ENDED else "refused its call"
+        raise PeerError(f"{phase}: rank {r} {what} ({reasons[r]}); nothing was exchanged", peer=r,
                         reason=reasons[r])
     kinds = {_BAD_ROUTING: "invalid expert ids", _BAD_M: "bound_m out of range"}
     detail = ", ".join(f"rank {r}: {kinds.get(int(statuses[r]), 'error')}" for r in bad)
@@ -209,7 +218,7 @@ class HostAllToAll(AllToAllBackend):
         self._dispatch_pending = None
         self._combine_pending = None
         self._received = None
-        self._dispatched_m = None
+        self._dispatched_m = self._dispatched_ids = None  # the last dispatch's m and ids (combine checks its own)
         self._sent = None  # (this rank's tokens [n], their physical expert ids [n, k]: -1 not sent) of the dispatch
                            # (pairs dropped for capacity keep theirs, as on GPUs)
         self._generation = 0  # restarts of the call sequence (set_mask)
@@ -290,7 +299,7 @@ class HostAllToAll(AllToAllBackend):
         if pending is None:
             _raise_status(statuses, reasons, (status, message) if status else None, "dispatch")
         self._tally("dispatch_sent", counts * rows.shape[1])
-        self._dispatched_m = m
+        self._dispatched_m, self._dispatched_ids = m, a.indices[:m].copy()
         self._sent, self._dispatch_call = (mine, routed), (self._generation, ex.calls)
         return ex, pending, a.weights is not None
 
@@ -423,9 +432,11 @@ class HostAllToAll(AllToAllBackend):
         cfg, rv = self.cfg, self._received
         ex, m = self._exchanges["combine"], int(a.bound_m[0])
         bad = ((_BAD_ARG, f"bound_m={m} differs from the dispatched m={self._dispatched_m}")
-               if m != self._dispatched_m else (_BAD_M, _bad_m(m, a.rows)) if m > a.rows else None)
+               if m != self._dispatched_m else (_BAD_M, _bad_m(m, a.rows)) if m > a.rows else
+               (C.REASON_IDS_DIFFER, IDS_DIFFER) if not np.array_equal(a.indices[:m], self._dispatched_ids) else None)
         if bad:  # refused in the exchange, so that every rank raises
-            _, statuses, reasons = ex.post(np.zeros((0, 0), np.uint8), np.zeros(cfg.world_size, np.int64), *bad)
+            _, statuses, reasons = ex.post(np.zeros((0, 0), np.uint8), np.zeros(cfg.world_size, np.int64), *bad,
+                                           agree=int(not a.partials))
             _raise_status(statuses, reasons, bad, "combine")
         y = a.y[rv.where].astype(np.float32)  # [p, H]
         if a.partials:  # sum this rank's experts per token, weighted, on the expert side
@@ -437,7 +448,7 @@ class HostAllToAll(AllToAllBackend):
             fields = [rv.token[rv.pair_j][:, None], rv.pair_k.astype(np.int32)[:, None],
                       *(self._to_wire(y) if cfg.combine_wire else (a.y[rv.where],))]
         rows, counts = self._to_groups(row_src, fields)
-        pending, statuses, reasons = ex.post(rows, counts, _OK)
+        pending, statuses, reasons = ex.post(rows, counts, _OK, agree=int(not a.partials))
         if pending is None:
             _raise_status(statuses, reasons, None, "combine")
         self._tally("combine_sent", counts * rows.shape[1])
@@ -559,7 +570,7 @@ class HostAllToAll(AllToAllBackend):
         stamped ``plan``, raising on every rank when one's ``status`` is not OK (naming ``call``, default the
         phase); returns the received rows (and the counts per source)."""
         ex = self._exchanges[phase]
-        pending, statuses, reasons = ex.post(rows, counts, status, reason, plan)
+        pending, statuses, reasons = ex.post(rows, counts, status, reason, agree=plan)
         if pending is None:
             _raise_status(statuses, reasons, (status, reason) if status else None, call or phase)
         recv, src_counts = ex.finish(pending)
@@ -575,16 +586,25 @@ class HostAllToAll(AllToAllBackend):
         return token
 
     def skip_backward(self, phase, refusal, stream=None):
-        self._exchanges[phase].refuse(refusal.text)
+        self._exchanges[phase].refuse(refusal)
 
     def skip(self, halves, stream=None, refusal=None):
-        """Errors end a host call on every rank in its exchange, so only a refusal has anything to send: a
-        header on the first exchange of the first send half, no data."""
+        """A posted send half's exchange is finished, what it receives dropped (its receive half first in
+        ``halves``); then the first send half among them takes part as a header flagged with the refusal, no
+        data, on its first exchange. (An error raised in an exchange ends a host call on every rank at once:
+        it leaves nothing to skip.)"""
+        if halves and halves[0] in ("dispatch_recv", "combine_recv"):
+            attribute = "_dispatch_pending" if halves[0] == "dispatch_recv" else "_combine_pending"
+            posted = getattr(self, attribute)
+            setattr(self, attribute, None)
+            if posted is not None:
+                ex, pending, _ = posted
+                ex.finish(pending)
         half = first_send(halves)
         if refusal is not None and half is not None:
             phase = half[:-len("_send")]
             first = "demand" if phase == "dispatch" and self.cfg.capacity is not None else phase  # the call's first
-            self._exchanges[first].refuse(refusal.text)
+            self._exchanges[first].refuse(refusal)
 
     def set_mask(self, masked, generation, barrier):
         self._generation = generation
