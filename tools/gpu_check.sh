@@ -46,6 +46,14 @@
 #   bash tools/gpu_check.sh ab       a kernel change's A/B: with $BASELINE (a tree of the commit before it),
 #                                    R1-decode, V2-Lite, 1 and 16 tokens at world size 1 over ipc, the
 #                                    baseline's tree then this one, $ROUNDS rounds (default 2; bench JSON each)
+#   bash tools/gpu_check.sh recovery a failed call on one rank fails on every rank and no step gets another's
+#                                    data (tests/mpi_recovery.py): 1 rank on both transports, 2 and 4 ranks
+#                                    ($RANKS; RANKS= leaves these out) time-sliced on GPU 0 over ipc with control
+#                                    and quick sweeps, the exit cases, then a soak with every fault kind at 2
+#                                    ranks ($SOAK_MINUTES, default 5)
+#   bash tools/gpu_check.sh jax      moecomm.jax on one GPU over ipc: tests/mpi_jax.py and mpi_jax_grad.py at 1
+#                                    and 2 ranks, then tools/jax_step.py (jitted 8-layer steps against the same
+#                                    calls in a CUDA graph; $OUT/jax-step.json)
 #   bash tools/gpu_check.sh --help   this text
 #   bash tools/gpu_check.sh latency  the checks a kernel change needs (quick sweeps on both transports, the
 #                                    put-only path, world size 1, the model-sized and streamed cases (--full),
@@ -96,6 +104,38 @@ expect() { local want=$1; shift; echo "=== $*"; timeout ${STEP_TIMEOUT:-240} "$@
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; nvidia-smi topo -m;
   python3 -c "import cupy, cuda.bindings, cuda.core, mpi4py, numpy; import importlib.metadata as m; print({p: m.version(p) for p in ['cupy-cuda13x','cuda-bindings','cuda-core','nvidia-cuda-nvrtc','nvidia-nvjitlink','nvidia-nvshmem-cu13','nvshmem4py-cu13','mpi4py','numpy']})"; } 2>&1 | tee "$out/gpu_env.txt"
 step python3 -m moecomm.build --arch sm_90 ${BUILD_VARIANTS:+--variants $BUILD_VARIANTS}
+if [ "${1:-}" = jax ]; then  # moecomm.jax: correct first, then timed
+  export MOECOMM_TRANSPORT=ipc MOECOMM_IPC_HEAP_MB=${MOECOMM_IPC_HEAP_MB:-2048} XLA_PYTHON_CLIENT_PREALLOCATE=false
+  for n in 1 2; do
+    expect ": 0 failures" "${MPIRUN[@]}" -np $n python3 tests/mpi_jax.py
+    expect ": 0 failures" "${MPIRUN[@]}" -np $n python3 tests/mpi_jax_grad.py --transport ipc
+  done
+  step "${MPIRUN[@]}" -np 1 python3 tools/jax_step.py --json "$out/jax-step.json"
+  exit $status
+fi
+if [ "${1:-}" = recovery ]; then  # never silent, always collective
+  for t in ipc nvshmem; do
+    [ -n "${RANKS-1}" ] || break
+    expect ": 0 failures" "${MPIRUN[@]}" -np 1 python3 tests/mpi_recovery.py --transport $t
+    expect ": 0 failures" "${MPIRUN[@]}" -np 1 python3 tests/mpi_control.py --transport $t
+  done
+  export MOECOMM_TRANSPORT=ipc MOECOMM_IPC_HEAP_MB=${MOECOMM_IPC_HEAP_MB:-1024} CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0}
+  for n in ${RANKS-2 4}; do
+    expect ": 0 failures" "${MPIRUN[@]}" -np $n python3 tests/mpi_recovery.py --transport ipc
+    expect ": 0 failures" "${MPIRUN[@]}" -np $n python3 tests/mpi_control.py --transport ipc
+    step "${MPIRUN[@]}" -np $n python3 tests/mpi_alltoall.py --transport ipc --quick
+  done
+  for c in destroy leave finalize; do  # judged by each rank's record (Open MPI's launcher counts os._exit as failure)
+    rm -rf /tmp/rc && mkdir -p /tmp/rc
+    timeout 120 "${MPIRUN[@]}" --mca orte_abort_on_non_zero_status 0 -np 2 python3 tests/mpi_recovery.py \
+      --transport ipc --case $c --result /tmp/rc >> "$out/gpu_check.log" 2>&1
+    echo "=== exit case $c: rc=$? $(cat /tmp/rc/*.json 2>/dev/null)" | tee -a "$out/recovery.txt"
+  done
+  STEP_TIMEOUT=$(( ${SOAK_MINUTES:-5} * 60 + 120 )) expect " 0 mismatches" "${MPIRUN[@]}" \
+    --mca orte_abort_on_non_zero_status 0 -np 2 python3 tools/soak.py --minutes ${SOAK_MINUTES:-5} --transport ipc \
+    --json "$out/soak-gpu.json"
+  exit $status
+fi
 if [ "${1:-}" = ranks ]; then  # more ranks than GPUs: every rank on GPU 0, time-sliced, over ipc
   for t in ipc nvshmem; do step "${MPIRUN[@]}" -np 1 python3 tests/mpi_alltoall.py --transport $t --quick; done
   # world size 1 takes the local path (cuda/local.cu): model sizes, and refusals and failed calls
