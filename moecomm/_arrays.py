@@ -142,7 +142,7 @@ class _DLTensor(ctypes.Structure):
                 ("strides", ctypes.POINTER(ctypes.c_int64)), ("byte_offset", ctypes.c_uint64)]
 
 
-_DL_CPU, _DL_CUDA, _DL_CUDA_MANAGED = 1, 2, 13
+_DL_CUDA, _DL_CUDA_MANAGED = 2, 13
 # (DLPack type code, bits) -> numpy dtype name; codes from dlpack.h (kDLInt 0, kDLUInt 1, kDLFloat 2,
 # kDLBfloat 4, kDLFloat8_e4m3fn 10).
 _DL_DTYPES = {(0, 8): "int8", (0, 16): "int16", (0, 32): "int32", (0, 64): "int64",
@@ -210,14 +210,8 @@ def _read_dlpack(obj, stream):
     return ptr, shape, dtype, contiguous, device.device_id, None, readonly
 
 
-def host_view(obj):
-    """A writable numpy view of a host buffer that exposes ``__dlpack__`` (XLA's CPU buffers in
-    ``moecomm.jax``), bfloat16 and float8 included (numpy's own DLPack import refuses those)."""
-    capsule = obj.__dlpack__()
-    ptr, shape, dtype, contiguous, device = _dltensor(capsule)
-    if device.device_type != _DL_CPU or dtype is None or not contiguous:
-        raise InvalidArgument(f"expected a C-contiguous host buffer of a known dtype, got DLPack device type "
-                              f"{device.device_type}, dtype {dtype}")
+def host_array(ptr, shape, dtype):
+    """A writable numpy view of the C-contiguous host memory at address ``ptr`` (0 for an empty array)."""
     n = int(np.prod(shape, dtype=np.int64))
     raw = (ctypes.c_char * max(1, n * dtype.itemsize)).from_address(ptr) if ptr else bytearray(dtype.itemsize)
     return np.frombuffer(raw, dtype, count=n).reshape(shape)

@@ -1,18 +1,30 @@
 """JAX: dispatch and combine as JAX operations, inside ``jax.jit`` (and ``lax.scan``, ``fori_loop``,
-``cond``, ``jax.checkpoint``) or eagerly, on GPUs (on XLA's stream) and on the host transport (JAX's CPU
-backend, numpy under the hood).
+``cond``, ``jax.checkpoint``, ``jax.grad``) or eagerly, on GPUs (on XLA's stream) and on the host transport
+(JAX's CPU backend, numpy under the hood).
 
     import moecomm, moecomm.jax
     comm = moecomm.init()
     layer = moecomm.jax.AllToAll(moecomm.AllToAll(comm, ...))
     counts, expert_x, expert_x_scale = layer.dispatch(dp_x, dp_x_scale, indices, bound_m, weights)
     out_tokens = layer.combine(indices, None, expert_y, bound_m)     # weights went with dispatch
+    ...
+    layer.check()                                                    # after a step: errors the GPU recorded
 
-Built on ``jax.experimental.buffer_callback``: XLA allocates the outputs and moecomm writes them in place
-(GPU kernels on XLA's stream: no copies, no host synchronization). Shapes are static, as in
-:class:`moecomm.AllToAll` (worst-case expert slots; ``bound_m`` is a [1] int32 array). Split halves:
-:meth:`AllToAll.dispatch_send` returns a handle that :meth:`AllToAll.dispatch_recv` completes (other JAX
-work may sit between them), likewise ``combine_send`` / ``combine_recv``.
+Each operation is an XLA FFI custom call (``jax.ffi.ffi_call``) whose handler is moecomm's Python, registered
+through XLA's FFI C API with ctypes (moecomm/_xla_ffi.py; no compiler involved): XLA allocates the outputs and
+moecomm writes them in place, its kernels on XLA's stream. On GPUs the handlers are command-buffer
+compatible: where XLA puts the call into a command buffer (a CUDA graph), the handler runs once while XLA
+records it (its arguments are read and checked, its kernels captured: :meth:`moecomm.AllToAll.captured`) and
+XLA replays the graph afterwards with no Python at all, until the buffers' addresses change. Then nothing of a
+call is on the host: the kernels keep the call order (each half counts its calls; every rank runs the same
+program), check what depends on the data (m, the expert ids, the ranks' agreement) and record errors on the
+device, on every rank of a call that failed on any; :meth:`AllToAll.check` raises them (call it once a step's
+outputs are ready; the AllToAll's next call outside a graph raises them too). Where XLA runs the call outside
+a command buffer, the handler runs every time, as an eager call does (the call order kept on the host,
+errors raised by the call). Shapes are static, as in :class:`moecomm.AllToAll` (worst-case expert slots;
+``bound_m`` is a [1] int32 array). Split halves: :meth:`AllToAll.dispatch_send` returns a handle that
+:meth:`AllToAll.dispatch_recv` completes (other JAX work may sit between them), likewise ``combine_send`` /
+``combine_recv``.
 
 An AllToAll keeps state from one call to the next (its buffers, the call sequence every rank must follow),
 which XLA cannot see: to XLA a pure operation may be computed twice, dropped or merged with another. So every
@@ -24,13 +36,12 @@ once per execution, and its data dependencies (dispatch -> experts -> combine, a
 receive half) order the calls of one AllToAll.
 Gradients (the host transport; GPU transports with ``AllToAll(..., gradients=True)``): dispatch and combine
 are ``jax.custom_vjp`` operations whose forward keeps its routing plan (:class:`moecomm.RoutingPlan`) as a
-residual and whose backward runs
-:meth:`moecomm.AllToAll.dispatch_backward` / ``combine_backward`` along it, under ``jit``, ``lax.scan`` and
-``jax.checkpoint``; router weights sent with dispatch are given to combine too (see :meth:`AllToAll.combine`).
-Independent AllToAlls in one jitted function run in the order XLA schedules them, which is the same on every
-rank (every rank runs the same program); give them a data dependency if another order is wanted. They are
-not command-buffer compatible: every call runs host code (argument checks, the call order, the deferred
-error word), which a replayed command buffer would skip.
+residual and whose backward runs :meth:`moecomm.AllToAll.dispatch_backward` / ``combine_backward`` along it,
+under ``jit``, ``lax.scan`` and ``jax.checkpoint``; router weights sent with dispatch are given to combine too
+(see :meth:`AllToAll.combine`). Independent AllToAlls in one jitted function run in the order XLA schedules
+them, which is the same on every rank (every rank runs the same program); give them a data dependency if
+another order is wanted. ``jax.vmap`` over an operation is refused: a call is collective over the ranks, not
+over a batch (fold the batch into the tokens, or map over layers with ``lax.scan``).
 
 Numerics of stacked layers: a router in front of each layer re-routes its input through top-k, so two
 computations of the same stack that round differently (moecomm's kernels sum in another order than XLA; at
@@ -44,35 +55,62 @@ per node give each process one GPU before anything initialises CUDA (``CUDA_VISI
 (``XLA_PYTHON_CLIENT_PREALLOCATE=false``) and place arrays on ``jax.devices()[comm.device]``.
 The core package never imports jax; this module does.
 """
+import contextlib
+import ctypes
+import functools
+import itertools
+import weakref
 from typing import NamedTuple
 
 import jax
 import numpy as np
-from jax.experimental.buffer_callback import buffer_callback
 
-from ._arrays import DeviceBuffer, host_view
+from . import _cuda, _xla_ffi
+from ._arrays import DeviceBuffer, host_array
 from ._errors import InvalidArgument
 from .alltoall import CombineArgs, DispatchArgs, RoutingPlan, no_gradients
 
+_KINDS = ("dispatch", "combine", "dispatch_backward", "combine_backward")  # an FFI target each: moecomm_<kind>
+# an operation's flags, the low byte of its one attribute (the layer's number above): its halves, a routing plan
+# among its results, dispatch's outputs' starting values among its operands (moved: a send half's), whether the
+# router weights are among its operands
+_SEND, _RECV, _PLAN, _START, _MOVED, _WEIGHTS = 1, 2, 4, 8, 16, 32
+_layers = weakref.WeakValueDictionary()  # {number: AllToAll}: whom a handler serves
+_numbers = itertools.count(1)
 
-def _recomputable():
-    """Let ``jax.checkpoint`` recompute moecomm's operations. A checkpointed forward runs again in the
-    backward pass, which is right for moecomm's calls (collective: every rank runs the same program, so
-    every rank recomputes the same calls in the same order), but JAX refuses effects it does not list as
-    recomputable ("Effects not supported in partial-eval of checkpoint/remat"), and buffer callbacks are
-    not listed (jax 0.10-0.11; the list is internal). Adds them, where JAX has that list."""
+
+def _handle(kind, frame):
+    """The FFI handler of every moecomm operation: the layer and flags from the frame's attribute, then the
+    layer's method for ``kind`` with the frame's buffers."""
+    op = _xla_ffi.int_attr(frame, 0)
+    getattr(_layers[op >> 8], "_" + kind)(op & 0xFF, _xla_ffi.buffers(frame.args), _xla_ffi.buffers(frame.rets),
+                                          frame)
+
+
+def _register():
+    """Register moecomm's handlers with XLA, once per process, for GPUs (command-buffer compatible) and JAX's
+    CPU backend; and let ``jax.checkpoint`` recompute them. A checkpointed forward runs again in the backward
+    pass, which is right for moecomm's calls (collective: every rank runs the same program, so every rank
+    recomputes the same calls in the same order), but JAX refuses effects it does not list as recomputable
+    ("Effects not supported in partial-eval of checkpoint/remat"), and FFI calls with a side effect are not
+    listed (jax 0.10-0.11; the list is internal): added where JAX has it."""
+    handlers = []
+    for kind in _KINDS:
+        for platform, graphs in (("cpu", False), ("CUDA", True)):
+            h = _xla_ffi.handler(functools.partial(_handle, kind), graphs)
+            handlers.append(h)
+            jax.ffi.register_ffi_target(f"moecomm_{kind}", jax.ffi.pycapsule(ctypes.cast(h, ctypes.c_void_p).value),
+                                        platform=platform)
     try:
         from jax._src import effects
-        from jax._src.buffer_callback import BufferCallbackEffect
+        from jax._src.ffi import FfiEffect
     except ImportError:  # another layout of JAX's internals: jax.checkpoint under jax.grad then raises JAX's error
-        return
-    effects.remat_allowed_effects.add_type(BufferCallbackEffect)
+        return handlers
+    effects.remat_allowed_effects.add_type(FfiEffect)
+    return handlers
 
 
-_recomputable()
-
-
-_PLAN_ARRAYS = len(RoutingPlan._fields)  # a routing plan's arrays, operands of the backward calls
+_HANDLERS = _register()  # kept alive: XLA holds their addresses
 
 
 def _fenced(op, *args):
@@ -82,6 +120,20 @@ def _fenced(op, *args):
     (seen with jax 0.11.2: a dispatch twice in a row, or a combine with no dispatch). Behind barriers XLA sees
     whole buffers on both sides and never copies the call."""
     return jax.lax.optimization_barrier(op(*jax.lax.optimization_barrier(args)))
+
+
+try:  # JAX's internal name of vmap's tracer (jax 0.5-0.11); without it JAX's own vmap error stands
+    from jax._src.interpreters.batching import BatchTracer as _BatchTracer
+except ImportError:
+    _BatchTracer = ()
+
+
+def _unbatched(*arrays):
+    """Refuse ``jax.vmap`` over an operation: a call is collective over the ranks, not over a batch."""
+    if any(isinstance(a, _BatchTracer) for a in arrays):
+        raise InvalidArgument("moecomm.jax: jax.vmap over dispatch or combine is not supported (each call is one "
+                              "collective exchange of all the ranks): fold the batch into the token dimension, or "
+                              "map over layers with lax.scan")
 
 
 class DispatchHandle(NamedTuple):
@@ -132,46 +184,127 @@ class AllToAll:
         self._scaled = scale is not None
         self._plan = RoutingPlan(*(jax.ShapeDtypeStruct(s, np.int32) for s in a2a.plan_shapes()))
         self._weights_sent = False  # whether the last dispatch traced here was given router weights
+        self._number = next(_numbers)  # its operations' attribute names it to the handlers
+        _layers[self._number] = self
 
-    # ------------------------------------------------------------------------------------------
-    def _buffer(self, b):
-        """A JAX callback Buffer as moecomm reads it: a DeviceBuffer on GPUs (its memory is XLA's, on this
-        rank's device), a numpy view on the host transport."""
-        if b is None:
-            return None
-        if self._host:
-            return host_view(b)
-        return DeviceBuffer(b.__cuda_array_interface__["data"][0], tuple(b.shape), np.dtype(b.dtype),
-                            self._device)
+    def check(self):
+        """Raise the error the GPU recorded in this AllToAll's calls that nothing has raised yet (calls replayed
+        from XLA's command buffers run no Python: see the module doc); call it once a step's outputs are
+        ready (``jax.block_until_ready``). :meth:`moecomm.AllToAll.check`."""
+        self.a2a.check()
 
-    def _stream(self, ctx):
-        """XLA's stream for this execution (none on the host)."""
-        return None if self._host else ctx.stream
+    # the operations: an FFI call each, served by the handlers below -------------------------------
+    def _call(self, kind, flags, results, operands, aliases):
+        """The FFI call ``moecomm_<kind>`` with ``flags`` on ``operands`` (arrays; absent ones left out: the
+        flags say which), returning ``results`` (ShapeDtypeStructs); ``aliases``: operand -> result."""
+        call = jax.ffi.ffi_call(f"moecomm_{kind}", results, has_side_effect=True, input_output_aliases=aliases)
+        op = np.int64(self._number << 8 | flags)
+        return _fenced(lambda *a: call(*a, op=op), *operands)
 
     def _dispatch_op(self, send, recv, inputs, outputs=None, plan=False):
-        """One buffer_callback running the given halves of dispatch on ``inputs`` (dp_x, dp_x_scale,
-        indices, bound_m, weights); a receive half after a send half completes ``outputs`` (the send's
-        counts, expert_x, expert_x_scale) in place. Returns (counts, expert_x, expert_x_scale or None), and
-        with ``plan`` the dispatch's RoutingPlan and expert slots past their count zero (the outputs start
-        as zeros: a gradient of the experts' weights reads every slot)."""
-        def run(ctx, out, *args):
-            x, xs, idx, m, w = (self._buffer(b) for b in args[-5:])
-            n, ex, exs, *rp = (self._buffer(b) for b in (out if self._scaled else (*out[:2], None, *out[2:])))
-            # after a send half, XLA may have copied its outputs: their contents are what the send wrote
-            self.a2a.run(DispatchArgs(n, ex, exs, x, xs, idx, m, w, None, self._stream(ctx),
-                                      moved_outputs=outputs is not None), send, recv)
-            if rp:
-                self.a2a.plan(RoutingPlan(*rp), self._stream(ctx))
+        """The given halves of dispatch on ``inputs`` (dp_x, dp_x_scale, indices, bound_m, weights); a
+        receive half after a send half completes ``outputs`` (the send's counts, expert_x, expert_x_scale) in
+        place. Returns (counts, expert_x, expert_x_scale or None), and with ``plan`` the dispatch's
+        RoutingPlan and expert slots past their count zero (the outputs start as zeros: a gradient of the
+        experts' weights reads every slot)."""
+        _unbatched(*inputs)
         structs = self._dispatch_out if self._scaled else self._dispatch_out[:2]
-        start = (outputs if outputs is not None else
+        start = (outputs[:len(structs)] if outputs is not None else
                  [jax.numpy.zeros(t.shape, t.dtype) for t in structs] if plan or self._zero else ())
-        aliases = {i: i for i in range(len(structs))} if start else None  # (expert_x_scale None: no operand)
-        structs += tuple(self._plan) if plan else ()
-        out = _fenced(buffer_callback(run, structs, has_side_effect=True, input_output_aliases=aliases),
-                      *start, *inputs)
+        flags = (send * _SEND | recv * _RECV | plan * _PLAN | bool(start) * _START | (outputs is not None) * _MOVED
+                 | (inputs[4] is not None) * _WEIGHTS)
+        results = structs + (tuple(self._plan) if plan else ())
+        out = self._call("dispatch", flags, results, (*start, *(a for a in inputs if a is not None)),
+                         {i: i for i in range(len(start))} or None)
         out = tuple(out) if self._scaled else (*out[:2], None, *out[2:])
         return (out[:3], RoutingPlan(*out[3:])) if plan else out
 
+    def _combine_op(self, send, recv, inputs, out_tokens=None, plan=False):
+        """The given halves of combine on ``inputs`` (indices, weights, expert_y, bound_m), writing into
+        ``out_tokens`` (a send half's, for its receive half), else into zeros (rows >= m stay zero: no
+        uninitialised memory reaches JAX). With ``plan``, returns (out_tokens, the RoutingPlan of the dispatch
+        it combines)."""
+        _unbatched(*inputs)
+        c = self.a2a.cfg
+        shape = (inputs[0].shape[0], c.hidden_dim)
+        if out_tokens is None:
+            out_tokens = jax.numpy.zeros(shape, c.out_dtype)
+        flags = send * _SEND | recv * _RECV | plan * _PLAN | (inputs[1] is not None) * _WEIGHTS
+        structs = jax.ShapeDtypeStruct(shape, c.out_dtype)
+        out = self._call("combine", flags, (structs, *self._plan) if plan else structs,
+                         (out_tokens, *(a for a in inputs if a is not None)), {0: 0})
+        return (out[0], RoutingPlan(*out[1:])) if plan else out
+
+    def _dispatch_backward_op(self, plan, grad_expert_x, bound_m, shape, dtype):
+        """:meth:`moecomm.AllToAll.dispatch_backward` as a JAX operation: grad_x [rows, hidden] ``dtype``
+        (rows >= m zero)."""
+        return self._call("dispatch_backward", 0, jax.ShapeDtypeStruct(shape, dtype),
+                          (jax.numpy.zeros(shape, dtype), *plan, grad_expert_x, bound_m), {0: 0})
+
+    def _combine_backward_op(self, plan, grad_out, weights, expert_y, bound_m):
+        """:meth:`moecomm.AllToAll.combine_backward` as a JAX operation: (grad_expert_y in expert_y's shape
+        and dtype, zeros in empty slots; grad_weights [rows, k] float32, rows >= m zero)."""
+        structs = (jax.ShapeDtypeStruct(expert_y.shape, expert_y.dtype),
+                   jax.ShapeDtypeStruct(weights.shape, np.float32))
+        return self._call("combine_backward", 0, structs, (*(jax.numpy.zeros(t.shape, t.dtype) for t in structs),
+                                                           *plan, grad_out, weights, expert_y, bound_m), {0: 0, 1: 1})
+
+    # the handlers (moecomm/_xla_ffi.py calls them with the frame's buffers: (address, shape, dtype)) ------
+    def _array(self, b):
+        """An XLA buffer as moecomm reads it: a DeviceBuffer on GPUs (XLA's memory on this rank's device), a
+        numpy view on the host transport."""
+        ptr, shape, dtype = b
+        return host_array(ptr, shape, dtype) if self._host else DeviceBuffer(ptr, shape, dtype, self._device)
+
+    def _scope(self, frame):
+        """(XLA's stream or None on the host, the context the call runs in): on GPUs
+        moecomm.AllToAll.captured(), recording where XLA is recording a command buffer. XLA may record one
+        half of a call and run the other directly, so no call keeps its order on the host; XLA's data
+        dependencies order them, the kernels pair them."""
+        if self._host:
+            return None, contextlib.nullcontext()
+        stream = _xla_ffi.stream(frame)
+        return stream, self.a2a.captured(recording=_cuda.is_capturing(stream))
+
+    def _dispatch(self, flags, ins, outs, frame):
+        stream, scope = self._scope(frame)
+        arrays = [self._array(b) for b in ins[(2 + self._scaled) * bool(flags & _START):]]
+        x, xs = arrays.pop(0), arrays.pop(0) if self._scaled else None
+        w = arrays.pop() if flags & _WEIGHTS else None
+        idx, m = arrays
+        n, ex, *rest = (self._array(b) for b in outs)
+        exs = rest.pop(0) if self._scaled else None
+        with scope:  # after a send half, XLA may have copied its outputs: they hold what the send wrote
+            self.a2a.run(DispatchArgs(n, ex, exs, x, xs, idx, m, w, None, stream, bool(flags & _MOVED)),
+                         flags & _SEND, flags & _RECV)
+            if rest:
+                self.a2a.plan(RoutingPlan(*rest), stream)
+
+    def _combine(self, flags, ins, outs, frame):
+        stream, scope = self._scope(frame)
+        idx, *arrays = (self._array(b) for b in ins[1:])
+        w = arrays.pop(0) if flags & _WEIGHTS else None
+        y, m = arrays
+        out, *rest = (self._array(b) for b in outs)
+        with scope:
+            if rest:
+                self.a2a.plan(RoutingPlan(*rest), stream)
+            self.a2a.run(CombineArgs(out, idx, w, y, m, None, stream), flags & _SEND, flags & _RECV)
+
+    def _dispatch_backward(self, flags, ins, outs, frame):
+        stream, scope = self._scope(frame)
+        *plan, g, m = (self._array(b) for b in ins[1:])
+        with scope:
+            self.a2a.dispatch_backward(self._array(outs[0]), RoutingPlan(*plan), g, m, stream)
+
+    def _combine_backward(self, flags, ins, outs, frame):
+        stream, scope = self._scope(frame)
+        *plan, g, w, y, m = (self._array(b) for b in ins[2:])
+        grad_y, grad_w = (self._array(b) for b in outs)
+        with scope:
+            self.a2a.combine_backward(grad_y, grad_w, RoutingPlan(*plan), g, w, y, m, stream)
+
+    # the API ----------------------------------------------------------------------------------
     def dispatch(self, dp_x, dp_x_scale, indices, bound_m, weights=None):
         """Both halves of :meth:`moecomm.AllToAll.dispatch`. Returns ``(out_expert_num_tokens [L] int32,
         out_expert_x [L, capacity, hidden] in_dtype, out_expert_x_scale (its shape) scale_dtype or
@@ -202,20 +335,10 @@ class AllToAll:
                 raise InvalidArgument("moecomm.jax: gradients of an FP8 dispatch are not taken (a JAX cotangent "
                                       "is FP8 too); dispatch bfloat16 or float16 tokens to train")
             plan, bound_m = residuals
-            return self._dispatch_backward(plan, cotangents[1], bound_m, shape, dtype), None, None, None, None
+            return self._dispatch_backward_op(plan, cotangents[1], bound_m, shape, dtype), None, None, None, None
 
         dispatch.defvjp(forward, backward)
         return dispatch
-
-    def _dispatch_backward(self, plan, grad_expert_x, bound_m, shape, dtype):
-        """:meth:`moecomm.AllToAll.dispatch_backward` as a JAX operation: grad_x [rows, hidden] ``dtype``
-        (rows >= m zero)."""
-        def run(ctx, out, *args):
-            *plan_arrays, g, m = (self._buffer(b) for b in args[-_PLAN_ARRAYS - 2:])
-            self.a2a.dispatch_backward(self._buffer(out), RoutingPlan(*plan_arrays), g, m, self._stream(ctx))
-        return _fenced(buffer_callback(run, jax.ShapeDtypeStruct(shape, dtype), has_side_effect=True,
-                                       input_output_aliases={0: 0}),
-                       jax.numpy.zeros(shape, dtype), *plan, grad_expert_x, bound_m)
 
     def dispatch_send(self, dp_x, dp_x_scale, indices, bound_m, weights=None):
         """The send half of :meth:`dispatch`; returns a :class:`DispatchHandle` for :meth:`dispatch_recv`."""
@@ -226,26 +349,6 @@ class AllToAll:
     def dispatch_recv(self, handle):
         """The receive half: completes the handle's outputs in place. Returns what :meth:`dispatch` does."""
         return self._dispatch_op(False, True, handle[3:], outputs=handle[:3])
-
-    def _combine_op(self, send, recv, inputs, out_tokens=None, plan=False):
-        """One buffer_callback running the given halves of combine on ``inputs`` (indices, weights,
-        expert_y, bound_m), writing into ``out_tokens`` (a send half's, for its receive half), else into
-        zeros (rows >= m stay zero: no uninitialised memory reaches JAX). With ``plan``, returns
-        (out_tokens, the RoutingPlan of the dispatch it combines)."""
-        def run(ctx, out, *args):
-            idx, w, y, m = (self._buffer(b) for b in args[-4:])
-            out, *rp = (self._buffer(b) for b in (out if plan else (out,)))
-            if rp:
-                self.a2a.plan(RoutingPlan(*rp), self._stream(ctx))
-            self.a2a.run(CombineArgs(out, idx, w, y, m, None, self._stream(ctx)), send, recv)
-        c = self.a2a.cfg
-        shape = (inputs[0].shape[0], c.hidden_dim)
-        if out_tokens is None:
-            out_tokens = jax.numpy.zeros(shape, c.out_dtype)
-        structs = jax.ShapeDtypeStruct(shape, c.out_dtype)
-        out = _fenced(buffer_callback(run, (structs, *self._plan) if plan else structs, has_side_effect=True,
-                                      input_output_aliases={0: 0}), out_tokens, *inputs)
-        return (out[0], RoutingPlan(*out[1:])) if plan else out
 
     def combine(self, indices, weights, expert_y, bound_m):
         """Both halves of :meth:`moecomm.AllToAll.combine`. Returns out_tokens [rows, hidden] out_dtype
@@ -278,24 +381,11 @@ class AllToAll:
 
         def backward(residuals, grad_out):
             plan, weights, expert_y, bound_m = residuals
-            grad_y, grad_w = self._combine_backward(plan, grad_out, weights, expert_y, bound_m)
+            grad_y, grad_w = self._combine_backward_op(plan, grad_out, weights, expert_y, bound_m)
             return None, grad_w, grad_y, None
 
         combine.defvjp(forward, backward)
         return combine
-
-    def _combine_backward(self, plan, grad_out, weights, expert_y, bound_m):
-        """:meth:`moecomm.AllToAll.combine_backward` as a JAX operation: (grad_expert_y in expert_y's shape
-        and dtype, zeros in empty slots; grad_weights [rows, k] float32, rows >= m zero)."""
-        def run(ctx, out, *args):
-            *plan_arrays, g, w, y, m = (self._buffer(b) for b in args[-_PLAN_ARRAYS - 4:])
-            grad_y, grad_w = (self._buffer(b) for b in out)
-            self.a2a.combine_backward(grad_y, grad_w, RoutingPlan(*plan_arrays), g, w, y, m, self._stream(ctx))
-        structs = (jax.ShapeDtypeStruct(expert_y.shape, expert_y.dtype),
-                   jax.ShapeDtypeStruct(weights.shape, np.float32))
-        return _fenced(buffer_callback(run, structs, has_side_effect=True, input_output_aliases={0: 0, 1: 1}),
-                       *(jax.numpy.zeros(t.shape, t.dtype) for t in structs), *plan, grad_out, weights, expert_y,
-                       bound_m)
 
     def combine_send(self, indices, weights, expert_y, bound_m):
         """The send half of :meth:`combine`; returns a :class:`CombineHandle` for :meth:`combine_recv`."""

@@ -8,7 +8,8 @@ Each case runs jitted with a new token count m < max_num_tokens (and m = max_num
 random tokens, and compares rows < m with the reference (relative L2, bf16 tolerance):
 
 * one layer, router weights sent with dispatch or given at combine; two AllToAlls in one jitted step;
-* ``lax.scan`` over two layers (unroll 1 and 2), ``fori_loop``, ``lax.cond`` around a layer,
+* ``lax.scan`` over two layers (unroll 1 and 2), ``fori_loop``, ``while_loop``, ``lax.cond`` and ``lax.switch``
+  around a layer, ``jax.vmap`` refused with a moecomm error,
   ``jax.checkpoint``, a donated input, split halves with other work between them inside a scan, a scan whose
   per-layer outputs are also returned (XLA may then compute a pure operation twice), m changing every step
   under one compiled program.
@@ -116,6 +117,10 @@ def main():
                       lambda x: ref_l(x, 0)),
         "cond false": (jax.jit(lambda x, m: jax.lax.cond(m[0] < 0, lambda v: layer_l(v, m, 0), lambda v: v * 2, x)),
                        lambda x: x * 2),
+        "switch": (jax.jit(lambda x, m: jax.lax.switch(m[0] % 2, [lambda v: layer_l(v, m, 0)] * 2, x)),
+                   lambda x: ref_l(x, 0)),
+        "while_loop": (jax.jit(lambda x, m: jax.lax.while_loop(
+            lambda c: c[1] < 1, lambda c: (layer_l(c[0], m, 0), c[1] + 1), (x, 0))[0]), lambda x: ref_l(x, 0)),
     }
     stacks = {  # name: (jitted, its reference), routing given
         "scan, routing given, end to end": (jax.jit(fixed_scan), fixed_ref),
@@ -157,6 +162,15 @@ def main():
         except Exception as e:  # noqa: BLE001 - JAX wraps callback errors in its own
             checks += 1
             fails.append(f"rank {r}: m={m}: {type(e).__name__}: {str(e).splitlines()[0][:300]}")
+    checks += 1  # jax.vmap over a layer: refused with what to do instead
+    try:
+        jax.vmap(lambda v: layer_l(v, put(jnp.asarray([M], jnp.int32)), 0))(jnp.stack([x, x]))
+        fails.append(f"rank {r}: jax.vmap over a layer was not refused")
+    except moecomm.InvalidArgument as e:
+        if "vmap" not in str(e):
+            fails.append(f"rank {r}: jax.vmap refused without saying why: {e}")
+    a2a.check()  # errors the GPU recorded in calls replayed from command buffers
+    other.check()
     a2a.synchronize()
     other.synchronize()
     a2a.destroy()

@@ -4,9 +4,10 @@ bfloat16 (128 tokens, 7168 hidden, 256 experts, top-8; router weights sent with 
     python tools/jax_host.py [--steps 300] [--json jax-host.json]
 
 The step ``dispatch -> combine`` (expert outputs = the dispatched tokens) runs under ``jax.jit``; XLA calls
-moecomm's two buffer callbacks on its host thread at every execution. Each callback's own time is timed
-inside it: moecomm.jax's reading of XLA's buffers (``_buffer``) and the call itself (``AllToAll.run``: checks,
-call order, launch), each and their sum per call. The step's wall time (one step, then its wait) comes beside it. The
+moecomm's FFI handlers on its host thread where it runs the calls outside a command buffer (where it replays
+a command buffer, none runs: ``n`` 0). Each handler's own time is timed inside it: moecomm.jax's reading of
+XLA's buffers (``_array``) and the call itself (``AllToAll.run``: checks, launch), each and their sum per
+call. The step's wall time (one step, then its wait) comes beside it. The
 output of the first step is checked against moecomm.reference. Medians and p99 over ``--steps`` steps.
 """
 import argparse
@@ -24,7 +25,11 @@ from moecomm import reference  # noqa: E402
 
 
 def summary(us):
-    us = np.asarray(us)
+    """Median, p99 and count of ``us`` (NaN where there is none: XLA replayed its command buffers, no handler
+    ran)."""
+    us = np.asarray(us, float)
+    if not us.size:
+        return {"median_us": float("nan"), "p99_us": float("nan"), "n": 0}
     return {"median_us": float(np.median(us)), "p99_us": float(np.percentile(us, 99)), "n": int(us.size)}
 
 
@@ -66,7 +71,7 @@ def main():
     def ran(seconds, a):  # run() ends a callback: its reads came just before it
         calls.append((a[0].phase, 1e6 * spent["buffer"], 1e6 * seconds))
         spent["buffer"] = 0.0
-    wrap(layer, "_buffer", read)
+    wrap(layer, "_array", read)
     wrap(a2a, "run", ran)
     if args.parts:  # the steps of AllToAll.run, each timed on its own
         for owner, name, label in ((a2a._context, "enter", "context enter"), (a2a._arrays, "begin", "arrays.begin"),
