@@ -1,8 +1,7 @@
 """The public dispatch/combine API, after pplx-kernels' ``AllToAll`` (framework-neutral)."""
-import contextlib
 import hashlib
 import warnings
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext, suppress
 from operator import is_
 from typing import NamedTuple
 
@@ -557,7 +556,7 @@ class AllToAll:
         with self.comm.breaking():
             self._backend.check_error()
 
-    @contextlib.contextmanager
+    @contextmanager
     def captured(self, recording=True):
         """Within it, calls (dispatch, combine, plan and the backward calls) keep nothing on the host, for a
         framework that may record them into a CUDA graph and replay it without the host (XLA's command
@@ -835,11 +834,11 @@ class AllToAll:
         return out
 
     def destroy(self):
-        """Release the buffers (collective; local only when the communicator is broken or ranks are masked).
-        Safe to call twice; later calls raise InvalidArgument."""
+        """End a call in progress as :meth:`abort` does, then release the buffers (collective; local only when
+        the communicator is broken or ranks are masked). Safe to call twice; later calls raise InvalidArgument."""
         if self._backend is not None:
             if self._order.done and self.comm.broken is None:  # a call in progress: ended first, so that the
-                with contextlib.suppress(MoeCommError):         # peers' halves of it pair with this rank's
+                with suppress(MoeCommError):                    # peers' halves of it pair with this rank's
                     self.abort()
             backend, self._backend = self._backend, None
             with self._context or nullcontext(), self.comm.breaking():

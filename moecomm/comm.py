@@ -379,10 +379,9 @@ class _ExitGuard:
     """At interpreter exit: a rank ending on an exception it did not handle tells its peers (each live
     communicator's :meth:`Communicator.abandon`, with the exception) and ends without MPI's finalization;
     otherwise live communicators are finalized (collectively; a peer waiting for this rank in a call raises
-    PeerExited at once). If a wait for a peer failed (in init
-    or in a communicator), the process ends without MPI's finalization, which waits for every rank, dead ones
-    included. It holds every communicator not finalized (a local of a function that returned too). Installed
-    by the first init()."""
+    PeerExited at once). If a wait for a peer failed (in init or in a communicator), the process ends without
+    MPI's finalization, which waits for every rank, dead ones included. It holds every communicator not
+    finalized (a local of a function that returned too). Installed by the first init()."""
 
     def __init__(self):
         self.comms, self.unhandled, self.broken, self._previous_hook = [], None, False, None
