@@ -60,10 +60,6 @@ class CallOrder:
         """Whether ``phase``'s send half was issued and its receive half not yet."""
         return self.done == _PHASE_START[phase] + 1
 
-    def combine_due(self):
-        """Whether the current call's dispatch has run and its combine has not started."""
-        return self.done == 2
-
     def check(self, phase, send, recv):
         """Raise InvalidArgument when issuing ``phase``'s send and/or receive half now breaks the order (a
         dispatch send half always finds no call in progress: AllToAll ends a call left open first)."""

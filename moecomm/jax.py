@@ -20,11 +20,11 @@ call is on the host: the kernels keep the call order (each half counts its calls
 program), check what depends on the data (m, the expert ids, the ranks' agreement) and record errors on the
 device, on every rank of a call that failed on any; :meth:`AllToAll.check` raises them (call it once a step's
 outputs are ready; the AllToAll's next call outside a graph raises them too). Where XLA runs the call outside
-a command buffer, the handler runs every time, as an eager call does (the call order kept on the host,
-errors raised by the call). Shapes are static, as in :class:`moecomm.AllToAll` (worst-case expert slots;
-``bound_m`` is a [1] int32 array). Split halves: :meth:`AllToAll.dispatch_send` returns a handle that
-:meth:`AllToAll.dispatch_recv` completes (other JAX work may sit between them), likewise ``combine_send`` /
-``combine_recv``.
+a command buffer, the handler runs every time and raises what the kernels recorded so far, as an eager call
+does; the call order is kept on the device either way (XLA may record one half of a call and run the other).
+Shapes are static, as in :class:`moecomm.AllToAll` (worst-case expert slots; ``bound_m`` is a [1] int32 array).
+Split halves: :meth:`AllToAll.dispatch_send` returns a handle that :meth:`AllToAll.dispatch_recv` completes
+(other JAX work may sit between them), likewise ``combine_send`` / ``combine_recv``.
 
 An AllToAll keeps state from one call to the next (its buffers, the call sequence every rank must follow),
 which XLA cannot see: to XLA a pure operation may be computed twice, dropped or merged with another. So every
