@@ -227,6 +227,11 @@ def is_capturing(stream):
         raise MoeCommError(f"cudaStreamIsCapturing failed: {e}") from None
 
 
+def copy_async(dst, src, nbytes, stream):
+    """Copy ``nbytes`` of device memory from ``src`` to ``dst`` (addresses) on ``stream``."""
+    per_call_runtime.memcpyAsync(dst, src, nbytes, per_call_runtime.memcpyDeviceToDevice, stream)
+
+
 def stream_synchronize(stream):
     check(driver.cuStreamSynchronize(stream), "cuStreamSynchronize")
 

@@ -29,11 +29,15 @@ Split halves: :meth:`AllToAll.dispatch_send` returns a handle that :meth:`AllToA
 An AllToAll keeps state from one call to the next (its buffers, the call sequence every rank must follow),
 which XLA cannot see: to XLA a pure operation may be computed twice, dropped or merged with another. So every
 operation is marked as having a side effect (never dropped or merged) and sits between optimization barriers:
-XLA's GPU compiler otherwise fuses a scan's per-layer slicing into a copy of the call and keeps the original
-too (seen on one H200 with jax 0.11.2: a dispatch run twice in a row; a scan whose per-layer outputs were
-returned ran its combine twice, the second time with no dispatch to combine). So each operation runs exactly
-once per execution, and its data dependencies (dispatch -> experts -> combine, a send half's handle -> its
-receive half) order the calls of one AllToAll.
+XLA's GPU compiler otherwise fuses a scan's per-layer slicing of an operand or a result into a copy of the call
+(a "dynamic-slice fusion") and keeps the original too (seen on one H200 with jax 0.11.2: a dispatch run twice
+in a row; a scan whose per-layer outputs were returned ran its combine twice, the second time with no
+dispatch to combine). Under ``jax.checkpoint`` JAX saves an effectful operation's raw outputs for the
+backward pass, past any barrier, and a scan stacks them: so the forward of a differentiated dispatch or
+combine hands its outputs to ``moecomm_keep``, an effectful call that only copies its operands to its results
+where XLA gave them other buffers (none, unless XLA fused a copy of it), which XLA may fuse or copy freely. So
+each operation runs exactly once per execution, and its data dependencies (dispatch -> experts -> combine, a
+send half's handle -> its receive half) order the calls of one AllToAll.
 Gradients (the host transport; GPU transports with ``AllToAll(..., gradients=True)``): dispatch and combine
 are ``jax.custom_vjp`` operations whose forward keeps its routing plan (:class:`moecomm.RoutingPlan`) as a
 residual and whose backward runs :meth:`moecomm.AllToAll.dispatch_backward` / ``combine_backward`` along it,
@@ -70,7 +74,7 @@ from ._arrays import DeviceBuffer, host_array
 from ._errors import InvalidArgument
 from .alltoall import CombineArgs, DispatchArgs, RoutingPlan, no_gradients
 
-_KINDS = ("dispatch", "combine", "dispatch_backward", "combine_backward")  # an FFI target each: moecomm_<kind>
+_KINDS = ("dispatch", "combine", "dispatch_backward", "combine_backward", "keep")  # FFI targets: moecomm_<kind>
 # an operation's flags, the low byte of its one attribute (the layer's number above): its halves, a routing plan
 # among its results, dispatch's outputs' starting values among its operands (moved: a send half's), whether the
 # router weights are among its operands
@@ -89,11 +93,12 @@ def _handle(kind, frame):
 
 def _register():
     """Register moecomm's handlers with XLA, once per process, for GPUs (command-buffer compatible) and JAX's
-    CPU backend; and let ``jax.checkpoint`` recompute them. A checkpointed forward runs again in the backward
-    pass, which is right for moecomm's calls (collective: every rank runs the same program, so every rank
-    recomputes the same calls in the same order), but JAX refuses effects it does not list as recomputable
-    ("Effects not supported in partial-eval of checkpoint/remat"), and FFI calls with a side effect are not
-    listed (jax 0.10-0.11; the list is internal): added where JAX has it."""
+    CPU backend; and let ``jax.checkpoint`` take them. JAX refuses effects it does not list as allowed in
+    remat ("Effects not supported in partial-eval of checkpoint/remat"), and FFI calls with a side effect are
+    not listed (jax 0.10-0.11; the list is internal): added where JAX has it. JAX then keeps the calls'
+    outputs as residuals and recomputes the rest of a checkpointed function (jax 0.10-0.11); were it to run
+    them again, that would be right too (collective: every rank runs the same program, so every rank would
+    recompute the same calls in the same order)."""
     handlers = []
     for kind in _KINDS:
         for platform, graphs in (("cpu", False), ("CUDA", True)):
@@ -199,7 +204,16 @@ class AllToAll:
         flags say which), returning ``results`` (ShapeDtypeStructs); ``aliases``: operand -> result."""
         call = jax.ffi.ffi_call(f"moecomm_{kind}", results, has_side_effect=True, input_output_aliases=aliases)
         op = np.int64(self._number << 8 | flags)
+        if flags & _PLAN:  # a differentiated forward: its outputs reach the backward pass through moecomm_keep
+            return _fenced(lambda *a: self._keep_op(call(*a, op=op)), *operands)
         return _fenced(lambda *a: call(*a, op=op), *operands)
+
+    def _keep_op(self, arrays):
+        """``arrays`` (a forward's outputs) through ``moecomm_keep``: its results alias its operands, and it
+        copies an operand to its result where XLA gave them different buffers (see the module doc)."""
+        call = jax.ffi.ffi_call("moecomm_keep", [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays],
+                                has_side_effect=True, input_output_aliases={i: i for i in range(len(arrays))})
+        return call(*arrays, op=np.int64(self._number << 8))
 
     def _dispatch_op(self, send, recv, inputs, outputs=None, plan=False):
         """The given halves of dispatch on ``inputs`` (dp_x, dp_x_scale, indices, bound_m, weights); a
@@ -290,6 +304,15 @@ class AllToAll:
             if rest:
                 self.a2a.plan(RoutingPlan(*rest), stream)
             self.a2a.run(CombineArgs(out, idx, w, y, m, None, stream), flags & _SEND, flags & _RECV)
+
+    def _keep(self, flags, ins, outs, frame):
+        for (src, shape, dtype), (dst, _, _) in zip(ins, outs):
+            if src != dst:  # XLA gave the result a buffer of its own (a fused copy of this call)
+                nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+                if self._host:
+                    ctypes.memmove(dst, src, nbytes)
+                else:
+                    _cuda.copy_async(dst, src, nbytes, _xla_ffi.stream(frame))
 
     def _dispatch_backward(self, flags, ins, outs, frame):
         stream, scope = self._scope(frame)

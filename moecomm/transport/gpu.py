@@ -301,8 +301,7 @@ def _error(code, peer, phase, detail, call, amount, what, capacity, departed):
         return InvalidArgument(f"{where}: plan: it has pairs for tokens >= m={detail}: it is another call's plan")
     if code == C.ERR_ORDER:
         return OutOfStep(f"{where}: a dispatch began before the previous call's combine ran on this GPU (calls "
-                         f"replayed without the host ran out of order: an operation run twice; XLA does so with "
-                         f"jax.checkpoint inside lax.scan on GPUs)")
+                         f"replayed without the host ran out of order: an operation run twice, or a combine skipped)")
     if code == C.ERR_IDS_DIFFER:
         return InvalidArgument(f"{where}: {IDS_DIFFER}")
     if code == C.ERR_WEIGHTS_DIFFER:
