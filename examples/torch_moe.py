@@ -37,6 +37,9 @@ def main():
     p.add_argument("--topk", type=int, default=4)
     p.add_argument("--steps", type=int, default=8)
     args = p.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("examples/torch_moe.py needs an NVIDIA GPU per rank and PyTorch's CUDA build (it captures the layer "
+                 "in a torch CUDA graph); without a GPU, run examples/train_torch.py")
 
     comm = moecomm.init()
     W, rank, M, H, K = comm.world_size, comm.rank, args.tokens, args.hidden, args.topk

@@ -215,3 +215,8 @@ def plan(load, num_ranks, slots_per_rank, previous=None, tolerance=0.05, max_rep
     new = ExpertMap(slots, E, generation)
     moves = 0 if previous is None else new.moved(previous)
     return Plan(new, new.rank_load(load), new.imbalance(load), bound, moves)
+
+
+if __name__ == "__main__":
+    raise SystemExit("moecomm.balance is a library module, not a command: replica plans for "
+                     "AllToAll.set_expert_map (docs/operations.md).")

@@ -493,7 +493,7 @@ def plot(results, path):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m moecomm.bench", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m moecomm.bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--configs", default="r1-decode,r1-prefill",
                    help="comma list of r1-decode, r1-prefill, v2-lite, sweep (default: the first two)")
     p.add_argument("--routing", default="uniform", choices=["uniform", "zipf", "hot"])

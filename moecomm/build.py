@@ -31,7 +31,7 @@ def _variants(text):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m moecomm.build", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m moecomm.build", description=__doc__.split("\n\n")[0])
     p.add_argument("--arch", default="sm_90", type=_arch, help="target, e.g. sm_90 (default) or sm_90a")
     p.add_argument("--no-cache", action="store_true", help="build even if the disk cache has it")
     p.add_argument("--variants", default=",".join(_jit.VARIANTS), type=_variants,

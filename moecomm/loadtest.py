@@ -250,7 +250,7 @@ def scenario_mask(comm, layer, routing, args):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m moecomm.loadtest", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m moecomm.loadtest", description=__doc__.split("\n\n")[0])
     p.add_argument("--scenarios", default="uniform,zipf,moving-hot,ramp")
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--tokens", type=int, default=128, help="most tokens per rank per step (default 128)")

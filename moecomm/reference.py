@@ -251,3 +251,8 @@ def combine_backward(indices, weights, grad_out, expert_y, origin, num_experts, 
             grad_ey[r][le, slot] = (np.float32(weights[g][t, k]) * go).astype(grad_out[0].dtype)
             grad_w[g][t, k] = np.dot(go, expert_y[r][le, slot].astype(np.float32))
     return grad_ey, grad_w
+
+
+if __name__ == "__main__":
+    raise SystemExit("moecomm.reference is a library module, not a command: numpy references of dispatch "
+                     "and combine (docs/api.md).")

@@ -174,3 +174,8 @@ def to_prometheus(metrics, prefix="moecomm", labels=None):
             gauge(f"phase_time_us_{stat}", f"device time per call of the phase, {stat} over the window", "phase",
                   {k: v[stat] for k, v in metrics["time_us"].items()})
     return generate_latest(registry)
+
+
+if __name__ == "__main__":
+    raise SystemExit("moecomm.telemetry is a library module, not a command: summaries and Prometheus text of "
+                     "AllToAll.stats() (docs/operations.md); the load tool is python -m moecomm.loadtest.")

@@ -1,4 +1,10 @@
-"""Shared test helpers: launching MPI jobs and knowing whether GPUs are here."""
+"""Shared test helpers: launching MPI jobs, knowing whether GPUs are here, and the full matrix.
+
+The default run covers every layer once (the host transport at 1-3 ranks, the JAX and torch layers, one
+build of every kernel variant) in a few minutes on two cores; ``python -m pytest tests --full`` adds the
+rest of the matrix (every rank count, fault point and concurrency case), which CI (``.ci/run``) runs. A test
+or case of the full matrix carries ``FULL`` (``pytest.param(..., marks=FULL)`` for one case)."""
+import importlib
 import os
 import shutil
 import subprocess
@@ -8,6 +14,29 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+FULL = pytest.mark.full
+FULL_RUN = "python -m pytest tests --full"
+NEEDS_GPU = ("on a machine with NVIDIA GPUs: python -m pytest tests/test_gpu.py (or bash tools/gpu_check.sh, "
+             "which keeps the logs)")
+TORCH_CPU = "pip install torch --index-url https://download.pytorch.org/whl/cpu (PyTorch's CPU build)"
+
+
+def pytest_addoption(parser):
+    parser.addoption("--full", action="store_true",
+                     help="also run the full matrix: every rank count, fault point and concurrency case (CI does)")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", f"full: part of the full matrix, run by {FULL_RUN}")
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--full"):
+        return
+    skip = pytest.mark.skip(reason=f"part of the full matrix: {FULL_RUN}")
+    for item in items:
+        if "full" in item.keywords:
+            item.add_marker(skip)
 
 
 def mpi_launcher():
@@ -16,7 +45,7 @@ def mpi_launcher():
     exe = next((str(beside / n) for n in ("mpiexec", "mpirun") if (beside / n).exists()), None)
     exe = exe or shutil.which("mpiexec") or shutil.which("mpirun")
     if exe is None:
-        pytest.skip("no mpiexec/mpirun found")
+        pytest.skip("no mpiexec/mpirun found: pip install mpich (or install Open MPI)")
     version = subprocess.run([exe, "--version"], capture_output=True, text=True).stdout
     cmd = [exe]
     if "Open MPI" in version or "OpenRTE" in version:
@@ -30,6 +59,14 @@ def run_mpi(n, script, *args, timeout=300, env=None):
              PYTHONUNBUFFERED="1", **(env or {}))
     cmd = mpi_launcher() + ["-n", str(n), sys.executable, str(ROOT / script), *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=e, cwd=ROOT)
+
+
+def need(module, install):
+    """``module`` imported, or the test skipped saying how to install it (``install``: a command)."""
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        pytest.skip(f"needs {module}: {install}")
 
 
 def gpu_count():

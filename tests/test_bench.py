@@ -76,7 +76,7 @@ def test_cli_refuses_an_unknown_config_in_one_line():
 def test_cli_without_a_gpu_says_so():
     from conftest import gpu_count
     if gpu_count():
-        pytest.skip("this machine has a GPU")
+        pytest.skip("this machine has a GPU (this checks the CLI's message without one): run it on a CPU machine")
     p = _cli()
     assert p.returncode == 2 and "needs GPUs" in p.stderr and "Traceback" not in p.stderr
 

@@ -12,7 +12,7 @@ import pytest
 import dataclasses
 from pathlib import Path
 
-from conftest import ROOT
+from conftest import FULL, ROOT
 from moecomm import _abi, _cache, _jit
 from moecomm._errors import CompileError
 
@@ -75,6 +75,7 @@ def test_cli_refuses_a_bad_arch_in_one_line(tmp_path, arch):
     assert "Traceback" not in p.stderr and "nvrtc: error" not in p.stderr
 
 
+@FULL
 def test_concurrent_builds_share_one_compile(tmp_path):
 
     env = dict(os.environ, MOECOMM_CACHE_DIR=str(tmp_path), PYTHONPATH=str(ROOT))

@@ -3,10 +3,10 @@
 tests run on both GPU transports (nvshmem, ipc)."""
 import pytest
 
-from conftest import gpu_count, run_mpi
+from conftest import NEEDS_GPU, gpu_count, run_mpi
 
 GPUS = gpu_count()
-needs_gpu = pytest.mark.skipif(GPUS < 1, reason="no GPU")
+needs_gpu = pytest.mark.skipif(GPUS < 1, reason=f"no GPU here; {NEEDS_GPU}")
 each_transport = pytest.mark.parametrize("transport", ["nvshmem", "ipc"])
 
 
@@ -37,7 +37,7 @@ def test_model_sized_and_streamed_batches(transport):
     assert p.returncode == 0 and ": 0 failures" in p.stdout, p.stdout[-4000:] + p.stderr[-4000:]
 
 
-@pytest.mark.skipif(GPUS < 4, reason="DP groups with more than one EP group need >= 4 GPUs")
+@pytest.mark.skipif(GPUS < 4, reason=f"DP groups with more than one EP group need >= 4 GPUs; {NEEDS_GPU}")
 def test_dp_groups():
     p = run_mpi(GPUS, "tests/mpi_alltoall.py", "--transport", "nvshmem", "--dp-only", timeout=600)
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
@@ -54,7 +54,7 @@ def test_network_path_with_puts_only():
     assert ": 0 failures" in p.stdout
 
 
-@pytest.mark.skipif(GPUS < 2, reason="needs 2 GPUs")
+@pytest.mark.skipif(GPUS < 2, reason=f"needs 2 GPUs; {NEEDS_GPU}")
 @each_transport
 @pytest.mark.parametrize("skip", [(), ("--skip", "dispatch", "--max-tokens", "2048"),
                                   ("--skip", "combine", "--max-tokens", "2048")],
@@ -66,7 +66,7 @@ def test_skipped_rank_times_out(transport, skip):
     assert f"CommTimeout on {GPUS - 1} ranks" in p.stdout, p.stdout[-4000:] + p.stderr[-4000:]
 
 
-@pytest.mark.skipif(GPUS < 2, reason="needs 2 GPUs")
+@pytest.mark.skipif(GPUS < 2, reason=f"needs 2 GPUs; {NEEDS_GPU}")
 @each_transport
 def test_failed_calls_are_collective(transport):
     """tests/mpi_control.py on GPUs: refusals at each argument position, bad routing, a bound_m that differs,
@@ -84,7 +84,7 @@ def test_failed_calls_at_one_rank_leave_the_next_call_right(transport):
     assert p.returncode == 0 and ": 0 failures" in p.stdout, p.stdout[-4000:] + p.stderr[-4000:]
 
 
-@pytest.mark.skipif(GPUS < 2, reason="needs 2 GPUs")
+@pytest.mark.skipif(GPUS < 2, reason=f"needs 2 GPUs; {NEEDS_GPU}")
 @each_transport
 def test_a_masked_dead_rank_leaves_the_survivors_serving(transport):
     p = run_mpi(GPUS, "tests/mpi_mask.py", "--transport", transport, timeout=300)  # ends broken by design
@@ -95,7 +95,7 @@ FAULT_POINTS = ("init", "construction", "dispatch_send", "dispatch_recv", "combi
                 "finalize")
 
 
-@pytest.mark.skipif(GPUS < 2, reason="needs 2 GPUs")
+@pytest.mark.skipif(GPUS < 2, reason=f"needs 2 GPUs; {NEEDS_GPU}")
 @pytest.mark.parametrize("fault", FAULT_POINTS)
 @each_transport
 def test_a_rank_that_stalls_is_named(tmp_path, fault, transport):
@@ -125,7 +125,8 @@ def _has(module):
     return importlib.util.find_spec(module) is not None
 
 
-needs_torch = pytest.mark.skipif(GPUS < 1 or not _has("torch"), reason="needs a GPU and torch")
+needs_torch = pytest.mark.skipif(GPUS < 1 or not _has("torch"),
+                                 reason=f"needs a GPU and torch's CUDA build; {NEEDS_GPU}")
 
 
 @needs_torch
@@ -145,7 +146,7 @@ def test_raw_device_buffers():
     assert ": 0 failures" in p.stdout
 
 
-@pytest.mark.skipif(GPUS < 2 or not (_has("torch") and _has("jax")), reason="needs 2 GPUs, torch and jax")
+@pytest.mark.skipif(GPUS < 2 or not (_has("torch") and _has("jax")), reason=f"needs 2 GPUs, torch and jax; {NEEDS_GPU}")
 def test_embedding_devices_and_streams():
     """Another current device, late producers on side streams (torch, __dlpack__, CuPy, JAX), stream kinds."""
     p = run_mpi(GPUS, "tests/mpi_embedding.py", timeout=300)
@@ -160,7 +161,7 @@ def test_torch_example_in_a_cuda_graph():
     assert "all ranks match" in p.stdout
 
 
-@pytest.mark.skipif(GPUS < 1 or not _has("jax"), reason="needs a GPU and jax")
+@pytest.mark.skipif(GPUS < 1 or not _has("jax"), reason=f"needs a GPU and jax; {NEEDS_GPU}")
 @pytest.mark.parametrize("order", [[], ["--jax-first"]], ids=["jax-after-init", "jax-before-init"])
 def test_jax_example_jitted(order):
     p = run_mpi(GPUS, "examples/jax_moe.py", *order, timeout=300)

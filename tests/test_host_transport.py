@@ -1,10 +1,10 @@
 """The host transport across real MPI ranks against the reference (tests/mpi_alltoall.py does the checks)."""
 import pytest
 
-from conftest import run_mpi
+from conftest import FULL, run_mpi
 
 
-@pytest.mark.parametrize("ranks", [1, 2, 3, 4], ids=lambda n: f"ranks{n}")
+@pytest.mark.parametrize("ranks", [1, 2, 3, pytest.param(4, marks=FULL)], ids=lambda n: f"ranks{n}")
 def test_sweep_matches_reference(ranks):
     p = run_mpi(ranks, "tests/mpi_alltoall.py", "--transport", "host", *(["--quick"] if ranks > 2 else []))
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]

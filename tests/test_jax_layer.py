@@ -4,9 +4,9 @@ and 2 ranks, and the operations' plumbing in one process. The GPU checks run the
 import numpy as np
 import pytest
 
-from conftest import run_mpi
+from conftest import FULL, need, run_mpi
 
-jax = pytest.importorskip("jax")
+jax = need("jax", 'pip install ".[test]" (brings JAX\'s CPU build)')
 import jax.numpy as jnp  # noqa: E402
 
 import moecomm  # noqa: E402
@@ -15,7 +15,7 @@ import moecomm.jax as mj  # noqa: E402
 M, E, K, H = 8, 4, 2, 32
 
 
-@pytest.mark.parametrize("ranks", [1, 2], ids=lambda n: f"ranks{n}")
+@pytest.mark.parametrize("ranks", [1, pytest.param(2, marks=FULL)], ids=lambda n: f"ranks{n}")
 def test_jax_matrix_on_host_ranks(ranks):
     p = run_mpi(ranks, "tests/mpi_jax.py", timeout=600)
     assert p.returncode == 0 and ": 0 failures" in p.stdout, p.stdout[-4000:] + p.stderr[-4000:]
@@ -69,7 +69,7 @@ def test_a_refusal_inside_jit_names_the_argument_and_the_next_call_works(layer):
     assert int(np.asarray(counts).sum()) == int(m[0]) * K and out.shape == (M, H)
 
 
-@pytest.mark.parametrize("ranks", [1, 2], ids=lambda n: f"ranks{n}")
+@pytest.mark.parametrize("ranks", [1, pytest.param(2, marks=FULL)], ids=lambda n: f"ranks{n}")
 def test_gradients_match_plain_jax_on_host_ranks(ranks):
     """tests/mpi_jax_grad.py: jax.grad through one layer (jit, checkpoint, eager, both places of the router
     weights) and a scanned 2-layer stack equals plain JAX's for the tokens, experts, router and weights."""

@@ -12,10 +12,10 @@ from moecomm import _jit
 def test_installed_wheel_has_cuda_sources():
     installed = [d for d in importlib.metadata.distributions(name="moecomm") if d.read_text("RECORD")]
     if not installed:
-        pytest.skip("moecomm is not installed (running from a checkout)")
+        pytest.skip("moecomm is not installed (running from a checkout): pip install . (not -e), then run it")
     direct = json.loads(installed[0].read_text("direct_url.json") or "{}")
     if direct.get("dir_info", {}).get("editable"):
-        pytest.skip("an editable install runs the checkout's sources")
+        pytest.skip("an editable install runs the checkout's sources: pip install . (not -e) checks the wheel")
     files = {str(f) for f in installed[0].files}
     repo = {f"moecomm/cuda/{p.name}" for p in (Path(__file__).parent.parent / "cuda").iterdir()}
     assert repo <= files, repo - files

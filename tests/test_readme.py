@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from conftest import ROOT, run_mpi
+from conftest import ROOT, TORCH_CPU, need, run_mpi
 
 README = (ROOT / "README.md").read_text()
 
@@ -31,17 +31,16 @@ def _target(call):
     from moecomm.comm import Communicator
     owner, _, name = call.rpartition(".")
     if owner == "moecomm.jax":
-        jax_module = pytest.importorskip("moecomm.jax")
-        return getattr(jax_module, name).__init__
+        return getattr(need("moecomm.jax", 'pip install ".[test]"'), name).__init__
     if owner == "moecomm.torch":
-        pytest.importorskip("torch")
+        need("torch", TORCH_CPU)
         import moecomm.torch
         return getattr(moecomm.torch, name).__init__
     if owner == "moecomm":
         target = getattr(moecomm, name)
         return target.__init__ if inspect.isclass(target) else target
     if owner == "layer":
-        return getattr(pytest.importorskip("moecomm.jax").AllToAll, name)
+        return getattr(need("moecomm.jax", 'pip install ".[test]"').AllToAll, name)
     return getattr({"a2a": AllToAll, "comm": Communicator}[owner], name)
 
 

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 import moecomm
+from conftest import need
 from moecomm import telemetry
 
 
@@ -46,7 +47,7 @@ def test_bad_input_is_refused(counts, ranks, why):
 
 
 def test_json_and_prometheus_exports():
-    pytest.importorskip("prometheus_client")
+    need("prometheus_client", 'pip install ".[test]"')
     m = telemetry.summarize(np.arange(24).reshape(3, 8), num_ranks=2)
     assert json.loads(telemetry.to_json(m))["num_experts"] == 8
     text = telemetry.to_prometheus(m, labels={"layer": "3"}).decode()

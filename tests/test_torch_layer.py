@@ -3,9 +3,9 @@ on 1 and 2 ranks (tests/mpi_torch_grad.py), and refusals in one process."""
 import numpy as np
 import pytest
 
-from conftest import run_mpi
+from conftest import TORCH_CPU, need, run_mpi
 
-torch = pytest.importorskip("torch")
+torch = need("torch", TORCH_CPU)
 
 import moecomm  # noqa: E402
 import moecomm.torch as mt  # noqa: E402

@@ -96,7 +96,7 @@ ROWS = {"dispatch": 7168 + 56 * 4, "combine": 7168 * 2}  # R1: fp8 row + float32
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--transport", default="ipc", choices=["ipc", "nvshmem"])
     p.add_argument("--tokens", default="1,128", help="comma list of tokens per rank")
     p.add_argument("--iters", type=int, default=300)

@@ -36,7 +36,7 @@ def host_times(tree, iters):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--base", required=True, help="the other source tree")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--iters", type=int, default=300)

@@ -26,7 +26,7 @@ from moecomm.bench import delay_kernel
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--calls", type=int, default=200)
     p.add_argument("--transport", default="nvshmem", choices=["nvshmem", "ipc"])
     p.add_argument("--parts", action="store_true", help="time each step of the call path alone")

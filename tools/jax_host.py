@@ -34,7 +34,7 @@ def summary(us):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--transport", default="ipc", choices=["ipc", "nvshmem", "host"])
     p.add_argument("--json", default="jax-host.json")

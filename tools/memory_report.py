@@ -31,7 +31,7 @@ def r1(world, tokens, gradients=False):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--capacity-factor", type=float, default=2.0)
     args = p.parse_args()
     print(f"{'config':<22} {'symmetric/rank':>15} {'ranks/token':>12} {'dispatch B/rank':>16} "

@@ -48,7 +48,7 @@ def check(a2a, d, ids, w, experts):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--budgets", default="0,44", help="max_sms values to compare (0: no cap)")
     p.add_argument("--configs", default="r1-decode,r1-prefill")
     p.add_argument("--iters", type=int, default=300, help="graph replays / GEMMs timed alone")

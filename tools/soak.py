@@ -254,7 +254,7 @@ def run_step(comm, a2as, A, plan):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--minutes", type=float, default=1.0)
     p.add_argument("--transport", default="host", choices=["host", "nvshmem", "ipc"])
     p.add_argument("--inject", type=float, default=0.1, help="probability of a fault per step (default 0.1)")

@@ -117,7 +117,7 @@ def table(everyone):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--transport", default="ipc", choices=["nvshmem", "ipc"])
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--iters", type=int, default=200)
