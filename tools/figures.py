@@ -1,0 +1,149 @@
+"""Render the figure tables of README.md and docs/performance.md from benchmarks/results/ (the baselines).
+
+    python tools/figures.py            rewrite every figures block in place
+    python tools/figures.py --check    name the blocks that differ from the results, exit 1 if any (a test runs it)
+
+A block is the lines between ``<!-- figures: NAME -->`` and ``<!-- /figures -->``, NAME one of TABLES; the
+prose around a block (what was measured, how) is written by hand and names the results file.
+"""
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+DOCS = (ROOT / "README.md", ROOT / "docs" / "performance.md")
+BLOCK = re.compile(r"(<!-- figures: (?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- /figures -->)", re.S)
+# (label, config, tokens) of the rows of the latency tables
+ROWS = (("R1-decode: 128 tokens/rank, 7168 fp8 + 56 scales, 256 experts, top-8", "r1-decode", 128),
+        ("R1-prefill: 4096 tokens/rank", "r1-prefill", 4096),
+        ("V2-Lite: 128 tokens/rank, 2048 hidden, 64 experts, top-6", "v2-lite", 128),
+        ("1 token/rank (R1 shapes)", "sweep", 1),
+        ("16 tokens/rank", "sweep", 16),
+        ("1024 tokens/rank", "sweep", 1024))
+GRAD_ROWS = {"r1-decode": "decode (128 tokens), worst-case capacity", "r1-decode-cap32": "decode, `capacity=32`",
+             "r1-prefill-cap256": "prefill (4096 tokens), `capacity=256`"}
+
+
+def _load(name):
+    return json.loads((RESULTS / name).read_text())
+
+
+def _us(stat):
+    """A time in µs as the tables print it (median or a bare value)."""
+    v = stat["median_us"] if isinstance(stat, dict) else stat
+    return f"{v:.0f}" if v >= 1000 else f"{v:.1f}" if v >= 20 else f"{v:.2f}"
+
+
+def _with_p99(stat):
+    return f"{_us(stat)} ({_us(stat['p99_us'])})"
+
+
+def _table(header, rows):
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows]) + "\n"
+
+
+def _row(results, config, tokens, transport=None):
+    return next(r for r in results if r["config"] == config and r["tokens"] == tokens
+                and transport in (None, r["transport"]))
+
+
+def ep2():
+    """EP2 on 2×H200, both transports and NCCL (ep2-latency.json)."""
+    res = _load("ep2-latency.json")["results"]
+    rows = []
+    for label, config, tokens in ROWS:
+        nv, ipc = _row(res, config, tokens, "nvshmem"), _row(res, config, tokens, "ipc")
+        nccl = nv["nccl"]
+        rows.append([label, _with_p99(nv["graph"]["total"]), _with_p99(ipc["graph"]["total"]),
+                     f"{_us(nv['graph']['split_total'])} / {_us(ipc['graph']['split_total'])}",
+                     _us(nv["eager_layer"]), _us(nccl["exact"]), _us(nccl["padded"]) if "padded" in nccl else ""])
+    return _table(["configuration", "CUDA graph, nvshmem", "CUDA graph, ipc", "split halves, nvshmem / ipc",
+                   "eager layer, nvshmem", "NCCL exact", "NCCL padded"], rows)
+
+
+def ws1():
+    """World size 1 on one H200, the local path (ws1-r1-decode.json)."""
+    res = _load("ws1-r1-decode.json")["results"]
+    rows = []
+    for label, config, tokens in ROWS:
+        r = _row(res, config, tokens)
+        host = r["host_us"]
+        rows.append([label, _with_p99(r["graph"]["total"]), _us(r["graph"]["split_total"]),
+                     f"{_us(host['buffer']['eager_layer'])} / {_us(host['cupy']['eager_layer'])}",
+                     _us(r["nccl"]["exact"])])
+    return _table(["configuration", "CUDA graph", "split halves (the general kernels)",
+                   "eager layer, `DeviceBuffer` / CuPy", "NCCL exact"], rows)
+
+
+def host():
+    """Host time per eager call at R1-decode, world size 1, per kind of input (ws1-r1-decode.json)."""
+    h = _row(_load("ws1-r1-decode.json")["results"], "r1-decode", 128)["host_us"]
+    names = {"buffer": "`DeviceBuffer` (reused)", "cupy": "CuPy arrays", "torch": "torch tensors"}
+    return _table(["inputs", "dispatch", "combine", "eager layer (host in the loop)"],
+                  [[names[k], _us(v["dispatch"]), _us(v["combine"]), _us(v["eager_layer"])] for k, v in h.items()])
+
+
+def jax():
+    """A jitted step of MoE layers through moecomm.jax against the same calls in a CUDA graph (jax-step.json)."""
+    rows = [[f"{r['layers']} layers, {r['form']}", r["dtype"], _us(r["per_layer_us"]), _us(r["step_us"]),
+             _us(r["graph_us"]), f"{r['handler_runs']} / {r['timed_steps']}"]
+            for r in _load("jax-step.json")["results"]]
+    return _table(["step", "dtype", "per layer, pipelined", "one step at a time", "CUDA graph, dispatch + combine",
+                   "handler runs"], rows)
+
+
+def grads():
+    """The backward calls against the forward ones (ws1-gradients.json)."""
+    rows = []
+    for r in _load("ws1-gradients.json")["results"]:
+        g = r["graph"]
+        rows.append([GRAD_ROWS[r["config"]], f"{_us(g['dispatch'])} + {_us(g['combine'])}",
+                     f"{_us(g['combine_backward'])} + {_us(g['dispatch_backward'])}",
+                     f"{g['backward_over_forward']:.2f}×"])
+    return _table(["R1 shapes", "dispatch + combine", "combine_backward + dispatch_backward", "backward / forward"],
+                  rows)
+
+
+TABLES = {f.__name__: f for f in (ep2, ws1, host, jax, grads)}
+
+
+def render(text):
+    """``text`` with every figures block rendered from the results."""
+    def one(m):
+        name = m.group("name")
+        if name not in TABLES:
+            raise SystemExit(f"figures: unknown block {name!r} (known: {', '.join(TABLES)})")
+        return m.group(1) + TABLES[name]() + m.group(4)
+    return BLOCK.sub(one, text)
+
+
+def stale():
+    """[(file, block name)] of the blocks whose text differs from the results."""
+    out = []
+    for path in DOCS:
+        text = path.read_text()
+        for m in BLOCK.finditer(text):
+            if TABLES[m.group("name")]() != m.group("body"):
+                out.append((path.relative_to(ROOT).as_posix(), m.group("name")))
+    return out
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--check", action="store_true", help="only name the blocks that differ; exit 1 if any")
+    args = p.parse_args()
+    if args.check:
+        bad = stale()
+        for path, name in bad:
+            print(f"{path}: figures block {name!r} differs from benchmarks/results/ (python tools/figures.py)")
+        sys.exit(1 if bad else 0)
+    for path in DOCS:
+        path.write_text(render(path.read_text()))
+
+
+if __name__ == "__main__":
+    main()
