@@ -28,16 +28,19 @@ Split halves: :meth:`AllToAll.dispatch_send` returns a handle that :meth:`AllToA
 
 An AllToAll keeps state from one call to the next (its buffers, the call sequence every rank must follow),
 which XLA cannot see: to XLA a pure operation may be computed twice, dropped or merged with another. So every
-operation is marked as having a side effect (never dropped or merged) and sits between optimization barriers:
+operation is marked for XLA as having a side effect (never dropped or merged; to JAX it is pure, which keeps
+jitted steps on JAX's C++ dispatch: see ``_effect_for_xla_only``) and sits between optimization barriers:
 XLA's GPU compiler otherwise fuses a scan's per-layer slicing of an operand or a result into a copy of the call
 (a "dynamic-slice fusion") and keeps the original too (seen on one H200 with jax 0.11.2: a dispatch run twice
 in a row; a scan whose per-layer outputs were returned ran its combine twice, the second time with no
-dispatch to combine). Under ``jax.checkpoint`` JAX saves an effectful operation's raw outputs for the
-backward pass, past any barrier, and a scan stacks them: so the forward of a differentiated dispatch or
-combine hands its outputs to ``moecomm_keep``, an effectful call that only copies its operands to its results
-where XLA gave them other buffers (none, unless XLA fused a copy of it), which XLA may fuse or copy freely. So
-each operation runs exactly once per execution, and its data dependencies (dispatch -> experts -> combine, a
-send half's handle -> its receive half) order the calls of one AllToAll.
+dispatch to combine). Where JAX saves an operation's raw outputs for the backward pass (a ``jax.checkpoint``
+policy that saves them; every checkpoint where the calls carry JAX's effect), past any barrier, a scan stacks
+them: so the forward of a differentiated dispatch or combine hands its outputs to ``moecomm_keep``, an
+effectful call that only copies its operands to its results where XLA gave them other buffers (none, unless
+XLA fused a copy of it), which XLA may fuse or copy freely. So each operation runs exactly once per execution.
+Data dependencies alone order the calls of one AllToAll (dispatch -> experts -> combine, a send half's handle
+-> its receive half): a combine must read something its dispatch wrote (XLA removes optimization barriers
+before it schedules, so a barrier is no dependency).
 Gradients (the host transport; GPU transports with ``AllToAll(..., gradients=True)``): dispatch and combine
 are ``jax.custom_vjp`` operations whose forward keeps its routing plan (:class:`moecomm.RoutingPlan`) as a
 residual and whose backward runs :meth:`moecomm.AllToAll.dispatch_backward` / ``combine_backward`` along it,
@@ -93,12 +96,7 @@ def _handle(kind, frame):
 
 def _register():
     """Register moecomm's handlers with XLA, once per process, for GPUs (command-buffer compatible) and JAX's
-    CPU backend; and let ``jax.checkpoint`` take them. JAX refuses effects it does not list as allowed in
-    remat ("Effects not supported in partial-eval of checkpoint/remat"), and FFI calls with a side effect are
-    not listed (jax 0.10-0.11; the list is internal): added where JAX has it. JAX then keeps the calls'
-    outputs as residuals and recomputes the rest of a checkpointed function (jax 0.10-0.11); were it to run
-    them again, that would be right too (collective: every rank runs the same program, so every rank would
-    recompute the same calls in the same order)."""
+    CPU backend."""
     handlers = []
     for kind in _KINDS:
         for platform, graphs in (("cpu", False), ("CUDA", True)):
@@ -106,16 +104,59 @@ def _register():
             handlers.append(h)
             jax.ffi.register_ffi_target(f"moecomm_{kind}", jax.ffi.pycapsule(ctypes.cast(h, ctypes.c_void_p).value),
                                         platform=platform)
+    return handlers
+
+
+def _effect_for_xla_only():
+    """Make moecomm's FFI calls effectful for XLA and pure for JAX; returns whether that was done.
+
+    XLA must never drop, merge or duplicate a call (the HLO custom call's side-effect flag). JAX must not see an
+    effect: a jitted function with one leaves JAX's C++ dispatch for its Python dispatch and runtime tokens on
+    every call (jax 0.10-0.11: ``_get_fastpath_data`` refuses executables with effects), which cost 0.4-0.5 ms
+    per step of 8 layers on one H200, against ~0.14 ms of kernels (jax.profiler, jax 0.11.2). So moecomm's
+    calls are ``ffi_call``s without a side effect, lowered with one (their targets are named ``moecomm_*``),
+    and JAX's dead-code elimination keeps them. Being pure to JAX, ``jax.checkpoint`` recomputes them in the
+    backward pass like JAX's own collectives: every rank runs the same program, so every rank recomputes the
+    same calls in the same order. Where JAX's internals differ (the rules are internal), the calls carry
+    JAX's effect instead: right, and slower per step."""
+    try:
+        from jax._src import ffi as jax_ffi
+        from jax._src.interpreters import partial_eval as pe
+        from jax.interpreters import mlir
+        lower, keep_default = jax_ffi.ffi_call_lowering, pe.dce_rules.get(jax_ffi.ffi_call_p, pe._default_dce_rule)
+    except (ImportError, AttributeError):
+        return False
+
+    def lowering(ctx, *operands, target_name, has_side_effect, **params):
+        return lower(ctx, *operands, target_name=target_name,
+                     has_side_effect=has_side_effect or target_name.startswith("moecomm_"), **params)
+
+    def dce(used_outputs, eqn):
+        if eqn.params["target_name"].startswith("moecomm_"):
+            return [True] * len(eqn.invars), eqn
+        return keep_default(used_outputs, eqn)
+    mlir.register_lowering(jax_ffi.ffi_call_p, lowering)
+    pe.dce_rules[jax_ffi.ffi_call_p] = dce
+    return True
+
+
+def _allow_in_checkpoint():
+    """Where moecomm's calls carry JAX's effect: let ``jax.checkpoint`` take them. JAX refuses effects it does
+    not list as allowed in remat ("Effects not supported in partial-eval of checkpoint/remat"), and FFI calls
+    with a side effect are not listed (jax 0.10-0.11; the list is internal): added where JAX has it. JAX then
+    keeps the calls' outputs as residuals."""
     try:
         from jax._src import effects
         from jax._src.ffi import FfiEffect
     except ImportError:  # another layout of JAX's internals: jax.checkpoint under jax.grad then raises JAX's error
-        return handlers
+        return
     effects.remat_allowed_effects.add_type(FfiEffect)
-    return handlers
 
 
 _HANDLERS = _register()  # kept alive: XLA holds their addresses
+_JAX_EFFECT = not _effect_for_xla_only()  # whether moecomm's calls carry JAX's effect (the slower fallback)
+if _JAX_EFFECT:
+    _allow_in_checkpoint()
 
 
 def _fenced(op, *args):
@@ -202,7 +243,8 @@ class AllToAll:
     def _call(self, kind, flags, results, operands, aliases):
         """The FFI call ``moecomm_<kind>`` with ``flags`` on ``operands`` (arrays; absent ones left out: the
         flags say which), returning ``results`` (ShapeDtypeStructs); ``aliases``: operand -> result."""
-        call = jax.ffi.ffi_call(f"moecomm_{kind}", results, has_side_effect=True, input_output_aliases=aliases)
+        call = jax.ffi.ffi_call(f"moecomm_{kind}", results, has_side_effect=_JAX_EFFECT,
+                                input_output_aliases=aliases)
         op = np.int64(self._number << 8 | flags)
         if flags & _PLAN:  # a differentiated forward: its outputs reach the backward pass through moecomm_keep
             return _fenced(lambda *a: self._keep_op(call(*a, op=op)), *operands)
@@ -212,7 +254,7 @@ class AllToAll:
         """``arrays`` (a forward's outputs) through ``moecomm_keep``: its results alias its operands, and it
         copies an operand to its result where XLA gave them different buffers (see the module doc)."""
         call = jax.ffi.ffi_call("moecomm_keep", [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays],
-                                has_side_effect=True, input_output_aliases={i: i for i in range(len(arrays))})
+                                has_side_effect=_JAX_EFFECT, input_output_aliases={i: i for i in range(len(arrays))})
         return call(*arrays, op=np.int64(self._number << 8))
 
     def _dispatch_op(self, send, recv, inputs, outputs=None, plan=False):

@@ -7,7 +7,9 @@ Each layer: dispatch (router weights sent with it) -> the experts -> combine, it
 and weights per layer, drawn at random), so that stacks compare end to end. The experts are left out of the
 measurement: in bfloat16 the identity (combine reads dispatch's output), in FP8 (e4m3 tokens with 56 float32
 scales) a fixed bfloat16 output per expert (one value per expert, so the result does not depend on the slot
-order), tied to dispatch's counts by an optimization barrier; the next layer's tokens are the combined ones
+order), with combine's bound_m computed from dispatch's counts (XLA orders the calls by data alone: an
+optimization barrier is no dependency once XLA removes it, and a combine that read nothing of its dispatch
+ran before it); the next layer's tokens are the combined ones
 (as e4m3 with the same scales in FP8). Forms: ``unrolled`` (a Python loop in the jitted function) and
 ``scan`` (``lax.scan`` over the layers). Every form is checked first against moecomm.reference on fresh
 random tokens, routing and m, layer after layer with the kernels' rounding (float32 sums, bfloat16 results),
@@ -99,8 +101,9 @@ def main():
 
         def moe(x, xs, ids, w, m):
             counts, ex, _ = layer.dispatch(x.astype(dtype) if fp8 else x, xs if fp8 else None, ids, m, w)
-            y = jax.lax.optimization_barrier((counts, y_local))[1] if fp8 else ex
-            return layer.combine(ids, None, y, m)
+            if fp8:  # m itself (counts >= 0), after the dispatch
+                return layer.combine(ids, None, y_local, jnp.where(counts[:1] < 0, 0, m))
+            return layer.combine(ids, None, ex, m)
 
         def unrolled(x, xs, ids, w, m):
             for n in range(args.layers):
