@@ -159,6 +159,18 @@ if _JAX_EFFECT:
     _allow_in_checkpoint()
 
 
+def _typed(structs, like):
+    """``structs`` (ShapeDtypeStructs) as result types that vary over the manual mesh axes ``like`` varies over
+    inside ``jax.shard_map`` (elsewhere ``structs`` as they are): JAX's ffi_call takes its results' types as
+    given, and inside shard_map a result carried by ``lax.scan`` must vary as the carry does."""
+    t = jax.typeof(like)
+    mesh = getattr(getattr(t, "sharding", None), "mesh", None)
+    if jax.sharding.AxisType.Manual not in getattr(mesh, "axis_types", ()):
+        return list(structs)
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    return [t.update(shape=s.shape, dtype=s.dtype, weak_type=False, sharding=sharding) for s in structs]
+
+
 def _fenced(op, *args):
     """``op(*args)`` with an optimization barrier on each side. XLA's GPU compiler fuses the slicing of a
     custom call's operand (a scan's per-layer slice) or of its result (a scan's stacked outputs) into a copy of
@@ -240,10 +252,14 @@ class AllToAll:
         self.a2a.check()
 
     # the operations: an FFI call each, served by the handlers below -------------------------------
-    def _call(self, kind, flags, results, operands, aliases):
+    def _call(self, kind, flags, results, operands, aliases, like):
         """The FFI call ``moecomm_<kind>`` with ``flags`` on ``operands`` (arrays; absent ones left out: the
-        flags say which), returning ``results`` (ShapeDtypeStructs); ``aliases``: operand -> result."""
-        call = jax.ffi.ffi_call(f"moecomm_{kind}", results, has_side_effect=_JAX_EFFECT,
+        flags say which), returning ``results`` (ShapeDtypeStructs, or one), typed as varying where ``like``
+        (the call's per-rank data: tokens, expert outputs, gradients) varies (:func:`_typed`); ``aliases``:
+        operand -> result."""
+        single = not isinstance(results, (tuple, list))
+        typed = _typed([results] if single else results, like)
+        call = jax.ffi.ffi_call(f"moecomm_{kind}", typed[0] if single else typed, has_side_effect=_JAX_EFFECT,
                                 input_output_aliases=aliases)
         op = np.int64(self._number << 8 | flags)
         if flags & _PLAN:  # a differentiated forward: its outputs reach the backward pass through moecomm_keep
@@ -253,8 +269,9 @@ class AllToAll:
     def _keep_op(self, arrays):
         """``arrays`` (a forward's outputs) through ``moecomm_keep``: its results alias its operands, and it
         copies an operand to its result where XLA gave them different buffers (see the module doc)."""
-        call = jax.ffi.ffi_call("moecomm_keep", [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays],
-                                has_side_effect=_JAX_EFFECT, input_output_aliases={i: i for i in range(len(arrays))})
+        types = [_typed([jax.ShapeDtypeStruct(a.shape, a.dtype)], a)[0] for a in arrays]
+        call = jax.ffi.ffi_call("moecomm_keep", types, has_side_effect=_JAX_EFFECT,
+                                input_output_aliases={i: i for i in range(len(arrays))})
         return call(*arrays, op=np.int64(self._number << 8))
 
     def _dispatch_op(self, send, recv, inputs, outputs=None, plan=False):
@@ -271,7 +288,7 @@ class AllToAll:
                  | (inputs[4] is not None) * _WEIGHTS)
         results = structs + (tuple(self._plan) if plan else ())
         out = self._call("dispatch", flags, results, (*start, *(a for a in inputs if a is not None)),
-                         {i: i for i in range(len(start))} or None)
+                         {i: i for i in range(len(start))} or None, like=inputs[0])
         out = tuple(out) if self._scaled else (*out[:2], None, *out[2:])
         return (out[:3], RoutingPlan(*out[3:])) if plan else out
 
@@ -288,14 +305,14 @@ class AllToAll:
         flags = send * _SEND | recv * _RECV | plan * _PLAN | (inputs[1] is not None) * _WEIGHTS
         structs = jax.ShapeDtypeStruct(shape, c.out_dtype)
         out = self._call("combine", flags, (structs, *self._plan) if plan else structs,
-                         (out_tokens, *(a for a in inputs if a is not None)), {0: 0})
+                         (out_tokens, *(a for a in inputs if a is not None)), {0: 0}, like=inputs[2])
         return (out[0], RoutingPlan(*out[1:])) if plan else out
 
     def _dispatch_backward_op(self, plan, grad_expert_x, bound_m, shape, dtype):
         """:meth:`moecomm.AllToAll.dispatch_backward` as a JAX operation: grad_x [rows, hidden] ``dtype``
         (rows >= m zero)."""
         return self._call("dispatch_backward", 0, jax.ShapeDtypeStruct(shape, dtype),
-                          (jax.numpy.zeros(shape, dtype), *plan, grad_expert_x, bound_m), {0: 0})
+                          (jax.numpy.zeros(shape, dtype), *plan, grad_expert_x, bound_m), {0: 0}, like=grad_expert_x)
 
     def _combine_backward_op(self, plan, grad_out, weights, expert_y, bound_m):
         """:meth:`moecomm.AllToAll.combine_backward` as a JAX operation: (grad_expert_y in expert_y's shape
@@ -303,7 +320,8 @@ class AllToAll:
         structs = (jax.ShapeDtypeStruct(expert_y.shape, expert_y.dtype),
                    jax.ShapeDtypeStruct(weights.shape, np.float32))
         return self._call("combine_backward", 0, structs, (*(jax.numpy.zeros(t.shape, t.dtype) for t in structs),
-                                                           *plan, grad_out, weights, expert_y, bound_m), {0: 0, 1: 1})
+                                                           *plan, grad_out, weights, expert_y, bound_m), {0: 0, 1: 1},
+                          like=grad_out)
 
     # the handlers (moecomm/_xla_ffi.py calls them with the frame's buffers: (address, shape, dtype)) ------
     def _array(self, b):

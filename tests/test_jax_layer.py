@@ -1,6 +1,7 @@
 """moecomm.jax on the host transport (JAX's CPU backend; skipped without jax): the matrix of tests/mpi_jax.py
 (jit, scan, fori_loop, cond, checkpoint, donation, two AllToAlls, split halves, m changing every step) on 1
-and 2 ranks, and the operations' plumbing in one process. The GPU checks run the same program on GPUs."""
+and 2 ranks, the gradients (tests/mpi_jax_grad.py), the SPMD form (tests/mpi_jax_spmd.py), and the operations'
+plumbing in one process. The GPU checks run the same programs on GPUs."""
 import numpy as np
 import pytest
 
@@ -74,6 +75,14 @@ def test_gradients_match_plain_jax_on_host_ranks(ranks):
     """tests/mpi_jax_grad.py: jax.grad through one layer (jit, checkpoint, eager, both places of the router
     weights) and a scanned 2-layer stack equals plain JAX's for the tokens, experts, router and weights."""
     p = run_mpi(ranks, "tests/mpi_jax_grad.py", timeout=600)
+    assert p.returncode == 0 and ": 0 failures" in p.stdout, p.stdout[-4000:] + p.stderr[-4000:]
+
+
+@pytest.mark.parametrize("ranks", [2, pytest.param(3, marks=FULL)], ids=lambda n: f"ranks{n}")
+def test_spmd_form_on_host_ranks(ranks):
+    """tests/mpi_jax_spmd.py: jax.distributed.initialize, a global mesh of one device per process, the layer
+    inside jax.shard_map under jit (one layer, a scanned stack, jax.grad) against plain JAX."""
+    p = run_mpi(ranks, "tests/mpi_jax_spmd.py", timeout=600)
     assert p.returncode == 0 and ": 0 failures" in p.stdout, p.stdout[-4000:] + p.stderr[-4000:]
 
 
