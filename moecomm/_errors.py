@@ -1,8 +1,10 @@
 """Exception types.
 
-Two roots, as in nvshmem4py: :class:`InvalidArgument` for caller misuse (raised before anything is
-launched or sent, so nothing is corrupted and the next call works), and :class:`MoeCommError` for
-failures of the library, a peer or the device.
+Two roots, as in nvshmem4py: :class:`InvalidArgument` for caller misuse, and :class:`MoeCommError` for
+failures of the library, a peer or the device. Misuse found on the host is raised before anything of the call
+is launched or sent; misuse only the kernels can see (a combine's bound_m against its dispatch's, expert ids
+that differ between the halves) is recorded on the device and raised as InvalidArgument once the call is
+over. Either way the call ends on every rank, nothing is corrupted and the next call works.
 """
 
 

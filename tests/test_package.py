@@ -1,11 +1,14 @@
-"""An installed moecomm carries its CUDA sources (a wheel install must find them)."""
+"""An installed moecomm carries its CUDA sources (a wheel install must find them), and docs/design.md's map of
+the files is whole."""
 import importlib.metadata
 import json
+import re
 from pathlib import Path
 
 import pytest
 
 import moecomm
+from conftest import ROOT
 from moecomm import _jit
 
 
@@ -24,3 +27,17 @@ def test_installed_wheel_has_cuda_sources():
 def test_sources_found():
     assert (_jit.source_dir() / "transport.cuh").is_file()
     assert moecomm.__version__
+
+
+def test_the_design_map_names_every_file():
+    """docs/design.md's tables of layers and kernels name every file of moecomm/, moecomm/transport/ and cuda/."""
+    text = (ROOT / "docs" / "design.md").read_text()
+    layers = text.split("## Layers")[1].split("\n## ")[0]
+    kernels = text.split("## Kernels")[1].split("\n**")[0]
+    named = set(re.findall(r"`(?:moecomm/(?:transport/)?)?([\w.]+)`", layers))
+    missing = [f"moecomm/{f.name}" for f in (ROOT / "moecomm").glob("*.py") if f.name not in named | {"__init__.py"}]
+    missing += [f"moecomm/transport/{f.name}" for f in (ROOT / "moecomm" / "transport").glob("*.py")
+                if f.name not in named]
+    cuda_named = set(re.findall(r"`([\w.]+)`", kernels))
+    missing += [f"cuda/{f.name}" for f in (ROOT / "cuda").iterdir() if f.name not in cuda_named]
+    assert not missing, missing

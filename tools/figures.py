@@ -3,8 +3,10 @@
     python tools/figures.py            rewrite every figures block in place
     python tools/figures.py --check    name the blocks that differ from the results, exit 1 if any (a test runs it)
 
-A block is the lines between ``<!-- figures: NAME -->`` and ``<!-- /figures -->``, NAME one of TABLES; the
-prose around a block (what was measured, how) is written by hand and names the results file.
+A block is the lines between ``<!-- figures: NAME -->`` and ``<!-- /figures -->``, NAME one of TABLES: a line
+naming the results file, its GPUs (from the JSON) and the kernels measured (the first word of the file's "kernels
+of" cell in benchmarks/results/INDEX.md), then the table. The prose around a block (what was measured, how)
+is written by hand.
 """
 import argparse
 import json
@@ -41,6 +43,19 @@ def _with_p99(stat):
     return f"{_us(stat)} ({_us(stat['p99_us'])})"
 
 
+def _caption(name):
+    """The block's first line: the file, its GPUs and the commit of the kernels it measured."""
+    env = _load(name)
+    env = (env["runs"][0] if "runs" in env else env)["environment"]
+    gpus = env["gpus"]
+    machine = f"{len(gpus)}× {gpus[0].split(',')[0]}" if len(set(gpus)) == 1 else ", ".join(gpus)
+    for line in (RESULTS / "INDEX.md").read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("| `") and re.findall(r"`([^`]+)`", cells[0])[0] == name:
+            return f"`benchmarks/results/{name}`: {machine}, the kernels of {cells[-1].split()[0]}.\n\n"
+    raise SystemExit(f"figures: {name} has no row in benchmarks/results/INDEX.md")
+
+
 def _table(header, rows):
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows]) + "\n"
@@ -61,8 +76,9 @@ def ep2():
         rows.append([label, _with_p99(nv["graph"]["total"]), _with_p99(ipc["graph"]["total"]),
                      f"{_us(nv['graph']['split_total'])} / {_us(ipc['graph']['split_total'])}",
                      _us(nv["eager_layer"]), _us(nccl["exact"]), _us(nccl["padded"]) if "padded" in nccl else ""])
-    return _table(["configuration", "CUDA graph, nvshmem", "CUDA graph, ipc", "split halves, nvshmem / ipc",
-                   "eager layer, nvshmem", "NCCL exact", "NCCL padded"], rows)
+    return _caption("ep2-latency.json") + _table(
+        ["configuration", "CUDA graph, nvshmem", "CUDA graph, ipc", "split halves, nvshmem / ipc",
+         "eager layer, nvshmem", "NCCL exact", "NCCL padded"], rows)
 
 
 def ws1():
@@ -75,15 +91,16 @@ def ws1():
         rows.append([label, _with_p99(r["graph"]["total"]), _us(r["graph"]["split_total"]),
                      f"{_us(host['buffer']['eager_layer'])} / {_us(host['cupy']['eager_layer'])}",
                      _us(r["nccl"]["exact"])])
-    return _table(["configuration", "CUDA graph", "split halves (the general kernels)",
-                   "eager layer, `DeviceBuffer` / CuPy", "NCCL exact"], rows)
+    return _caption("ws1-r1-decode.json") + _table(
+        ["configuration", "CUDA graph", "split halves (the general kernels)", "eager layer, `DeviceBuffer` / CuPy",
+         "NCCL exact"], rows)
 
 
 def host():
     """Host time per eager call at R1-decode, world size 1, per kind of input (ws1-r1-decode.json)."""
     h = _row(_load("ws1-r1-decode.json")["results"], "r1-decode", 128)["host_us"]
     names = {"buffer": "`DeviceBuffer` (reused)", "cupy": "CuPy arrays", "torch": "torch tensors"}
-    return _table(["inputs", "dispatch", "combine", "eager layer (host in the loop)"],
+    return _caption("ws1-r1-decode.json") + _table(["inputs", "dispatch", "combine", "eager layer (host in the loop)"],
                   [[names[k], _us(v["dispatch"]), _us(v["combine"]), _us(v["eager_layer"])] for k, v in h.items()])
 
 
@@ -92,8 +109,9 @@ def jax():
     rows = [[f"{r['layers']} layers, {r['form']}", r["dtype"], _us(r["per_layer_us"]), _us(r["step_us"]),
              _us(r["graph_us"]), f"{r['handler_runs']} / {r['timed_steps']}"]
             for r in _load("jax-step.json")["results"]]
-    return _table(["step", "dtype", "per layer, pipelined", "one step at a time", "CUDA graph, dispatch + combine",
-                   "handler runs"], rows)
+    return _caption("jax-step.json") + _table(
+        ["step", "dtype", "per layer, pipelined", "one step at a time", "CUDA graph, dispatch + combine",
+         "handler runs"], rows)
 
 
 def grads():
@@ -104,8 +122,8 @@ def grads():
         rows.append([GRAD_ROWS[r["config"]], f"{_us(g['dispatch'])} + {_us(g['combine'])}",
                      f"{_us(g['combine_backward'])} + {_us(g['dispatch_backward'])}",
                      f"{g['backward_over_forward']:.2f}×"])
-    return _table(["R1 shapes", "dispatch + combine", "combine_backward + dispatch_backward", "backward / forward"],
-                  rows)
+    return _caption("ws1-gradients.json") + _table(
+        ["R1 shapes", "dispatch + combine", "combine_backward + dispatch_backward", "backward / forward"], rows)
 
 
 TABLES = {f.__name__: f for f in (ep2, ws1, host, jax, grads)}
