@@ -62,11 +62,12 @@ def run_mpi(n, script, *args, timeout=300, env=None):
 
 
 def need(module, install):
-    """``module`` imported, or the test skipped saying how to install it (``install``: a command)."""
+    """``module`` imported, or the test (or, at a module's top, the module) skipped saying how to install it
+    (``install``: a command)."""
     try:
         return importlib.import_module(module)
     except ImportError:
-        pytest.skip(f"needs {module}: {install}")
+        pytest.skip(f"needs {module}: {install}", allow_module_level=True)
 
 
 def gpu_count():
