@@ -37,7 +37,9 @@ def main():
     import jax
     import jax.numpy as jnp
 
+    import jax_layers
     import moecomm.jax as mj
+    from jax_layers import experts, reference as ref
     if comm.transport.memory == "host":
         jax.config.update("jax_platforms", "cpu")
     W, r = comm.world_size, comm.rank
@@ -53,11 +55,7 @@ def main():
     w_local = w_experts[:, r * EL:(r + 1) * EL]
 
     def route(x, w):
-        weights, ids = jax.lax.top_k(jax.nn.softmax(x.astype(jnp.float32) @ w, -1), K)
-        return ids, weights
-
-    def experts(ex, w):
-        return jnp.einsum("lch,lhd->lcd", ex, w, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+        return jax_layers.route(x, w, K)
 
     def moe(lay, x, m, ids, wts, w, at_combine=False):
         _, ex, _ = lay.dispatch(x, None, ids, m, None if at_combine else wts)
@@ -69,12 +67,6 @@ def main():
         _, ex, _ = layer.dispatch_recv(sent)
         back = layer.combine_send(ids, None, experts(ex, w), m)
         return layer.combine_recv(back), side
-
-    def ref(x, ids, wts, w):
-        """The same layer with every expert on this device (w: all E experts)."""
-        y_all = jnp.einsum("mh,ehd->emd", x, w, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
-        y = y_all[ids, jnp.arange(x.shape[0])[:, None]]
-        return (wts[..., None] * y.astype(jnp.float32)).sum(1).astype(jnp.bfloat16)
 
     def layer_l(x, m, n, lay=layer, at_combine=False):  # layer n, routed from its input
         return moe(lay, x, m, *route(x, w_router[n]), w_local[n], at_combine)

@@ -31,7 +31,9 @@ def main():
     import jax
     import jax.numpy as jnp
 
+    import jax_layers
     import moecomm.jax as mj
+    from jax_layers import experts, reference as ref
     if comm.transport.memory == "host":
         jax.config.update("jax_platforms", "cpu")
     W, r = comm.world_size, comm.rank
@@ -44,20 +46,11 @@ def main():
     mine = slice(r * EL, (r + 1) * EL)
 
     def route(x, w):
-        wts, ids = jax.lax.top_k(jax.nn.softmax(x.astype(jnp.float32) @ w, -1), K)
-        return ids, wts
-
-    def experts(ex, w):
-        return jnp.einsum("lch,lhd->lcd", ex, w, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+        return jax_layers.route(x, w, K)
 
     def moe(x, m, ids, wts, w_local, at_combine, lay=layer):
         _, ex, _ = lay.dispatch(x, None, ids, m, None if at_combine else wts)
         return lay.combine(ids, wts, experts(ex, w_local), m)  # sent with dispatch: summed on the expert side
-
-    def ref(x, ids, wts, w_all):
-        y = jnp.einsum("mh,ehd->emd", x, w_all, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
-        y = y[ids, jnp.arange(x.shape[0])[:, None]]
-        return (wts[..., None] * y.astype(jnp.float32)).sum(1).astype(jnp.bfloat16)
 
     def loss(out, m, target):
         o = out.astype(jnp.float32) * (jnp.arange(M) < m[0])[:, None]
