@@ -254,12 +254,10 @@ class AllToAll:
     # the operations: an FFI call each, served by the handlers below -------------------------------
     def _call(self, kind, flags, results, operands, aliases, like):
         """The FFI call ``moecomm_<kind>`` with ``flags`` on ``operands`` (arrays; absent ones left out: the
-        flags say which), returning ``results`` (ShapeDtypeStructs, or one), typed as varying where ``like``
+        flags say which), returning a tuple of ``results`` (ShapeDtypeStructs), typed as varying where ``like``
         (the call's per-rank data: tokens, expert outputs, gradients) varies (:func:`_typed`); ``aliases``:
         operand -> result."""
-        single = not isinstance(results, (tuple, list))
-        typed = _typed([results] if single else results, like)
-        call = jax.ffi.ffi_call(f"moecomm_{kind}", typed[0] if single else typed, has_side_effect=_JAX_EFFECT,
+        call = jax.ffi.ffi_call(f"moecomm_{kind}", _typed(results, like), has_side_effect=_JAX_EFFECT,
                                 input_output_aliases=aliases)
         op = np.int64(self._number << 8 | flags)
         if flags & _PLAN:  # a differentiated forward: its outputs reach the backward pass through moecomm_keep
@@ -304,15 +302,16 @@ class AllToAll:
             out_tokens = jax.numpy.zeros(shape, c.out_dtype)
         flags = send * _SEND | recv * _RECV | plan * _PLAN | (inputs[1] is not None) * _WEIGHTS
         structs = jax.ShapeDtypeStruct(shape, c.out_dtype)
-        out = self._call("combine", flags, (structs, *self._plan) if plan else structs,
+        out = self._call("combine", flags, (structs, *(self._plan if plan else ())),
                          (out_tokens, *(a for a in inputs if a is not None)), {0: 0}, like=inputs[2])
-        return (out[0], RoutingPlan(*out[1:])) if plan else out
+        return (out[0], RoutingPlan(*out[1:])) if plan else out[0]
 
     def _dispatch_backward_op(self, plan, grad_expert_x, bound_m, shape, dtype):
         """:meth:`moecomm.AllToAll.dispatch_backward` as a JAX operation: grad_x [rows, hidden] ``dtype``
         (rows >= m zero)."""
-        return self._call("dispatch_backward", 0, jax.ShapeDtypeStruct(shape, dtype),
-                          (jax.numpy.zeros(shape, dtype), *plan, grad_expert_x, bound_m), {0: 0}, like=grad_expert_x)
+        return self._call("dispatch_backward", 0, (jax.ShapeDtypeStruct(shape, dtype),),
+                          (jax.numpy.zeros(shape, dtype), *plan, grad_expert_x, bound_m), {0: 0},
+                          like=grad_expert_x)[0]
 
     def _combine_backward_op(self, plan, grad_out, weights, expert_y, bound_m):
         """:meth:`moecomm.AllToAll.combine_backward` as a JAX operation: (grad_expert_y in expert_y's shape
