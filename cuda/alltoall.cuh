@@ -283,7 +283,9 @@ struct Targets {
 };
 
 // A combine call's checks, by every thread of its grid. `reason` (0: none) is what the call's signals carry
-// where this rank sends nothing: c.skip (a refused call: c.reason), a bound_m other than the dispatched m
+// where this rank sends nothing: c.skip (a refused call: c.reason), a combine with no dispatch of its own before
+// it on this GPU (ERR_ORDER: a graph replayed out of order; `again`: the caller found this dispatch combined
+// already), a bound_m other than the dispatched m
 // (ERR_M_DIFFERS) or above c.rows, the fewest rows of the call's per-token arrays (ERR_BAD_M), or a dispatch
 // whose receive half failed (`bad_recv`, state[BAD_RECV], which the next dispatch_send clears). `m`: the rows
 // this rank may combine, 0 where there is a reason or its dispatch failed (state[M] invalid: dispatch_send
@@ -293,16 +295,21 @@ struct CombineCheck {
   int m;
   unsigned reason, bad_recv;
 };
-__device__ __forceinline__ CombineCheck combine_check(const Fixed& f, const Call& c, unsigned epoch) {
+__device__ __forceinline__ CombineCheck combine_check(const Fixed& f, const Call& c, unsigned epoch,
+                                                      bool again = false) {
   const int m = c.skip ? 0 : *c.bound_m;
   const unsigned dispatched = f.state[MOECOMM_S_M];
-  const bool differs = !c.skip && dispatched != M_INVALID && m != (int)dispatched;
-  const bool short_rows = !c.skip && !differs && dispatched != M_INVALID && m > c.rows;
+  // this call's dispatch has not run, or (`again`, the local path's) its combine has: replayed out of order
+  const bool order = !c.skip && (f.state[MOECOMM_S_EPOCH_DS] != epoch || again);
+  const bool differs = !c.skip && !order && dispatched != M_INVALID && m != (int)dispatched;
+  const bool short_rows = !c.skip && !order && !differs && dispatched != M_INVALID && m > c.rows;
   const unsigned bad_recv = f.state[MOECOMM_S_BAD_RECV];
   const unsigned reason = c.skip ? (unsigned)c.reason
+      : order ? (unsigned)MOECOMM_ERR_ORDER
       : differs ? (unsigned)MOECOMM_ERR_M_DIFFERS : short_rows ? (unsigned)MOECOMM_ERR_BAD_M : bad_recv;
   if (blockIdx.x == 0 && threadIdx.x == 0) {
     f.state[MOECOMM_S_TOKENS_EVEN + (epoch + 1) % 2] = 0;
+    if (order) record_error(f.err, MOECOMM_ERR_ORDER, f.rank, MOECOMM_PHASE_COMBINE, 0, (int)epoch);
     if (differs) record_error(f.err, MOECOMM_ERR_M_DIFFERS, f.rank, MOECOMM_PHASE_COMBINE, m, (int)epoch);
     if (short_rows)
       record_error(f.err, MOECOMM_ERR_BAD_M, f.rank, MOECOMM_PHASE_COMBINE, m, (int)epoch, min(c.rows, f.max_tokens));

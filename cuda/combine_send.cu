@@ -36,9 +36,10 @@ __device__ unsigned moecomm::combine_send(const Fixed& f, const Call& c, bool st
   const unsigned bad_recv = check.bad_recv, reason = check.reason;
   // the records received from src, loaded beside the reason, not after it: dispatch_recv kept the count, or,
   // for this rank's own records in the padded layout (their rows placed by dispatch_send), the own signal of
-  // this call's dispatch holds it (there already: the wait is bounded only because a put may carry it)
+  // this call's dispatch holds it (there already: the wait is bounded only because a put may carry it; none
+  // where this rank sends nothing, whose dispatch may not have run: ERR_ORDER)
   const bool own = src == f.rank;
-  const unsigned received = own && stream ? 0
+  const unsigned received = own && (stream || c.skip || reason) ? 0
       : own && !f.packed
       ? own_count(wait_epoch(f, &f.sig[f.rank], epoch, now_ns() + f.timeout_ns, f.rank, MOECOMM_PHASE_COMBINE))
       : f.state[f.s_recv + src];

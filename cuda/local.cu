@@ -124,7 +124,8 @@ extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, MOECOMM_BLOC
 // [rows, hidden] out_dtype (a token with no row gets zeros) and, when given, c.out_dropped [rows, topk] uint8
 // (from f.drop_buf, which dispatch_send wrote); nothing where combine_check leaves no rows. Expert ids other
 // than the dispatch's (IdsCheck) are recorded as this rank's error. The call number is
-// the dispatch's: every block stores it as the combine's (no block of this call reads it); state[BAD_RECV] is
+// the dispatch's: every block stores it as the combine's (no block of this call reads it) and in its own word of
+// state[s_combined] (a combine replayed twice after one dispatch finds it there: ERR_ORDER); state[BAD_RECV] is
 // cleared by the next dispatch_send.
 extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, MOECOMM_BLOCKS_PER_SM)
     moecomm_combine_local(const Fixed f, const Call c) {
@@ -132,6 +133,10 @@ extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, MOECOMM_BLOC
   TRACE_SPAN(MOECOMM_TRACE_COMBINE_SEND, 0);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const unsigned epoch = f.state[MOECOMM_S_EPOCH_DS];
+  // the call this block last combined: its own word (a block of this launch may have ended and stored
+  // state[EPOCH_CS] already), the dispatch's call when a combine was replayed twice after it
+  unsigned* const combined = &f.state[f.s_combined + blockIdx.x];
+  const bool again = *combined == epoch;
   const int chunks = f.hidden / 8;
   const int rows_max = min(c.rows, f.max_tokens);  // m, once checked, is at most this: the slices are known early
   const int most_slices = (chunks + MOECOMM_SUM_SLICE_CHUNKS - 1) / MOECOMM_SUM_SLICE_CHUNKS;
@@ -150,7 +155,7 @@ extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, MOECOMM_BLOC
   };
   load_pairs(blockIdx.x);
   IdsCheck ids(f, c);
-  const int m = combine_check(f, c, epoch).m;
+  const int m = combine_check(f, c, epoch, again).m;
   for (int i = blockIdx.x; i < m * slices; i += gridDim.x) {
     const int t = i / slices, s = i % slices;
     const size_t pair = (size_t)t * f.topk + lane;
@@ -173,6 +178,9 @@ extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, MOECOMM_BLOC
   }
   if (ids.differ(f, c, m))  // its rows were summed as dispatched: the call fails here (no peer to tell)
     record_error(f.err, MOECOMM_ERR_IDS_DIFFER, f.rank, MOECOMM_PHASE_COMBINE, 0, (int)epoch);
-  if (threadIdx.x == 0) f.state[MOECOMM_S_EPOCH_CS] = epoch;
+  if (threadIdx.x == 0) {
+    *combined = epoch;
+    f.state[MOECOMM_S_EPOCH_CS] = epoch;
+  }
   TRACE_SPAN(MOECOMM_TRACE_COMBINE_SEND, 1);
 }

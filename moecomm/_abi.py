@@ -90,6 +90,7 @@ FIXED_FIELDS = (
     ("s_expert", "int"), ("s_recv", "int"),          # state[] offsets of per-expert and per-source counters
     ("s_kept", "int"),              # state[] offset of per-expert kept pairs (packed layout)
     ("s_claim", "int"),             # state[] offset of per-source claimed records (dispatch_recv)
+    ("s_combined", "int"),          # state[] offset of the call each combine_local block last combined
     ("senders", "int"),             # blocks of the one-launch dispatch that send (dispatch_senders)
     ("streamed", "int"),            # 1: the one-launch dispatch unpacks records as they land (streamed)
     ("comb_streamed", "int"),       # 1: the one-launch combine with partial sums streams (combine_streams)
@@ -170,12 +171,14 @@ class Layout(dict):
         self.size = start
 
 
-def state_layout(cfg):
+def state_layout(cfg, num_sms):
     """The arrays after the STATE_FIELDS words of an AllToAll's uint32 device state (Fixed.s_<name>):
     records sent per destination rank, pairs per local expert (its demand), records received per source,
-    pairs kept per local expert (packed layout), records claimed per source (streamed dispatch_recv)."""
+    pairs kept per local expert (packed layout), records claimed per source (streamed dispatch_recv), the call
+    each block of moecomm_combine_local last combined (its grid for ``num_sms``, the SM budget)."""
     W, L = cfg.world_size, cfg.num_local_experts
-    return Layout(C.STATE_FIXED, (("send", W), ("expert", L), ("recv", W), ("kept", L), ("claim", W)))
+    return Layout(C.STATE_FIXED, (("send", W), ("expert", L), ("recv", W), ("kept", L), ("claim", W),
+                                  ("combined", _sum_blocks(cfg, num_sms))))
 
 
 def counter_layout(cfg):

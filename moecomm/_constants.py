@@ -31,8 +31,9 @@ ERR_PLAN_DIFFERS = 11  # a backward call: rank `peer` follows the routing plan o
 ERR_PLAN_M = 12       # a backward call: the plan has pairs for tokens >= bound_m (detail = m): another call's plan
 ERR_IDS_DIFFER = 13   # combine was given other expert ids than its dispatch (this rank's; flagged to the peers as a
                       # refused "indices")
-ERR_ORDER = 15        # a dispatch began before the previous call's combine ran on this rank's GPU (calls replayed
-                      # from a graph with no host order: an operation run twice)
+ERR_ORDER = 15        # a dispatch began before the previous call's combine ran on this rank's GPU, or a combine
+                      # with no dispatch of its own before it (calls replayed from a graph with no host order: an
+                      # operation run twice, or a combine before its dispatch)
 ERR_WEIGHTS_DIFFER = 14  # rank `peer`'s combine was given router weights and this rank's not, or the reverse
                          # (detail: 1 where that rank's combine was given them)
 ERROR_WORDS = 6

@@ -192,7 +192,13 @@ class StreamOrder:
         self.event = check(driver.cuEventCreate(driver.CUevent_flags.CU_EVENT_DISABLE_TIMING), "cuEventCreate")
 
     def after(self, producer, consumer):
-        """Work queued on ``consumer`` from now on waits for the work queued on ``producer`` so far."""
+        """Work queued on ``consumer`` from now on waits for the work queued on ``producer`` so far.
+
+        While ``consumer`` is being captured into a CUDA graph and ``producer`` is not, nothing is waited
+        for: the producer's work is not part of the graph, CUDA refuses such a wait
+        (CUDA_ERROR_STREAM_CAPTURE_ISOLATION), and whoever launches the graph orders its replays."""
+        if not is_capturing(producer) and is_capturing(consumer):
+            return
         check(driver.cuEventRecord(self.event, producer), "cuEventRecord")
         check(driver.cuStreamWaitEvent(consumer, self.event, 0), "cuStreamWaitEvent")
 

@@ -310,7 +310,8 @@ class AllToAll:
                 or None for the current stream of the framework of ``dp_x`` on the communicator's device
                 (PyTorch's for a tensor, else CuPy's). Arrays from PyTorch or CuPy are taken to be written
                 on that framework's current stream, DLPack producers are asked to order their stream
-                before this one, and a ``__cuda_array_interface__`` stream is waited for.
+                before this one, and a ``__cuda_array_interface__`` stream is waited for (not while this
+                stream is being captured into a CUDA graph and the producer's is not: see docs/api.md).
 
         Raises InvalidArgument (this rank's argument was refused: it takes part with no data and the call
         is over, no combine follows), PeerError (another rank's was), InvalidRouting (an expert id out of

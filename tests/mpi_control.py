@@ -31,6 +31,12 @@ once the call is over (after combine's receive half is issued) or by synchronize
   AllToAll has its own buffers and signals, so the calls cannot pair; they wait for each other until the
   timeout) on every rank, after which the communicator is broken (CommBroken at once) and finalize()
   does not wait.
+
+``--replay dispatch|combine`` (GPU transports) runs one case instead: a call's dispatch and its combine captured
+into two CUDA graphs (``a2a.captured()``), replayed in order (right), then that one replayed again, as a
+framework that reorders or repeats replayed calls would: ``a2a.check()`` raises OutOfStep on every rank (the
+kernels count each half's calls), a combine replayed again leaves out_tokens alone, and the communicator is
+broken (CommBroken at once).
 Prints "<n> checks on <w> ranks: <f> failures" on rank 0.
 """
 import argparse
@@ -182,11 +188,62 @@ def expect(fails, label, steps, a2a, kinds, peer=None, limit=TIMEOUT):
     return None
 
 
+def replay_order(comm, a2a, again, fails):
+    """The ``--replay`` case (module docstring): ``again`` "dispatch" or "combine" is replayed twice. The
+    arrays are written on CuPy's current stream and the calls captured on another: a producer outside the
+    capture is not waited for (CUDA would refuse the wait)."""
+    import cupy
+    W, r = comm.world_size, comm.rank
+    if not roundtrip(comm, a2a, 700):  # eager first: the kernels are loaded before capture
+        fails.append("the eager call before capture is wrong")
+    everyone = [good(W, q, 701) for q in range(W)]
+    args, out = on_device(everyone[r]), xp.zeros((M, H), np.float16)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    calls = {"dispatch": lambda: a2a.dispatch(**args, stream=stream),
+             "combine": lambda: a2a.combine(out, args["indices"], None, args["out_expert_x"], args["bound_m"],
+                                            stream=stream)}
+    cupy.cuda.Device().synchronize()
+    graphs = {}
+    with a2a.captured():
+        for name, call in calls.items():
+            stream.begin_capture(cupy.cuda.runtime.streamCaptureModeRelaxed)
+            call()
+            graphs[name] = stream.end_capture()
+    for name in ("dispatch", "combine"):
+        graphs[name].launch(stream)
+    stream.synchronize()
+    a2a.check()
+    ref = reference.dispatch([a["dp_x"] for a in everyone], None, [a["indices"] for a in everyone],
+                             E_PER_RANK * W, W, M)
+    want = reference.combine([a["indices"] for a in everyone], [a["weights"] for a in everyone],
+                             [q["expert_x"] for q in ref], [q["origin"] for q in ref], E_PER_RANK * W, W,
+                             np.float16)[r]
+    if not np.allclose(host(out).astype(np.float32), want.astype(np.float32), rtol=2 ** -9, atol=1e-3):
+        fails.append("the replayed call is wrong")
+    out.fill(7)
+    cupy.cuda.Device().synchronize()
+
+    def replay():
+        graphs[again].launch(stream)
+        stream.synchronize()
+        a2a.check()
+    e = expect(fails, f"{again} replayed twice", [replay], None, moecomm.OutOfStep)
+    if e is not None and again not in str(e):
+        fails.append(f"OutOfStep does not name the {again}: {e}")
+    if again == "combine" and not (host(out) == 7).all():
+        fails.append("a combine replayed twice wrote out_tokens")
+    expect(fails, "a call after the replay out of order", [calls["dispatch"]], None, moecomm.CommBroken)
+    return 4
+
+
 def main():
     global xp
     p = argparse.ArgumentParser()
     p.add_argument("--transport", default="host")
-    transport = p.parse_args().transport
+    p.add_argument("--replay", choices=("dispatch", "combine"),
+                   help="only the case of that call replayed twice from a CUDA graph (GPU transports)")
+    opts = p.parse_args()
+    transport = opts.transport
     comm = moecomm.init(transport=transport, timeout=TIMEOUT)
     if transport != "host":
         import cupy
@@ -195,6 +252,11 @@ def main():
     fails, checks = [], 0
     a2a = moecomm.AllToAll(comm, M, E_PER_RANK * W, K, H, None, "fp16" if r % 2 else np.float16, "float16")
     checks += 1  # the spellings of one configuration were accepted as equal
+    if opts.replay:
+        checks += replay_order(comm, a2a, opts.replay, fails)
+        comm.finalize()
+        from mpi4py import MPI
+        sys.exit(report(MPI.COMM_WORLD.allgather(fails), checks, W, r))
 
     def out():
         return xp.zeros((M, H), np.float16)

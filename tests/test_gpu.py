@@ -84,6 +84,16 @@ def test_failed_calls_at_one_rank_leave_the_next_call_right(transport):
     assert p.returncode == 0 and ": 0 failures" in p.stdout, p.stdout[-4000:] + p.stderr[-4000:]
 
 
+@needs_gpu
+@each_transport
+@pytest.mark.parametrize("again", ["dispatch", "combine"])
+def test_a_call_replayed_out_of_order_raises_on_every_rank(transport, again):
+    """A dispatch or a combine replayed twice from a CUDA graph (tests/mpi_control.py --replay; one rank takes
+    the local path): OutOfStep on every rank, a combine's out_tokens untouched; ends broken by design."""
+    p = run_mpi(GPUS, "tests/mpi_control.py", "--transport", transport, "--replay", again, timeout=120)
+    assert ": 0 failures" in p.stdout, p.stdout[-4000:] + p.stderr[-4000:]
+
+
 @pytest.mark.skipif(GPUS < 2, reason=f"needs 2 GPUs; {NEEDS_GPU}")
 @each_transport
 def test_a_masked_dead_rank_leaves_the_survivors_serving(transport):

@@ -47,7 +47,8 @@
 #                                    R1-decode, V2-Lite, 1 and 16 tokens at world size 1 over ipc, the
 #                                    baseline's tree then this one, $ROUNDS rounds (default 2; bench JSON each)
 #   bash tools/gpu_check.sh recovery a failed call on one rank fails on every rank and no step gets another's
-#                                    data (tests/mpi_recovery.py): 1 rank on both transports, 2 and 4 ranks
+#                                    data (tests/mpi_recovery.py; mpi_control.py, with calls replayed from CUDA
+#                                    graphs out of order): 1 rank on both transports, 2 and 4 ranks
 #                                    ($RANKS; RANKS= leaves these out) time-sliced on GPU 0 over ipc with control
 #                                    and quick sweeps, the exit cases, then a soak with every fault kind at 2
 #                                    ranks ($SOAK_MINUTES, default 5)
@@ -120,11 +121,17 @@ if [ "${1:-}" = recovery ]; then  # never silent, always collective
     [ -n "${RANKS-1}" ] || break
     expect ": 0 failures" "${MPIRUN[@]}" -np 1 python3 tests/mpi_recovery.py --transport $t
     expect ": 0 failures" "${MPIRUN[@]}" -np 1 python3 tests/mpi_control.py --transport $t
+    for again in dispatch combine; do
+      expect ": 0 failures" "${MPIRUN[@]}" -np 1 python3 tests/mpi_control.py --transport $t --replay $again
+    done
   done
   export MOECOMM_TRANSPORT=ipc MOECOMM_IPC_HEAP_MB=${MOECOMM_IPC_HEAP_MB:-1024} CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0}
   for n in ${RANKS-2 4}; do
     expect ": 0 failures" "${MPIRUN[@]}" -np $n python3 tests/mpi_recovery.py --transport ipc
     expect ": 0 failures" "${MPIRUN[@]}" -np $n python3 tests/mpi_control.py --transport ipc
+    for again in dispatch combine; do
+      expect ": 0 failures" "${MPIRUN[@]}" -np $n python3 tests/mpi_control.py --transport ipc --replay $again
+    done
     step "${MPIRUN[@]}" -np $n python3 tests/mpi_alltoall.py --transport ipc --quick
   done
   for c in destroy leave finalize; do  # judged by each rank's record (Open MPI's launcher counts os._exit as failure)

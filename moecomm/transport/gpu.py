@@ -299,6 +299,10 @@ def _error(code, peer, phase, detail, call, amount, what, capacity, departed):
                                f"same call")
     if code == C.ERR_PLAN_M:
         return InvalidArgument(f"{where}: plan: it has pairs for tokens >= m={detail}: it is another call's plan")
+    if code == C.ERR_ORDER and phase_name == "combine":
+        return OutOfStep(f"{where}: a combine ran with no dispatch of its own before it on this GPU (calls "
+                         f"replayed without the host ran out of order: a combine run twice, or before its "
+                         f"dispatch); it combined nothing")
     if code == C.ERR_ORDER:
         return OutOfStep(f"{where}: a dispatch began before the previous call's combine ran on this GPU (calls "
                          f"replayed without the host ran out of order: an operation run twice, or a combine skipped)")
@@ -336,6 +340,8 @@ def _peer_error(where, peer, reason, argument):
         text = "its routing plan has pairs for tokens >= bound_m"
     elif reason == C.ERR_PLAN_DIFFERS:
         text = "the ranks' routing plans differ"
+    elif reason == C.ERR_ORDER:
+        text = "its calls ran out of order on its GPU"
     elif reason == C.ERR_ENDED:
         text = "it ended the call after an error of it"
     elif reason == C.ERR_REFUSED:

@@ -93,8 +93,8 @@ class GpuAllToAll(AllToAllBackend):
         self.t, self.cfg, self._cupy = transport, cfg, cupy
         variant, self.module = transport.kernels(cfg)  # every kernel of this AllToAll comes from this module
         W, M, K, L = cfg.world_size, cfg.max_num_tokens, cfg.experts_per_token, cfg.num_local_experts
-        rec, state, counters = _abi.RecordLayout.of(cfg), _abi.state_layout(cfg), _abi.counter_layout(cfg)
         sms = _abi.sm_budget(cfg, transport.num_sms)  # every grid below is sized for these SMs
+        rec, state, counters = _abi.RecordLayout.of(cfg), _abi.state_layout(cfg, sms), _abi.counter_layout(cfg)
         sizes = symmetric_sizes(cfg, sms)
         self.state = cupy.zeros(state.size, np.uint32)
         self.slot_of = cupy.empty(W * M * K, np.int32)
@@ -158,6 +158,7 @@ class GpuAllToAll(AllToAllBackend):
             stage_bytes=sizes["stage_row"],
             c_received=counters["received"], c_dropped=counters["dropped"], c_bytes=counters["bytes"],
             s_expert=state["expert"], s_recv=state["recv"], s_kept=state["kept"], s_claim=state["claim"],
+            s_combined=state["combined"],
             senders=_abi.dispatch_senders(cfg, sms), streamed=int(_abi.streamed(cfg, sms)),
             comb_streamed=int(_abi.combine_streams(cfg, sms, _jit.VARIANTS[variant].streams_combine)),
             **_pointers(sent=self.sent, grad_buf=self.grad_buf, grad_sig=self.grad_sig, grad_w=self.grad_w),
