@@ -1,4 +1,4 @@
-"""The kernel ABI, declared once: parameter structs, kernel signatures, grid rules, device constants.
+"""The kernel ABI, declared once: parameter structs, kernel signatures, device layouts, device constants.
 
 Python packs kernel parameters into ctypes structures built from the field lists below, and
 :func:`header` turns the same lists into ``moecomm_abi.h``, the header every ``cuda/*.cu`` file includes:
@@ -171,14 +171,15 @@ class Layout(dict):
         self.size = start
 
 
-def state_layout(cfg, num_sms):
+def state_layout(cfg, combine_local_blocks):
     """The arrays after the STATE_FIELDS words of an AllToAll's uint32 device state (Fixed.s_<name>):
     records sent per destination rank, pairs per local expert (its demand), records received per source,
     pairs kept per local expert (packed layout), records claimed per source (streamed dispatch_recv), the call
-    each block of moecomm_combine_local last combined (its grid for ``num_sms``, the SM budget)."""
+    each block of moecomm_combine_local last combined (its grid: ``combine_local_blocks``, 0 where the
+    AllToAll does not launch it)."""
     W, L = cfg.world_size, cfg.num_local_experts
     return Layout(C.STATE_FIXED, (("send", W), ("expert", L), ("recv", W), ("kept", L), ("claim", W),
-                                  ("combined", _sum_blocks(cfg, num_sms))))
+                                  ("combined", combine_local_blocks)))
 
 
 def counter_layout(cfg):
@@ -227,173 +228,31 @@ class RecordLayout:
         return cls(x, _align16(x), scales, meta, meta + _align16(4 + 8 * cfg.experts_per_token))
 
 
-# Grid rules -------------------------------------------------------------------------------------
-def sm_budget(cfg, num_sms):
-    """The SMs the rules below size grids for: the GPU's ``num_sms``, or fewer where the AllToAll's
-    ``max_sms`` caps them (every kernel then has at most BLOCKS_PER_SM * max_sms blocks)."""
-    return num_sms if cfg.max_sms is None else min(num_sms, cfg.max_sms)
-
-
-def _send_blocks(cfg, num_sms):
-    """A block per token of this rank's DP share, up to BLOCKS_PER_SM per SM (no block of a half waits for
-    another of its own grid, so blocks beyond what is resident just queue)."""
-    return max(1, min(C.BLOCKS_PER_SM * num_sms, -(-cfg.max_num_tokens // cfg.dp_size)))
-
-
-def _per_source_blocks(cfg, num_sms):
-    """world * parts blocks: block b serves source rank b % world, a record per block (strided; dispatch_recv
-    spreads them over the sources whose records it unpacks). All
-    resident while world <= BLOCKS_PER_SM * num_sms: a phase in one launch needs that (resident())."""
-    return cfg.world_size * max(1, min(cfg.max_num_tokens, C.BLOCKS_PER_SM * num_sms // cfg.world_size))
-
-
-def _send_share(cfg, num_sms):
-    """SEND_SHARE percent of the one-launch dispatch grid."""
-    return max(1, _per_source_blocks(cfg, num_sms) * C.SEND_SHARE // 100)
-
-
-def streamed(cfg, num_sms):
-    """Whether a block of the send share can hold more than STREAM_TOKENS tokens (prefill-sized batches), so that
-    dispatch records carry arrival words and the receive half gains by unpacking them as they land. Otherwise
-    every record is covered by its source's signal only, and the receive half waits for it: claiming records
-    one by one would only add a round trip to small batches."""
-    return -(-cfg.max_num_tokens // cfg.dp_size) > C.STREAM_TOKENS * _send_share(cfg, num_sms)
-
-
-def combine_streams(cfg, num_sms, transport_streams):
-    """Whether the one-launch combine (with partial sums) streams: this rank's own partial sums are never
-    formed, and the token side adds each token's own expert rows to the peers' partial sums as these land
-    (arrival words; cuda/combine.cu). Prefill-sized batches (streamed), DP size 1, the padded layout, and
-    kernels that carry it (``transport_streams``: moecomm._jit.Variant.streams_combine of the module the
-    AllToAll launches from, GpuTransport.kernels). Not on an FP8 combine wire: the token side would add rows
-    of two formats."""
-    return (streamed(cfg, num_sms) and cfg.dp_size == 1 and cfg.layout == "padded" and cfg.combine_wire is None
-            and transport_streams)
-
-
-def dispatch_senders(cfg, num_sms):
-    """Blocks of the one-launch dispatch grid that send: the send share where records stream (the other
-    blocks unpack them from the start, while the sends keep NVLink busy), else the whole grid."""
-    return _send_share(cfg, num_sms) if streamed(cfg, num_sms) else _per_source_blocks(cfg, num_sms)
-
-
-def _token_blocks(cfg, num_sms):
-    """A block per token of the DP group (strided), up to BLOCKS_PER_SM per SM."""
-    return max(1, min(C.BLOCKS_PER_SM * num_sms, cfg.max_num_tokens))
-
-
-def _token_part_blocks(cfg, num_sms):
-    """moecomm_dispatch_tokens (cuda/local.cu): max_num_tokens * parts blocks, each taking every parts-th pair of
-    its token, so that a small batch's rows are stored from many SMs: parts up to top-k while the grid fills at
-    most half of the BLOCKS_PER_SM per SM resident (each part loads the token's whole row: one H200 measured two
-    parts per token 0.2 µs slower than one at 128 tokens, eight 0.5 µs faster at 16); 1 where pairs may be
-    dropped for capacity (a token's drop word is one block's)."""
-    room = C.BLOCKS_PER_SM * num_sms // (2 * cfg.max_num_tokens)
-    return cfg.max_num_tokens * (1 if cfg.drops else max(1, min(cfg.experts_per_token, room)))
-
-
-def _sum_blocks(cfg, num_sms):
-    """moecomm_combine_local (cuda/local.cu): a block per (token, slice of SUM_SLICE_CHUNKS 16-byte chunks of its
-    row) work item, up to BLOCKS_PER_SM per SM (the kernel cuts a row into as many slices as the grid has room
-    for, up to that)."""
-    slices = -(-(cfg.hidden_dim // 8) // C.SUM_SLICE_CHUNKS)
-    return max(1, min(C.BLOCKS_PER_SM * num_sms, cfg.max_num_tokens * slices))
-
-
-def _gpu_blocks(cfg, num_sms):
-    """BLOCKS_PER_SM per SM, the blocks resident at once (resident()): the backward kernels (cuda/backward.cu),
-    each operation in one launch whose parts wait for each other's signals."""
-    return C.BLOCKS_PER_SM * num_sms
-
-
-def resident(blocks, num_sms):
-    """Whether a grid of ``blocks`` AllToAll blocks is resident at once on ``num_sms`` SMs (the kernels'
-    launch bounds guarantee BLOCKS_PER_SM per SM), as a phase in one launch must be: its blocks wait for
-    signals that other blocks of the same grid send."""
-    return blocks <= C.BLOCKS_PER_SM * num_sms
-
-
+# Kernel signatures ------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Kernel:
-    """One kernel: its symbol, its parameters (struct types, in order), its grid rule and block size, and
+    """One kernel's declaration: its symbol, its parameters (struct types, in order), its block size, and
     whether it is a programmatic dependent launch where the GPU has them (``dependent``; compute capability
     from ``PROGRAMMATIC_ARCH``): it may then be launched while the stream's previous kernel runs, and its
-    first statement is ``after_previous_kernel()`` (cuda/device.cuh), which waits for that kernel's end."""
+    first statement is ``after_previous_kernel()`` (cuda/device.cuh), which waits for that kernel's end.
+    Which kernels an AllToAll runs, and their grids: moecomm/transport/gpu_plan.py."""
     name: str
     params: tuple
-    grid: object = None      # (cfg, num_sms) -> blocks, for the AllToAll kernels
     threads: int = C.BLOCK_THREADS
     dependent: bool = True
 
 
 KERNELS = {k.name: k for k in (
-    Kernel("moecomm_dispatch_send", (Fixed, Call), _send_blocks),
-    Kernel("moecomm_dispatch_recv", (Fixed, Call), _per_source_blocks),
-    Kernel("moecomm_dispatch_pack", (Fixed, Call), _per_source_blocks),
-    Kernel("moecomm_combine_send", (Fixed, Call), _per_source_blocks),
-    Kernel("moecomm_combine_recv", (Fixed, Call), _token_blocks),
-    Kernel("moecomm_dispatch", (Fixed, Call), _per_source_blocks),
-    Kernel("moecomm_dispatch_streamed", (Fixed, Call), _per_source_blocks),
-    Kernel("moecomm_combine", (Fixed, Call), _per_source_blocks),
-    Kernel("moecomm_combine_send_wire", (Fixed, Call), _per_source_blocks),
-    Kernel("moecomm_combine_recv_wire", (Fixed, Call), _token_blocks),
-    Kernel("moecomm_combine_wire", (Fixed, Call), _per_source_blocks),
-    Kernel("moecomm_dispatch_local", (Fixed, Call), _send_blocks),
-    Kernel("moecomm_dispatch_tokens", (Fixed, Call), _token_part_blocks),
-    Kernel("moecomm_combine_local", (Fixed, Call), _sum_blocks),
-    Kernel("moecomm_plan", (Fixed, Grad), _gpu_blocks),
-    Kernel("moecomm_dispatch_backward", (Fixed, Grad), _gpu_blocks),
-    Kernel("moecomm_combine_backward", (Fixed, Grad), _gpu_blocks),
+    *(Kernel(name, (Fixed, Call)) for name in (
+        "moecomm_dispatch_send", "moecomm_dispatch_recv", "moecomm_dispatch_pack", "moecomm_combine_send",
+        "moecomm_combine_recv", "moecomm_dispatch", "moecomm_dispatch_streamed", "moecomm_combine",
+        "moecomm_combine_send_wire", "moecomm_combine_recv_wire", "moecomm_combine_wire", "moecomm_dispatch_local",
+        "moecomm_dispatch_tokens", "moecomm_combine_local")),
+    *(Kernel(name, (Fixed, Grad)) for name in ("moecomm_plan", "moecomm_dispatch_backward",
+                                                "moecomm_combine_backward")),
     Kernel("moecomm_peer_check", (PeerCheck,), threads=32, dependent=False),
     Kernel("moecomm_delay", (Delay,), threads=1, dependent=False),
 )}
-ALLTOALL_KERNELS = tuple(f"moecomm_{half}" for half in C.HALVES)  # the four halves' kernels, in order
-WHOLE_KERNELS = {"dispatch": "moecomm_dispatch", "combine": "moecomm_combine"}  # a phase's halves in one launch
-STREAMED_DISPATCH = "moecomm_dispatch_streamed"  # the one-launch dispatch of streamed batches (cuda/dispatch.cu)
-LOCAL_KERNELS = {"dispatch": "moecomm_dispatch_local", "combine": "moecomm_combine_local"}  # local() (cuda/local.cu)
-LOCAL_TOKENS = "moecomm_dispatch_tokens"  # the local path's dispatch where every token has a block (local.cu)
-PACK_KERNEL = "moecomm_dispatch_pack"  # the packed layout's third dispatch kernel (after the receive half)
-WIRE = "_wire"  # the combine kernels of an FP8 combine wire: their names end so (cuda/combine*.cu)
-WIRE_KERNELS = ("moecomm_combine_send_wire", "moecomm_combine_recv_wire", "moecomm_combine_wire")
-GRAD_KERNELS = ("moecomm_plan", "moecomm_dispatch_backward", "moecomm_combine_backward")  # backward.cu
-
-
-def phase_of(name):
-    """The phase ("dispatch" or "combine") of an AllToAll kernel: whose call record it reads."""
-    return "combine" if name.startswith("moecomm_combine") else "dispatch"
-
-
-def _on_wire(cfg, name):
-    return name + WIRE if cfg.combine_wire is not None and phase_of(name) == "combine" else name
-
-
-def half_kernels(cfg):
-    """The four halves' kernels for this configuration, in ALLTOALL_KERNELS' order: on an FP8 combine wire the
-    combine's own, so the out-dtype kernels carry none of its code."""
-    return tuple(_on_wire(cfg, n) for n in ALLTOALL_KERNELS)
-
-
-def local(cfg):
-    """Whether the phases in one launch take the local path (cuda/local.cu): world size 1 in the padded layout,
-    where every pair is the rank's own, so the dispatch unpacks no record, the combine forms each token's sum
-    straight from its expert rows, and no block waits for another. On an FP8 combine wire only the dispatch
-    does (whole_kernels): the wire's combine keeps its own kernel."""
-    return cfg.world_size == 1 and cfg.layout == "padded"
-
-
-def whole_kernels(cfg, num_sms):
-    """{phase: the kernel that runs its two halves in one launch} for this configuration: the local path's
-    (local()), whose dispatch has a kernel of its own (LOCAL_TOKENS) where every token of max_num_tokens gets a
-    block; else the dispatch of streamed (prefill-sized) batches is its own kernel, so the small batches'
-    kernel carries none of its code; so is the combine on an FP8 combine wire."""
-    whole = dict(WHOLE_KERNELS, dispatch=STREAMED_DISPATCH) if streamed(cfg, num_sms) else WHOLE_KERNELS
-    whole = {phase: _on_wire(cfg, n) for phase, n in whole.items()}
-    if local(cfg):
-        every_token = _send_blocks(cfg, num_sms) >= cfg.max_num_tokens  # a block per token: no block has two
-        whole["dispatch"] = LOCAL_TOKENS if every_token else LOCAL_KERNELS["dispatch"]
-        if cfg.combine_wire is None:
-            whole["combine"] = LOCAL_KERNELS["combine"]
-    return whole
 
 
 # The device header --------------------------------------------------------------------------------

@@ -42,7 +42,7 @@ class AllToAllConfig:
         scale_layout: "row" (out_expert_x_scale [L, capacity, scales]) or "column" ([L, scales, capacity]:
             each expert's scales column-major, as TMA loads them).
         max_sms: None, or the most SMs the kernels' grids are sized for (at most BLOCKS_PER_SM blocks per SM:
-            moecomm._abi.sm_budget), leaving the rest to work on other streams; GPU transports.
+            moecomm.transport.gpu_plan.sm_budget), leaving the rest to work on other streams; GPU transports.
         gradients: whether the GPU transports allocate what the backward calls need (moecomm.AllToAll); the
             host transport always computes gradients.
         combine_wire: None (combine's rows travel in out_dtype, partial sums in float32 on the host) or
@@ -121,6 +121,10 @@ class AllToAllConfig:
                                   f"{C.COMBINE_BLOCK} (one scale per {C.COMBINE_BLOCK} values), got {hidden_dim}")
         if max_sms is not None:
             max_sms = positive_int("max_sms", max_sms)
+            if C.BLOCKS_PER_SM * max_sms < world_size:  # a receive grid has a block per source rank at least
+                raise InvalidArgument(f"max_sms={max_sms}: the kernels need a block per rank, "
+                                      f"{C.BLOCKS_PER_SM} per SM: at least {-(-world_size // C.BLOCKS_PER_SM)} SMs "
+                                      f"at world size {world_size}")
         if slots_per_rank is not None:
             slots_per_rank = positive_int("slots_per_rank", slots_per_rank)
             if slots_per_rank < num_experts // world_size:

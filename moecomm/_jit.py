@@ -41,39 +41,29 @@ FORMAT = "moecomm-build-v3"  # bump when the payload layout or the build recipe 
 
 @dataclass(frozen=True)
 class Variant:
-    """One module, and for a GPU transport its registry entry: its ``.cu`` files; ``header``, the device
+    """One module: its ``.cu`` files; ``header``, the device
     transport header it is built against (``cuda/transport_<name>.cuh``, included by ``cuda/transport.cuh``
     as MOECOMM_TRANSPORT_HEADER), or "" for a module without one; ``puts``, whether that transport reaches peers
     by puts (MOECOMM_HAS_PUTS: peers on other nodes); ``nvshmem``, whether NVSHMEM's headers and device library
     are part of it; ``streams_combine``, whether its one-launch combine carries the streamed form
-    (``MOECOMM_STREAMS_COMBINE``; used where moecomm._abi.combine_streams says so; where it does not, that code is
-    compiled out: present but switched off at run time, it cost the nvshmem build's one-launch combine 15 us at
-    R1-prefill); ``twin``, the variant whose kernels a group with every peer mapped runs at prefill-sized batches
-    instead (the same sources without puts; moecomm/transport/gpu.py, GpuTransport.kernels), or "" for none;
-    ``transport``, the GPU transport's class as ``(module in moecomm.transport, class name)`` (what
-    ``moecomm.init(transport=<name>)`` starts), or None."""
+    (``MOECOMM_STREAMS_COMBINE``; used where moecomm.transport.gpu_plan.combine_streams says so; where it does
+    not, that code is compiled out: present but switched off at run time, it cost the nvshmem build's
+    one-launch combine 15 us at R1-prefill). Which variant's kernels an AllToAll runs:
+    moecomm/transport/gpu_plan.py; the transports' classes: moecomm.transport.GPU_TRANSPORTS."""
     sources: tuple
     header: str = ""
     puts: bool = False
     nvshmem: bool = False
     streams_combine: bool = False
-    twin: str = ""
-    transport: object = None
 
 
 _KERNELS = ("dispatch_send.cu", "dispatch_recv.cu", "dispatch_pack.cu", "dispatch.cu", "combine_send.cu",
             "combine_recv.cu", "combine.cu", "local.cu", "backward.cu", "peer_check.cu", "trace.cu")
 VARIANTS = {
-    # The nvshmem build's prefill-sized kernels run only in groups with a network peer (an NVLink-only group
-    # runs the ipc build's there: its twin): puts carry no arrival words, so the streamed combine's token side
-    # would wait for whole signals. Its put path also costs the streamed kernels registers and a stack (the
-    # streamed combine measured +9 us at R1-prefill in this build).
-    "nvshmem": Variant(_KERNELS, "transport_nvshmem.cuh", puts=True, nvshmem=True, twin="ipc",
-                       transport=("nvshmem", "NvshmemTransport")),
-    "ipc": Variant(_KERNELS, "transport_ipc.cuh", streams_combine=True, transport=("ipc", "IpcTransport")),
+    "nvshmem": Variant(_KERNELS, "transport_nvshmem.cuh", puts=True, nvshmem=True),
+    "ipc": Variant(_KERNELS, "transport_ipc.cuh", streams_combine=True),
     "bench": Variant(("delay.cu",)),
 }
-GPU_TRANSPORTS = {name: v.transport for name, v in VARIANTS.items() if v.transport}  # name: (module, class)
 
 
 def source_dir():

@@ -212,10 +212,11 @@ class AllToAll:
             2^-4 of itself (e4m3's rounding; ``moecomm.reference.quantize_e4m3``). hidden_dim a multiple
             of 128.
         max_sms: None (default: the kernels' grids are sized for the whole GPU), or the most SMs they are
-            sized for (at most 2 blocks per SM), leaving the others to work on other streams (a shared
-            expert, another micro-batch), as DeepEP's ``Buffer.set_num_sms`` does. A phase that runs in one
-            launch needs its whole grid resident at once (but at world size 1 in the padded layout, where no
-            block waits for another: docs/design.md, the local path): work that holds SMs only delays it.
+            sized for (at most 2 blocks per SM; at least world_size / 2 SMs), leaving the others to work on
+            other streams (a shared expert, another micro-batch), as DeepEP's ``Buffer.set_num_sms`` does. A
+            phase that runs in one launch needs its whole grid resident at once (but at world size 1 in the
+            padded layout, where no block waits for another: docs/design.md, the local path): work that holds
+            SMs only delays it.
             GPU transports (the host transport has no kernels); the same on every rank.
         gradients: False (default) or True: GPU transports allocate what :meth:`plan`, :meth:`dispatch_backward`
             and :meth:`combine_backward` need (a gradient row buffer of world_size * max_num_tokens rows of
@@ -826,6 +827,10 @@ class AllToAll:
             bytes: {"dispatch_sent", "dispatch_received", "combine_sent", "combine_received": [W] int64}
                 bytes exchanged with each peer (0 for this rank).
             times_us: {"dispatch", "combine": [microseconds per call]} with timing=True, else None.
+            plan: GPU transports: what the AllToAll launches ({"variant": the kernels' module, "sm_budget",
+                "grids": {kernel: blocks}, "halves": {half: kernels}, "whole": {phase: kernels} where both
+                halves are requested together, "fallback": {phase: why it runs its halves' kernels} where
+                its one-launch grid is not resident, "streamed", "combine_streams"}); None on the host.
             rank: this rank; generation: the expert map's generation (None without slots_per_rank).
         """
         self._live()

@@ -19,7 +19,7 @@ import time
 
 from ._constants import timeout_seconds
 from ._errors import CommBroken, CommTimeout, InvalidArgument, MoeCommError, OutOfStep, PeerExited
-from ._jit import GPU_TRANSPORTS
+from .transport import GPU_TRANSPORTS
 
 log = logging.getLogger("moecomm")
 

@@ -414,7 +414,7 @@ def gpu_cases(world, quick):
            dict(base, routing="one_expert"), dict(base, routing="other_rank"), dict(base, m=0),
            dict(base, in_dtype="bfloat16", scale=None, out_dtype="float16"),
            # a prefill-sized batch: the one-launch dispatch's sending blocks hold more than STREAM_TOKENS tokens,
-           # so rows carry arrival words and are taken as they land (moecomm._abi.streamed): dispatch records,
+           # so rows carry arrival words and are taken as they land (moecomm.transport.gpu_plan.streamed): dispatch records,
            # and on ipc the combine's partial sums (weights at dispatch), summed with this rank's own expert rows
            dict(base, hidden=512, scale=4, max_m=2048, m=2048, iters=1), dict(base, hidden=512, scale=4, max_m=2048),
            dict(base, hidden=512, scale=4, max_m=2048, m=2048, routing="other_rank", iters=1),

@@ -8,7 +8,7 @@ exactly); the kernels drop those whose slots were taken last, so on GPUs the che
     mpiexec -n 3 python tests/mpi_capacity.py                       # host transport (numpy)
     mpirun -n 2 python tests/mpi_capacity.py --transport nvshmem    # GPUs (CuPy arrays)
     mpirun -n 2 python tests/mpi_capacity.py --transport ipc --max-tokens 2048   # a prefill-sized AllToAll
-                                        # (moecomm._abi.streamed: arrival words, the streamed combine)
+                                        # (moecomm.transport.gpu_plan.streamed: arrival words, the streamed combine)
 
 Prints "<n> checks on <w> ranks: <f> failures" on rank 0.
 """

@@ -132,7 +132,12 @@ def main():
             or min(times["dispatch"] + times["combine"]) <= 0:
         fails.append(f"timing=True: expected {WINDOW} positive times per phase, got "
                      f"{ {k: len(v) for k, v in (times or {}).items()} }")
-    checks += 5
+    plan = s["plan"]  # what the AllToAll launches: GPU transports only
+    if (plan is None) != (transport == "host") or plan is not None and (
+            set(plan["halves"]) != {"dispatch_send", "dispatch_recv", "combine_send", "combine_recv"}
+            or plan["fallback"] or not all(k in plan["grids"] for ks in plan["whole"].values() for k in ks)):
+        fails.append(f"stats()['plan'] on the {transport} transport: {plan}")
+    checks += 6
     everyone = comm.allgather(s)
     for q, theirs in enumerate(everyone):
         for phase in ("dispatch", "combine"):

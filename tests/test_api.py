@@ -243,14 +243,16 @@ def test_dispatch_streams_only_prefill_sized_batches():
     """The one-launch dispatch splits its grid into senders and early receivers, records carry arrival
     words, and the streamed kernel runs, only where a sending block can hold more than STREAM_TOKENS tokens
     (R1 shapes, EP2, 132 SMs)."""
-    from moecomm import _abi, _constants as C
+    from moecomm import _constants as C
     from moecomm._config import AllToAllConfig
+    from moecomm.transport.gpu_plan import launch_plan
     for tokens, streams in ((1, False), (128, False), (1024, False), (4096, True)):
         c = AllToAllConfig.create(2, 0, tokens, 256, 8, 7168, 56, "float8_e4m3fn", "bfloat16", None, 1)
-        grid, senders = _abi.KERNELS["moecomm_dispatch"].grid(c, 132), _abi.dispatch_senders(c, 132)
-        assert _abi.streamed(c, 132) == streams
-        assert _abi.whole_kernels(c, 132) == {"dispatch": _abi.STREAMED_DISPATCH if streams else "moecomm_dispatch",
-                                              "combine": "moecomm_combine"}
+        plan = launch_plan(c, 132, "ipc")
+        dispatch = "moecomm_dispatch_streamed" if streams else "moecomm_dispatch"
+        assert plan.streamed == streams
+        assert plan.whole == {"dispatch": (dispatch,), "combine": ("moecomm_combine",)} and not plan.fallback
+        grid, senders = plan.grids[dispatch], plan.senders
         assert senders == (grid * C.SEND_SHARE // 100 if streams else grid)
         if streams:
             assert tokens > C.STREAM_TOKENS * senders
@@ -261,34 +263,36 @@ def test_world_size_1_takes_the_local_path_in_the_padded_layout():
     """At world size 1 the phases in one launch are the local path's kernels (cuda/local.cu), at every batch
     size; the packed layout keeps the general kernels, and the FP8 combine wire its own combine (its dispatch is
     local); at world size 2 nothing is local."""
-    from moecomm import _abi
     from moecomm._config import AllToAllConfig
+    from moecomm.transport import gpu_plan as P
 
     def cfg(world, tokens, **kw):
         return AllToAllConfig.create(world, 0, tokens, 256, 8, 7168, 56, "float8_e4m3fn", "bfloat16", None, 1, **kw)
+
+    def whole(c, sms=132):
+        return {phase: kernels[0] for phase, kernels in P.launch_plan(c, sms, "ipc").whole.items()}
     for tokens in (1, 128, 264, 265, 4096):
-        assert _abi.local(cfg(1, tokens))
+        assert P.local(cfg(1, tokens))
         # a block per token up to 2 per SM (264 on 132 SMs): the small batches' dispatch
-        small = dict(_abi.LOCAL_KERNELS, dispatch=_abi.LOCAL_TOKENS)
-        assert _abi.whole_kernels(cfg(1, tokens), 132) == (small if tokens <= 264 else _abi.LOCAL_KERNELS)
-        assert not _abi.local(cfg(2, tokens))
-    assert _abi.whole_kernels(cfg(1, 128), 44) == _abi.LOCAL_KERNELS  # 88 blocks: some have two tokens
-    assert not _abi.local(cfg(1, 128, layout="packed"))
-    assert _abi.whole_kernels(cfg(1, 128, layout="packed"), 132) == _abi.WHOLE_KERNELS
-    assert _abi.whole_kernels(cfg(1, 128, combine_wire="e4m3"), 132) == {
-        "dispatch": _abi.LOCAL_TOKENS, "combine": "moecomm_combine_wire"}
+        small = dict(P.LOCAL_KERNELS, dispatch=P.LOCAL_TOKENS)
+        assert whole(cfg(1, tokens)) == (small if tokens <= 264 else P.LOCAL_KERNELS)
+        assert not P.local(cfg(2, tokens))
+    assert whole(cfg(1, 128), 44) == P.LOCAL_KERNELS  # 88 blocks: some have two tokens
+    assert not P.local(cfg(1, 128, layout="packed"))
+    assert whole(cfg(1, 128, layout="packed")) == P.WHOLE_KERNELS
+    assert whole(cfg(1, 128, combine_wire="e4m3")) == {"dispatch": P.LOCAL_TOKENS, "combine": "moecomm_combine_wire"}
 
 
 def test_small_batches_spread_over_the_grid_at_world_size_1():
     """The local path's small-batch dispatch gives a token up to top-k blocks while the grid fills at most half
     of 2 per SM (one where pairs may be dropped for capacity: a token's drop word is one block's), and its
     combine a block per (token, slice of 64 chunks) up to 2 per SM (R1 shapes: 7168 values, 14 slices; 132 SMs)."""
-    from moecomm import _abi
     from moecomm._config import AllToAllConfig
+    from moecomm.transport.gpu_plan import GRIDS, LOCAL_TOKENS
 
     def grids(tokens, **kw):
         c = AllToAllConfig.create(1, 0, tokens, 256, 8, 7168, 56, "float8_e4m3fn", "bfloat16", None, 1, **kw)
-        return _abi.KERNELS[_abi.LOCAL_TOKENS].grid(c, 132), _abi.KERNELS["moecomm_combine_local"].grid(c, 132)
+        return GRIDS[LOCAL_TOKENS](c, 132), GRIDS["moecomm_combine_local"](c, 132)
     assert grids(1) == (8, 14)
     assert grids(16) == (128, 224)
     assert grids(64) == (128, 264)
@@ -304,22 +308,19 @@ def _r1_cfg(tokens, dp=1, layout="padded"):
 
 
 def test_prefill_sizes_of_a_mapped_group_run_the_put_free_twin(monkeypatch):
-    """GpuTransport.kernels: an NVSHMEM group whose every peer is mapped runs the ipc build (no puts, the
+    """The launch plan's module: an NVSHMEM group whose every peer is mapped runs the ipc build (no puts, the
     streamed combine) at prefill-sized batches; smaller batches, a group with a network peer (or forced puts)
     and the ipc transport run the transport's own module."""
-    import types
-    from moecomm import _constants as C, _jit
-    from moecomm.transport.gpu import GpuTransport, maps_every_peer
-    assert _jit.VARIANTS["nvshmem"].twin == "ipc" and not _jit.VARIANTS["ipc"].twin
-    assert _jit.VARIANTS["ipc"].streams_combine and not _jit.VARIANTS["nvshmem"].streams_combine
+    from moecomm import _constants as C
+    from moecomm.transport.gpu import maps_every_peer
+    from moecomm.transport.gpu_plan import launch_plan
 
     def pick(variant, tokens, mapped):
-        t = types.SimpleNamespace(variant=variant, num_sms=132, all_mapped=mapped, module="own", _twin="twin")
-        return GpuTransport.kernels(t, _r1_cfg(tokens))
-    assert pick("nvshmem", 4096, True) == ("ipc", "twin")
-    assert pick("nvshmem", 4096, False) == ("nvshmem", "own")
-    assert pick("nvshmem", 1024, True) == ("nvshmem", "own")
-    assert pick("ipc", 4096, True) == ("ipc", "own")
+        return launch_plan(_r1_cfg(tokens), 132, variant, mapped).variant
+    assert pick("nvshmem", 4096, True) == "ipc"
+    assert pick("nvshmem", 4096, False) == "nvshmem"
+    assert pick("nvshmem", 1024, True) == "nvshmem"
+    assert pick("ipc", 4096, True) == "ipc"
 
     monkeypatch.delenv(C.FORCE_PUTS_ENV, raising=False)
     assert maps_every_peer([0, 1 << 30]) and not maps_every_peer([0, C.PEER_UNMAPPED])
@@ -329,16 +330,21 @@ def test_prefill_sizes_of_a_mapped_group_run_the_put_free_twin(monkeypatch):
 
 def test_combine_streams_at_prefill_sizes_in_dp1_padded_where_the_kernels_carry_it():
     """The streamed one-launch combine (own partial sums never formed): prefill-sized batches, DP size 1, the
-    padded layout, and a module whose kernels carry it (ipc, not nvshmem: compiled out there)."""
-    from moecomm import _abi, _jit
+    padded layout, and a module whose kernels carry it (ipc, not nvshmem: compiled out there; an NVSHMEM group
+    with every peer mapped runs the ipc build there)."""
+    from moecomm import _jit
+    from moecomm.transport.gpu_plan import launch_plan
+
+    def streams(c, variant="ipc", mapped=True):
+        return launch_plan(c, 132, variant, mapped).combine_streams
     cfg = _r1_cfg
     assert "-DMOECOMM_STREAMS_COMBINE=0" in _jit._compile_flags("sm_90", "nvshmem")
     assert "-DMOECOMM_STREAMS_COMBINE=1" in _jit._compile_flags("sm_90", "ipc")
-    assert _abi.combine_streams(cfg(4096), 132, True)
-    assert not _abi.combine_streams(cfg(4096), 132, False)
-    assert not _abi.combine_streams(cfg(1024), 132, True)
-    assert not _abi.combine_streams(cfg(8192, dp=2), 132, True)
-    assert not _abi.combine_streams(cfg(4096, layout="packed"), 132, True)
+    assert streams(cfg(4096)) and streams(cfg(4096), "nvshmem")
+    assert not streams(cfg(4096), "nvshmem", mapped=False)
+    assert not streams(cfg(1024))
+    assert not streams(cfg(8192, dp=2))
+    assert not streams(cfg(4096, layout="packed"))
 
 
 class Loopback(moecomm.Bootstrap):
@@ -436,18 +442,22 @@ def test_combine_rows_on_the_fp8_wire_are_about_half_the_bf16_bytes():
 def test_max_sms_caps_every_grid_and_is_checked():
     """AllToAll(max_sms=n): every kernel's grid is sized for n SMs (at most BLOCKS_PER_SM * n blocks); the
     symmetric staging shrinks with it; n must be a positive integer."""
-    from moecomm import _abi, _constants as C
+    from moecomm import _constants as C
     from moecomm._config import AllToAllConfig
-    from moecomm.transport.gpu_alltoall import blocks, symmetric_bytes
+    from moecomm.transport.gpu_alltoall import symmetric_bytes
+    from moecomm.transport.gpu_plan import launch_plan, sm_budget
     full, capped = (AllToAllConfig.create(1, 0, 4096, 256, 8, 7168, 56, "float8_e4m3fn", "bfloat16", None, 1,
                                           max_sms=n) for n in (None, 44))
-    assert set(blocks(full, _abi.sm_budget(full, 132)).values()) == {C.BLOCKS_PER_SM * 132}
-    assert set(blocks(capped, _abi.sm_budget(capped, 132)).values()) == {C.BLOCKS_PER_SM * 44}
+    assert set(launch_plan(full, 132, "ipc").grids.values()) == {C.BLOCKS_PER_SM * 132}
+    assert set(launch_plan(capped, 132, "ipc").grids.values()) == {C.BLOCKS_PER_SM * 44}
     assert symmetric_bytes(capped) < symmetric_bytes(full)
-    assert _abi.sm_budget(capped, 16) == 16  # never more than the GPU has
+    assert sm_budget(capped, 16) == 16  # never more than the GPU has
     for bad in (0, -1, 2.5, True):
         with pytest.raises(moecomm.InvalidArgument, match="max_sms"):
             AllToAllConfig.create(1, 0, 128, 256, 8, 7168, 56, "float8_e4m3fn", "bfloat16", None, 1, max_sms=bad)
+    with pytest.raises(moecomm.InvalidArgument, match="max_sms=3: .* at least 4 SMs at world size 8"):
+        AllToAllConfig.create(8, 0, 128, 256, 8, 7168, 56, "float8_e4m3fn", "bfloat16", None, 1, max_sms=3)
+    AllToAllConfig.create(8, 0, 128, 256, 8, 7168, 56, "float8_e4m3fn", "bfloat16", None, 1, max_sms=4)
 
 
 def test_gradients_option_sizes_the_gradient_rows_and_is_in_the_key(comm):
@@ -458,10 +468,11 @@ def test_gradients_option_sizes_the_gradient_rows_and_is_in_the_key(comm):
     from moecomm import _abi
     from moecomm._config import AllToAllConfig
     from moecomm.transport.gpu_alltoall import symmetric_sizes
+    from moecomm.transport.gpu_plan import launch_plan
     off, on = (AllToAllConfig.create(2, 0, 128, 256, 8, 7168, 56, "float8_e4m3fn", "bfloat16", None, 1,
                                      gradients=g) for g in (False, True))
     assert _abi.grad_row_bytes(on) == 4 * 7168 + 32 + 16
-    a, b = symmetric_sizes(off, 132), symmetric_sizes(on, 132)
+    a, b = (symmetric_sizes(c, launch_plan(c, 132, "ipc")) for c in (off, on))
     assert (a["grad_buf"], a["grad_words"]) == (0, 0)
     assert b["grad_buf"] == 2 * 128 * _abi.grad_row_bytes(on) and b["grad_words"] == (3 * 2 + 128 * 8) * 8
     assert b["stage_row"] >= _abi.grad_row_bytes(on) > a["stage_row"]

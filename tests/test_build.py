@@ -15,6 +15,7 @@ from pathlib import Path
 from conftest import FULL, ROOT
 from moecomm import _abi, _cache, _jit
 from moecomm._errors import CompileError
+from moecomm.transport import gpu_plan
 
 
 def _cli(cache, *args):
@@ -47,9 +48,7 @@ def test_cli_builds_every_variant_then_hits_cache(built):
     assert first.returncode == 0, first.stderr
     assert first.stdout.count(" built in ") == len(_jit.VARIANTS)
     kernels = _variant_kernels(first.stdout)
-    alltoall = set(_abi.ALLTOALL_KERNELS) | set(_abi.WHOLE_KERNELS.values()) | set(_abi.WIRE_KERNELS) | {
-        *_abi.GRAD_KERNELS, *_abi.LOCAL_KERNELS.values(), _abi.LOCAL_TOKENS, _abi.STREAMED_DISPATCH, _abi.PACK_KERNEL,
-        "moecomm_peer_check"}
+    alltoall = set(gpu_plan.GRIDS) | {"moecomm_peer_check"}
     assert set(kernels["nvshmem"]) == set(kernels["ipc"]) == alltoall, kernels
     assert kernels["bench"] == ["moecomm_delay"]  # the benchmark's kernel is in no transport's module
     sources = (ROOT / "cuda").glob("*.cu")
@@ -58,6 +57,52 @@ def test_cli_builds_every_variant_then_hits_cache(built):
     assert alltoall | {"moecomm_delay"} == declared == set(_abi.KERNELS), declared
     second = _cli(cache, "--arch", "sm_90")
     assert second.stdout.count("from cache") == len(_jit.VARIANTS)
+
+
+def test_every_launch_plan_names_kernels_its_module_has(built):
+    """Every (layout, combine wire, world size 1/2/8, batch size, SM budget, gradients) plans kernels that its
+    module was built with, each with a grid of at most BLOCKS_PER_SM per budgeted SM; a phase in one launch is
+    one kernel (plus the packed layout's pack), resident at once; the halves are the four halves' kernels."""
+    from moecomm import _constants as C
+    from moecomm._config import AllToAllConfig
+    kernels = {v: set(k) for v, k in _variant_kernels(built[1].stdout).items()}
+    plans = 0
+    for layout in ("padded", "packed"):
+        for wire in (None, "e4m3", "e4m3_ue8m0"):
+            for world in (1, 2, 8):
+                for tokens in (1, 128, 4096):
+                    for max_sms in (None, 44, 4):
+                        for grads in (False, True):
+                            c = AllToAllConfig.create(world, 0, tokens, 32 * world, 8, 7168, 56, "float8_e4m3fn",
+                                                      "bfloat16", None, 1, layout=layout, combine_wire=wire,
+                                                      max_sms=max_sms, gradients=grads)
+                            for variant, mapped in (("ipc", True), ("nvshmem", True), ("nvshmem", False)):
+                                p = gpu_plan.launch_plan(c, 132, variant, mapped)
+                                named = {*p.grids, *p.backward, *(k for ks in p.halves.values() for k in ks),
+                                         *(k for ks in p.whole.values() for k in ks)}
+                                assert named <= kernels[p.variant], (c, p)
+                                assert named == {*p.grids, *p.backward}, p  # every launch has its grid
+                                assert all(0 < g <= C.BLOCKS_PER_SM * p.sms for g in p.grids.values()), p
+                                assert [k[0] for k in p.halves.values()] == list(gpu_plan.half_kernels(c))
+                                for phase, ks in p.whole.items():
+                                    assert gpu_plan.resident(p.grids[ks[0]], 132) and not p.fallback
+                                    assert ks[1:] == (("moecomm_dispatch_pack",) if layout == "packed"
+                                                      and phase == "dispatch" else ())
+                                assert bool(p.backward) == grads
+                                plans += 1
+    assert plans == 2 * 3 * 3 * 3 * 3 * 2 * 3
+
+
+def test_a_phase_whose_grid_is_not_resident_runs_its_halves_and_the_plan_says_why():
+    """More ranks than BLOCKS_PER_SM * SMs: the one-launch grid (a block per source rank at least) cannot be
+    resident at once, so the phase runs its halves' kernels, and the plan names the reason."""
+    from moecomm._config import AllToAllConfig
+    c = AllToAllConfig.create(16, 0, 128, 64, 8, 1024, None, "bfloat16", "bfloat16", None, 1)
+    p = gpu_plan.launch_plan(c, 4, "ipc")  # 8 blocks resident on 4 SMs, 16 sources
+    assert p.whole == {"dispatch": ("moecomm_dispatch_send", "moecomm_dispatch_recv"),
+                       "combine": ("moecomm_combine_send", "moecomm_combine_recv")}
+    assert set(p.fallback) == {"dispatch", "combine"} and "not resident" in p.fallback["dispatch"]
+    assert p.summary()["fallback"] == p.fallback
 
 
 def test_ipc_module_has_no_nvshmem(built, monkeypatch):

@@ -19,9 +19,7 @@ import sys
 import numpy as np
 
 import moecomm
-from moecomm import _abi
 from moecomm.bench import CONFIGS, routing, stats
-from moecomm.transport.gpu_alltoall import blocks
 
 GEMM_N = 4096
 
@@ -126,9 +124,8 @@ def main():
             beside = stats(per_iter_us(cp, gemm_evs))
             ends = np.array([cp.cuda.get_elapsed_time(ours_evs[0], e) for e in ours_evs[1:]])
             during = per_iter_us(cp, ours_evs)[(ends > start) & (ends <= end)]
-            sms = _abi.sm_budget(a2a.cfg, comm.transport.num_sms)
-            grids = blocks(a2a.cfg, sms)
-            grid = {phase: grids[n] for phase, n in _abi.whole_kernels(a2a.cfg, sms).items()}
+            plan = a2a.stats()["plan"]  # the blocks of each phase's one launch
+            grid = {phase: plan["grids"][kernels[0]] for phase, kernels in plan["whole"].items()}
             result = dict(config=name, tokens=tokens, max_sms=budget or None, grid_blocks=grid, ours_alone=alone,
                           ours_beside_gemm=stats(during) if len(during) else None, gemm_solo=solo,
                           gemm_beside_ours=beside, gemm_kept=solo["median_us"] / beside["median_us"],

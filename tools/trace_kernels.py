@@ -129,7 +129,7 @@ def main():
     W, rank, T, E, K, H, S = comm.world_size, comm.rank, args.tokens, 256, 8, 7168, 56
     L = E // W
     a2a = moecomm.AllToAll(comm, T, E, K, H, S, "float8_e4m3fn", "bfloat16")
-    _, module = tr.kernels(a2a.cfg)  # the module its kernels come from
+    module = tr.module_of(a2a.stats()["plan"]["variant"])  # the module its kernels come from
     err, ptr, size = driver.cuModuleGetGlobal(module.handle, b"moecomm_trace")
     if err != driver.CUresult.CUDA_SUCCESS:
         raise SystemExit("the kernels were built without MOECOMM_TRACE=1 (set it for the build and the run)")

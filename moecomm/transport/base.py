@@ -15,7 +15,7 @@ A transport with ``memory == "host"`` gets numpy arrays (None where absent); one
 gets device addresses (0 where absent) in a :class:`moecomm._abi.Call` structure that it hands to its
 kernels as is.
 
-A GPU transport is two files and one registry entry (the ``ipc`` transport is the example to copy, ~150
+A GPU transport is two files and two registry entries (the ``ipc`` transport is the example to copy, ~150
 lines in all):
 
 1. a device header ``cuda/transport_<name>.cuh`` with the operations the kernels use to reach peers
@@ -25,8 +25,8 @@ lines in all):
    of the loaded module (``_load_module``), symmetric allocation at the same offset on every rank
    (``symmetric``/``free``, collective), a peer's copy (``peer_array``), the peer table the kernels reach
    peers through (``peer_offsets``), teardown (``_stop_runtime``);
-3. its entry in :data:`moecomm._jit.VARIANTS`: the header, whether it puts, its class (which makes
-   ``moecomm.init(transport="<name>")`` start it).
+3. its build in :data:`moecomm._jit.VARIANTS` (the header, whether it puts) and its class in
+   :data:`moecomm.transport.GPU_TRANSPORTS` (which makes ``moecomm.init(transport="<name>")`` start it).
 
 Everything else is shared (moecomm/transport/gpu.py, gpu_alltoall.py): device arrays arrive as addresses
 in the call record; work is ordered on the caller's stream and the host never synchronizes in dispatch or
@@ -192,14 +192,15 @@ class Transport(abc.ABC):
         once this rank's own work has run (what it sends reaches them first)."""
 
 
-def snapshot(counters, received, dropped, bytes_by_peer, ring, times_us=None):
+def snapshot(counters, received, dropped, bytes_by_peer, ring, times_us=None, plan=None):
     """A backend's telemetry as AllToAll.stats() returns it (L local experts, W ranks):
 
     ``MASKED_PAIRS``, ``DROPPED_PAIRS``, ``CALLS`` (ints, moecomm._constants.COUNTER_FIELDS); ``received`` [L]
     tokens received per local expert (kept pairs), ``dropped`` [L] pairs dropped for capacity per local
     expert; ``bytes`` {BYTE_FIELDS name: [W] bytes per peer}; ``window`` [min(CALLS, window), L] the pairs
     routed to each local expert (its demand, dropped ones included) in each of the last calls, oldest first;
-    ``times_us`` {"dispatch", "combine": [microseconds per call]} (timing=True) or None.
+    ``times_us`` {"dispatch", "combine": [microseconds per call]} (timing=True) or None; ``plan`` what a GPU
+    backend launches (moecomm.transport.gpu_plan.LaunchPlan.summary()), None on the host.
 
     Args: ``counters`` [COUNTER_FIELDS], ``received``/``dropped`` [L], ``bytes_by_peer`` [BYTE_FIELDS, W],
     ``ring`` [window, L] with the row of call c (from 0) at c % window (window 0: telemetry off, only the
@@ -210,7 +211,7 @@ def snapshot(counters, received, dropped, bytes_by_peer, ring, times_us=None):
     rows = np.arange(max(0, calls - n), calls) % max(n, 1)
     out.update(received=np.asarray(received, np.int64), dropped=np.asarray(dropped, np.int64),
                bytes={name: np.asarray(b, np.int64) for name, b in zip(BYTE_FIELDS, bytes_by_peer)},
-               window=np.asarray(ring, np.int64)[rows], times_us=times_us)
+               window=np.asarray(ring, np.int64)[rows], times_us=times_us, plan=plan)
     return out
 
 

@@ -25,19 +25,14 @@ class GpuTransport(Transport):
     memory = "device"
     variant = ""
 
-    def kernels(self, cfg):
-        """(variant, module) an AllToAll of ``cfg`` launches from. At prefill-sized batches
-        (moecomm._abi.streamed) a group whose every peer is mapped (``all_mapped``) runs the variant's put-free
-        twin (moecomm._jit.Variant.twin: the same sources without the put path, whose registers and stack slow
-        the streamed kernels, and with the streamed combine, which puts cannot feed; benchmarks/NOTES.md, row
-        18), loaded at first use.
-        Smaller batches, and every batch of a group with a network peer, run the transport's own kernels."""
-        twin = _jit.VARIANTS[self.variant].twin
-        if not (twin and _abi.streamed(cfg, _abi.sm_budget(cfg, self.num_sms)) and self.all_mapped):
-            return self.variant, self.module
-        if self._twin is None:
-            self._twin = _cuda.Module(_jit.build(self.build.arch, twin).cubin)
-        return twin, self._twin
+    def module_of(self, variant):
+        """The loaded module of ``variant``: the transport's own, or the one a launch plan chose instead (its
+        put-free twin, moecomm/transport/gpu_plan.py), loaded at first use."""
+        if variant == self.variant:
+            return self.module
+        if variant not in self._other_modules:
+            self._other_modules[variant] = _cuda.Module(_jit.build(self.build.arch, variant).cubin)
+        return self._other_modules[variant]
 
     def __init__(self, bootstrap, local_rank, local_size, timeout_s, device=None):
         import cupy
@@ -75,7 +70,7 @@ class GpuTransport(Transport):
         self._programmatic = 100 * major + 10 * minor >= C.PROGRAMMATIC_ARCH  # dependent kernels: launch()
         self.module = _cuda.Module(self.build.cubin)
         self._load_module(self.module)
-        self._twin = None  # the put-free twin's module (kernels), once an AllToAll needs it
+        self._other_modules = {}  # {variant: module} of the launch plans' other modules (module_of)
         self.error = self._cupy.zeros(C.ERROR_WORDS, np.int32)  # device error word of eager checks
         self._checks = {"peer_check": 0, "barrier": 0}  # peer checks and device barriers so far
         n = C.PEER_CHECK_BYTES  # inbox [2, world, n] (double-buffered by check parity), outbox, signals
@@ -234,8 +229,8 @@ class GpuTransport(Transport):
         with self.context:
             self._cupy.cuda.get_current_stream().synchronize()
             self.bootstrap.barrier(self.timeout_s, "finalize")
-            if self._twin is not None:
-                self._twin.unload()
+            for module in self._other_modules.values():
+                module.unload()
             self._stop_runtime()
         self.context.release()
 

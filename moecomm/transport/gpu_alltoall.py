@@ -1,9 +1,6 @@
 """AllToAll on GPUs, for every GPU transport: the kernels of ``cuda/`` over symmetric buffers sized once
-(``transport.symmetric``), launched through ``transport.launch`` from the module ``transport.kernels`` picks
-for the configuration (see moecomm/transport/gpu.py). A phase
-whose two halves are requested together runs as one kernel (``moecomm_dispatch``, or
-``moecomm_dispatch_streamed`` at prefill sizes; ``moecomm_combine``, or its ``_wire`` twins on an FP8 combine
-wire); split halves run the send and receive kernels.
+(``transport.symmetric``), launched through ``transport.launch`` as the AllToAll's launch plan says
+(moecomm/transport/gpu_plan.py: which kernel each half runs, with what grid, from which module).
 
 Symmetric memory per rank (bytes), W ranks, M = max_num_tokens, K = top-k, H = hidden_dim:
 
@@ -33,11 +30,12 @@ the call record and launches.
 """
 import numpy as np
 
-from .. import _abi, _cuda, _jit
+from .. import _abi, _cuda
 from .. import _constants as C
 from .._dtypes import bfloat16, float16
 from .._errors import InvalidArgument
 from .base import AllToAllBackend, snapshot
+from .gpu_plan import launch_plan, phase_of
 
 
 def record_bytes(cfg):
@@ -46,33 +44,23 @@ def record_bytes(cfg):
     return _abi.RecordLayout.of(cfg).size
 
 
-def blocks(cfg, num_sms):
-    """{kernel name: grid size} of the AllToAll kernels (grid rules in moecomm._abi.KERNELS)."""
-    names = _abi.half_kernels(cfg) + tuple(_abi.whole_kernels(cfg, num_sms).values()) + (_abi.PACK_KERNEL,)
-    return {n: _abi.KERNELS[n].grid(cfg, num_sms) for n in names}
-
-
-def symmetric_sizes(cfg, num_sms):
-    """Bytes of each symmetric buffer one rank allocates (the formula in the module doc), and the staging
-    row size: {"recv_buf", "comb_buf", "stage", "signals", "arrive", "drop_buf", "grad_buf", "grad_words",
-    "stage_row"}."""
+def symmetric_sizes(cfg, plan):
+    """Bytes of each symmetric buffer one rank allocates for ``cfg`` launched by ``plan`` (a LaunchPlan; the
+    formula in the module doc), and the staging row size: {"recv_buf", "comb_buf", "stage", "signals",
+    "arrive", "drop_buf", "grad_buf", "grad_words", "stage_row"}."""
     W, M, K = cfg.world_size, cfg.max_num_tokens, cfg.experts_per_token
     comb_row = _abi.combine_row_bytes(cfg)
     grad_row = _abi.grad_row_bytes(cfg) if cfg.gradients else 0
     stage_row = max(record_bytes(cfg), comb_row, grad_row)
-    grid = blocks(cfg, num_sms)  # the kernels that stage rows (a block's rows at blockIdx * STAGE_SLOTS)
-    stagers = (*_abi.half_kernels(cfg)[::2], *_abi.whole_kernels(cfg, num_sms).values())
-    stage_rows = max([grid[n] for n in stagers] + ([_abi.KERNELS["moecomm_dispatch_backward"].grid(cfg, num_sms)]
-                                                    if cfg.gradients else [])) * C.STAGE_SLOTS
     return dict(recv_buf=W * M * record_bytes(cfg), comb_buf=max(W, K) * M * comb_row,
-                stage=stage_rows * stage_row, signals=3 * W * 8, arrive=2 * W * M * 8, stage_row=stage_row,
+                stage=plan.stage_rows * stage_row, signals=3 * W * 8, arrive=2 * W * M * 8, stage_row=stage_row,
                 drop_buf=W * M * 8 if cfg.drops else 0,
                 grad_buf=W * M * grad_row, grad_words=(3 * W + M * K) * 8 if cfg.gradients else 0)
 
 
 def symmetric_bytes(cfg, num_sms=132):
     """Symmetric memory one rank allocates for this configuration (132 SMs: an H100/H200)."""
-    sizes = symmetric_sizes(cfg, _abi.sm_budget(cfg, num_sms))
+    sizes = symmetric_sizes(cfg, launch_plan(cfg, num_sms, "ipc"))
     return sum(v for k, v in sizes.items() if k != "stage_row")
 
 
@@ -91,11 +79,13 @@ class GpuAllToAll(AllToAllBackend):
     def __init__(self, transport, cfg, timeout_s, window=C.DEFAULT_WINDOW, timing=False):
         import cupy
         self.t, self.cfg, self._cupy = transport, cfg, cupy
-        variant, self.module = transport.kernels(cfg)  # every kernel of this AllToAll comes from this module
+        # which kernels run, with what grids, from which module: decided there, executed here
+        self.plan = plan = launch_plan(cfg, transport.num_sms, transport.variant, transport.all_mapped)
+        self.module = transport.module_of(plan.variant)
         W, M, K, L = cfg.world_size, cfg.max_num_tokens, cfg.experts_per_token, cfg.num_local_experts
-        sms = _abi.sm_budget(cfg, transport.num_sms)  # every grid below is sized for these SMs
-        rec, state, counters = _abi.RecordLayout.of(cfg), _abi.state_layout(cfg, sms), _abi.counter_layout(cfg)
-        sizes = symmetric_sizes(cfg, sms)
+        rec, counters = _abi.RecordLayout.of(cfg), _abi.counter_layout(cfg)
+        state = _abi.state_layout(cfg, plan.grids.get("moecomm_combine_local", 0))
+        sizes = symmetric_sizes(cfg, plan)
         self.state = cupy.zeros(state.size, np.uint32)
         self.slot_of = cupy.empty(W * M * K, np.int32)
         self.own_of = cupy.empty(M * K * 2, np.int32)
@@ -159,30 +149,23 @@ class GpuAllToAll(AllToAllBackend):
             c_received=counters["received"], c_dropped=counters["dropped"], c_bytes=counters["bytes"],
             s_expert=state["expert"], s_recv=state["recv"], s_kept=state["kept"], s_claim=state["claim"],
             s_combined=state["combined"],
-            senders=_abi.dispatch_senders(cfg, sms), streamed=int(_abi.streamed(cfg, sms)),
-            comb_streamed=int(_abi.combine_streams(cfg, sms, _jit.VARIANTS[variant].streams_combine)),
+            senders=plan.senders, streamed=int(plan.streamed), comb_streamed=int(plan.combine_streams),
             **_pointers(sent=self.sent, grad_buf=self.grad_buf, grad_sig=self.grad_sig, grad_w=self.grad_w),
             grad_row_bytes=_abi.grad_row_bytes(cfg))
         self._calls = {phase: _abi.Call() for phase in C.CALL_PHASES}  # the call records (records())
         self._skipped = _abi.Call(skip=1)  # the call record of a half issued with no data
-        grid = blocks(cfg, sms)
-        launch = {n: transport.launch(n, g, self.fixed, self._calls[_abi.phase_of(n)], module=self.module)
-                  for n, g in grid.items()}  # each kernel reads its phase's call record
-        # the packed layout: a third dispatch kernel places the rows (no peer involved)
-        pack = (launch[_abi.PACK_KERNEL],) if cfg.layout == "packed" else ()
-        d_send, d_recv, c_send, c_recv = (launch[n] for n in _abi.half_kernels(cfg))
-        self._halves = {"dispatch": ((d_send,), (d_recv,) + pack), "combine": ((c_send,), (c_recv,))}  # send, receive
-        # both halves in one launch where its grid is resident at once, else the two halves' kernels
-        self._whole = {phase: (launch[n],) + (pack if phase == "dispatch" else ())
-                       if _abi.resident(grid[n], transport.num_sms) else sum(self._halves[phase], ())
-                       for phase, n in _abi.whole_kernels(cfg, sms).items()}
-        self._skip = dict(zip(C.HALVES, (transport.launch(n, grid[n], self.fixed, self._skipped, module=self.module)
-                                         for n in _abi.half_kernels(cfg))))
+        launch = {n: transport.launch(n, g, self.fixed, self._calls[phase_of(n)], module=self.module)
+                  for n, g in plan.grids.items()}  # each kernel reads its phase's call record
+        halves = {half: tuple(launch[n] for n in kernels) for half, kernels in plan.halves.items()}
+        self._halves = {phase: (halves[phase + "_send"], halves[phase + "_recv"]) for phase in plan.whole}
+        self._whole = {phase: tuple(launch[n] for n in kernels) for phase, kernels in plan.whole.items()}
+        self._skip = {half: transport.launch(kernels[0], plan.grids[kernels[0]], self.fixed, self._skipped,
+                                             module=self.module) for half, kernels in plan.halves.items()}
         if cfg.gradients:
             slots = int(np.prod(cfg.expert_x_shape()[:-1]))
             self._grad, self._grad_skipped = _abi.Grad(slots=slots), _abi.Grad(slots=slots, skip=1)
-            self._grads = [{n: transport.launch(n, _abi.KERNELS[n].grid(cfg, sms), self.fixed, record,
-                                                module=self.module) for n in _abi.GRAD_KERNELS}
+            self._grads = [{n: transport.launch(n, g, self.fixed, record, module=self.module)
+                            for n, g in plan.backward.items()}
                            for record in (self._grad, self._grad_skipped)]  # [0]: with data, [1]: skipped
         transport.settle("AllToAll(...)")
 
@@ -324,7 +307,7 @@ class GpuAllToAll(AllToAllBackend):
         c = self.counters.get().astype(np.int64)
         return snapshot(c[:at["received"]], c[at["received"]:at["dropped"]], c[at["dropped"]:at["bytes"]],
                         c[at["bytes"]:].reshape(-1, W), self.ring.get(),
-                        self._timing.times_us() if self._timing else None)
+                        self._timing.times_us() if self._timing else None, self.plan.summary())
 
     def set_expert_map(self, expert_map):
         """The map's replica table and generation into device memory once the last call's stream has
