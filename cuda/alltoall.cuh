@@ -282,6 +282,12 @@ struct Targets {
   }
 };
 
+// The bound_m rule, the same on the host (moecomm.reference.m_in_range; a test evaluates this expression
+// against it): a call's m is in [0, rows] (the fewest rows of its per-token arrays) and at most max_tokens.
+__device__ __forceinline__ bool m_in_range(int m, int rows, int max_tokens) {
+  return m >= 0 && m <= rows && m <= max_tokens;
+}
+
 // A combine call's checks, by every thread of its grid. `reason` (0: none) is what the call's signals carry
 // where this rank sends nothing: c.skip (a refused call: c.reason), a combine with no dispatch of its own before
 // it on this GPU (ERR_ORDER: a graph replayed out of order; `again`: the caller found this dispatch combined
@@ -302,7 +308,8 @@ __device__ __forceinline__ CombineCheck combine_check(const Fixed& f, const Call
   // this call's dispatch has not run, or (`again`, the local path's) its combine has: replayed out of order
   const bool order = !c.skip && (f.state[MOECOMM_S_EPOCH_DS] != epoch || again);
   const bool differs = !c.skip && !order && dispatched != M_INVALID && m != (int)dispatched;
-  const bool short_rows = !c.skip && !order && !differs && dispatched != M_INVALID && m > c.rows;
+  const bool short_rows = !c.skip && !order && !differs && dispatched != M_INVALID
+      && !m_in_range(m, c.rows, f.max_tokens);
   const unsigned bad_recv = f.state[MOECOMM_S_BAD_RECV];
   const unsigned reason = c.skip ? (unsigned)c.reason
       : order ? (unsigned)MOECOMM_ERR_ORDER
@@ -471,7 +478,7 @@ __device__ __forceinline__ unsigned own_count(uint64_t v) { return v & SIG_BAD ?
 // release; `own_records` >= 0: this rank's own record count (else its slot atomics' count, state[FIXED + rank]).
 __device__ __forceinline__ int dispatch_begin(const Fixed& f, const Call& c, unsigned epoch) {
   const int m = c.skip ? 0 : *c.bound_m;
-  const bool bad_m = m < 0 || m > c.rows || m > f.max_tokens;
+  const bool bad_m = !m_in_range(m, c.rows, f.max_tokens);
   if (blockIdx.x == 0 && threadIdx.x == 0) {
     f.state[MOECOMM_S_M] = bad_m ? M_INVALID : (unsigned)m;  // combine checks its bound_m against it
     f.state[MOECOMM_S_BAD_RECV] = 0;  // the previous call's (its combine has read it; the receive half sets it)

@@ -277,7 +277,7 @@ namespace {
 __device__ Begun begin(const Fixed& f, const Grad& g, int phase) {
   const unsigned epoch = f.state[MOECOMM_S_EPOCH_B] + 1;
   const int m = g.skip ? 0 : *g.bound_m;
-  const bool bad_m = !g.skip && (m < 0 || m > g.rows || m > f.max_tokens);
+  const bool bad_m = !g.skip && !m_in_range(m, g.rows, f.max_tokens);
   if (blockIdx.x == 0 && threadIdx.x == 0) {
     if (g.skip) {
       fail(f, g.reason ? (unsigned)g.reason : (unsigned)MOECOMM_ERR_REFUSED);

@@ -15,6 +15,7 @@ from ._constants import ARGUMENTS, HALVES, timeout_seconds
 from ._dtypes import bfloat16, float16, float32
 from ._errors import CommTimeout, InvalidArgument, MoeCommError, OutOfStep
 from .balance import ExpertMap
+from .reference import m_in_range
 
 # expert ids: uint32 is read as int32, as the kernels read it (0xffffffff is -1: no expert)
 _INDICES = Accepted({np.dtype(np.int32): np.dtype(np.int32), np.dtype(np.uint32): np.dtype(np.int32),
@@ -25,8 +26,6 @@ _FLAGS = accepted(np.uint8)
 _FLOAT32 = accepted(float32)
 _GRAD = accepted(bfloat16, float16, float32)  # gradients: the caller's float dtype
 _ONE = (1,)
-_DISPATCH_ROWS = ("dp_x", "indices", "weights", "dp_x_scale")  # the per-token arrays of each phase
-_COMBINE_ROWS = ("out_tokens", "indices", "weights", "out_dropped")
 
 
 class DispatchArgs(NamedTuple):
@@ -249,14 +248,13 @@ class AllToAll:
         with self._context or nullcontext(), comm.breaking():
             self._ident = comm.register(self)
             self._backend = transport.new_alltoall(c, self.timeout_s, self._ident, window, bool(timing))
-            self._arrays = transport.new_arrays()
+            self._arrays = transport.new_arrays(c.max_num_tokens)
         if c.slots_per_rank is not None:
             self.expert_map = ExpertMap.static(c.num_experts, c.world_size, c.slots_per_rank)
             with self._context or nullcontext():
                 self._backend.set_expert_map(self.expert_map)
         self._records = self._backend.records()  # {phase: its call record}: each call fills its phase's
-        none = None if transport.memory == "host" else 0  # an absent array in the call record
-        self._absent = (none, 0, (c.max_num_tokens,), None)  # what an absent optional argument reads as (_rows)
+        self._absent = None if transport.memory == "host" else 0  # an absent array in the call record
         self._in, self._out = accepted(c.in_dtype), accepted(c.out_dtype)
         self._scale = None if c.scale_dtype is None else accepted(c.scale_dtype)
         # expected shapes, computed once (None: any number of rows, at most max_num_tokens)
@@ -265,7 +263,6 @@ class AllToAll:
         self._offsets_shape = (c.num_local_experts + 1,)
         self._expert_shape, self._expert_scale_shape = c.expert_x_shape(), c.expert_x_scale_shape()
         self._order = CallOrder()
-        self._max_rows = c.max_num_tokens  # read on every call (_rows)
         self._seen = dict.fromkeys(C.CALL_PHASES)  # {phase: _Seen of its last call, or None}
         self._captured = False          # calls keep nothing on the host (captured())
         self._serving_since = None      # comm.breaks when mask_ranks last resynchronized this AllToAll
@@ -366,10 +363,9 @@ class AllToAll:
         try:
             if self._captured:  # nothing kept on the host (captured())
                 stream = self._arrays.begin(args.stream, args.first)
-                self._read(args, stream, send, recv)
+                self._read(args, send, recv)
                 self._arrays.order()
-                return (self._backend.dispatch if phase == "dispatch" else self._backend.combine)(
-                    self._records[phase], send, recv, stream)
+                return (self._backend.dispatch if phase == "dispatch" else self._backend.combine)(send, recv, stream)
             try:
                 stream = self._arrays.begin(args.stream, args.first)
                 if send and phase == "dispatch" and self._order.done:  # a call left open: it ends here
@@ -377,13 +373,12 @@ class AllToAll:
                                       f"next dispatch ended it)", warn=True)
                 if not (send or recv):
                     raise InvalidArgument(f"{phase}: do_send and do_recv are both False: nothing to run")
-                weights, outputs = self._read(args, stream, send, recv)
+                weights, outputs = self._read(args, send, recv)
                 self._order.advance(phase, send, recv, weights, outputs)  # checks the order, then records it
             except InvalidArgument as e:
                 self._refuse(e, stream)
             self._arrays.order()
-            (self._backend.dispatch if phase == "dispatch" else self._backend.combine)(self._records[phase], send, recv,
-                                                                                        stream)
+            (self._backend.dispatch if phase == "dispatch" else self._backend.combine)(send, recv, stream)
         except (CommTimeout, OutOfStep) as e:
             self._order.end()
             self.comm.fail(e)
@@ -395,18 +390,7 @@ class AllToAll:
             if previous is not None:
                 self._context.leave(previous)
 
-    def _rows(self, names, shapes):
-        """The rows of a call: the fewest of its per-token arrays (``shapes``; an absent one's is
-        ``self._absent``'s, max_num_tokens rows; ``names``: theirs), each of which may have at most
-        max_num_tokens. Builtins only: this runs on every call."""
-        a, b, c, d = shapes[0][0], shapes[1][0], shapes[2][0], shapes[3][0]
-        most = self._max_rows
-        if a > most or b > most or c > most or d > most:
-            name, shape = next((n, s) for n, s in zip(names, shapes) if s[0] > most)
-            raise InvalidArgument(f"{name}: expected at most max_num_tokens={most} rows, got shape {tuple(shape)}")
-        return min(a, b, c, d)
-
-    def _read(self, args, stream, send, recv):
+    def _read(self, args, send, recv):
         """Read and check a call's arguments into its phase's call record; returns (whether router weights
         were given, the output arrays' addresses for the same-outputs rule). The hot path of every call: a
         call given the same DeviceBuffers as its phase's last one finds its record as that call left it
@@ -435,54 +419,54 @@ class AllToAll:
 
     def _read_dispatch(self, args):
         """Read and check a dispatch's arrays into the dispatch record; returns (whether router weights were
-        given, the output arrays' addresses). The reader returns (value, address, shape, dtype) of each; an
-        absent optional argument reads as ``self._absent`` (the record's None: None on the host, 0 on GPUs;
-        max_num_tokens rows)."""
-        c, rec, read, absent = self.cfg, self._records["dispatch"], self._arrays.read, self._absent
-        out_num, out_x, out_scale, x, x_scale, indices, bound_m, weights, offsets, _, _ = args
+        given, the output arrays' addresses). An absent optional argument reads as ``self._absent`` (the
+        record's None: None on the host, 0 on GPUs)."""
+        c, rec, arrays, absent = self.cfg, self._records["dispatch"], self._arrays, self._absent
+        read = arrays.read
         unscaled = c.hidden_dim_scale is None
-        if (out_scale is None) != unscaled or (x_scale is None) != unscaled:
+        if (args.out_expert_x_scale is None) != unscaled or (args.dp_x_scale is None) != unscaled:
             if unscaled:
                 raise InvalidArgument("this AllToAll has no scales (hidden_dim_scale=None): pass None for "
                                       "out_expert_x_scale and dp_x_scale")
-            raise InvalidArgument(f"{'dp_x_scale' if x_scale is None else 'out_expert_x_scale'}: "
+            raise InvalidArgument(f"{'dp_x_scale' if args.dp_x_scale is None else 'out_expert_x_scale'}: "
                                   f"required, got None")
-        if (offsets is None) != (c.layout == "padded"):
+        if (args.out_expert_offsets is None) != (c.layout == "padded"):
             raise InvalidArgument("out_expert_offsets: " + ("required by the packed layout" if c.layout == "packed"
                                                             else "only for the packed layout, pass None"))
-        rec.x, _, x_shape, _ = read(x, "dp_x", self._in, self._token_shape)
-        rec.indices, _, ids_shape, ids_dtype = read(indices, "indices", _INDICES, self._ids_shape)
-        rec.weights, _, w_shape, _ = (absent if weights is None else
-                                      read(weights, "weights", _FLOAT32, self._ids_shape))
-        rec.x_scale, _, s_shape, _ = (absent if unscaled else
-                                      read(x_scale, "dp_x_scale", self._scale, self._token_scale_shape))
-        rec.rows = self._rows(_DISPATCH_ROWS, (x_shape, ids_shape, w_shape, s_shape))
-        rec.idx64 = int(ids_dtype.itemsize == 8)
-        rec.bound_m, _, _, _ = read(bound_m, "bound_m", _BOUND_M, _ONE)
-        rec.out_num, num_at, _, _ = read(out_num, "out_expert_num_tokens", _COUNTS, self._counts_shape, True)
-        rec.out_x, x_at, _, _ = read(out_x, "out_expert_x", self._in, self._expert_shape, True)
-        rec.out_scale, scale_at, _, _ = (absent if unscaled else read(
-            out_scale, "out_expert_x_scale", self._scale, self._expert_scale_shape, True))
-        rec.out_offsets, _, _, _ = (absent if offsets is None else read(
-            offsets, "out_expert_offsets", _COUNTS, self._offsets_shape, True))
-        return weights is not None, (num_at, x_at, scale_at)
+        rec.x = read(args.dp_x, "dp_x", self._in, self._token_shape)
+        rec.indices = read(args.indices, "indices", _INDICES, self._ids_shape)
+        rec.idx64 = int(arrays.dtype.itemsize == 8)
+        rec.weights = absent if args.weights is None else read(args.weights, "weights", _FLOAT32, self._ids_shape)
+        rec.x_scale = absent if unscaled else read(args.dp_x_scale, "dp_x_scale", self._scale,
+                                                   self._token_scale_shape)
+        rec.rows = arrays.rows  # the fewest rows of the per-token arrays
+        rec.bound_m = read(args.bound_m, "bound_m", _BOUND_M, _ONE)
+        rec.out_num = read(args.out_expert_num_tokens, "out_expert_num_tokens", _COUNTS, self._counts_shape, True)
+        rec.out_x = read(args.out_expert_x, "out_expert_x", self._in, self._expert_shape, True)
+        rec.out_scale = absent if unscaled else read(args.out_expert_x_scale, "out_expert_x_scale", self._scale,
+                                                     self._expert_scale_shape, True)
+        rec.out_offsets = absent if args.out_expert_offsets is None else read(
+            args.out_expert_offsets, "out_expert_offsets", _COUNTS, self._offsets_shape, True)
+        address = arrays.address
+        return args.weights is not None, (address(rec.out_num), address(rec.out_x),
+                                          None if unscaled else address(rec.out_scale))
 
     def _read_combine(self, args):
         """Read and check a combine's arrays into the combine record; returns (whether router weights were
         given, None), as :meth:`_read_dispatch`."""
-        rec, read, absent = self._records["combine"], self._arrays.read, self._absent
-        out_tokens, indices, weights, expert_y, bound_m, out_dropped, _ = args
-        rec.out_tokens, _, out_shape, _ = read(out_tokens, "out_tokens", self._out, self._token_shape, True)
-        rec.indices, _, ids_shape, ids_dtype = read(indices, "indices", _INDICES, self._ids_shape)
-        rec.weights, _, w_shape, _ = absent if weights is None else read(weights, "weights", _FLOAT32,
-                                                                         self._ids_shape)
-        rec.out_dropped, _, d_shape, _ = absent if out_dropped is None else read(
-            out_dropped, "out_dropped", _FLAGS, self._ids_shape, True)
-        rec.rows = self._rows(_COMBINE_ROWS, (out_shape, ids_shape, w_shape, d_shape))
-        rec.idx64, rec.partials = int(ids_dtype.itemsize == 8), int(weights is None)
-        rec.y, _, _, _ = read(expert_y, "expert_y", self._out, self._expert_shape)
-        rec.bound_m, _, _, _ = read(bound_m, "bound_m", _BOUND_M, _ONE)
-        return weights is not None, None
+        rec, arrays, absent = self._records["combine"], self._arrays, self._absent
+        read = arrays.read
+        rec.out_tokens = read(args.out_tokens, "out_tokens", self._out, self._token_shape, True)
+        rec.indices = read(args.indices, "indices", _INDICES, self._ids_shape)
+        rec.idx64 = int(arrays.dtype.itemsize == 8)
+        rec.weights = absent if args.weights is None else read(args.weights, "weights", _FLOAT32, self._ids_shape)
+        rec.out_dropped = absent if args.out_dropped is None else read(args.out_dropped, "out_dropped", _FLAGS,
+                                                                       self._ids_shape, True)
+        rec.rows = arrays.rows  # the fewest rows of the per-token arrays
+        rec.partials = int(args.weights is None)
+        rec.y = read(args.expert_y, "expert_y", self._out, self._expert_shape)
+        rec.bound_m = read(args.bound_m, "bound_m", _BOUND_M, _ONE)
+        return args.weights is not None, None
 
     def _refuse(self, error, stream):
         """Raise ``error``, a refused argument or call order, after ending the call it belongs to on this rank:
@@ -696,37 +680,32 @@ class AllToAll:
         if not isinstance(plan, RoutingPlan):
             raise InvalidArgument(f"plan: expected a moecomm.RoutingPlan, got {type(plan).__name__}")
         shapes, read = self.plan_shapes(), self._arrays.read
-        expert, _, _, _ = read(plan.expert, "plan.expert", _COUNTS, shapes.expert, output)
-        origin, _, _, _ = read(plan.origin, "plan.origin", _COUNTS, shapes.origin, output)
-        call, _, _, _ = read(plan.call, "plan.call", _COUNTS, shapes.call, output)
-        held, _, _, _ = read(plan.held, "plan.held", _COUNTS, shapes.held, output)
-        local, _, _, _ = read(plan.local, "plan.local", _COUNTS, shapes.local, output)
-        return RoutingPlan(expert, origin, call, held, local)
+        return RoutingPlan(**{field: read(getattr(plan, field), f"plan.{field}", _COUNTS, getattr(shapes, field),
+                                          output) for field in RoutingPlan._fields})
 
     def _read_backward(self, plan, bound_m, grad, **named):
         """A backward call's arguments: the plan, m, the gradient ``grad`` and ``named`` others, each
         (array, name, shape[, accepted dtypes: float gradients by default]). On the host transport m is
         checked here against the rows and the plan; on GPUs the kernels check it."""
-        rp = self._read_plan(plan)
-        m_value, _, _, _ = self._arrays.read(bound_m, "bound_m", _BOUND_M, _ONE)
-        values, rows, dtypes = {}, [], {}
+        rp, arrays = self._read_plan(plan), self._arrays
+        m_value = arrays.read(bound_m, "bound_m", _BOUND_M, _ONE)
+        values, dtypes, per_token = {}, {}, []
         for field, (array, name, shape, *kinds) in dict(named, grad=grad).items():
-            value, _, got, dtype = self._arrays.read(array, name, kinds[0] if kinds else _GRAD, shape,
-                                                     output=field.startswith("out"))
-            values[field], dtypes[field] = value, dtype
+            values[field] = arrays.read(array, name, kinds[0] if kinds else _GRAD, shape,
+                                        output=field.startswith("out"))
+            dtypes[field] = arrays.dtype
             if shape[0] is None:
-                rows.append((name, got[0]))
-        fewest = min([self.cfg.max_num_tokens] + [r for _, r in rows])
+                per_token.append(name)
         m = None
         if isinstance(m_value, np.ndarray):  # the host transport: checked here
             m = int(m_value[0])
-            if not 0 <= m <= fewest:
-                raise InvalidArgument(f"bound_m: m={m} must be in [0, the fewest rows of "
-                                      f"{', '.join(n for n, _ in rows)}]")
+            if not m_in_range(m, arrays.rows, self.cfg.max_num_tokens):
+                raise InvalidArgument(f"bound_m: m={m} must be in [0, the fewest rows of {', '.join(per_token)}]")
             if (rp.expert[m:] >= 0).any():
                 raise InvalidArgument(f"plan: it has pairs for tokens >= m={m}: it is another call's plan")
         written = dtypes.get("out", dtypes.get("out_grad_y"))
-        return _Backward(m, m_value, fewest, *rp, grad_dtype=dtypes["grad"], out_dtype=written, **values)
+        return _Backward(m=m, bound_m=m_value, rows=arrays.rows, **rp._asdict(), grad_dtype=dtypes["grad"],
+                         out_dtype=written, **values)
 
     def mask_ranks(self, ranks):
         """Stop exchanging with ``ranks`` (a dead rank, say), or with no rank (``[]``: unmask all). Collective

@@ -18,6 +18,13 @@ from ._constants import COMBINE_BLOCK, E4M3_MAX
 from ._dtypes import float8_e4m3fn, float8_e8m0fnu
 
 
+def m_in_range(m, rows, max_tokens):
+    """The bound_m rule: a call's m is in [0, rows] (the fewest rows of its per-token arrays) and at most
+    ``max_tokens`` (max_num_tokens). The kernels follow it too (cuda/alltoall.cuh, ``m_in_range``; a test
+    evaluates that one against this)."""
+    return 0 <= m <= rows and m <= max_tokens
+
+
 def routing_error(indices, num_experts):
     """Return a message describing the first invalid row of ``indices`` [m, k], or None if all are valid."""
     indices = np.asarray(indices)
@@ -143,8 +150,7 @@ def _wire(rows, wire):
     return rows if wire is None else dequantize_e4m3(*quantize_e4m3(rows, wire == "e4m3_ue8m0"))
 
 
-def combine(indices, weights, expert_y, origin, num_experts, world_size, out_dtype, dp_size=1, wire=None,
-            partials=False):
+def combine(indices, weights, expert_y, origin, num_experts, world_size, out_dtype, wire=None, partials=False):
     """Combine expert outputs back to their tokens.
 
     Args:

@@ -228,7 +228,7 @@ def run_case(comm, A, c, seed, tol):
             y = expert_outputs(got_x, got_n, rank * L, out_dt)
             ref_y = [expert_outputs(ref[q]["expert_x"], ref[q]["expert_num_tokens"], q * L, out_dt)
                      for q in range(W)]
-            want = reference.combine(idx, w, ref_y, [q["origin"] for q in ref], E, W, out_dt, dp)[g]
+            want = reference.combine(idx, w, ref_y, [q["origin"] for q in ref], E, W, out_dt)[g]
             out_t = A.empty((rows, H), out_dt)
             cw = None if send_w else A.put(pad(w[g]))
             cargs = (out_t, idx_in(idx[g]), cw, A.put(y), bound_m)
@@ -243,7 +243,7 @@ def run_case(comm, A, c, seed, tol):
             want = want.astype(np.float32)
             # error bound: a few roundings of the output dtype, relative to the sum of |terms|
             mag = reference.combine(idx, [np.abs(v) for v in w], [np.abs(v.astype(np.float32)) for v in ref_y],
-                                    [q["origin"] for q in ref], E, W, np.float32, dp)[g]
+                                    [q["origin"] for q in ref], E, W, np.float32)[g]
             bad = ~(np.abs(got_t - want) <= tol * mag + 1e-6)
             if bad.any():
                 t, h = map(int, np.argwhere(bad)[0])
@@ -389,10 +389,12 @@ def cases(world, quick):
     out.append(dict(base, split=True))
     out.append(dict(base, split="alternate", iters=4))
     out.append(dict(base, split="alternate", iters=4, weights_at="combine", routing="holes"))
-    # grids capped at one or two SMs (max_sms; the host transport has no grids): a block takes many tokens, so
-    # at 512 tokens records stream and the one-launch phases run on a few blocks
-    out.append(dict(base, max_sms=1, split=True))
-    out.append(dict(base, max_sms=2, max_m=512, m=512, iters=2))
+    # grids capped at the fewest SMs the world size allows (max_sms: 2 blocks per SM, a block per rank; the host
+    # transport has no grids) and one more: a block takes many tokens, so at 512 tokens records stream and the
+    # one-launch phases run on a few blocks
+    fewest = -(-world // 2)
+    out.append(dict(base, max_sms=fewest, split=True))
+    out.append(dict(base, max_sms=fewest + 1, max_m=512, m=512, iters=2))
     out.append(dict(base, split=True, weights_at="combine", in_dtype="float8_e4m3fn", scale=7))
     out.append(dict(base, hidden=2048, scale=16, in_dtype="float8_e4m3fn", topk=8, num_experts=8 * world))
     for dp in range(2, world + 1):
@@ -414,8 +416,9 @@ def gpu_cases(world, quick):
            dict(base, routing="one_expert"), dict(base, routing="other_rank"), dict(base, m=0),
            dict(base, in_dtype="bfloat16", scale=None, out_dtype="float16"),
            # a prefill-sized batch: the one-launch dispatch's sending blocks hold more than STREAM_TOKENS tokens,
-           # so rows carry arrival words and are taken as they land (moecomm.transport.gpu_plan.streamed): dispatch records,
-           # and on ipc the combine's partial sums (weights at dispatch), summed with this rank's own expert rows
+           # so rows carry arrival words and are taken as they land (moecomm.transport.gpu_plan.streamed):
+           # dispatch records, and on ipc the combine's partial sums (weights at dispatch), summed with this
+           # rank's own expert rows
            dict(base, hidden=512, scale=4, max_m=2048, m=2048, iters=1), dict(base, hidden=512, scale=4, max_m=2048),
            dict(base, hidden=512, scale=4, max_m=2048, m=2048, routing="other_rank", iters=1),
            dict(base, hidden=512, scale=4, max_m=2048, m=2048, weights_at="combine", iters=1)]

@@ -34,7 +34,7 @@ class FakeOrder:
 def device_arrays(memory=None):
     """DeviceArrays for device 0 whose pointer lookups come from ``memory`` ({ptr: device or None})."""
     order = FakeOrder()
-    arrays = _arrays.DeviceArrays(0, order, lambda ptr: (memory or {}).get(ptr, 0))
+    arrays = _arrays.DeviceArrays(0, order, lambda ptr: (memory or {}).get(ptr, 0), 16)
     arrays._framework_stream = lambda which: {"torch": 0x700, "cupy": 0x800}[which]
     arrays.begin(LAUNCH, None)
     return arrays, order
@@ -84,9 +84,11 @@ def read(obj, want, shape, arrays=None):
 
 
 def test_cai_accepts_and_checks():
-    assert read(FakeCAI((4, 8), "<f2"), np.float16, (4, 8))[:2] == (0x7000_0000, 0x7000_0000)
+    assert read(FakeCAI((4, 8), "<f2"), np.float16, (4, 8)) == 0x7000_0000
     # bfloat16 arriving as a raw 2-byte type is accepted and read as bfloat16
-    assert read(FakeCAI((4, 8), "<V2"), moecomm.bfloat16, (None, 8))[3] == moecomm.bfloat16
+    arrays = device_arrays()[0]
+    read(FakeCAI((4, 8), "<V2"), moecomm.bfloat16, (None, 8), arrays)
+    assert arrays.dtype == moecomm.bfloat16
     with pytest.raises(moecomm.InvalidArgument, match="x: dtype float32 does not match expected float16"):
         read(FakeCAI((4, 8), "<f4"), np.float16, (4, 8))
     with pytest.raises(moecomm.InvalidArgument, match=r"x: shape \(4, 8\) does not match expected \(4, 16\)"):
@@ -96,6 +98,21 @@ def test_cai_accepts_and_checks():
     read(FakeCAI((4, 8), "<f2", strides=(16, 2)), np.float16, (4, 8))  # C strides given explicitly
     with pytest.raises(moecomm.InvalidArgument, match="16-byte aligned"):
         read(FakeCAI((4, 8), "<f2", ptr=0x7000_0008), np.float16, (4, 8))
+
+
+def test_rows_are_the_fewest_of_the_per_token_arrays_and_at_most_max_rows():
+    """Per-token arrays (an expected shape starting with None) count their rows: ``rows`` is the fewest since
+    begin(), each at most max_rows (16 here); fixed shapes count nothing."""
+    arrays, _ = device_arrays()
+    assert arrays.rows == 16
+    read(FakeCAI((12, 8), "<f2"), np.float16, (None, 8), arrays)
+    read(FakeCAI((9, 8), "<f2"), np.float16, (None, 8), arrays)
+    read(FakeCAI((4, 8), "<f2"), np.float16, (4, 8), arrays)
+    assert arrays.rows == 9
+    with pytest.raises(moecomm.InvalidArgument, match=r"x: expected at most max_num_tokens=16 rows, got shape"):
+        read(FakeCAI((17, 8), "<f2"), np.float16, (None, 8), arrays)
+    arrays.begin(LAUNCH, None)
+    assert arrays.rows == 16
 
 
 def test_cai_stream_is_waited_for():
@@ -124,8 +141,8 @@ def test_memory_elsewhere_is_refused():
                                         ("int32", np.int32), ("uint32", np.uint32), ("int64", np.int64)])
 def test_tensor_dtypes(dtype, want):
     arrays, order = device_arrays()
-    ptr, _, shape, dt = arrays.read(FakeTensor((3, 16), dtype), "x", _arrays.accepted(want), (3, 16))
-    assert (ptr, shape, dt) == (0x7100_0000, (3, 16), np.dtype(want))
+    ptr = arrays.read(FakeTensor((3, 16), dtype), "x", _arrays.accepted(want), (3, 16))
+    assert (ptr, arrays.dtype) == (0x7100_0000, np.dtype(want))
     arrays.order()
     assert order.waits == [(0x700, LAUNCH)]  # written on torch's current stream, not the launch stream
 
@@ -183,7 +200,7 @@ def test_dlpack_gets_the_launch_stream_and_host_memory_is_refused():
 
 def test_raw_pointer_layer():
     b = moecomm.DeviceBuffer(0x1234_0000, (2, 16), moecomm.float8_e4m3fn)
-    assert read(b, moecomm.float8_e4m3fn, (2, 16))[0] == 0x1234_0000
+    assert read(b, moecomm.float8_e4m3fn, (2, 16)) == 0x1234_0000
     assert b.nbytes == 32
     with pytest.raises(moecomm.InvalidArgument, match="x: expected a device array .* got list"):
         read([1, 2], np.float32, (2,))
@@ -208,11 +225,11 @@ class FakeBackend(AllToAllBackend):
     def records(self):
         return self.calls
 
-    def dispatch(self, record, do_send, do_recv, stream):
-        self.launches.append(("dispatch", do_send, do_recv, stream, bytes(record)))
+    def dispatch(self, do_send, do_recv, stream):
+        self.launches.append(("dispatch", do_send, do_recv, stream, bytes(self.calls["dispatch"])))
 
-    def combine(self, record, do_send, do_recv, stream):
-        self.launches.append(("combine", do_send, do_recv, stream, bytes(record)))
+    def combine(self, do_send, do_recv, stream):
+        self.launches.append(("combine", do_send, do_recv, stream, bytes(self.calls["combine"])))
 
     def skip(self, halves, stream, refusal=None):
         self.launches.append(("skip", halves, refusal.code if refusal else 0, stream))
@@ -234,7 +251,7 @@ class FakeTransport(Transport):
         self.backend = FakeBackend()
         return self.backend
 
-    def new_arrays(self):
+    def new_arrays(self, max_rows):
         return device_arrays()[0]
 
     def check_peers(self, nbytes, timeout_s):

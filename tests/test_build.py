@@ -212,6 +212,22 @@ def test_abi_header_states_every_struct_field():
         assert f'extern "C" __global__ void {name}(' in text
 
 
+def test_the_bound_m_rule_is_the_same_in_the_kernels_and_on_the_host():
+    """cuda/alltoall.cuh's m_in_range, evaluated as Python, agrees with moecomm.reference.m_in_range everywhere
+    around the edges; no kernel spells the rule again."""
+    from moecomm import reference
+    text = (ROOT / "cuda" / "alltoall.cuh").read_text()
+    body = re.search(r"bool m_in_range\(int m, int rows, int max_tokens\) \{\s*return ([^;]*);", text).group(1)
+    expr = body.replace("&&", " and ").replace("||", " or ").replace("!", " not ")
+    for m in range(-2, 12):
+        for rows in range(0, 10):
+            for max_tokens in range(0, 10):
+                here = dict(m=m, rows=rows, max_tokens=max_tokens)
+                assert eval(expr, {}, here) == reference.m_in_range(**here), (body, here)
+    for f in (ROOT / "cuda").glob("*.cu*"):
+        assert not re.search(r"\bm (>|<) (c|g)\.rows|\bm < 0\b", f.read_text()), f.name
+
+
 def test_dependent_kernels_wait_for_the_kernel_before_them_first():
     """A kernel launched as a programmatic dependent (Kernel.dependent) may start while the stream's previous
     kernel runs: its body must begin with the wait for it; the others must not be dependent."""

@@ -5,9 +5,9 @@ checks every argument in Python (dtype, shape, contiguity, device, the order of 
 calls a backend made by :meth:`Transport.new_alltoall`, so a backend never sees bad input.
 
 Arguments reach a backend as the *call record* of their phase (one for dispatch, one for combine, made
-once by ``backend.records()``), which AllToAll fills for each call of the phase (a call given the same
-DeviceBuffers as the phase's last finds it as that call left it) with the fields of
-:data:`moecomm._abi.CALL_FIELDS` and passes to ``dispatch`` / ``combine``:
+once by ``backend.records()`` and kept by the backend), which AllToAll fills before each call of the phase
+(a call given the same DeviceBuffers as the phase's last finds it as that call left it) with the fields of
+:data:`moecomm._abi.CALL_FIELDS`, then calls ``dispatch`` / ``combine``, which read it:
 ``x``, ``x_scale``, ``indices``, ``weights``, ``bound_m``, ``out_num``, ``out_x``, ``out_scale``,
 ``out_offsets`` (dispatch), ``indices``, ``weights``, ``bound_m``, ``y``, ``out_tokens``, ``out_dropped``
 (combine), and the ints ``rows`` (the fewest rows of the call's per-token arrays), ``idx64``, ``partials``.
@@ -69,18 +69,18 @@ class AllToAllBackend(abc.ABC):
 
     @abc.abstractmethod
     def records(self):
-        """``{"dispatch": record, "combine": record}``, the call records (see the module doc), made once:
-        AllToAll fills a phase's for each of its calls."""
+        """``{"dispatch": record, "combine": record}``, the backend's call records (see the module doc), made
+        once: AllToAll fills a phase's before each of its calls."""
 
     @abc.abstractmethod
-    def dispatch(self, record, do_send: bool, do_recv: bool, stream) -> None:
-        """Send (``do_send``) and/or receive and unpack (``do_recv``) the dispatch arrays of ``record``, on
-        ``stream`` (device transports). Collective."""
+    def dispatch(self, do_send: bool, do_recv: bool, stream) -> None:
+        """Send (``do_send``) and/or receive and unpack (``do_recv``) the dispatch arrays of the dispatch
+        record, on ``stream`` (device transports; None on the host). Collective."""
 
     @abc.abstractmethod
-    def combine(self, record, do_send: bool, do_recv: bool, stream) -> None:
-        """Send expert outputs back and/or receive and sum them (the combine arrays of ``record``).
-        Collective."""
+    def combine(self, do_send: bool, do_recv: bool, stream) -> None:
+        """Send expert outputs back and/or receive and sum them (the arrays of the combine record), on
+        ``stream``. Collective."""
 
     @abc.abstractmethod
     def skip(self, halves: tuple, stream, refusal=None) -> None:
@@ -174,8 +174,9 @@ class Transport(abc.ABC):
         telemetry keeps per-call counts of; ``timing``: time each phase (see :func:`snapshot`)."""
 
     @abc.abstractmethod
-    def new_arrays(self):
-        """An argument reader for one AllToAll (it holds per-call state)."""
+    def new_arrays(self, max_rows):
+        """An argument reader for one AllToAll whose per-token arrays have at most ``max_rows`` rows (it holds
+        per-call state: moecomm._arrays)."""
 
     @abc.abstractmethod
     def check_peers(self, nbytes: int, timeout_s: float) -> None:

@@ -154,9 +154,9 @@ class GpuTransport(Transport):
             return _cuda.Launch((module or self.module).function(kernel), kernel, blocks, *params,
                                 programmatic=kernel.dependent and self._programmatic)
 
-    def new_arrays(self):
+    def new_arrays(self, max_rows):
         with self.context:
-            return DeviceArrays(self.device, _cuda.StreamOrder(), _cuda.pointer_device)
+            return DeviceArrays(self.device, _cuda.StreamOrder(), _cuda.pointer_device, max_rows)
 
     def new_alltoall(self, cfg, timeout_s, ident, window, timing):
         return GpuAllToAll(self, cfg, timeout_s, window, timing)

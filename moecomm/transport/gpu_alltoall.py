@@ -201,11 +201,11 @@ class GpuAllToAll(AllToAllBackend):
         _cuda.stream_synchronize(stream)
         self.check_error()
 
-    def dispatch(self, record, do_send, do_recv, stream):
+    def dispatch(self, do_send, do_recv, stream):
         self._launch("dispatch", do_send, do_recv, stream)
         self._dispatched = self._dispatched or do_recv
 
-    def combine(self, record, do_send, do_recv, stream):
+    def combine(self, do_send, do_recv, stream):
         self._launch("combine", do_send, do_recv, stream)
         if do_recv and not self.captured:
             self.check_error()

@@ -235,12 +235,14 @@ class HostAllToAll(AllToAllBackend):
         self._demand = None  # [L] pairs routed to this rank's experts in the call (with a capacity)
         self._times = {"dispatch": deque(maxlen=window), "combine": deque(maxlen=window)} if timing else None
         self._started = {}
+        self._records = host_call_records()  # filled by AllToAll before each call (records())
 
     def records(self):
-        return host_call_records()
+        return self._records
 
     # dispatch -------------------------------------------------------------------------------
-    def dispatch(self, record, do_send, do_recv, stream=None):
+    def dispatch(self, do_send, do_recv, stream):
+        record = self._records["dispatch"]
         if do_send:
             self._started["dispatch"] = time.perf_counter()
             self._received = None  # until this dispatch's receive half
@@ -270,8 +272,8 @@ class HostAllToAll(AllToAllBackend):
         m = int(a.bound_m[0])
         status, message = _OK, None
         self._demand = None
-        if not 0 <= m <= a.rows:
-            status, message = _BAD_M, _bad_m(m, a.rows)
+        if not reference.m_in_range(m, a.rows, cfg.max_num_tokens):
+            status, message = _BAD_M, _bad_m(m, min(a.rows, cfg.max_num_tokens))
         else:
             message = reference.routing_error(a.indices[:m], cfg.num_experts)
             status = _BAD_ROUTING if message else _OK
@@ -419,7 +421,8 @@ class HostAllToAll(AllToAllBackend):
         self._received = _Received(src_rank, token, pair_j, pair_k, where, weights)
 
     # combine --------------------------------------------------------------------------------
-    def combine(self, record, do_send, do_recv, stream=None):
+    def combine(self, do_send, do_recv, stream):
+        record = self._records["combine"]
         if do_send:
             self._started["combine"] = time.perf_counter()
             self._combine_pending = self._combine_send(record)
@@ -432,7 +435,8 @@ class HostAllToAll(AllToAllBackend):
         cfg, rv = self.cfg, self._received
         ex, m = self._exchanges["combine"], int(a.bound_m[0])
         bad = ((_BAD_ARG, f"bound_m={m} differs from the dispatched m={self._dispatched_m}")
-               if m != self._dispatched_m else (_BAD_M, _bad_m(m, a.rows)) if m > a.rows else
+               if m != self._dispatched_m else (_BAD_M, _bad_m(m, min(a.rows, cfg.max_num_tokens)))
+               if not reference.m_in_range(m, a.rows, cfg.max_num_tokens) else
                (C.REASON_IDS_DIFFER, IDS_DIFFER) if not np.array_equal(a.indices[:m], self._dispatched_ids) else None)
         if bad:  # refused in the exchange, so that every rank raises
             _, statuses, reasons = ex.post(np.zeros((0, 0), np.uint8), np.zeros(cfg.world_size, np.int64), *bad,
@@ -642,8 +646,8 @@ class HostTransport(Transport):
     def new_alltoall(self, cfg, timeout_s, ident, window, timing):
         return HostAllToAll(self.comm, self.departures, cfg, timeout_s, ident, window, timing)
 
-    def new_arrays(self):
-        return HostArrays()
+    def new_arrays(self, max_rows):
+        return HostArrays(max_rows)
 
     def check_peers(self, nbytes, timeout_s):
         w, me = self.comm.Get_size(), self.comm.Get_rank()
