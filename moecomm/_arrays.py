@@ -116,6 +116,16 @@ class _Reading:
         if n < self.rows:
             self.rows = n
 
+    def marks(self, args, n):
+        """What a promised call (moecomm.DispatchArgs.promised) must keep for its reading to be reused: for each
+        of the first ``n`` arguments of ``args`` that may change in place, (name, array, fingerprint); None
+        where one can be checked only by reading it again (numpy arrays here)."""
+        return None
+
+    def producers(self):
+        """The producers the reading since :meth:`begin` found (none on the host)."""
+        return frozenset()
+
 
 class HostArrays(_Reading):
     """numpy arrays for the host transport: a value is the array itself, viewed as its expected dtype.
@@ -280,6 +290,16 @@ def _reader_for(cls):
 _READERS = {}
 
 
+def _fingerprint(reader, obj):
+    """What reading a CuPy array or a torch tensor depends on and may change in place: its address, shape,
+    dtype, contiguity (and a tensor's device); None for other kinds."""
+    if reader is _CUPY:
+        return obj.data.ptr, obj.shape, obj.dtype, obj._c_contiguous
+    if reader is _TORCH:
+        return obj.data_ptr(), obj.shape, obj.dtype, obj.is_contiguous(), obj.get_device()
+    return None
+
+
 def _reader(obj):
     reader = _READERS.get(type(obj))
     if reader is None:
@@ -382,6 +402,31 @@ class DeviceArrays(_Reading):
     def address(value):
         """The first byte of a value :meth:`read` returned: the value itself."""
         return value
+
+    def marks(self, args, n):
+        """As :meth:`HostArrays.marks`: CuPy arrays and torch tensors by their attributes (DeviceBuffers are
+        immutable: none); None where another kind (DLPack, ``__cuda_array_interface__``) is among them."""
+        out = []
+        for name, obj in zip(args._fields[:n], args[:n]):
+            reader = _reader(obj) if obj is not None else _BUFFER
+            if reader is not _BUFFER:
+                mark = _fingerprint(reader, obj)
+                if mark is None:
+                    return None
+                out.append((name, obj, mark))
+        return tuple(out)
+
+    def check_marks(self, marks, producers):
+        """Raise InvalidArgument naming the first promised array whose fingerprint differs from its mark (as
+        :meth:`marks` made them); else the launch stream will wait for ``producers``, as after reading them."""
+        for name, obj, mark in marks:
+            if _fingerprint(_READERS[type(obj)], obj) != mark:
+                raise InvalidArgument(f"{name}: its address, shape, dtype or layout changed since the call was "
+                                      f"prepared (a prepared call takes the same arrays every time)")
+        self._producers.update(producers)
+
+    def producers(self):
+        return frozenset(self._producers)
 
     def _refuse(self, name, ptr, shape, dtype, contiguous, device, accept, want):
         """Raise what is wrong with an argument the fast check refused; return its dtype when only its

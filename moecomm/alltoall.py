@@ -31,7 +31,10 @@ _ONE = (1,)
 class DispatchArgs(NamedTuple):
     """The arrays of one dispatch call, as :meth:`AllToAll.dispatch` takes them (shapes and dtypes there).
     ``moved_outputs``: a receive half may be given other output arrays than its send half, holding what
-    the send half wrote (``moecomm.jax``: XLA may copy a buffer between the halves)."""
+    the send half wrote (``moecomm.jax``: XLA may copy a buffer between the halves). ``promised``: the caller
+    promises that these arrays come back call after call with the same address, shape, dtype and layout
+    (:meth:`AllToAll.prepare_dispatch`): a call given the same objects as its phase's last checks that
+    instead of reading them again, and is refused where one changed."""
     out_expert_num_tokens: object
     out_expert_x: object
     out_expert_x_scale: object
@@ -43,6 +46,7 @@ class DispatchArgs(NamedTuple):
     out_expert_offsets: object = None
     stream: object = None
     moved_outputs: bool = False
+    promised: bool = False
     phase = "dispatch"  # class attributes, not fields
     arrays = 9  # the fields before ``stream``: what a call's reading depends on
 
@@ -53,7 +57,8 @@ class DispatchArgs(NamedTuple):
 
 
 class CombineArgs(NamedTuple):
-    """The arrays of one combine call, as :meth:`AllToAll.combine` takes them (shapes and dtypes there)."""
+    """The arrays of one combine call, as :meth:`AllToAll.combine` takes them (shapes and dtypes there);
+    ``promised`` as in :class:`DispatchArgs` (:meth:`AllToAll.prepare_combine`)."""
     out_tokens: object
     indices: object
     weights: object
@@ -61,6 +66,7 @@ class CombineArgs(NamedTuple):
     bound_m: object
     out_dropped: object = None
     stream: object = None
+    promised: bool = False
     phase = "combine"
     arrays = 6
 
@@ -73,12 +79,32 @@ _new_tuple = tuple.__new__  # the call path makes its records with it: a NamedTu
 
 
 class _Seen(NamedTuple):
-    """A phase's last call whose arrays were all DeviceBuffers (immutable) and were read into its call
-    record, which no call has changed since: a call given the same objects again is not read again
-    (AllToAll._read)."""
+    """A phase's last call whose arrays were read into its call record, which no call has changed since, and
+    were all DeviceBuffers (immutable) or promised (DispatchArgs.promised): a call given the same objects
+    again is not read again (AllToAll._read); promised arrays are checked against their ``marks`` first."""
     arrays: tuple   # the call's first ``arrays`` arguments (DispatchArgs.arrays, CombineArgs.arrays)
     weights: bool   # whether router weights were given
     outputs: tuple  # dispatch: its output arrays' addresses (None for combine)
+    marks: tuple    # promised arrays: ((name, array, its fingerprint), ...) to check; () for DeviceBuffers
+    producers: frozenset  # the producers the reading found (streams the launch stream waits for)
+
+
+class PreparedCall:
+    """One phase's call with its arrays given once (:meth:`AllToAll.prepare_dispatch`,
+    :meth:`AllToAll.prepare_combine`), run by calling it: ``call(do_send=True, do_recv=True)`` is
+    ``a2a.dispatch`` / ``a2a.combine`` with those arrays, and raises the same errors. The first run reads and
+    checks the arrays as any call does; later runs check only that each array keeps the address, shape, dtype
+    and layout it had then (CuPy arrays and torch tensors by their attributes; DeviceBuffers are immutable;
+    other kinds are read every time) and refuse the call, on every rank, where one changed. The arrays' contents
+    are the caller's to write between runs, as always."""
+
+    __slots__ = ("_a2a", "args")
+
+    def __init__(self, a2a, args):
+        self._a2a, self.args = a2a, args
+
+    def __call__(self, do_send=True, do_recv=True):
+        self._a2a.run(self.args, do_send, do_recv)
 
 
 class Refusal(NamedTuple):
@@ -321,7 +347,7 @@ class AllToAll:
         timeouts.
         """
         self.run(_new_tuple(DispatchArgs, (out_expert_num_tokens, out_expert_x, out_expert_x_scale, dp_x, dp_x_scale,
-                                           indices, bound_m, weights, out_expert_offsets, stream, False)),
+                                           indices, bound_m, weights, out_expert_offsets, stream, False, False)),
                  do_send, do_recv)
 
     def combine(self, out_tokens, indices, weights, expert_y, bound_m, do_send=True, do_recv=True,
@@ -347,8 +373,23 @@ class AllToAll:
         the message names the call). A refused combine ends its call (no retry); a combine without a
         dispatch to combine is refused.
         """
-        self.run(_new_tuple(CombineArgs, (out_tokens, indices, weights, expert_y, bound_m, out_dropped, stream)),
-                 do_send, do_recv)
+        self.run(_new_tuple(CombineArgs, (out_tokens, indices, weights, expert_y, bound_m, out_dropped, stream,
+                                          False)), do_send, do_recv)
+
+    def prepare_dispatch(self, out_expert_num_tokens, out_expert_x, out_expert_x_scale, dp_x, dp_x_scale, indices,
+                         bound_m, weights=None, stream=None, out_expert_offsets=None):
+        """A :class:`PreparedCall` of :meth:`dispatch` with these arguments (as there), for a loop that gives
+        the same arrays every step: its runs after the first skip reading them and check instead that each
+        keeps its address, shape, dtype and layout (a changed one is refused on every rank). Nothing runs
+        here. The caller keeps the arrays alive and writes their contents between runs."""
+        return PreparedCall(self, DispatchArgs(out_expert_num_tokens, out_expert_x, out_expert_x_scale, dp_x,
+                                               dp_x_scale, indices, bound_m, weights, out_expert_offsets, stream,
+                                               promised=True))
+
+    def prepare_combine(self, out_tokens, indices, weights, expert_y, bound_m, stream=None, out_dropped=None):
+        """A :class:`PreparedCall` of :meth:`combine` with these arguments, as :meth:`prepare_dispatch`."""
+        return PreparedCall(self, CombineArgs(out_tokens, indices, weights, expert_y, bound_m, out_dropped, stream,
+                                              promised=True))
 
     def run(self, args, do_send=True, do_recv=True):
         """Run the halves ``do_send`` / ``do_recv`` of the phase ``args`` describes (a :class:`DispatchArgs` or
@@ -395,15 +436,21 @@ class AllToAll:
         were given, the output arrays' addresses for the same-outputs rule). The hot path of every call: a
         call given the same DeviceBuffers as its phase's last one finds its record as that call left it
         (_Seen); the checks that depend on the call order run either way."""
-        phase = args.phase
+        phase, arrays = args.phase, self._arrays
         seen = self._seen[phase]
         if seen is not None and all(map(is_, seen.arrays, args)):
+            if seen.marks:  # promised arrays: refused where one changed (then read again next time)
+                self._seen[phase] = None
+                arrays.check_marks(seen.marks, seen.producers)
+                self._seen[phase] = seen
             weights, outputs = seen.weights, seen.outputs
         else:
-            self._seen[phase], self._arrays.buffers = None, True  # read() clears buffers for any other array
+            self._seen[phase], arrays.buffers = None, True  # read() clears buffers for any other array
             weights, outputs = (self._read_dispatch if phase == "dispatch" else self._read_combine)(args)
-            if self._arrays.buffers:
-                self._seen[phase] = _new_tuple(_Seen, (args[:args.arrays], weights, outputs))
+            marks = () if arrays.buffers else arrays.marks(args, args.arrays) if args.promised else None
+            if marks is not None:
+                self._seen[phase] = _new_tuple(_Seen, (args[:args.arrays], weights, outputs, marks,
+                                                       arrays.producers()))
         if phase == "dispatch":
             if (recv and not send and not args.moved_outputs and self._order.posted("dispatch")
                     and outputs != self._order.dispatch_outputs):

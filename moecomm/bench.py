@@ -294,22 +294,30 @@ class Bench:
 
     def host_cost(self, a2a, d, calls=50, reps=20):
         """Per input kind: host microseconds per eager dispatch (both halves) and combine (both halves), and
-        the eager layer (:meth:`eager_layer`) with those inputs. For the host times the device is kept busy
-        by a delay kernel queued first, so the launch queue never blocks the host; ``calls`` pairs per
+        the eager layer (:meth:`eager_layer`) with those inputs; CuPy and torch inputs also as prepared calls
+        (``"<kind> prepared"``: AllToAll.prepare_dispatch / prepare_combine). For the host times the device is
+        kept busy by a delay kernel queued first, so the launch queue never blocks the host; ``calls`` pairs per
         repetition (4 launches each, well under the queue depth)."""
         s, out = self.stream, {}
-        for kind, a in self.input_kinds(d).items():
+        runs = [(kind, a, prepared) for kind, a in self.input_kinds(d).items()
+                for prepared in ((False,) if kind == "buffer" else (False, True))]
+        for kind, a, prepared in runs:
             framework = nullcontext()
             if kind == "torch":  # the tensors' producer stream is torch's current one: make it ours
                 import torch
                 framework = torch.cuda.stream(torch.cuda.ExternalStream(s.ptr))
+            if prepared:
+                kind += " prepared"
+                dispatch = a2a.prepare_dispatch(a["n"], a["ex"], a["es"], a["x"], a["xs"], a["idx"], a["m"],
+                                                weights=a["w"], stream=s, out_expert_offsets=a.get("off"))
+                combine = a2a.prepare_combine(a["out"], a["idx"], None, a["y"], a["m"], stream=s)
+            else:
+                def dispatch(a=a):
+                    a2a.dispatch(a["n"], a["ex"], a["es"], a["x"], a["xs"], a["idx"], a["m"], weights=a["w"],
+                                 stream=s, out_expert_offsets=a.get("off"))
 
-            def dispatch():
-                a2a.dispatch(a["n"], a["ex"], a["es"], a["x"], a["xs"], a["idx"], a["m"], weights=a["w"], stream=s,
-                             out_expert_offsets=a.get("off"))
-
-            def combine():
-                a2a.combine(a["out"], a["idx"], None, a["y"], a["m"], stream=s)
+                def combine(a=a):
+                    a2a.combine(a["out"], a["idx"], None, a["y"], a["m"], stream=s)
 
             t = {"dispatch": [], "combine": []}
             with framework:

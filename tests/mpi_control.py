@@ -25,6 +25,8 @@ once the call is over (after combine's receive half is issued) or by synchronize
 * a repeated expert id on the last rank, raised by synchronize() right after the dispatch (on GPUs; the host
   transport raises in the dispatch): that ends the call, and the next dispatch (no combine in between) works
   on every rank;
+* prepared calls (AllToAll.prepare_dispatch / prepare_combine) run three steps, their inputs rewritten in
+  place before each: every step matches the reference;
 * pplx-kernels' calling convention (out_tokens of max_num_tokens rows, indices and weights of m rows,
   uint32 ids and bound_m, weights at combine) and DeepEP's (int64 ids with -1 slots) match the reference;
 * two AllToAlls called in different orders on different ranks: OutOfStep (host) or CommTimeout (GPU: each
@@ -83,6 +85,31 @@ def roundtrip(comm, a2a, seed):
     out = xp.zeros((M, H), np.float16)
     a2a.combine(out, args["indices"], None, args["out_expert_x"], args["bound_m"])
     a2a.synchronize()
+    return right(everyone, r, args, out)
+
+
+def prepared_steps(comm, a2a, seed, steps=3):
+    """A prepared dispatch and combine run ``steps`` times, their inputs rewritten in place before each
+    (AllToAll.prepare_dispatch / prepare_combine): whether every step is right."""
+    W, r = comm.world_size, comm.rank
+    args, out = on_device(good(W, r, seed)), xp.zeros((M, H), np.float16)
+    dispatch = a2a.prepare_dispatch(**args)
+    combine = a2a.prepare_combine(out, args["indices"], None, args["out_expert_x"], args["bound_m"])
+    ok = True
+    for step in range(steps):
+        everyone = [good(W, q, seed + step) for q in range(W)]
+        for name in ("dp_x", "indices", "weights"):
+            args[name][...] = xp.asarray(everyone[r][name])
+        dispatch()
+        combine()
+        a2a.synchronize()
+        ok = ok and right(everyone, r, args, out)
+    return ok
+
+
+def right(everyone, r, args, out):
+    """Whether rank r's counts and out_tokens are the reference's for the ranks' arguments ``everyone``."""
+    W = len(everyone)
     ref = reference.dispatch([a["dp_x"] for a in everyone], None, [a["indices"] for a in everyone],
                              E_PER_RANK * W, W, M)
     want = reference.combine([a["indices"] for a in everyone], [a["weights"] for a in everyone],
@@ -295,6 +322,10 @@ def main():
         if not roundtrip(comm, a2a, 300 + i):
             fails.append(f"the call after a bad combine {name} is wrong")
         checks += 1
+
+    if not prepared_steps(comm, a2a, 900):
+        fails.append("prepared calls whose inputs change in place each step are wrong")
+    checks += 1
 
     # bad routing on the last rank: InvalidRouting everywhere by the end of the call
     for i, (name, bad) in enumerate(BAD_ROUTING.items()):

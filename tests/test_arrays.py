@@ -433,3 +433,95 @@ def test_the_call_order_rules_hold_for_device_buffers_seen_before(fake):
     fake.dispatch(**d, stream=LAUNCH)
     fake.combine(**c, stream=LAUNCH)
     assert _dispatched(_launched(fake, "dispatch"))[5] == 0x8000
+
+
+def _tensors():
+    """A dispatch and a combine of torch-like tensors and one DeviceBuffer (for prepared calls)."""
+    d = dict(out_expert_num_tokens=FakeTensor((E,), "int32", ptr=0x1000),
+             out_expert_x=moecomm.DeviceBuffer(0x2000, (E, M, H), moecomm.float8_e4m3fn, 0),
+             out_expert_x_scale=FakeTensor((E, M, S), "float32", ptr=0x3000),
+             dp_x=FakeTensor((M, H), "float8_e4m3fn", ptr=0x4000), dp_x_scale=FakeTensor((M, S), "float32", ptr=0x5000),
+             indices=FakeTensor((M, K), "int64", ptr=0x6000), bound_m=FakeTensor((1,), "int32", ptr=0x7000),
+             weights=FakeTensor((M, K), "float32", ptr=0x8000))
+    c = dict(out_tokens=FakeTensor((M, H), "bfloat16", ptr=0x9000), indices=d["indices"], weights=None,
+             expert_y=FakeTensor((E, M, H), "bfloat16", ptr=0xa000), bound_m=d["bound_m"])
+    return d, c
+
+
+def _counting_reads(fake):
+    """Count the arguments fake's AllToAll reads (a list, one name per read)."""
+    names, read = [], fake._arrays.read
+
+    def counted(obj, name, *rest, **kw):
+        names.append(name)
+        return read(obj, name, *rest, **kw)
+    fake._arrays.read = counted
+    return names
+
+
+def test_prepared_calls_read_their_arrays_once_and_check_them_after(fake):
+    """A prepared dispatch and combine read and check their tensors at the first run only; later runs fill the
+    same call records, with the producers' stream still waited for (torch's current stream, 0x700, before the
+    launch stream)."""
+    d, c = _tensors()
+    dispatch, combine = fake.prepare_dispatch(**d, stream=LAUNCH), fake.prepare_combine(**c, stream=LAUNCH)
+    names = _counting_reads(fake)
+    order = fake._arrays._order
+    want_d = (0x4000, 0x5000, 0x6000, 1, 0x7000, 0x8000, 0x1000, 0x2000, 0x3000, M)
+    for step in range(3):
+        dispatch()
+        assert _dispatched(_launched(fake, "dispatch")) == want_d
+        assert order.waits[-1] == (0x700, LAUNCH)
+        combine(do_send=True, do_recv=False)
+        combine(do_send=False, do_recv=True)
+        assert (_launched(fake, "combine").out_tokens, _launched(fake, "combine").partials) == (0x9000, 1)
+        if step == 0:
+            read_once = len(names)
+    assert read_once == 12 and len(names) == read_once  # 8 of dispatch (no offsets), 4 of combine (no weights)
+
+
+@pytest.mark.parametrize("change", ["address", "shape", "dtype", "layout"])
+def test_a_prepared_call_whose_array_changed_is_refused_then_read_again(fake, change):
+    """An array of a prepared call that changed in place (address, shape, dtype, contiguity) is refused with
+    InvalidArgument naming it, the call taking part with no data (the peers raise PeerError); the next run
+    reads the arrays again and uses what they are now."""
+    d, c = _tensors()
+    dispatch, combine = fake.prepare_dispatch(**d, stream=LAUNCH), fake.prepare_combine(**c, stream=LAUNCH)
+    dispatch()
+    combine()
+    x = d["dp_x"]
+    if change == "address":
+        x._ptr = 0x4800
+    elif change == "shape":
+        x.shape = (M - 1, H)
+    elif change == "dtype":
+        x.dtype = _TORCH_DTYPES["float16"]
+    else:
+        x._c = False
+    with pytest.raises(moecomm.InvalidArgument, match="^dp_x: its address, shape, dtype or layout changed"):
+        dispatch()
+    assert fake.comm.transport.backend.launches[-1] == ("skip", HALVES, refused("dp_x"), LAUNCH)
+    if change == "address":
+        dispatch()
+        assert _launched(fake, "dispatch").x == 0x4800
+        combine()
+    elif change == "shape":
+        dispatch()
+        assert _launched(fake, "dispatch").rows == M - 1
+        combine()
+    else:  # now a bad argument: refused by reading it
+        with pytest.raises(moecomm.InvalidArgument, match="^dp_x: "):
+            dispatch()
+
+
+def test_prepared_calls_of_other_kinds_read_them_every_time(fake):
+    """A prepared call with an array only reading tells about (__cuda_array_interface__, DLPack) reads its
+    arrays every run (correct, not faster)."""
+    d, c = _tensors()
+    d["out_expert_x_scale"] = FakeCAI((E, M, S), "<f4", ptr=0x3000)
+    dispatch = fake.prepare_dispatch(**d, stream=LAUNCH)
+    names = _counting_reads(fake)
+    for _ in range(2):
+        dispatch()
+        fake.combine(**c, stream=LAUNCH)
+    assert names.count("dp_x") == 2

@@ -99,7 +99,8 @@ def ws1():
 def host():
     """Host time per eager call at R1-decode, world size 1, per kind of input (ws1-r1-decode.json)."""
     h = _row(_load("ws1-r1-decode.json")["results"], "r1-decode", 128)["host_us"]
-    names = {"buffer": "`DeviceBuffer` (reused)", "cupy": "CuPy arrays", "torch": "torch tensors"}
+    names = {"buffer": "`DeviceBuffer` (reused)", "cupy": "CuPy arrays", "torch": "torch tensors",
+             "cupy prepared": "CuPy arrays, prepared calls", "torch prepared": "torch tensors, prepared calls"}
     return _caption("ws1-r1-decode.json") + _table(["inputs", "dispatch", "combine", "eager layer (host in the loop)"],
                   [[names[k], _us(v["dispatch"]), _us(v["combine"]), _us(v["eager_layer"])] for k, v in h.items()])
 
