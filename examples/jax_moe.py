@@ -1,12 +1,16 @@
-"""A whole MoE layer in JAX on moecomm, jitted on every rank and checked against the same layer computed on
-one device in plain JAX, with new tokens and a new token count m at every step.
+"""A whole MoE layer in JAX on moecomm, in JAX's SPMD form: one process per rank joined by
+``jax.distributed.initialize``, a global mesh with one device per process, the layer inside ``jax.shard_map``
+under ``jax.jit``. Checked against the same layer computed on one device in plain JAX, with new tokens and a
+new token count m at every step.
 
     mpirun -np 2 python examples/jax_moe.py [--jax-first]
 
 The layer: router top-k (jax.lax.top_k) -> dispatch -> every local expert as one batched matmul over its
 slots -> combine (router weights sent with dispatch, summed on the expert side). It runs twice per step:
-with whole dispatch/combine calls, and with split halves and other work (a shared expert) in between.
-``--jax-first`` initialises JAX before moecomm.init(); by default JAX starts after it. Both work.
+with whole dispatch/combine calls, and with split halves and other work (a shared expert) in between. Each
+rank's tokens, m and local experts' weights are its block of global arrays sharded over the mesh axis "ep".
+``--jax-first`` starts JAX (``jax.distributed.initialize``) before moecomm.init(); by default JAX starts
+after it. Both work.
 
 JAX preallocates 75 % of every GPU it sees, so each rank's process must see only its own GPU: this script
 sets CUDA_VISIBLE_DEVICES from the launcher's local rank (Open MPI, MPICH, Slurm, torchrun) before anything
@@ -44,23 +48,36 @@ def step_time(fn, *args, steps=50):
     return (time.perf_counter() - t0) / steps * 1e6
 
 
+def start_jax(mpi_comm):
+    """Join every rank's process into one JAX runtime: rank 0's host coordinates, at a port it draws."""
+    import socket
+
+    import jax
+    here = (socket.gethostname(), int(np.random.default_rng().integers(20000, 40000))) if mpi_comm.rank == 0 else None
+    host, port = mpi_comm.bcast(here)
+    jax.distributed.initialize(f"{host}:{port}", num_processes=mpi_comm.size, process_id=mpi_comm.rank)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-
     p.add_argument("--tokens", type=int, default=128, help="max tokens per rank")
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--experts-per-rank", type=int, default=4)
     p.add_argument("--topk", type=int, default=4)
     p.add_argument("--steps", type=int, default=6)
-    p.add_argument("--jax-first", action="store_true", help="start JAX on the GPU before moecomm.init()")
+    p.add_argument("--jax-first", action="store_true", help="start JAX before moecomm.init()")
     args = p.parse_args()
+    from mpi4py import MPI
     if args.jax_first:
-        import jax
-        jax.devices()
+        start_jax(MPI.COMM_WORLD)
     import moecomm
     comm = moecomm.init()
+    if not args.jax_first:
+        start_jax(MPI.COMM_WORLD)
     import jax
     import jax.numpy as jnp
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     import moecomm.jax
 
@@ -68,38 +85,52 @@ def main():
     E, L = args.experts_per_rank * W, args.experts_per_rank
     a2a = moecomm.AllToAll(comm, M, E, K, H, None, "bfloat16", "bfloat16")
     layer = moecomm.jax.AllToAll(a2a)
+    mesh = Mesh(np.array([d for q in range(W) for d in jax.devices() if d.process_index == q]), ("ep",))
+
+    def shard(block):
+        """The global array whose block on this rank (along the mesh axis "ep") is ``block``."""
+        return jax.make_array_from_process_local_data(NamedSharding(mesh, P("ep")), np.asarray(block)[None])
+
+    def mine(a):
+        """This rank's block of a global array sharded over "ep"."""
+        return np.asarray(a.addressable_shards[0].data[0], np.float32)
+
+    def spmd(fn):
+        """``fn`` on each rank's blocks (the mesh dimension dropped), jitted over the mesh."""
+        body = lambda *a: jax.tree.map(lambda o: o[None], fn(*(b[0] for b in a)))  # noqa: E731
+        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
 
     keys = jax.random.split(jax.random.PRNGKey(0), 3)  # every rank draws the same weights
-    w_router = jax.random.normal(keys[0], (H, E)) / H ** 0.5
-    w_experts = (jax.random.normal(keys[1], (E, H, H)) / H ** 0.5).astype(jnp.bfloat16)
-    w_shared = (jax.random.normal(keys[2], (H, H)) / H ** 0.5).astype(jnp.bfloat16)
-    w_local = w_experts[rank * L:(rank + 1) * L]
+    w_router = np.asarray(jax.random.normal(keys[0], (H, E)) / H ** 0.5, np.float32)
+    w_experts = np.asarray((jax.random.normal(keys[1], (E, H, H)) / H ** 0.5).astype(jnp.bfloat16))
+    w_shared = np.asarray((jax.random.normal(keys[2], (H, H)) / H ** 0.5).astype(jnp.bfloat16))
+    w_local = shard(w_experts[rank * L:(rank + 1) * L])  # each rank's block: its own experts
 
     def route(x):
         weights, ids = jax.lax.top_k(jax.nn.softmax(x.astype(jnp.float32) @ w_router, -1), K)
         return weights, ids  # float32, int32 [rows, K]
 
-    def experts(expert_x):
-        return jnp.einsum("lch,lhd->lcd", expert_x, w_local, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+    def experts(expert_x, w):
+        return jnp.einsum("lch,lhd->lcd", expert_x, w, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
 
-    @jax.jit
-    def moe(x, m):
+    @spmd
+    def moe(x, m, w):
         weights, ids = route(x)
         counts, expert_x, _ = layer.dispatch(x, None, ids, m, weights)
-        return layer.combine(ids, None, experts(expert_x), m), counts
+        return layer.combine(ids, None, experts(expert_x, w), m), counts
 
-    @jax.jit
-    def moe_split(x, m):
+    @spmd
+    def moe_split(x, m, w):
         weights, ids = route(x)
         sent = layer.dispatch_send(x, None, ids, m, weights)
         shared = x @ w_shared  # runs while the tokens fly
         counts, expert_x, _ = layer.dispatch_recv(sent)
-        back = layer.combine_send(ids, None, experts(expert_x), m)
+        back = layer.combine_send(ids, None, experts(expert_x, w), m)
         return layer.combine_recv(back), counts, shared
 
     @jax.jit
     def reference(x):
-        """The same layer on this device alone, all experts local."""
+        """The same layer on this process's device alone, all experts local."""
         weights, ids = route(x)
         y_all = jnp.einsum("mh,ehd->emd", x, w_experts, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
         y = y_all[ids, jnp.arange(x.shape[0])[:, None]]
@@ -109,31 +140,32 @@ def main():
     for step in range(args.steps):
         rng = np.random.default_rng([step, rank])
         m = int(rng.integers(1, M + 1))
-        x = jnp.asarray(rng.standard_normal((M, H)), jnp.bfloat16)
-        bound_m = jnp.asarray([m], jnp.int32)
-        want = np.asarray(reference(x))[:m]
+        x_local = rng.standard_normal((M, H)).astype(np.float32).astype(moecomm.bfloat16)
+        x, bound_m = shard(x_local), shard(np.array([m], np.int32))
+        want = np.asarray(reference(x_local))[:m]
         for fn in (moe, moe_split):
-            out, counts = fn(x, bound_m)[:2]
-            out = np.asarray(out, np.float32)[:m]
-            a2a.synchronize()  # raises what the kernels recorded (a peer's timeout, bad ids)
+            out, counts = fn(x, bound_m, w_local)[:2]
+            out = mine(out)[:m]
+            layer.check()  # raises what the kernels recorded (a peer's timeout, bad ids)
             err = float(np.linalg.norm(out - want) / np.linalg.norm(want))
-            received = sum(comm.allgather(int(np.asarray(counts).sum())))
+            received = sum(comm.allgather(int(mine(counts).sum())))
             sent = sum(comm.allgather(m)) * K  # every id is an expert: each (token, k) lands once
             worst = max(worst, err)
             ok = ok and err < 2e-2 and received == sent
-    per_step = {name: step_time(fn, x, bound_m) for name, fn in (("layer", moe), ("split layer", moe_split))}
-    a2a.synchronize()
+    per_step = {name: step_time(fn, x, bound_m, w_local) for name, fn in (("layer", moe), ("split layer", moe_split))}
+    layer.check()
     results = comm.allgather((ok, worst))
     if rank == 0:
-        print(f"JAX MoE layer: {W} ranks, {M} tokens/rank max, hidden {H}, {E} experts, top-{K}, jitted "
-              f"(whole and split calls), JAX started {'before' if args.jax_first else 'after'} moecomm.init()")
+        print(f"JAX MoE layer: {W} ranks, {M} tokens/rank max, hidden {H}, {E} experts, top-{K}, in shard_map "
+              f"over a {W}-device mesh (whole and split calls), JAX started "
+              f"{'before' if args.jax_first else 'after'} moecomm.init()")
         print("  time per jitted step (50 steps queued, then one wait): "
               + ", ".join(f"{k} {v:.0f} us" for k, v in per_step.items()))
         for r, (good, e) in enumerate(results):
             print(f"  rank {r}: worst relative error vs one-device JAX {e:.2e}  {'OK' if good else 'MISMATCH'}")
-        print("result:"
-, "all ranks match" if all(g for g, _ in results) else "MISMATCH")
+        print("result:", "all ranks match" if all(g for g, _ in results) else "MISMATCH")
     a2a.destroy()
+    jax.distributed.shutdown()
     comm.finalize()
     sys.exit(0 if all(g for g, _ in results) else 1)
 

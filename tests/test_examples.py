@@ -29,7 +29,8 @@ def test_training_example(example, framework, install):
 
 @FULL
 def test_jax_example_on_cpu_ranks():
-    """examples/jax_moe.py (the layer jitted, whole and split calls) runs on the host transport without a GPU."""
+    """examples/jax_moe.py (the layer in shard_map across the ranks' processes, whole and split calls) runs on the
+    host transport without a GPU."""
     p = run_mpi(2, "examples/jax_moe.py", "--tokens", "32", "--hidden", "256", "--steps", "2", timeout=300)
     assert p.returncode == 0 and "all ranks match" in p.stdout, p.stdout[-3000:] + p.stderr[-3000:]
 
