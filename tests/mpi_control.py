@@ -35,10 +35,10 @@ once the call is over (after combine's receive half is issued) or by synchronize
   does not wait.
 
 ``--replay dispatch|combine`` (GPU transports) runs one case instead: a call's dispatch and its combine captured
-into two CUDA graphs (``a2a.captured()``), replayed in order (right), then that one replayed again, as a
-framework that reorders or repeats replayed calls would: ``a2a.check()`` raises OutOfStep on every rank (the
-kernels count each half's calls), a combine replayed again leaves out_tokens alone, and the communicator is
-broken (CommBroken at once).
+into two CUDA graphs (``a2a.captured()``), replayed in order (right), then replayed out of order, as a framework
+that reorders or repeats replayed calls would: the combine once more, or the dispatch twice (the second with no
+combine after the first): ``a2a.check()`` raises OutOfStep on every rank (the kernels count each half's calls),
+a combine replayed again leaves out_tokens alone, and the communicator is broken (CommBroken at once).
 Prints "<n> checks on <w> ranks: <f> failures" on rank 0.
 """
 import argparse
@@ -250,8 +250,9 @@ def replay_order(comm, a2a, again, fails):
     out.fill(7)
     cupy.cuda.Device().synchronize()
 
-    def replay():
-        graphs[again].launch(stream)
+    def replay():  # a dispatch after a whole call is the next call: twice, the second meets no combine
+        for _ in range(2 if again == "dispatch" else 1):
+            graphs[again].launch(stream)
         stream.synchronize()
         a2a.check()
     e = expect(fails, f"{again} replayed twice", [replay], None, moecomm.OutOfStep)
