@@ -80,11 +80,18 @@ __device__ __forceinline__ int expert_id(const Call& c, size_t i, int num_expert
 
 // The expert slot a valid logical id e of token t goes to: e itself without an expert map; with one, replica
 // (t * REPLICA_TOKEN + dp_group * REPLICA_GROUP) mod 2^32 mod replicas of e (moecomm.balance.ExpertMap.physical).
+// A masked rank's replicas are passed over: the first replica from that one on (wrapping) whose rank is not
+// masked (f.mask), or that one when every replica's rank is (the pair is then not sent).
 __device__ __forceinline__ int physical(const Fixed& f, int e, int t) {
   if (!f.map) return e;
   const int* row = f.map + (size_t)e * (1 + f.world);
   const unsigned h = (unsigned)t * MOECOMM_REPLICA_TOKEN + (unsigned)(f.rank / f.dp) * MOECOMM_REPLICA_GROUP;
-  return row[1 + h % (unsigned)row[0]];
+  const int n = row[0], j = (int)(h % (unsigned)n);
+  for (int i = 0; i < n; ++i) {
+    const int slot = row[1 + (j + i) % n];
+    if (!f.mask[slot / f.local_experts]) return slot;
+  }
+  return row[1 + j];
 }
 
 // Warp-wide (every lane calls it): whether no lane below this one holds the same v (a token's pairs: an expert

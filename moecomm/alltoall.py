@@ -760,12 +760,13 @@ class AllToAll:
 
         From the next call on, tokens routed to experts of masked ranks are not sent and add nothing in
         combine (as if their ids were -1), and no wait involves a masked rank; the pairs not sent are counted
-        in :meth:`stats` ("MASKED_PAIRS"). The ranks taking part first finish their work in flight (their
+        in :meth:`stats` ("MASKED_PAIRS"). With an expert map, a pair goes to its expert's next replica on a
+        rank not masked where there is one (moecomm.balance.ExpertMap.physical). The ranks taking part first finish their work in flight (their
         kernels are bounded), then restart this AllToAll's call sequence together, so this is also how the
         survivors recover after a CommTimeout naming a dead rank: this AllToAll serves again although the
         communicator stays broken. Afterwards the communicator's own collectives (barrier, allgather,
         check_peers, new AllToAlls) raise CommBroken, since they would wait for every rank, and teardown is
-        local. Unmasking a rank that comes back takes that rank's part too. Needs dp_size == 1 and no call
+        local; every AllToAll masked since the communicator last broke serves (mask each one you keep). Unmasking a rank that comes back takes that rank's part too. Needs dp_size == 1 and no call
         in progress.
 
         Args:
@@ -797,9 +798,10 @@ class AllToAll:
             self._backend.set_mask(masked, generation, lambda: self.comm.gather_among(None, taking_part, "mask_ranks"))
         self.masked, self._generation = masked, generation
         self._order.restart()
-        self.comm.fail(MoeCommError(f"mask_ranks({list(masked)}) on AllToAll #{self._ident}: the communicator "
-                                    f"serves only through masked AllToAlls"))
-        self._serving_since = self.comm.breaks
+        if self.comm.broken is None:  # a new break would stop the other AllToAlls masked since the last one
+            self.comm.fail(MoeCommError(f"mask_ranks({list(masked)}) on AllToAll #{self._ident}: the communicator "
+                                        f"serves only through masked AllToAlls"))
+        self._serving_since = self.comm.breaks  # this AllToAll serves until the communicator breaks again
 
     def set_expert_map(self, expert_map):
         """Switch to another :class:`moecomm.balance.ExpertMap` (collective: every rank passes an equal map,

@@ -84,20 +84,32 @@ class ExpertMap:
             out[e, :counts[e]] = order[starts[e]:starts[e] + counts[e]]
         return out
 
-    def physical(self, indices, tokens, group):
+    def physical(self, indices, tokens, group, masked=()):
         """Physical slot ids (rank * slots_per_rank + slot) for logical ``indices`` [n, k] (-1 stays -1) of
-        tokens ``tokens`` [n] (their index in the DP group's batch) sent by DP group ``group``.
+        tokens ``tokens`` [n] (their index in the DP group's batch) sent by DP group ``group``, with the ranks
+        ``masked`` (AllToAll.mask_ranks) stopped.
 
-        The replica rule (the kernels' too): replica j = (token * REPLICA_TOKEN + group * REPLICA_GROUP)
-        mod 2**32 mod replicas (moecomm._constants), so every token picks on its own, consecutive tokens spread
-        over the replicas, and every rank can compute it.
+        The replica rule (the kernels' too, cuda/alltoall.cuh ``physical``): j = (token * REPLICA_TOKEN + group *
+        REPLICA_GROUP) mod 2**32 mod replicas (moecomm._constants), so every token picks on its own, consecutive
+        tokens spread over the replicas, and every rank can compute it; the first replica from j on (in table
+        order, wrapping) whose rank is not masked, so that a stopped rank's experts are served by their other
+        replicas; replica j when every replica's rank is masked (the pair is then not sent).
         """
         ids = np.asarray(indices, np.int64)
         table, counts = self.table(), self.replicas()
         h = ((np.asarray(tokens, np.uint64) * np.uint64(C.REPLICA_TOKEN) + np.uint64(group * C.REPLICA_GROUP))
              % np.uint64(2 ** 32))
         safe = np.maximum(ids, 0)
-        j = (h[:, None] % counts[safe].astype(np.uint64)).astype(np.int64)
+        n = counts[safe]
+        j0 = (h[:, None] % n.astype(np.uint64)).astype(np.int64)
+        down = np.zeros(self.num_ranks + 1, bool)  # [rank]: masked; the last entry is table's -1 padding
+        down[list(masked)] = True
+        live = ~down[np.where(table >= 0, table // self.slots_per_rank, -1)]  # [E, max replicas]
+        j, found = j0, live[safe, j0]
+        for i in range(1, int(counts.max())):  # replica j0, else the next live one
+            later = (j0 + i) % n
+            take = ~found & (i < n) & live[safe, later]
+            j, found = np.where(take, later, j), found | take
         return np.where(ids >= 0, table[safe, j], -1)
 
     def rank_load(self, load):

@@ -9,8 +9,10 @@ The survivors' next call raises CommTimeout naming it within the timeout + 1 s (
 at synchronize() on GPUs); they call ``a2a.mask_ranks([last])`` and run CALLS calls, each checked against
 the reference with the last rank's experts removed (its ids replaced by -1), and ``stats()`` counts the
 (token, expert) pairs not sent. Then the stalled rank returns: every rank calls ``mask_ranks([])`` and the
-next CALLS calls are checked against the full reference. Prints "<n> checks on <w> ranks: <f> failures"
-on rank 0.
+next CALLS calls are checked against the full reference. A second AllToAll holds every expert twice (rank q's
+spare slots hold rank q+1's experts: ``slots_per_rank``, an expert map): masked the same way, its calls lose no
+pair (the replica rule passes over the masked rank) and equal the full reference. Prints "<n> checks on <w>
+ranks: <f> failures" on rank 0.
 """
 import argparse
 import sys
@@ -63,6 +65,36 @@ def call_and_check(xp, a2a, W, r, seed, dead):
     return ok, int(np.isin(ids // E_PER_RANK, dead).sum())
 
 
+def replicated(comm):
+    """An AllToAll whose every expert has a second replica: rank q's spare slots hold rank q+1's experts."""
+    from moecomm.balance import ExpertMap
+    W, L = comm.world_size, E_PER_RANK
+    a2a = moecomm.AllToAll(comm, M, L * W, K, H, None, "fp16", "fp16", slots_per_rank=2 * L)
+    slots = np.array([np.concatenate([np.arange(q * L, q * L + L), np.arange(L) + (q + 1) % W * L])
+                      for q in range(W)])
+    a2a.set_expert_map(ExpertMap(slots, L * W, generation=1))
+    return a2a
+
+
+def call_replicated(xp, a2a, W, r, seed):
+    """One dispatch + combine (the expert is the identity) on the AllToAll of :func:`replicated`; True when the
+    combined tokens equal the full reference (every pair served by one replica or the other)."""
+    drawn = [draw(W, q, seed) for q in range(W)]
+    x, w, ids = drawn[r]
+    d_ids, m = xp.asarray(ids), xp.array([M], np.int32)
+    n = xp.zeros(2 * E_PER_RANK, np.int32)
+    ex = xp.zeros((2 * E_PER_RANK, M * W, H), np.float16)
+    out = xp.zeros((M, H), np.float16)
+    a2a.dispatch(n, ex, None, xp.asarray(x), None, d_ids, m, weights=xp.asarray(w))
+    a2a.combine(out, d_ids, None, ex, m)
+    a2a.synchronize()
+    idx = [d[2] for d in drawn]
+    ref = reference.dispatch([d[0] for d in drawn], None, idx, E_PER_RANK * W, W, M)
+    want = reference.combine(idx, [d[1] for d in drawn], [q["expert_x"] for q in ref], [q["origin"] for q in ref],
+                             E_PER_RANK * W, W, np.float16)[r]
+    return np.allclose(host(out).astype(np.float32), want.astype(np.float32), rtol=2 ** -9, atol=1e-3)
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--transport", default="host")
@@ -77,6 +109,7 @@ def main():
         comm.finalize()
         sys.exit("mpi_mask.py needs 2 or more ranks (one of them stalls)")
     a2a = moecomm.AllToAll(comm, M, E_PER_RANK * W, K, H, None, "fp16", "fp16")
+    twice = replicated(comm)
     fails, checks = [], 0
     ok, _ = call_and_check(xp, a2a, W, r, 0, [])
     if not ok:
@@ -108,16 +141,25 @@ def main():
         stats = a2a.stats()
         if stats["MASKED_PAIRS"] != masked_pairs:
             fails.append(f"stats() counts {stats['MASKED_PAIRS']} masked pairs, expected {masked_pairs}")
-        checks += 3
+        twice.mask_ranks([last])
+        for call in range(CALLS):
+            if not call_replicated(xp, twice, W, r, 10 + call):
+                fails.append(f"masked call {call} with replicas differs from the full reference")
+        if twice.stats()["MASKED_PAIRS"]:
+            fails.append(f"with replicas, {twice.stats()['MASKED_PAIRS']} pairs were not sent (expected none)")
+        checks += 5
         if r == 0:
             MPI.COMM_WORLD.send(None, dest=last, tag=TAG_RETURN)
 
     a2a.mask_ranks([])  # the stalled rank is back: every rank takes part
+    twice.mask_ranks([])
     for call in range(CALLS):
         ok, _ = call_and_check(xp, a2a, W, r, 100 + call, [])
         if not ok:
             fails.append(f"call {call} after unmasking is wrong")
-    checks += 1
+        if not call_replicated(xp, twice, W, r, 100 + call):
+            fails.append(f"call {call} with replicas after unmasking is wrong")
+    checks += 2
 
     everyone = MPI.COMM_WORLD.allgather(fails)
     comm.finalize()  # broken (masking leaves the communicator serving only through this AllToAll): local

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 import moecomm
+from moecomm import _constants as C
 from moecomm.balance import ExpertMap, plan, replica_counts
 
 
@@ -99,3 +100,30 @@ def test_bad_plans_are_refused():
         plan(np.ones(9), 2, 4)
     with pytest.raises(moecomm.InvalidArgument, match="non-negative"):
         plan([1.0, -1.0], 2, 1)
+
+
+def test_the_replica_rule_passes_over_masked_ranks():
+    """ExpertMap.physical: replica (token hash mod replicas), else the next one (wrapping) on a rank not masked;
+    the hashed one when every replica's rank is masked. Unmasked, the rule is the hash alone."""
+    slots = [[0, 1, 2], [2, 3, -1], [1, 3, 0]]  # 3 ranks x 3 slots: expert 0 on ranks 0, 2; 2 on 0, 1; ...
+    emap = ExpertMap(slots, 4)
+    ids = np.tile(np.arange(4), (64, 1))
+    tokens = np.arange(64)
+    plain = emap.physical(ids, tokens, 0)
+    table, counts = emap.table(), emap.replicas()
+    h = (tokens.astype(np.uint64) * np.uint64(C.REPLICA_TOKEN)) % np.uint64(2 ** 32)
+    assert (plain == table[np.arange(4), (h[:, None] % counts.astype(np.uint64)).astype(np.int64)]).all()
+    for masked in ([0], [1], [2], [0, 2]):
+        got = emap.physical(ids, tokens, 0, masked)
+        rank = got // 3
+        for e in range(4):
+            live = [s for s in table[e, :counts[e]] if s // 3 not in masked]
+            if live:  # a live replica: the hashed one when live, else the next live one after it
+                assert not np.isin(rank[:, e], masked).any()
+                start = (h % np.uint64(counts[e])).astype(np.int64)
+                for t in range(64):
+                    order = [table[e, (start[t] + i) % counts[e]] for i in range(counts[e])]
+                    assert got[t, e] == next(s for s in order if s // 3 not in masked)
+            else:
+                assert (got[:, e] == plain[:, e]).all()
+    assert (emap.physical(np.full((2, 4), -1), np.arange(2), 0, [1]) == -1).all()

@@ -280,7 +280,7 @@ class HostAllToAll(AllToAllBackend):
         mine = np.arange(cfg.dp_rank, m if status == _OK else 0, cfg.dp_size)
         idx = a.indices[mine].astype(np.int64)
         if self.expert_map is not None:  # logical ids -> physical slots, by the map's replica rule
-            idx = self.expert_map.physical(idx, mine, cfg.dp_group)
+            idx = self.expert_map.physical(idx, mine, cfg.dp_group, np.flatnonzero(self._masked))
         owner = np.where(idx >= 0, idx // L, -1)  # id -1: no expert, no destination
         masked = (owner >= 0) & self._masked[np.maximum(owner, 0)]
         self._counters[_C["MASKED_PAIRS"]] += int(masked.sum())
