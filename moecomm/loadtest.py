@@ -3,6 +3,7 @@
 
     mpiexec -n 2 python -m moecomm.loadtest --scenarios zipf,moving-hot,ramp --json load.json --plot load.png
     mpirun -np 2 python -m moecomm.loadtest --scenarios uniform,zipf,moving-hot,mixture,adversarial,ramp,topk,mask
+    mpirun -np 4 python -m moecomm.loadtest --scenarios zipf,owners
 
 Scenarios (every rank draws the same popularity, each rank its own tokens):
 
@@ -18,11 +19,19 @@ Scenarios (every rank draws the same popularity, each rank its own tokens):
   and ``overflow="drop"``: the share of (token, expert) pairs dropped, and the time.
 * ``mask``: Zipf steps; the last rank stops answering mid-run; the others name it in a CommTimeout, mask it
   (``AllToAll.mask_ranks``) and keep serving; then it returns and is unmasked.
+* ``owners``: expert owners stopped one at a time, every expert with a second replica on another rank: each
+  rank in turn stops, the others mask it and run the same steps again: the pairs lost (none where the replicas
+  cover), whether each survivor's combined tokens equal its run before the stop, and the step time.
+  ``mask`` and ``owners`` leave the communicator serving only through masked AllToAlls: they run last, and
+  one of them per invocation.
 
 Per step: dispatch + combine time (host wall time on CPU ranks; on GPUs CUDA events around the eager calls,
-each step starting at a device barrier so that the ranks' host skew is not counted; max over ranks), the
-(token, expert) pairs per rank (max and mean over ranks), the imbalance max/mean, and the hot experts
-(:mod:`moecomm.telemetry`). ``--ep-size`` splits the job into data-parallel replicas of ``ep-size`` ranks,
+each step starting at a device barrier so that the ranks' host skew is not counted; max over ranks), between
+them a GEMM per local expert over the rows it received (``--no-gemm`` skips it: CuPy float16 on GPUs, numpy
+float32 on CPU ranks) timed alone, the whole layer's time, the (token, expert) pairs per rank (max and mean
+over ranks), the imbalance max/mean, and the hot experts (:mod:`moecomm.telemetry`); per scenario p50 and p99
+of each time and the GEMM time against the tokens an expert received (what small batches spread over many
+experts cost). ``--ep-size`` splits the job into data-parallel replicas of ``ep-size`` ranks,
 each with every expert: run once at full width and once narrower to compare EP width against replicas at
 the same GPU count (the figures are those of the group of world rank 0). Output: a table, ``--json`` (command,
 environment, per-step records, summaries) and ``--plot`` (imbalance and step time over the steps of each
@@ -36,13 +45,15 @@ import json
 import platform
 import sys
 import time
+from typing import NamedTuple
 
 import numpy as np
 
 from moecomm._mpi import wait_all
 
 ROUTINGS = ("uniform", "zipf", "moving-hot", "mixture", "adversarial")
-SCENARIOS = ROUTINGS + ("ramp", "topk", "capacity", "mask")
+MASKING = ("mask", "owners")  # each leaves the communicator serving only through masked AllToAlls: last, alone
+SCENARIOS = ROUTINGS + ("ramp", "topk", "capacity") + MASKING
 TAG_RETURN = 0x6E00  # plain MPI message that wakes the stalled rank of the mask scenario
 
 
@@ -121,12 +132,14 @@ def tokens_per_step(rng, args):
 # Running steps -------------------------------------------------------------------------------------
 class Layer:
     """One AllToAll and its arrays for a top-k (with ``slots`` expert slots per rank: replicas through an
-    expert map); ``step(ids, m)`` runs dispatch + combine (the expert is the identity) and returns (seconds,
-    counts [num_local_experts])."""
+    expert map; ``expert_map`` switches to that map at once). ``step(ids, m)`` runs dispatch, then (``gemm``) one
+    GEMM per local expert over the rows it received ([count, hidden] x [hidden, hidden]: float16 on GPUs, CuPy,
+    standing in for a bf16 grouped GEMM at the same rate; float32 numpy on CPU ranks), then combine (the experts'
+    outputs are their inputs), and returns a :class:`Step`."""
 
-    def __init__(self, comm, args, k, slots=None, capacity=None):
+    def __init__(self, comm, args, k, slots=None, capacity=None, expert_map=None):
         import moecomm
-        self.comm, self.k = comm, k
+        self.comm, self.k, self.gemm = comm, k, args.gemm
         self.gpu = comm.transport.memory == "device"
         if self.gpu:
             import cupy as xp
@@ -136,13 +149,20 @@ class Layer:
         M, H = args.tokens, args.hidden
         self.a2a = moecomm.AllToAll(comm, M, args.experts, k, H, None, "bfloat16", "bfloat16", slots_per_rank=slots,
                                     capacity=capacity, overflow="drop")
+        if expert_map is not None:
+            self.a2a.set_expert_map(expert_map)
         c = self.a2a.cfg
         xp = self.xp
         self.n, self.ex = xp.zeros(c.num_local_experts, np.int32), xp.zeros(c.expert_x_shape(), dt)
-        self.x, self.out = xp.zeros((M, H), dt), xp.zeros((M, H), dt)
+        tokens = np.random.default_rng([args.seed, comm.rank]).standard_normal((M, H)).astype(moecomm.bfloat16)
+        self.x, self.out = xp.asarray(tokens.view(dt)), xp.zeros((M, H), dt)
         self.w = xp.ones((M, k), np.float32)
+        if self.gemm:  # the experts' matmul operands: activations shaped like expert_x, one weight
+            gemm_dt = np.float16 if self.gpu else np.float32
+            self.acts = xp.ones(c.expert_x_shape(), gemm_dt)
+            self.weight = xp.full((H, H), 1.0 / H, gemm_dt)
         if self.gpu:
-            self.events = (xp.cuda.Event(), xp.cuda.Event())
+            self.events = [xp.cuda.Event() for _ in range(4 + 2 * c.num_local_experts)]
         self.align = True  # GPUs: start each timed step at a device barrier (not while a rank may stall)
 
     def step(self, ids, m):
@@ -151,65 +171,147 @@ class Layer:
         idx = np.full((M, self.k), -1, np.int32)
         idx[:m] = ids
         d_idx, bound = xp.asarray(idx), xp.array([m], np.int32)
-        if self.gpu:
-            if self.align:  # the ranks' host skew (routing draws, the per-step gather) is not the step's time
-                self.comm.transport.barrier()
-            self.events[0].record()
-        t0 = time.perf_counter()
+        ev, marks = self.events if self.gpu else None, {}  # marks: the host's perf_counter at point i
+
+        def mark(i):  # 0, 1: dispatch; 2, 3: combine; 4 + 2 le, 5 + 2 le: local expert le's GEMM
+            if self.gpu:
+                ev[i].record()
+            else:
+                marks[i] = time.perf_counter()
+        if self.gpu and self.align:  # the ranks' host skew (routing draws, the per-step gather) is not counted
+            self.comm.transport.barrier()
+        mark(0)
         a2a.dispatch(self.n, self.ex, None, self.x, None, d_idx, bound, weights=self.w)
+        mark(1)
+        if self.gemm:
+            counts = self.counts()  # the GEMMs' rows (waits for the dispatch on GPUs)
+            for le, rows in enumerate(counts):
+                mark(4 + 2 * le)
+                if rows:
+                    xp.matmul(self.acts[le, :rows], self.weight)
+                mark(5 + 2 * le)
+        mark(2)
         a2a.combine(self.out, d_idx, None, self.ex, bound)
+        mark(3)
         if self.gpu:
-            self.events[1].record()
-            self.events[1].synchronize()
+            ev[3].synchronize()
             a2a.synchronize()
-            seconds = xp.cuda.get_elapsed_time(*self.events) / 1e3
-        else:
-            seconds = time.perf_counter() - t0
-        return seconds, np.asarray(self.n.get() if self.gpu else self.n).copy()
+        if not self.gemm:
+            counts = self.counts()
+
+        def span(i, j):
+            return xp.cuda.get_elapsed_time(ev[i], ev[j]) / 1e3 if self.gpu else marks[j] - marks[i]
+        gemm = [span(4 + 2 * le, 5 + 2 * le) for le in range(len(counts))] if self.gemm else None
+        return Step(span(0, 1) + span(2, 3), counts, gemm, span(0, 3))
+
+    def counts(self):
+        """The last dispatch's pairs per local expert (numpy; waits for it on GPUs)."""
+        return np.asarray(self.n.get() if self.gpu else self.n).copy()
+
+    def output(self, m):
+        """The combined tokens of the last step's first ``m`` rows (as float32)."""
+        bits = np.asarray(self.out.get() if self.gpu else self.out)[:m].view(np.uint16)
+        return (bits.astype(np.uint32) << 16).view(np.float32)
 
     def close(self):
         self.a2a.destroy()
 
 
-def run_steps(comm, layer, routing, steps, args, first_step=0, replan=0):
-    """``steps`` steps of ``routing``; returns this rank's (seconds [steps], counts [steps, L]). With
-    ``replan`` (and a layer with expert slots), every ``replan`` steps the replicas are planned again from
-    the load of the last ``replan`` steps (moecomm.balance.plan, kept close to the map in use) and switched."""
+class Step(NamedTuple):
+    """One step of a layer: ``seconds`` of dispatch + combine, ``counts`` [num_local_experts] pairs each local
+    expert received, ``gemm`` [num_local_experts] seconds of its GEMM (None without), ``layer`` seconds of the
+    whole layer (dispatch, the GEMMs and the wait for the counts they need, combine)."""
+    seconds: float
+    counts: np.ndarray
+    gemm: object
+    layer: float
+
+
+class Steps(NamedTuple):
+    """Steps of a layer (:meth:`Layer.step`): ``seconds`` [steps] of dispatch + combine, ``counts`` [steps, L]
+    pairs per local expert, ``gemm`` [steps, L] seconds of each local expert's GEMM (None without), ``layer``
+    [steps] seconds of the whole layer. Gathered (:func:`gather_steps`): the slowest rank's times, every rank's
+    experts side by side ([steps, E])."""
+    seconds: np.ndarray
+    counts: np.ndarray
+    gemm: object
+    layer: np.ndarray
+
+
+def run_steps(comm, layer, routing, steps, args, first_step=0, replan=0, outputs=None):
+    """``steps`` steps of ``routing``: this rank's :class:`Steps`. With ``replan`` (and a layer with expert
+    slots), every ``replan`` steps the replicas are planned again from the load of the last ``replan`` steps
+    (moecomm.balance.plan, kept close to the map in use) and switched. ``outputs``: a list that gets each
+    step's combined tokens (Layer.output)."""
     from moecomm import balance
-    times, counts = [], []
+    done = []
     for s in range(first_step, first_step + steps):
         if replan and s > first_step and (s - first_step) % replan == 0:
-            window = np.concatenate(comm.allgather(np.array(counts[-replan:]), "loadtest replan"), axis=1)
+            recent = np.array([d.counts for d in done[-replan:]])
+            window = np.concatenate(comm.allgather(recent, "loadtest replan"), axis=1)
             emap = layer.a2a.expert_map
             held = emap.slots.ravel()
             load = np.bincount(held[held >= 0], weights=window.sum(axis=0)[held >= 0], minlength=emap.num_experts)
             layer.a2a.set_expert_map(balance.plan(load, emap.num_ranks, emap.slots_per_rank, previous=emap).map)
         rng = np.random.default_rng([args.seed, comm.rank, s])
         m = tokens_per_step(rng, args)
-        t, n = layer.step(routing.ids(rng, s, m), m)
-        times.append(t)
-        counts.append(n)
-    return np.array(times), np.array(counts)
+        done.append(layer.step(routing.ids(rng, s, m), m))
+        if outputs is not None:
+            outputs.append(layer.output(m))
+    gemm = np.array([d.gemm for d in done]) if layer.gemm else None
+    return Steps(np.array([d.seconds for d in done]), np.array([d.counts for d in done]), gemm,
+                 np.array([d.layer for d in done]))
 
 
-def gather_steps(comm, times, counts):
-    """Every rank's per-step times and counts: (max time per step [steps], counts [steps, E])."""
-    everyone = comm.allgather((times, counts), "loadtest")
-    return (np.max([t for t, _ in everyone], axis=0) if len(times) else np.zeros(0),
-            np.concatenate([c for _, c in everyone], axis=1))
+def gather_steps(allgather, steps):
+    """Every rank's :class:`Steps` through ``allgather`` (the communicator's, or plain MPI's once it serves only
+    through masked AllToAlls): the slowest rank's times per step, every rank's experts side by side."""
+    everyone = allgather(steps)
+    return Steps(np.max([e.seconds for e in everyone], axis=0), np.concatenate([e.counts for e in everyone], axis=1),
+                 None if steps.gemm is None else np.concatenate([e.gemm for e in everyone], axis=1),
+                 np.max([e.layer for e in everyone], axis=0))
 
 
-def summarize_steps(name, times, counts, num_ranks):
+def summarize_steps(name, steps, num_ranks):
+    """A scenario's record: dispatch + combine and layer time (p50, p99), load per rank, imbalance, hot experts,
+    the experts' GEMM time against the tokens each received (:func:`gemm_by_tokens`), and the per-step series."""
     from moecomm import telemetry
+    counts = steps.counts
     m = telemetry.summarize(counts, num_ranks)
     rank = counts.reshape(len(counts), num_ranks, -1).sum(axis=2)
-    return {"scenario": name, "steps": len(times), "time_us": {
-        "p50": float(np.median(times) * 1e6), "p99": float(np.percentile(times, 99) * 1e6)},
-        "rank_tokens_max": float(rank.max(axis=1).mean()), "rank_tokens_mean": float(rank.mean()),
-        "imbalance": {k: m["imbalance"][k] for k in ("mean", "p95", "max")},
-        "hot_experts": m["hot"]["experts"][:8], "per_step": {
-            "time_us": (times * 1e6).round(2).tolist(), "imbalance": m["imbalance"]["per_step"],
-            "rank_tokens_max": rank.max(axis=1).tolist()}}
+    out = {"scenario": name, "steps": len(steps.seconds), "time_us": _p50_p99(steps.seconds),
+           "layer_time_us": _p50_p99(steps.layer),
+           "rank_tokens_max": float(rank.max(axis=1).mean()), "rank_tokens_mean": float(rank.mean()),
+           "imbalance": {k: m["imbalance"][k] for k in ("mean", "p95", "max")},
+           "hot_experts": m["hot"]["experts"][:8], "per_step": {
+               "time_us": (steps.seconds * 1e6).round(2).tolist(), "layer_us": (steps.layer * 1e6).round(2).tolist(),
+               "imbalance": m["imbalance"]["per_step"], "rank_tokens_max": rank.max(axis=1).tolist()}}
+    if steps.gemm is not None:
+        out["gemm"] = gemm_by_tokens(counts, steps.gemm, num_ranks)
+    return out
+
+
+def _p50_p99(seconds):
+    return {"p50": float(np.median(seconds) * 1e6), "p99": float(np.percentile(seconds, 99) * 1e6)}
+
+
+def gemm_by_tokens(counts, gemm, num_ranks):
+    """The local experts' GEMM time against the tokens each received, over every (step, expert): per bin of
+    tokens (0, 1, 2-3, 4-7, ...) the experts-steps in it, the median and p99 microseconds of a GEMM and the
+    median per token; and per step the slowest rank's GEMMs together (p50, p99 microseconds): what small
+    batches spread over many experts cost."""
+    c, g = np.asarray(counts).ravel(), np.asarray(gemm).ravel() * 1e6
+    edges = [0, 1] + [2 ** i for i in range(1, int(np.log2(max(2, c.max()))) + 2)]
+    bins = []
+    for lo, hi in zip(edges, edges[1:]):
+        sel = (c >= lo) & (c < hi)
+        if sel.any():
+            per_token = g[sel] / np.maximum(c[sel], 1)
+            bins.append({"tokens": [lo, hi - 1], "expert_steps": int(sel.sum()), "median_us": float(np.median(g[sel])),
+                         "p99_us": float(np.percentile(g[sel], 99)), "median_us_per_token": float(np.median(per_token))})
+    steps = len(counts)
+    per_rank = np.asarray(gemm).reshape(steps, num_ranks, -1).sum(axis=2).max(axis=1)
+    return {"by_tokens": bins, "rank_total_us": _p50_p99(per_rank)}
 
 
 def scenario_mask(comm, layer, routing, args):
@@ -220,7 +322,7 @@ def scenario_mask(comm, layer, routing, args):
     if comm.world_size < 2:
         return dict(record, skipped="needs at least 2 ranks (one stalls, the others mask it)")
     layer.align = False  # a device barrier would wait for the stalled rank too
-    times, counts = run_steps(comm, layer, routing, third, args)
+    before = run_steps(comm, layer, routing, third, args)
     if comm.rank == last:  # stalled until called back (bounded: the others detect, mask and serve meanwhile)
         deadline = time.monotonic() + 20 * comm.timeout_s + 120
         while not world.iprobe(source=0, tag=TAG_RETURN):
@@ -237,16 +339,61 @@ def scenario_mask(comm, layer, routing, args):
         except moecomm.CommTimeout as e:
             record["detected"] = f"CommTimeout naming rank {e.peer} after {time.perf_counter() - t0:.2f} s"
         layer.a2a.mask_ranks([last])
-        masked_t, _ = run_steps(comm, layer, routing, third, args, third + 1)
-        record["masked_time_us_p50"] = float(np.median(masked_t) * 1e6)
+        masked = run_steps(comm, layer, routing, third, args, third + 1)
+        record["masked_time_us_p50"] = float(np.median(masked.seconds) * 1e6)
         record["masked_pairs"] = layer.a2a.stats()["MASKED_PAIRS"]
         if comm.rank == 0:
             world.send(None, dest=last, tag=TAG_RETURN)
     layer.a2a.mask_ranks([])
-    after_t, after_c = run_steps(comm, layer, routing, third, args, 2 * third + 1)
-    record.update(before_time_us_p50=float(np.median(times) * 1e6), after_time_us_p50=float(np.median(after_t) * 1e6))
+    after = run_steps(comm, layer, routing, third, args, 2 * third + 1)
+    record.update(before_time_us_p50=float(np.median(before.seconds) * 1e6),
+                  after_time_us_p50=float(np.median(after.seconds) * 1e6))
     everyone = world.allgather(record)  # plain MPI: the communicator serves only through the masked AllToAll now
     return dict(everyone[0], survivors=[dict(r, rank=q) for q, r in enumerate(everyone) if "detected" in r])
+
+
+def scenario_owners(comm, args):
+    """Expert owners stopped one at a time, with a second replica of every expert (rank q's spare slots hold rank
+    q+1's experts): each rank in turn stops (it waits for a plain MPI message), the others mask it and run the
+    same steps again (each rank's tokens and ids drawn per step), then it returns and every rank unmasks it.
+    Per stop: the pairs not sent (none: the replica rule passes over a masked rank), whether every survivor's
+    combined tokens equal its run of the same steps before the stop, and the step time before and during."""
+    from moecomm.balance import ExpertMap
+    W, L, world = comm.world_size, args.experts // comm.world_size, comm.bootstrap.mpi
+    record = {"scenario": "owners", "ranks": W}
+    if W < 2:
+        return dict(record, skipped="needs at least 2 ranks (one stops, the others serve its experts)")
+    slots = np.array([np.concatenate([np.arange(q * L, q * L + L), np.arange(L) + (q + 1) % W * L])
+                      for q in range(W)])
+    lay = Layer(comm, args, args.topk, slots=2 * L, expert_map=ExpertMap(slots, args.experts, generation=1))
+    lay.align = False  # a device barrier would wait for the stopped rank too
+    routing, n = Routing("zipf", args.experts, args.topk, args), max(1, args.steps // W)
+    stops = []
+    for q in range(W):
+        first = q * n
+        want = []
+        before = run_steps(comm, lay, routing, n, args, first, outputs=want)
+        if comm.rank == q:  # stopped until a survivor calls it back
+            world.recv(source=1 if q == 0 else 0, tag=TAG_RETURN)
+            mine = None
+        else:
+            lay.a2a.mask_ranks([q])
+            lost = lay.a2a.stats()["MASKED_PAIRS"]
+            got = []
+            during = run_steps(comm, lay, routing, n, args, first, outputs=got)
+            mine = dict(pairs_lost=lay.a2a.stats()["MASKED_PAIRS"] - lost,
+                        outputs_equal=all(np.array_equal(a, b) for a, b in zip(got, want)),
+                        time_us_p50=float(np.median(during.seconds) * 1e6))
+            if comm.rank == (1 if q == 0 else 0):
+                world.send(None, dest=q, tag=TAG_RETURN)
+        lay.a2a.mask_ranks([])  # it is back: every rank takes part
+        survivors = [x for x in world.allgather(mine) if x is not None]  # plain MPI: the communicator is broken
+        stops.append({"stopped": q, "pairs_lost": sum(x["pairs_lost"] for x in survivors),
+                      "outputs_equal": all(x["outputs_equal"] for x in survivors),
+                      "time_us_p50_before": float(np.median(np.max(world.allgather(before.seconds), axis=0)) * 1e6),
+                      "time_us_p50_stopped": max(x["time_us_p50"] for x in survivors)})
+    lay.close()
+    return dict(record, slots_per_rank=2 * L, steps_per_stop=n, stops=stops)
 
 
 def main(argv=None):
@@ -268,6 +415,8 @@ def main(argv=None):
     p.add_argument("--replan", type=int, default=20, help="steps between replica plans (default 20)")
     p.add_argument("--capacity-factors", default="1,1.5,2,4",
                    help="capacities, in multiples of the mean demand per expert (capacity scenario)")
+    p.add_argument("--no-gemm", dest="gemm", action="store_false",
+                   help="skip the GEMM per local expert between dispatch and combine")
     p.add_argument("--transport", default="auto")
     p.add_argument("--timeout", type=float, default=None, help="seconds any wait may last (mask: time to detect)")
     p.add_argument("--seed", type=int, default=0)
@@ -278,7 +427,10 @@ def main(argv=None):
     unknown = [s for s in names if s not in SCENARIOS]
     if unknown or not names:
         p.error(f"unknown scenario(s) {unknown}; expected some of {','.join(SCENARIOS)}")
-    names.sort(key=lambda s: s == "mask")  # last: it leaves the communicator serving through one AllToAll
+    if len([s for s in names if s in MASKING]) > 1:
+        p.error("mask and owners each leave the communicator serving only through masked AllToAlls: run them in "
+                "separate invocations")
+    names.sort(key=lambda s: s in MASKING)  # last: it leaves the communicator serving through masked AllToAlls
     import moecomm
     from moecomm import balance
     from mpi4py import MPI
@@ -308,8 +460,8 @@ def main(argv=None):
         t0 = time.time()
         if name in ROUTINGS:
             routing = Routing(name, args.experts, args.topk, args)
-            times, counts = gather_steps(comm, *run_steps(comm, layer(args.topk), routing, args.steps, args))
-            r = summarize_steps(name, times, counts, comm.world_size)
+            steps = gather_steps(comm.allgather, run_steps(comm, layer(args.topk), routing, args.steps, args))
+            r = summarize_steps(name, steps, comm.world_size)
             if name == "adversarial":
                 r["target"] = {"expert": routing.target, "push": routing.alpha, "hit_rate": routing.hit}
             if slots:  # the same steps with planned replicas, re-planned every --replan steps
@@ -319,8 +471,8 @@ def main(argv=None):
                     lay.a2a.set_expert_map(balance.ExpertMap.static(args.experts, comm.world_size, slots,
                                                                     generation=emap.generation + 1))
                 before = lay.a2a.expert_map.generation
-                times, counts = gather_steps(comm, *run_steps(comm, lay, routing, args.steps, args, replan=args.replan))
-                r["replicas"] = dict(summarize_steps(f"{name} + replicas", times, counts, comm.world_size),
+                steps = gather_steps(comm.allgather, run_steps(comm, lay, routing, args.steps, args, replan=args.replan))
+                r["replicas"] = dict(summarize_steps(f"{name} + replicas", steps, comm.world_size),
                                      slots_per_rank=slots, replan=args.replan,
                                      switches=lay.a2a.expert_map.generation - before)
         elif name == "ramp":
@@ -328,16 +480,16 @@ def main(argv=None):
             lay, saved, size = layer(args.topk), args.tokens, 1  # the layer keeps the full capacity
             while size <= saved:
                 args.tokens = size  # every step at this size
-                times, counts = gather_steps(comm, *run_steps(comm, lay, routing, args.steps, args))
-                r["points"].append(dict(summarize_steps(f"ramp {size}", times, counts, comm.world_size), tokens=size))
+                steps = gather_steps(comm.allgather, run_steps(comm, lay, routing, args.steps, args))
+                r["points"].append(dict(summarize_steps(f"ramp {size}", steps, comm.world_size), tokens=size))
                 size *= 2
             args.tokens = saved
         elif name == "topk":
             r = {"scenario": "topk", "points": []}
             for k in (k for k in (1, 2, 4, 8, 16) if k <= args.topk):
                 routing = Routing("zipf", args.experts, k, args)
-                times, counts = gather_steps(comm, *run_steps(comm, layer(k), routing, args.steps, args))
-                r["points"].append(dict(summarize_steps(f"topk {k}", times, counts, comm.world_size), topk=k))
+                steps = gather_steps(comm.allgather, run_steps(comm, layer(k), routing, args.steps, args))
+                r["points"].append(dict(summarize_steps(f"topk {k}", steps, comm.world_size), topk=k))
         elif name == "capacity":
             r, routing = {"scenario": "capacity", "points": []}, Routing("zipf", args.experts, args.topk, args)
             mean = args.tokens * comm.world_size * args.topk / args.experts  # pairs per expert per step, at most
@@ -345,12 +497,14 @@ def main(argv=None):
                 cap = max(1, min(args.tokens * comm.world_size, int(np.ceil(factor * mean))))
                 lay = layer(args.topk, capacity=cap)
                 before = lay.a2a.stats()["DROPPED_PAIRS"]
-                times, counts = gather_steps(comm, *run_steps(comm, lay, routing, args.steps, args))
+                steps = gather_steps(comm.allgather, run_steps(comm, lay, routing, args.steps, args))
                 dropped = sum(comm.allgather(lay.a2a.stats()["DROPPED_PAIRS"] - before, "loadtest"))
-                point = dict(summarize_steps(f"capacity {factor:g}x", times, counts, comm.world_size), factor=factor,
+                point = dict(summarize_steps(f"capacity {factor:g}x", steps, comm.world_size), factor=factor,
                              capacity=cap, dropped_pairs=dropped)
-                point["dropped_share"] = dropped / max(1, dropped + int(counts.sum()))
+                point["dropped_share"] = dropped / max(1, dropped + int(steps.counts.sum()))
                 r["points"].append(point)
+        elif name == "owners":
+            r = scenario_owners(comm, args)
         else:
             r = scenario_mask(comm, layer(args.topk), Routing("zipf", args.experts, args.topk, args), args)
         r["seconds"] = round(time.time() - t0, 1)
@@ -365,7 +519,7 @@ def main(argv=None):
         with open(args.json, "w") as f:
             json.dump(doc, f, indent=1)
         print(f"wrote {args.json}" + (f" and {args.plot}" if plot(results, args.plot) else " (no plot: matplotlib)"))
-    if comm.broken is None:  # the mask scenario leaves it serving only through its AllToAll
+    if comm.broken is None:  # the masking scenarios leave it serving only through their AllToAlls
         for lay in layers.values():
             lay.close()
     # every rank waits (bounded) for rank 0's files: a rank that ends a broken communicator exits at once, and
@@ -392,20 +546,28 @@ def _line(r):
     if "points" in r:
         return f"{r['scenario']:<12} " + "  ".join(
             f"{pt.get('tokens', pt.get('topk'))}: {pt['time_us']['p50']:.0f} us" for pt in r["points"])
+    if r["scenario"] == "owners":
+        return f"{'owners':<12} " + "  ".join(
+            f"rank {x['stopped']} stopped: {x['pairs_lost']} pairs lost, outputs "
+            f"{'equal' if x['outputs_equal'] else 'DIFFER'}, p50 {x['time_us_p50_before']:.0f} -> "
+            f"{x['time_us_p50_stopped']:.0f} us" for x in r["stops"])
     if r["scenario"] == "mask":
         return (f"{'mask':<12} {r.get('detected', 'stalled rank')}; p50 {r['before_time_us_p50']:.0f} us before, "
                 f"{r.get('masked_time_us_p50', float('nan')):.0f} masked, {r['after_time_us_p50']:.0f} after")
     target = (f"  target expert {r['target']['expert']} in the top-k of {r['target']['hit_rate']:.0%} of searched "
               f"inputs") if "target" in r else ""
+    gemm = (f"  expert GEMMs p50 {r['gemm']['rank_total_us']['p50']:.0f} us, layer p50 "
+            f"{r['layer_time_us']['p50']:.0f} us") if "gemm" in r else ""
     return (f"{r['scenario']:<12} p50 {r['time_us']['p50']:.0f} us  p99 {r['time_us']['p99']:.0f} us  "
             f"rank tokens max {r['rank_tokens_max']:.0f} / mean {r['rank_tokens_mean']:.0f}  "
             f"imbalance mean {r['imbalance']['mean']:.2f} max {r['imbalance']['max']:.2f}  hot {r['hot_experts']}"
-            + target)
+            + gemm + target)
 
 
 def plot(results, path):
     """Per routing scenario (and its replicas run, dashed): imbalance and step time over the steps, the
-    step-time CDF and the busiest rank's pairs per step; time against tokens for ramp when it ran."""
+    step-time CDF, the busiest rank's pairs per step and an expert's GEMM time against the tokens it received;
+    time against tokens for ramp when it ran."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -414,8 +576,8 @@ def plot(results, path):
         return False
     runs = [(x, "--" if x is not r else "-") for r in results if "per_step" in r for x in (r, r.get("replicas")) if x]
     ramp = next((r for r in results if r["scenario"] == "ramp"), None)
-    n = 5 if ramp else 4
-    fig, axes = plt.subplots(2, 3 if ramp else 2, figsize=(15 if ramp else 11, 8))
+    n = 6
+    fig, axes = plt.subplots(2, 3, figsize=(15, 8))
     axes = axes.ravel()
     for x, ls in runs:
         ps, name = x["per_step"], x["scenario"]
@@ -424,6 +586,10 @@ def plot(results, path):
         axes[1].plot(ps["time_us"], label=name, ls=ls)
         axes[2].plot(t, np.arange(1, t.size + 1) / t.size, label=name, ls=ls)
         axes[3].plot(ps["rank_tokens_max"], label=name, ls=ls)
+        if "gemm" in x:
+            bins = x["gemm"]["by_tokens"]
+            axes[5].plot([max(b["tokens"][0], 0.5) for b in bins], [b["median_us"] for b in bins], "o", label=name,
+                         ls=ls)
     axes[0].set(xlabel="step", ylabel="max / mean rank load", title="imbalance per step")
     axes[1].set(xlabel="step", ylabel="dispatch + combine (us, max over ranks)", title="step time", yscale="log")
     axes[2].set(xlabel="dispatch + combine (us)", ylabel="fraction of steps", title="step time CDF", xscale="log")
@@ -433,8 +599,10 @@ def plot(results, path):
         axes[4].plot(t, [pt["time_us"]["p50"] for pt in ramp["points"]], "o-", label="p50")
         axes[4].plot(t, [pt["time_us"]["p99"] for pt in ramp["points"]], "s--", label="p99")
         axes[4].set(xlabel="tokens per rank", ylabel="us", title="ramp (zipf)", xscale="log")
+    axes[5].set(xlabel="tokens an expert received (bin start; 0 at 0.5)", ylabel="GEMM us, median",
+                title="GEMM per local expert", xscale="log", yscale="log")
     for i, ax in enumerate(axes):
-        if i >= n:
+        if i >= n or (i == 4 and not ramp):
             ax.axis("off")
             continue
         ax.grid(alpha=0.3)

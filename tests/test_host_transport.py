@@ -72,6 +72,26 @@ def test_load_tool_runs_every_scenario(tmp_path):
     assert doc["results"][4]["target"]["hit_rate"] >= 0.95
     replicas = zipf["replicas"]  # the same steps with planned replicas, switched every 4 steps
     assert replicas["slots_per_rank"] == 9 and replicas["switches"] == 2 and len(replicas["per_step"]["time_us"]) == 12
+    gemm = zipf["gemm"]  # each local expert's GEMM against the tokens it received, every (step, expert)
+    assert sum(b["expert_steps"] for b in gemm["by_tokens"]) == 12 * 16 and gemm["rank_total_us"]["p50"] > 0
+    assert zipf["layer_time_us"]["p50"] >= zipf["time_us"]["p50"]
+
+
+def test_load_tool_stops_each_expert_owner_in_turn(tmp_path):
+    """The owners scenario on 3 host ranks: every rank stopped in turn with a second replica of each expert on
+    another rank: no pair lost and every survivor's output equal to its run of the same steps before the stop;
+    mask and owners together are refused (each leaves the communicator serving only through masked AllToAlls)."""
+    import json
+    out = tmp_path / "owners.json"
+    p = run_mpi(3, "moecomm/loadtest.py", "--scenarios", "owners", "--steps", "6", "--tokens", "8", "--experts", "12",
+                "--topk", "3", "--hidden", "64", "--no-gemm", "--json", str(out), "--plot", str(tmp_path / "o.png"),
+                timeout=180)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    stops = json.loads(out.read_text())["results"][0]["stops"]
+    assert [s["stopped"] for s in stops] == [0, 1, 2]
+    assert all(s["pairs_lost"] == 0 and s["outputs_equal"] for s in stops), stops
+    p = run_mpi(2, "moecomm/loadtest.py", "--scenarios", "mask,owners", timeout=60)
+    assert p.returncode != 0 and "separate invocations" in p.stderr, p.stderr[-2000:]
 
 
 @pytest.mark.parametrize("ranks", [2, 3], ids=lambda n: f"ranks{n}")
