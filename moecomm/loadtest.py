@@ -17,6 +17,10 @@ Scenarios (every rank draws the same popularity, each rank its own tokens):
 * ``topk``: Zipf routing with top-k 1, 2, 4, 8 (up to ``--topk``).
 * ``capacity``: Zipf routing with a capacity of ``--capacity-factors`` times the mean demand per expert
   and ``overflow="drop"``: the share of (token, expert) pairs dropped, and the time.
+* ``tp``: EP x TP: the ranks split into tensor-parallel groups of ``--tp-size`` whose all-reduce of a [tokens,
+  hidden] activation (NCCL on a stream of its own where each rank has its own GPU, else MPI's Iallreduce)
+  runs beside every EP step: EP and all-reduce times alone and together, the EP outputs equal to the steps
+  alone, every all-reduce right.
 * ``mask``: Zipf steps; the last rank stops answering mid-run; the others name it in a CommTimeout, mask it
   (``AllToAll.mask_ranks``) and keep serving; then it returns and is unmasked.
 * ``owners``: expert owners stopped one at a time, every expert with a second replica on another rank: each
@@ -53,7 +57,7 @@ from moecomm._mpi import wait_all
 
 ROUTINGS = ("uniform", "zipf", "moving-hot", "mixture", "adversarial")
 MASKING = ("mask", "owners")  # each leaves the communicator serving only through masked AllToAlls: last, alone
-SCENARIOS = ROUTINGS + ("ramp", "topk", "capacity") + MASKING
+SCENARIOS = ROUTINGS + ("ramp", "topk", "capacity", "tp") + MASKING
 TAG_RETURN = 0x6E00  # plain MPI message that wakes the stalled rank of the mask scenario
 
 
@@ -238,11 +242,12 @@ class Steps(NamedTuple):
     layer: np.ndarray
 
 
-def run_steps(comm, layer, routing, steps, args, first_step=0, replan=0, outputs=None):
+def run_steps(comm, layer, routing, steps, args, first_step=0, replan=0, outputs=None, beside=None):
     """``steps`` steps of ``routing``: this rank's :class:`Steps`. With ``replan`` (and a layer with expert
     slots), every ``replan`` steps the replicas are planned again from the load of the last ``replan`` steps
     (moecomm.balance.plan, kept close to the map in use) and switched. ``outputs``: a list that gets each
-    step's combined tokens (Layer.output)."""
+    step's combined tokens (Layer.output). ``beside``: other traffic (:class:`TensorParallel`) started before
+    each step and finished after it."""
     from moecomm import balance
     done = []
     for s in range(first_step, first_step + steps):
@@ -255,7 +260,11 @@ def run_steps(comm, layer, routing, steps, args, first_step=0, replan=0, outputs
             layer.a2a.set_expert_map(balance.plan(load, emap.num_ranks, emap.slots_per_rank, previous=emap).map)
         rng = np.random.default_rng([args.seed, comm.rank, s])
         m = tokens_per_step(rng, args)
+        if beside is not None:
+            beside.start()
         done.append(layer.step(routing.ids(rng, s, m), m))
+        if beside is not None:
+            beside.finish()
         if outputs is not None:
             outputs.append(layer.output(m))
     gemm = np.array([d.gemm for d in done]) if layer.gemm else None
@@ -352,6 +361,85 @@ def scenario_mask(comm, layer, routing, args):
     return dict(everyone[0], survivors=[dict(r, rank=q) for q, r in enumerate(everyone) if "detected" in r])
 
 
+class TensorParallel:
+    """A tensor-parallel group's all-reduce of a [tokens, hidden] float32 activation, run beside EP traffic: NCCL
+    on a stream of its own where every rank of the group has a GPU of its own, else MPI's Iallreduce of a host
+    buffer (CPU ranks, or ranks that share a GPU: NCCL refuses two ranks of one communicator on one GPU).
+    :meth:`start` issues it, :meth:`finish` waits for it and keeps its seconds in ``times`` and whether its
+    result was right in ``right`` (every rank gives its TP rank + 1 everywhere: the sum is known)."""
+
+    def __init__(self, world, tp_size, args, device):
+        self.group = world.Split(world.Get_rank() // tp_size, world.Get_rank())
+        size, rank, n = self.group.Get_size(), self.group.Get_rank(), args.tokens * args.hidden
+        self.want, self.times, self.right = size * (size + 1) / 2, [], True
+        self.kind = "host"
+        if device is not None:
+            import cupy
+            bus = cupy.cuda.Device(device).pci_bus_id
+            if len(set(self.group.allgather(bus))) == size:
+                from cupy.cuda import nccl
+                uid = self.group.bcast(nccl.get_unique_id() if rank == 0 else None)
+                self.kind, self.cp, self.nccl = "nccl", cupy, nccl
+                self.comm = nccl.NcclCommunicator(size, uid, rank)
+                self.stream = cupy.cuda.Stream(non_blocking=True)
+                self.events = (cupy.cuda.Event(), cupy.cuda.Event())
+                self.send, self.recv = cupy.full(n, rank + 1, np.float32), cupy.zeros(n, np.float32)
+        if self.kind == "host":
+            self.send, self.recv = np.full(n, rank + 1, np.float32), np.zeros(n, np.float32)
+
+    def start(self):
+        if self.kind == "nccl":
+            self.events[0].record(self.stream)
+            self.comm.allReduce(self.send.data.ptr, self.recv.data.ptr, self.send.size, self.nccl.NCCL_FLOAT32,
+                                self.nccl.NCCL_SUM, self.stream.ptr)
+            self.events[1].record(self.stream)
+        else:
+            from mpi4py import MPI
+            self.recv[:] = 0
+            self.t0, self.request = time.perf_counter(), self.group.Iallreduce(self.send, self.recv, op=MPI.SUM)
+
+    def finish(self):
+        if self.kind == "nccl":
+            self.events[1].synchronize()
+            self.times.append(self.cp.cuda.get_elapsed_time(*self.events) / 1e3)
+            self.right = self.right and bool((self.recv == self.want).all())
+        else:
+            self.request.Wait()
+            self.times.append(time.perf_counter() - self.t0)
+            self.right = self.right and bool((self.recv == self.want).all())
+
+    def alone(self, steps):
+        """``steps`` all-reduces one after another, nothing beside them: their seconds."""
+        first = len(self.times)
+        for _ in range(steps):
+            self.start()
+            self.finish()
+        return np.array(self.times[first:])
+
+
+def scenario_tp(comm, world, layer, routing, args, device):
+    """EP x TP: the job's ranks (``world``, an mpi4py communicator) split into tensor-parallel groups of
+    ``--tp-size`` consecutive ranks whose all-reduce (:class:`TensorParallel`) runs beside every EP step. The EP
+    steps alone, the all-reduces alone, then both together on the same steps: their times, whether the EP
+    outputs equal those of the steps alone and whether every all-reduce was right."""
+    if world.Get_size() % args.tp_size:
+        return {"scenario": "tp", "skipped": f"--tp-size {args.tp_size} does not divide the {world.Get_size()} ranks"}
+    tp = TensorParallel(world, args.tp_size, args, device)
+    alone_out, both_out = [], []
+    ep_alone = run_steps(comm, layer, routing, args.steps, args, outputs=alone_out)
+    tp_alone = tp.alone(args.steps)
+    first = len(tp.times)
+    ep_both = run_steps(comm, layer, routing, args.steps, args, outputs=both_out, beside=tp)
+    tp_both = np.array(tp.times[first:])
+    mine = dict(equal=all(np.array_equal(a, b) for a, b in zip(alone_out, both_out)), right=tp.right)
+    everyone = world.allgather(mine)
+    slowest = lambda t: np.max(world.allgather(t), axis=0)  # noqa: E731 - the slowest rank per step
+    return {"scenario": "tp", "tp_size": args.tp_size, "collective": tp.kind,
+            "ep_alone_us": _p50_p99(slowest(ep_alone.seconds)), "tp_alone_us": _p50_p99(slowest(tp_alone)),
+            "ep_beside_tp_us": _p50_p99(slowest(ep_both.seconds)), "tp_beside_ep_us": _p50_p99(slowest(tp_both)),
+            "outputs_equal": all(e["equal"] for e in everyone), "all_reduce_right": all(e["right"] for e in everyone)}
+
+
 def scenario_owners(comm, args):
     """Expert owners stopped one at a time, with a second replica of every expert (rank q's spare slots hold rank
     q+1's experts): each rank in turn stops (it waits for a plain MPI message), the others mask it and run the
@@ -415,6 +503,7 @@ def main(argv=None):
     p.add_argument("--replan", type=int, default=20, help="steps between replica plans (default 20)")
     p.add_argument("--capacity-factors", default="1,1.5,2,4",
                    help="capacities, in multiples of the mean demand per expert (capacity scenario)")
+    p.add_argument("--tp-size", type=int, default=2, help="ranks per tensor-parallel group (tp scenario)")
     p.add_argument("--no-gemm", dest="gemm", action="store_false",
                    help="skip the GEMM per local expert between dispatch and combine")
     p.add_argument("--transport", default="auto")
@@ -505,6 +594,9 @@ def main(argv=None):
                 r["points"].append(point)
         elif name == "owners":
             r = scenario_owners(comm, args)
+        elif name == "tp":
+            r = scenario_tp(comm, world, layer(args.topk), Routing("zipf", args.experts, args.topk, args), args,
+                            comm.device if comm.device >= 0 else None)
         else:
             r = scenario_mask(comm, layer(args.topk), Routing("zipf", args.experts, args.topk, args), args)
         r["seconds"] = round(time.time() - t0, 1)
@@ -546,6 +638,11 @@ def _line(r):
     if "points" in r:
         return f"{r['scenario']:<12} " + "  ".join(
             f"{pt.get('tokens', pt.get('topk'))}: {pt['time_us']['p50']:.0f} us" for pt in r["points"])
+    if r["scenario"] == "tp":
+        return (f"{'tp':<12} TP{r['tp_size']} all-reduce ({r['collective']}) beside EP: EP p50 "
+                f"{r['ep_alone_us']['p50']:.0f} -> {r['ep_beside_tp_us']['p50']:.0f} us, all-reduce p50 "
+                f"{r['tp_alone_us']['p50']:.0f} -> {r['tp_beside_ep_us']['p50']:.0f} us; outputs "
+                f"{'equal' if r['outputs_equal'] else 'DIFFER'}, all-reduce {'right' if r['all_reduce_right'] else 'WRONG'}")
     if r["scenario"] == "owners":
         return f"{'owners':<12} " + "  ".join(
             f"rank {x['stopped']} stopped: {x['pairs_lost']} pairs lost, outputs "

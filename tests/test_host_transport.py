@@ -51,22 +51,26 @@ def test_routing_telemetry_example(tmp_path):
 
 def test_load_tool_runs_every_scenario(tmp_path):
     """python -m moecomm.loadtest on 2 host ranks, small sizes: every scenario reports, the stalled rank of
-    'mask' is named and masked, and the JSON holds per-step records."""
+    'mask' is named and masked, the TP all-reduce beside EP traffic leaves both right, and the JSON holds
+    per-step records."""
     import json
     out = tmp_path / "load.json"
     p = run_mpi(2, "moecomm/loadtest.py", "--scenarios",
-                "uniform,zipf,moving-hot,mixture,adversarial,ramp,topk,capacity,mask",
+                "uniform,zipf,moving-hot,mixture,adversarial,ramp,topk,capacity,tp,mask",
                 "--steps", "12", "--tokens", "16", "--experts", "16", "--topk", "4", "--hidden", "128", "--lengths",
                 "mixture", "--timeout", "1", "--spare-slots", "1", "--replan", "4", "--json", str(out), "--plot",
                 str(tmp_path / "load.png"), timeout=180)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     doc = json.loads(out.read_text())
     got = [r["scenario"] for r in doc["results"]]
-    assert got == ["uniform", "zipf", "moving-hot", "mixture", "adversarial", "ramp", "topk", "capacity", "mask"], got
+    assert got == ["uniform", "zipf", "moving-hot", "mixture", "adversarial", "ramp", "topk", "capacity", "tp",
+                   "mask"], got
     zipf = doc["results"][1]
     assert len(zipf["per_step"]["time_us"]) == 12 and zipf["imbalance"]["max"] >= 1.0
     assert [pt["tokens"] for pt in doc["results"][5]["points"]] == [1, 2, 4, 8, 16]
-    assert "CommTimeout naming rank 1" in doc["results"][8]["detected"]
+    assert "CommTimeout naming rank 1" in doc["results"][9]["detected"]
+    tp = doc["results"][8]  # a TP2 all-reduce (MPI's, CPU ranks) beside every EP step
+    assert tp["collective"] == "host" and tp["outputs_equal"] and tp["all_reduce_right"], tp
     shares = [pt["dropped_share"] for pt in doc["results"][7]["points"]]  # capacity 1x, 1.5x, 2x, 4x
     assert shares == sorted(shares, reverse=True) and shares[-1] < shares[0], shares
     assert doc["results"][4]["target"]["hit_rate"] >= 0.95

@@ -13,7 +13,8 @@
 #                                    expert maps (also through NVSHMEM puts); control, quick sweep, embedding
 #   bash tools/gpu_check.sh skew-quick  capacity policies and the packed layout on both transports,
 #                                    examples/routing_telemetry.py,
-#                                    the load tool with one rank per EP group (--ep-size 1)
+#                                    the load tool with one rank per EP group (--ep-size 1), and at 4
+#                                    ranks time-sliced over ipc its tp and owners scenarios
 #   bash tools/gpu_check.sh skew-bench  build, peer check, the benchmark with telemetry off / on / timing
 #                                    and the packed layout (R1 decode and prefill), the load tool at
 #                                    EP<GPUs> (R1 sizes)
@@ -275,6 +276,14 @@ if [ "${1:-}" = skew-quick ]; then  # capacity, packed layout on both transports
   step "${MPIRUN[@]}" -np "$ngpu" python3 examples/routing_telemetry.py --prom "$out/routing.prom"
   expect "^zipf " "${MPIRUN[@]}" -np "$ngpu" python3 -m moecomm.loadtest --transport ipc --ep-size 1 --scenarios zipf \
     --experts 64 --topk 4 --hidden 1024 --tokens 32 --steps 20 --json "$out/loadtest-ep1.json" --plot "$out/loadtest-ep1.png"
+  # 4 ranks time-sliced over ipc: EP x TP (a host all-reduce where ranks share a GPU) and the expert owners
+  # stopped in turn
+  expect "outputs equal, all-reduce right" "${MPIRUN[@]}" -np 4 python3 -m moecomm.loadtest --transport ipc \
+    --scenarios zipf,tp --experts 64 --topk 4 --hidden 1024 --tokens 32 --steps 10 --json "$out/loadtest-tp.json" \
+    --plot "$out/loadtest-tp.png"
+  expect "rank 3 stopped: 0 pairs lost, outputs equal" "${MPIRUN[@]}" -np 4 python3 -m moecomm.loadtest \
+    --transport ipc --scenarios owners --experts 64 --topk 4 --hidden 1024 --tokens 32 --steps 8 \
+    --json "$out/loadtest-owners.json" --plot "$out/loadtest-owners.png"
   exit $status
 fi
 if [ "${1:-}" = skew-bench ]; then  # the cost of telemetry and timing; the load tool
