@@ -267,9 +267,30 @@ def run_steps(comm, layer, routing, steps, args, first_step=0, replan=0, outputs
             beside.finish()
         if outputs is not None:
             outputs.append(layer.output(m))
+        args.progress(s - first_step + 1, steps)
     gemm = np.array([d.gemm for d in done]) if layer.gemm else None
     return Steps(np.array([d.seconds for d in done]), np.array([d.counts for d in done]), gemm,
                  np.array([d.layer for d in done]))
+
+
+class Progress:
+    """A progress bar on rank 0's stderr (``on``: ``--progress``, or stderr is a terminal): :meth:`start` names
+    the scenario, calling it with (steps done, steps) redraws the bar, at most ten times a second."""
+
+    def __init__(self, on):
+        self.on, self.label, self.drawn = on, "", 0.0
+
+    def start(self, label):
+        self.label, self.drawn = label, 0.0
+
+    def __call__(self, done, total):
+        now = time.monotonic()
+        if not self.on or (done < total and now - self.drawn < 0.1):
+            return
+        self.drawn, width = now, 30
+        bar = "#" * (width * done // max(total, 1))
+        sys.stderr.write(f"\r{self.label:<14} [{bar:<{width}}] {done}/{total}" + ("\n" if done == total else ""))
+        sys.stderr.flush()
 
 
 def gather_steps(allgather, steps):
@@ -504,6 +525,8 @@ def main(argv=None):
     p.add_argument("--capacity-factors", default="1,1.5,2,4",
                    help="capacities, in multiples of the mean demand per expert (capacity scenario)")
     p.add_argument("--tp-size", type=int, default=2, help="ranks per tensor-parallel group (tp scenario)")
+    p.add_argument("--progress", action="store_true",
+                   help="a progress bar on rank 0's stderr (default: only where it is a terminal; launchers pipe it)")
     p.add_argument("--no-gemm", dest="gemm", action="store_false",
                    help="skip the GEMM per local expert between dispatch and combine")
     p.add_argument("--transport", default="auto")
@@ -545,8 +568,10 @@ def main(argv=None):
 
     slots = args.experts // comm.world_size + args.spare_slots if args.spare_slots else None
 
+    args.progress = Progress(first and (args.progress or sys.stderr.isatty()))
     for name in names:
         t0 = time.time()
+        args.progress.start(name)
         if name in ROUTINGS:
             routing = Routing(name, args.experts, args.topk, args)
             steps = gather_steps(comm.allgather, run_steps(comm, layer(args.topk), routing, args.steps, args))
@@ -607,7 +632,7 @@ def main(argv=None):
         doc = {"command": "python -m moecomm.loadtest " + " ".join(argv if argv is not None else sys.argv[1:]),
                "ranks": world.Get_size(), "ep_size": ep, "transport": comm.transport.name,
                "host": platform.node(), "python": platform.python_version(), "numpy": np.__version__,
-               "moecomm": getattr(moecomm, "__version__", "0.1.0"), "args": vars(args), "results": results}
+               "moecomm": getattr(moecomm, "__version__", "0.1.0"), "args": {k: v for k, v in vars(args).items() if k != "progress"}, "results": results}
         with open(args.json, "w") as f:
             json.dump(doc, f, indent=1)
         print(f"wrote {args.json}" + (f" and {args.plot}" if plot(results, args.plot) else " (no plot: matplotlib)"))
