@@ -94,6 +94,41 @@ __device__ __forceinline__ int physical(const Fixed& f, int e, int t) {
   return row[1 + j];
 }
 
+// Tags (f.num_tags): token t's tag as given (c.tags), -1 where the call gives none; tag_ok(): it is in [0,
+// num_tags), or the call gives none. count_tag(): a pair kept by local expert le, of a token with tag `tag`
+// (-1: none).
+__device__ __forceinline__ int tag_of(const Fixed& f, const Call& c, int t) {
+  return f.num_tags && c.tags && t < c.rows ? c.tags[t] : -1;
+}
+__device__ __forceinline__ bool tag_ok(const Fixed& f, const Call& c, int tag) {
+  return !f.num_tags || !c.tags || (tag >= 0 && tag < f.num_tags);
+}
+__device__ __forceinline__ void count_tag(const Fixed& f, int tag, int le) {
+  if (tag >= 0 && tag < f.num_tags) atomicAdd(&f.state[f.s_tags + tag * f.local_experts + le], 1u);
+}
+
+// Router confidence (f.gap_ring: score_gap), warp-wide: lane k holds a valid token's k-th expert id e (-1: none)
+// and router weight w; the token's gap between its largest and smallest weight over its ids, when it has two
+// or more, is counted in its bin (MOECOMM_GAP_EDGES, as moecomm.reference.score_gap_bins) by lane 0.
+__device__ __forceinline__ void count_gap(const Fixed& f, const Call& c, int e, float w) {
+  if (!f.gap_ring || !c.weights) return;
+  const bool id = e >= 0;
+  const int ids = __popc(__ballot_sync(FULL, id));
+  const float inf = __int_as_float(0x7f800000);
+  float hi = id ? w : -inf, lo = id ? w : inf;
+  for (int o = 16; o; o >>= 1) {
+    hi = fmaxf(hi, __shfl_xor_sync(FULL, hi, o));
+    lo = fminf(lo, __shfl_xor_sync(FULL, lo, o));
+  }
+  if (ids >= 2 && (threadIdx.x & 31) == 0) {
+    constexpr float edges[MOECOMM_GAP_BINS] = MOECOMM_GAP_EDGES;
+    const float gap = hi - lo;
+    int bin = 0;
+    for (int i = 1; i < MOECOMM_GAP_BINS; ++i) bin += gap >= edges[i];
+    atomicAdd(&f.state[f.s_gap + bin], 1u);
+  }
+}
+
 // Warp-wide (every lane calls it): whether no lane below this one holds the same v (a token's pairs: an expert
 // repeated, a rank that an earlier pair already sends to).
 __device__ __forceinline__ bool first_of(int v) {

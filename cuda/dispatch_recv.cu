@@ -110,6 +110,7 @@ __device__ void moecomm::dispatch_recv(const Fixed& f, const Call& c) {
   auto route = [&](int j, int b) {  // warp 0: a slot in each local expert of record j (lanes; id -1 is none)
     const uint8_t* rec = record(j);
     const int id = lane < f.topk ? meta_of(rec, f)[1 + lane] : -1;
+    const int tag = f.num_tags ? meta_of(rec, f)[1 + 2 * f.topk] : -1;  // the token's (-1: none)
     int where = -1;
     bool dropped = false;
     if (lane < f.topk) {
@@ -126,6 +127,7 @@ __device__ void moecomm::dispatch_recv(const Fixed& f, const Call& c) {
         } else {
           dropped = f.drop;
         }
+        if (where >= 0) count_tag(f, tag, le);
       }
       f.slot_of[((size_t)src * f.max_tokens + j) * f.topk + lane] = where;
     }
@@ -195,7 +197,21 @@ __device__ void moecomm::dispatch_recv(const Fixed& f, const Call& c) {
 // state[BAD_RECV]), telemetry, and the per-call state reset for the next call, whose number `epoch` then is.
 __device__ void moecomm::dispatch_counts(const Fixed& f, const Call& c, unsigned epoch) {
   const int lo = f.rank * f.local_experts;
-  const size_t row = f.window ? (size_t)(f.counters[MOECOMM_C_CALLS] % f.window) * f.local_experts : 0;
+  const size_t call = f.window ? (size_t)(f.counters[MOECOMM_C_CALLS] % f.window) : 0;  // its row of the window
+  const size_t row = call * f.local_experts;
+  // the call's pairs per (tag, local expert) and tokens per router-confidence bin into their rows of the window
+  // (beside f.ring's), zeroed for the next call
+  const int tagged = f.num_tags * f.local_experts;
+  for (int i = threadIdx.x; i < tagged; i += blockDim.x) {
+    const unsigned n = atomicExch(&f.state[f.s_tags + i], 0u);
+    if (!c.skip && f.window) f.tag_ring[call * tagged + i] = n;
+  }
+  if (f.gap_ring) {
+    for (int i = threadIdx.x; i < MOECOMM_GAP_BINS; i += blockDim.x) {
+      const unsigned n = atomicExch(&f.state[f.s_gap + i], 0u);
+      if (!c.skip && f.window) f.gap_ring[call * MOECOMM_GAP_BINS + i] = n;
+    }
+  }
   for (int le = threadIdx.x; le < f.local_experts; le += blockDim.x) {
     const unsigned demand = atomicExch(&f.state[f.s_expert + le], 0u);
     const unsigned kept = f.packed ? atomicExch(&f.state[f.s_kept + le], 0u) : min(demand, (unsigned)f.cap);

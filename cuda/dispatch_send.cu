@@ -48,6 +48,7 @@ __device__ void moecomm::dispatch_send(const Fixed& f, const Call& c, int sender
   // beside bound_m and the epoch (any row < rows is readable; a skipped call has no rows)
   int e = -1;
   float w = 0.0f;
+  int tag = -1;  // warp 0 (every lane): the token's tag (tag_of)
   auto load_ids = [&](int t) {
     e = -1;
     w = 0.0f;
@@ -55,6 +56,7 @@ __device__ void moecomm::dispatch_send(const Fixed& f, const Call& c, int sender
       e = expert_id(c, (size_t)t * f.topk + lane, f.num_experts);
       if (c.weights) w = c.weights[(size_t)t * f.topk + lane];
     }
+    if (warp == 0) tag = tag_of(f, c, t);
   };
   auto token = [&](int i) { return f.rank % f.dp + i * f.dp; };  // the block's tokens: i = blockIdx.x + k * senders
   load_ids((int)blockIdx.x < senders ? token(blockIdx.x) : c.rows);
@@ -78,7 +80,10 @@ __device__ void moecomm::dispatch_send(const Fixed& f, const Call& c, int sender
   auto write_meta = [&](int b, int t) {
     for (int j = 0; j < n_meta[b]; ++j) {
       int* meta = meta_of(recs[b][j], f);
-      if (lane == 0) meta[0] = t;
+      if (lane == 0) {
+        meta[0] = t;
+        if (f.num_tags) meta[1 + 2 * f.topk] = tag;  // the receiver counts the pairs its experts keep per tag
+      }
       if (lane < f.topk) {
         meta[1 + lane] = e;
         ((float*)meta)[1 + f.topk + lane] = w;
@@ -110,6 +115,15 @@ __device__ void moecomm::dispatch_send(const Fixed& f, const Call& c, int sender
       }
       return;
     }
+    if (!tag_ok(f, c, tag)) {  // the same in every lane
+      if (lane == 0) {
+        record_error(f.err, MOECOMM_ERR_BAD_TAG, f.rank, MOECOMM_PHASE_DISPATCH, t, (int)epoch, tag);
+        atomicCAS(&f.state[MOECOMM_S_BAD], 0u, (unsigned)MOECOMM_REASON_BAD_TAG);
+        n_put[b] = -1;
+      }
+      return;
+    }
+    count_gap(f, c, e, w);  // e: the token's logical ids (-1 past top-k), masked ones included
     const unsigned masked = __ballot_sync(FULL, dest == -2);
     if (lane == 0) tally(f, MOECOMM_C_MASKED_PAIRS, __popc(masked));
     e = dest >= 0 ? slot_id : -1;  // from here on: physical slots, -1 for pairs not sent
@@ -132,6 +146,7 @@ __device__ void moecomm::dispatch_send(const Fixed& f, const Call& c, int sender
     if (local) {
       if (slot < (unsigned)f.cap) where = (e - lo) * f.cap + slot;
       else dropped = f.drop;
+      if (where >= 0) count_tag(f, tag, e - lo);
     }
     const unsigned drops = __ballot_sync(FULL, dropped);
     if (drops && lane == 0)  // read by this rank's combine_recv after the call's combine signals

@@ -28,12 +28,13 @@ extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, MOECOMM_BLOC
   const uint8_t* const xt = c.x + (size_t)t * f.x_bytes;
   const uint8_t* const scales = c.x_scale + (size_t)t * f.scale_bytes;
   const size_t pair = (size_t)t * f.topk + lane;
-  int e = -1;  // warp 0, lane k: the token's k-th id and weight
+  int e = -1;  // warp 0, lane k: the token's k-th id and weight; every lane: its tag (tag_of)
   float w = 0.0f;
   if (warp == 0 && readable && lane < f.topk) {
     e = expert_id(c, pair, f.num_experts);
     if (c.weights) w = c.weights[pair];
   }
+  const int tag = warp == 0 && readable ? tag_of(f, c, t) : -1;
   const bool masked = warp == 0 && f.mask[f.rank];
   RowCopy row;
   if (readable) row.load(f, xt, scales);
@@ -53,12 +54,22 @@ extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, MOECOMM_BLOC
         }
         n = 0;
       }
+    } else if (!tag_ok(f, c, tag)) {  // the same in every lane
+      if (lane == 0) {
+        if (part == 0) {
+          record_error(f.err, MOECOMM_ERR_BAD_TAG, f.rank, MOECOMM_PHASE_DISPATCH, t, (int)epoch, tag);
+          atomicCAS(&f.state[MOECOMM_S_BAD], 0u, (unsigned)MOECOMM_REASON_BAD_TAG);
+        }
+        n = 0;
+      }
     } else {
+      if (part == 0) count_gap(f, c, e, w);
       const int lo = f.rank * f.local_experts;
       const int pe = e >= 0 && !masked ? physical(f, e, t) : -1;  // the pair's physical expert; -1: not sent
       const bool take = pe >= 0 && mine;
       const unsigned slot = take ? atomicAdd(&f.state[f.s_expert + pe - lo], 1u) : 0u;
       const int where = take && slot < (unsigned)f.cap ? (pe - lo) * f.cap + (int)slot : -1;
+      if (where >= 0) count_tag(f, tag, pe - lo);
       const unsigned drops = __ballot_sync(FULL, take && where < 0 && f.drop);  // parts 1 where any can drop
       const unsigned rows = __ballot_sync(FULL, where >= 0);
       if (where >= 0) {

@@ -60,6 +60,10 @@ FIXED_FIELDS = (
                                     # physical slots (rank * local_experts + slot); null without an expert map
     ("peers", "const long long*"),  # [world] the transport's peer table (MOECOMM_PEER_UNMAPPED: puts)
     ("gone", "const uint64_t*"),    # symmetric [world]: gone[q] != 0 once rank q has left (every wait reads it)
+    ("tag_ring", "unsigned*"),      # [window, num_tags, local_experts]: pairs each local expert received per tag,
+                                    # per call (row CALLS % window, beside ring); null without tags
+    ("gap_ring", "unsigned*"),      # [window, GAP_BINS]: this rank's tokens per router-confidence bin, per call;
+                                    # null without score_gap
     # gradients (AllToAll(gradients=True), else null; cuda/backward.cu):
     ("sent", "int*"),               # [max_tokens, topk] physical expert each pair of the last dispatch went to
                                     # (-1: not sent), written by dispatch_send for this rank's tokens
@@ -95,6 +99,9 @@ FIXED_FIELDS = (
     ("streamed", "int"),            # 1: the one-launch dispatch unpacks records as they land (streamed)
     ("comb_streamed", "int"),       # 1: the one-launch combine with partial sums streams (combine_streams)
     ("grad_row_bytes", "int"),      # bytes of a gradient row (grad_row_bytes)
+    ("num_tags", "int"),            # tags a token's tag may be below (0: tags are not counted)
+    ("s_tags", "int"),              # state[] offset of the call's pairs per (tag, local expert)
+    ("s_gap", "int"),               # state[] offset of the call's tokens per router-confidence bin
 )
 # The arrays of one call (dispatch fields, then combine fields): device addresses, 0 for None.
 CALL_FIELDS = (
@@ -110,6 +117,7 @@ CALL_FIELDS = (
     ("y", "const uint8_t*"),        # combine: [local_experts, cap, hidden] out_dtype
     ("out_tokens", "uint8_t*"),     # combine: [rows, hidden] out_dtype
     ("out_dropped", "uint8_t*"),    # combine: [rows, topk] uint8, 1: the pair was dropped for capacity
+    ("tags", "const int*"),         # dispatch: [rows] int32 each token's tag (AllToAll num_tags), or null
     ("rows", "int"),                # rows of x / out_tokens / indices / weights
     ("idx64", "int"),               # indices are int64
     ("partials", "int"),            # combine: weights came with dispatch (sum on the expert side)
@@ -176,10 +184,12 @@ def state_layout(cfg, combine_local_blocks):
     records sent per destination rank, pairs per local expert (its demand), records received per source,
     pairs kept per local expert (packed layout), records claimed per source (streamed dispatch_recv), the call
     each block of moecomm_combine_local last combined (its grid: ``combine_local_blocks``, 0 where the
-    AllToAll does not launch it)."""
+    AllToAll does not launch it), the call's pairs per (tag, local expert) (num_tags) and its tokens per
+    router-confidence bin (score_gap)."""
     W, L = cfg.world_size, cfg.num_local_experts
     return Layout(C.STATE_FIXED, (("send", W), ("expert", L), ("recv", W), ("kept", L), ("claim", W),
-                                  ("combined", combine_local_blocks)))
+                                  ("combined", combine_local_blocks), ("tags", cfg.num_tags * L),
+                                  ("gap", C.GAP_BINS if cfg.score_gap else 0)))
 
 
 def counter_layout(cfg):
@@ -212,8 +222,8 @@ def grad_row_bytes(cfg):
 @dataclass(frozen=True)
 class RecordLayout:
     """One dispatch record, in bytes: the token row (x_bytes), its scales at ``scale_off`` (scale_bytes), then
-    at ``meta_off`` int32 token, int32 expert ids [topk], float32 weights [topk]; ``size`` in all, each part
-    16-byte aligned."""
+    at ``meta_off`` int32 token, int32 expert ids [topk], float32 weights [topk], int32 tag (with tags);
+    ``size`` in all, each part 16-byte aligned (the tag always fits in the metadata's padding)."""
     x_bytes: int
     scale_off: int
     scale_bytes: int
@@ -225,7 +235,7 @@ class RecordLayout:
         x = cfg.hidden_dim * cfg.in_dtype.itemsize
         scales = 0 if cfg.hidden_dim_scale is None else cfg.hidden_dim_scale * cfg.scale_dtype.itemsize
         meta = _align16(x) + _align16(scales)
-        return cls(x, _align16(x), scales, meta, meta + _align16(4 + 8 * cfg.experts_per_token))
+        return cls(x, _align16(x), scales, meta, meta + _align16(8 + 8 * cfg.experts_per_token))
 
 
 # Kernel signatures ------------------------------------------------------------------------------

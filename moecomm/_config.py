@@ -49,6 +49,10 @@ class AllToAllConfig:
             "e4m3" / "e4m3_ue8m0": the expert side quantises each row it sends to FP8 e4m3 with a float32
             (or UE8M0: a power of two) scale per COMBINE_BLOCK values, the token side dequantises and sums in
             float32 (moecomm.reference.quantize_e4m3 is the rounding).
+        num_tags: 0, or the tags (tenant, language, task ids the caller assigns) dispatch may give each token:
+            the pairs each local expert receives are counted per tag and call (stats()["by_tag"]).
+        score_gap: whether dispatch histograms each token's router confidence, the gap between its largest
+            and smallest router weight (GAP_EDGES; stats()["score_gap"]), when weights are given.
     """
     world_size: int
     rank: int
@@ -69,11 +73,14 @@ class AllToAllConfig:
     combine_wire: object = None
     max_sms: object = None
     gradients: bool = False
+    num_tags: int = 0
+    score_gap: bool = False
 
     @classmethod
     def create(cls, world_size, rank, max_num_tokens, num_experts, experts_per_token, hidden_dim,
                hidden_dim_scale, in_dtype, out_dtype, scale_dtype, dp_size, slots_per_rank=None, capacity=None,
-               overflow="error", layout="padded", scale_layout="row", combine_wire=None, max_sms=None, gradients=False):
+               overflow="error", layout="padded", scale_layout="row", combine_wire=None, max_sms=None, gradients=False,
+               num_tags=0, score_gap=False):
         """Validate the arguments of :class:`moecomm.AllToAll`; raise InvalidArgument on the first bad one."""
         max_num_tokens = positive_int("max_num_tokens", max_num_tokens)
         if max_num_tokens >= 1 << C.SIG_COUNT_BITS:
@@ -143,9 +150,12 @@ class AllToAllConfig:
                                       f"{worst} (leave it None for that)")
             if dp_size != 1:
                 raise InvalidArgument("capacity: needs dp_size == 1 so far")
+        num_tags = positive_int("num_tags", num_tags, minimum=0)
+        if num_tags > C.MAX_TAGS:
+            raise InvalidArgument(f"num_tags={num_tags} exceeds the supported {C.MAX_TAGS}")
         return cls(world_size, rank, max_num_tokens, num_experts, k, hidden_dim, hidden_dim_scale,
                    in_dtype, out_dtype, scale_dtype, dp_size, slots_per_rank, capacity, overflow, layout,
-                   scale_layout, combine_wire, max_sms, bool(gradients))
+                   scale_layout, combine_wire, max_sms, bool(gradients), num_tags, bool(score_gap))
 
     # Derived layout -------------------------------------------------------------------------
     @property
@@ -199,4 +209,5 @@ class AllToAllConfig:
                 "out_dtype": str(self.out_dtype), "scale_dtype": str(self.scale_dtype), "dp_size": self.dp_size,
                 "slots_per_rank": self.slots_per_rank, "capacity": self.capacity, "overflow": self.overflow,
                 "layout": self.layout, "scale_layout": self.scale_layout, "combine_wire": self.combine_wire,
-                "max_sms": self.max_sms, "gradients": self.gradients}
+                "max_sms": self.max_sms, "gradients": self.gradients, "num_tags": self.num_tags,
+                "score_gap": self.score_gap}

@@ -36,6 +36,8 @@ ERR_ORDER = 15        # a dispatch began before the previous call's combine ran 
                       # operation run twice, or a combine before its dispatch)
 ERR_WEIGHTS_DIFFER = 14  # rank `peer`'s combine was given router weights and this rank's not, or the reverse
                          # (detail: 1 where that rank's combine was given them)
+ERR_BAD_TAG = 16      # a token's tag outside [0, num_tags); detail = token index, amount = the tag (flagged to the
+                      # peers as a refused "tags")
 ERROR_WORDS = 6
 # A rank whose part of a call failed still takes part ("no data") and flags its signals with a reason:
 # an ERR_* code, and for ERR_REFUSED the refused argument's number in ARGUMENTS shifted by REASON_ARG_SHIFT
@@ -44,10 +46,21 @@ REASON_ARG_SHIFT = 8
 ARGUMENTS = ("the order of calls", "out_expert_num_tokens", "out_expert_x", "out_expert_x_scale", "dp_x",
              "dp_x_scale", "indices", "bound_m", "weights", "out_tokens", "expert_y", "stream", "do_send",
              "do_recv", "out_dropped", "out_expert_offsets", "plan", "plan.expert", "plan.origin", "plan.call",
-             "out_grad_x", "grad_expert_x", "out_grad_expert_y", "out_grad_weights", "grad_out")
+             "out_grad_x", "grad_expert_x", "out_grad_expert_y", "out_grad_weights", "grad_out", "tags")
 
 # The reason a combine's signals carry when its expert ids differ from its dispatch's: a refused "indices".
 REASON_IDS_DIFFER = ERR_REFUSED | ARGUMENTS.index("indices") << REASON_ARG_SHIFT
+# The reason a dispatch's signals carry when a token's tag is out of range: a refused "tags".
+REASON_BAD_TAG = ERR_REFUSED | ARGUMENTS.index("tags") << REASON_ARG_SHIFT
+
+# Tags (AllToAll num_tags): at most this many; a token's tag is in [0, num_tags).
+MAX_TAGS = 256
+# Router confidence (AllToAll score_gap): a token's gap between its largest and its smallest router weight (over its
+# pairs with an expert id; tokens with two or more) falls in bin i when GAP_EDGES[i] <= gap < GAP_EDGES[i + 1]
+# (float32 compares; the last bin has no upper edge). Bin 0 is the near-tie bin: below 0.01 the choice between the
+# token's experts turns on the last bits of the router's output (a rounding difference flips it).
+GAP_EDGES = (0.0, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5)
+GAP_BINS = len(GAP_EDGES)
 
 # dtype codes of expert outputs and gradients in device code
 DT_BF16, DT_FP16, DT_FP32 = 0, 1, 2
@@ -172,7 +185,8 @@ TRACE_SPAN = 8
 # Exported to device code as MOECOMM_<name> (moecomm/_abi.py writes them into the generated moecomm_abi.h):
 # every ERR_*, PHASE_*, DT_* and WIRE_* constant above, these scalars, these literals (with their C suffixes), the
 # build options and the indices of the field tables (S_*, C_*, B_*, TRACE_<half>).
-_DEVICE_SCALARS = ("TIMEOUT_LEFT", "REASON_IDS_DIFFER", "ERROR_WORDS", "REASON_ARG_SHIFT", "SIG_COUNT_BITS",
+_DEVICE_SCALARS = ("TIMEOUT_LEFT", "REASON_IDS_DIFFER", "REASON_BAD_TAG", "GAP_BINS", "ERROR_WORDS",
+                   "REASON_ARG_SHIFT", "SIG_COUNT_BITS",
                    "SIG_GEN_BITS", "MAX_TOPK", "MAX_EXPERTS", "ROW_ALIGN", "BLOCK_THREADS", "BLOCKS_PER_SM",
                    "ARRIVAL_BATCH", "ARRIVAL_FIRST", "TRACE_POINTS", "TRACE_SPAN", "COMBINE_BLOCK", "PLAN_CALL_BITS",
                    "PLAN_GEN_BITS", "PROGRAMMATIC_ARCH", "SUM_SLICE_CHUNKS")
@@ -185,6 +199,7 @@ def device_constants():
     values = {n: v for n, v in names.items() if n.startswith(("ERR_", "PHASE_", "DT_", "WIRE_")) and isinstance(v, int)}
     values.update({n: names[n] for n in _DEVICE_SCALARS})
     values.update({n: f"{names[n]}{suffix}" for n, suffix in _DEVICE_LITERALS.items()})
+    values.update(GAP_EDGES="{" + ", ".join(f"{e!r}f" for e in GAP_EDGES) + "}")  # an initializer list
     values.update(FORCE_PUTS=int(os.environ.get(FORCE_PUTS_ENV, "0") == "1"),
                   TRACE=int(os.environ.get(TRACE_ENV, "0") == "1"), TRACE_HALVES=len(HALVES), S_FIXED=STATE_FIXED)
     values.update({f"S_{name}": i for i, name in enumerate(STATE_FIELDS)})

@@ -26,6 +26,7 @@ _FLAGS = accepted(np.uint8)
 _FLOAT32 = accepted(float32)
 _GRAD = accepted(bfloat16, float16, float32)  # gradients: the caller's float dtype
 _ONE = (1,)
+_TAGS = (None,)  # tags: a row per token
 
 
 class DispatchArgs(NamedTuple):
@@ -44,11 +45,12 @@ class DispatchArgs(NamedTuple):
     bound_m: object
     weights: object = None
     out_expert_offsets: object = None
+    tags: object = None
     stream: object = None
     moved_outputs: bool = False
     promised: bool = False
     phase = "dispatch"  # class attributes, not fields
-    arrays = 9  # the fields before ``stream``: what a call's reading depends on
+    arrays = 10  # the fields before ``stream``: what a call's reading depends on
 
     @property
     def first(self):
@@ -248,20 +250,28 @@ class AllToAll:
             about 4 * hidden_dim bytes in symmetric memory: ``tools/memory_report.py``), and dispatch records
             each pair's expert for the plan. Training sets it; the host transport computes gradients either
             way. The same on every rank.
+        num_tags: 0 (default) or the number of tags (up to 256: tenant, language or task ids the caller
+            assigns) that :meth:`dispatch` may give each token (``tags``): the pairs each local expert
+            receives are then counted per tag and call, in the telemetry window (``stats()["by_tag"]``).
+        score_gap: False (default) or True: dispatch given router weights histograms each token's gap
+            between its largest and smallest weight (the router's confidence; bins
+            ``moecomm._constants.GAP_EDGES``, the first the near ties), per call in the telemetry window
+            (``stats()["score_gap"]``).
     """
 
     def __init__(self, comm, max_num_tokens, num_experts, experts_per_token, hidden_dim,
                  hidden_dim_scale=None, in_dtype="bfloat16", out_dtype="bfloat16", scale_dtype=None,
                  dp_size=1, timeout=None, slots_per_rank=None, capacity=None, overflow="error", layout="padded",
                  telemetry_window=64, timing=False, scale_layout="row", combine_wire=None, max_sms=None,
-                 gradients=False):
+                 gradients=False, num_tags=0, score_gap=False):
         self.comm, self._backend, self.masked, self.expert_map = comm, None, (), None
         error = None
         try:  # checked on every rank, then compared: a bad argument on one rank raises on all of them
             self.cfg = c = AllToAllConfig.create(comm.world_size, comm.rank, max_num_tokens, num_experts,
                                                  experts_per_token, hidden_dim, hidden_dim_scale, in_dtype,
                                                  out_dtype, scale_dtype, dp_size, slots_per_rank, capacity, overflow,
-                                                 layout, scale_layout, combine_wire, max_sms, gradients)
+                                                 layout, scale_layout, combine_wire, max_sms, gradients, num_tags,
+                                                 score_gap)
             window = positive_int("telemetry_window", telemetry_window, minimum=0)
             self.timeout_s = comm.timeout_s if timeout is None else timeout_seconds(timeout)[0]
             mine = (None, dict(c.key(), telemetry_window=window, timing=bool(timing), timeout=self.timeout_s))
@@ -303,7 +313,8 @@ class AllToAll:
             self.comm.check_live()  # raises CommBroken
 
     def dispatch(self, out_expert_num_tokens, out_expert_x, out_expert_x_scale, dp_x, dp_x_scale,
-                 indices, bound_m, do_send=True, do_recv=True, weights=None, stream=None, out_expert_offsets=None):
+                 indices, bound_m, do_send=True, do_recv=True, weights=None, stream=None, out_expert_offsets=None,
+                 tags=None):
         """Send each token to the ranks of its experts and lay it out per local expert. Collective.
 
         Args (``m`` = tokens this call, read from ``bound_m``; each per-token array has its own number of
@@ -330,6 +341,9 @@ class AllToAll:
                 expert side, sending fewer bytes back.
             out_expert_offsets: packed layout only (required there): [num_local_experts + 1] int32, written:
                 the first row of each local expert's tokens in out_expert_x, and the rows used at the end.
+            tags: [rows] int32, each token's tag in [0, num_tags) (an AllToAll with num_tags), or None: the
+                pairs each local expert receives are counted per tag (stats()["by_tag"]). A tag out of range
+                fails the call on every rank (InvalidArgument here, PeerError on the peers).
             stream: CUDA stream for device transports: an int handle, a CuPy, PyTorch or cuda.core stream,
                 or None for the current stream of the framework of ``dp_x`` on the communicator's device
                 (PyTorch's for a tensor, else CuPy's). Arrays from PyTorch or CuPy are taken to be written
@@ -347,8 +361,8 @@ class AllToAll:
         timeouts.
         """
         self.run(_new_tuple(DispatchArgs, (out_expert_num_tokens, out_expert_x, out_expert_x_scale, dp_x, dp_x_scale,
-                                           indices, bound_m, weights, out_expert_offsets, stream, False, False)),
-                 do_send, do_recv)
+                                           indices, bound_m, weights, out_expert_offsets, tags, stream, False,
+                                           False)), do_send, do_recv)
 
     def combine(self, out_tokens, indices, weights, expert_y, bound_m, do_send=True, do_recv=True,
                 stream=None, out_dropped=None):
@@ -377,14 +391,14 @@ class AllToAll:
                                           False)), do_send, do_recv)
 
     def prepare_dispatch(self, out_expert_num_tokens, out_expert_x, out_expert_x_scale, dp_x, dp_x_scale, indices,
-                         bound_m, weights=None, stream=None, out_expert_offsets=None):
+                         bound_m, weights=None, stream=None, out_expert_offsets=None, tags=None):
         """A :class:`PreparedCall` of :meth:`dispatch` with these arguments (as there), for a loop that gives
         the same arrays every step: its runs after the first skip reading them and check instead that each
         keeps its address, shape, dtype and layout (a changed one is refused on every rank). Nothing runs
         here. The caller keeps the arrays alive and writes their contents between runs."""
         return PreparedCall(self, DispatchArgs(out_expert_num_tokens, out_expert_x, out_expert_x_scale, dp_x,
-                                               dp_x_scale, indices, bound_m, weights, out_expert_offsets, stream,
-                                               promised=True))
+                                               dp_x_scale, indices, bound_m, weights, out_expert_offsets, tags,
+                                               stream, promised=True))
 
     def prepare_combine(self, out_tokens, indices, weights, expert_y, bound_m, stream=None, out_dropped=None):
         """A :class:`PreparedCall` of :meth:`combine` with these arguments, as :meth:`prepare_dispatch`."""
@@ -486,6 +500,9 @@ class AllToAll:
         rec.weights = absent if args.weights is None else read(args.weights, "weights", _FLOAT32, self._ids_shape)
         rec.x_scale = absent if unscaled else read(args.dp_x_scale, "dp_x_scale", self._scale,
                                                    self._token_scale_shape)
+        if args.tags is not None and not c.num_tags:
+            raise InvalidArgument("tags: this AllToAll counts no tags (num_tags=0): pass None")
+        rec.tags = absent if args.tags is None else read(args.tags, "tags", _COUNTS, _TAGS)
         rec.rows = arrays.rows  # the fewest rows of the per-token arrays
         rec.bound_m = read(args.bound_m, "bound_m", _BOUND_M, _ONE)
         rec.out_num = read(args.out_expert_num_tokens, "out_expert_num_tokens", _COUNTS, self._counts_shape, True)
@@ -761,13 +778,14 @@ class AllToAll:
         From the next call on, tokens routed to experts of masked ranks are not sent and add nothing in
         combine (as if their ids were -1), and no wait involves a masked rank; the pairs not sent are counted
         in :meth:`stats` ("MASKED_PAIRS"). With an expert map, a pair goes to its expert's next replica on a
-        rank not masked where there is one (moecomm.balance.ExpertMap.physical). The ranks taking part first finish their work in flight (their
-        kernels are bounded), then restart this AllToAll's call sequence together, so this is also how the
-        survivors recover after a CommTimeout naming a dead rank: this AllToAll serves again although the
-        communicator stays broken. Afterwards the communicator's own collectives (barrier, allgather,
-        check_peers, new AllToAlls) raise CommBroken, since they would wait for every rank, and teardown is
-        local; every AllToAll masked since the communicator last broke serves (mask each one you keep). Unmasking a rank that comes back takes that rank's part too. Needs dp_size == 1 and no call
-        in progress.
+        rank not masked where there is one (moecomm.balance.ExpertMap.physical). The ranks taking part first
+        finish their work in flight (their kernels are bounded), then restart this AllToAll's call sequence
+        together, so this is also how the survivors recover after a CommTimeout naming a dead rank: this
+        AllToAll serves again although the communicator stays broken. Afterwards the communicator's own
+        collectives (barrier, allgather, check_peers, new AllToAlls) raise CommBroken, since they would wait for
+        every rank, and teardown is local; every AllToAll masked since the communicator last broke serves (mask
+        each one you keep). Unmasking a rank that comes back takes that rank's part too. Needs dp_size == 1 and
+        no call in progress.
 
         Args:
             ranks: iterable of ranks to mask (not this rank).

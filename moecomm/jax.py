@@ -348,7 +348,7 @@ class AllToAll:
         n, ex, *rest = (self._array(b) for b in outs)
         exs = rest.pop(0) if self._scaled else None
         with scope:  # after a send half, XLA may have copied its outputs: they hold what the send wrote
-            self.a2a.run(DispatchArgs(n, ex, exs, x, xs, idx, m, w, None, stream, bool(flags & _MOVED)),
+            self.a2a.run(DispatchArgs(n, ex, exs, x, xs, idx, m, w, None, None, stream, bool(flags & _MOVED)),
                          flags & _SEND, flags & _RECV)
             if rest:
                 self.a2a.plan(RoutingPlan(*rest), stream)

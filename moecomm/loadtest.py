@@ -338,7 +338,8 @@ def gemm_by_tokens(counts, gemm, num_ranks):
         if sel.any():
             per_token = g[sel] / np.maximum(c[sel], 1)
             bins.append({"tokens": [lo, hi - 1], "expert_steps": int(sel.sum()), "median_us": float(np.median(g[sel])),
-                         "p99_us": float(np.percentile(g[sel], 99)), "median_us_per_token": float(np.median(per_token))})
+                         "p99_us": float(np.percentile(g[sel], 99)),
+                         "median_us_per_token": float(np.median(per_token))})
     steps = len(counts)
     per_rank = np.asarray(gemm).reshape(steps, num_ranks, -1).sum(axis=2).max(axis=1)
     return {"by_tokens": bins, "rank_total_us": _p50_p99(per_rank)}
@@ -585,7 +586,8 @@ def main(argv=None):
                     lay.a2a.set_expert_map(balance.ExpertMap.static(args.experts, comm.world_size, slots,
                                                                     generation=emap.generation + 1))
                 before = lay.a2a.expert_map.generation
-                steps = gather_steps(comm.allgather, run_steps(comm, lay, routing, args.steps, args, replan=args.replan))
+                steps = gather_steps(comm.allgather,
+                                     run_steps(comm, lay, routing, args.steps, args, replan=args.replan))
                 r["replicas"] = dict(summarize_steps(f"{name} + replicas", steps, comm.world_size),
                                      slots_per_rank=slots, replan=args.replan,
                                      switches=lay.a2a.expert_map.generation - before)
@@ -632,7 +634,8 @@ def main(argv=None):
         doc = {"command": "python -m moecomm.loadtest " + " ".join(argv if argv is not None else sys.argv[1:]),
                "ranks": world.Get_size(), "ep_size": ep, "transport": comm.transport.name,
                "host": platform.node(), "python": platform.python_version(), "numpy": np.__version__,
-               "moecomm": getattr(moecomm, "__version__", "0.1.0"), "args": {k: v for k, v in vars(args).items() if k != "progress"}, "results": results}
+               "moecomm": getattr(moecomm, "__version__", "0.1.0"),
+               "args": {k: v for k, v in vars(args).items() if k != "progress"}, "results": results}
         with open(args.json, "w") as f:
             json.dump(doc, f, indent=1)
         print(f"wrote {args.json}" + (f" and {args.plot}" if plot(results, args.plot) else " (no plot: matplotlib)"))
@@ -667,7 +670,8 @@ def _line(r):
         return (f"{'tp':<12} TP{r['tp_size']} all-reduce ({r['collective']}) beside EP: EP p50 "
                 f"{r['ep_alone_us']['p50']:.0f} -> {r['ep_beside_tp_us']['p50']:.0f} us, all-reduce p50 "
                 f"{r['tp_alone_us']['p50']:.0f} -> {r['tp_beside_ep_us']['p50']:.0f} us; outputs "
-                f"{'equal' if r['outputs_equal'] else 'DIFFER'}, all-reduce {'right' if r['all_reduce_right'] else 'WRONG'}")
+                f"{'equal' if r['outputs_equal'] else 'DIFFER'}, all-reduce "
+                f"{'right' if r['all_reduce_right'] else 'WRONG'}")
     if r["scenario"] == "owners":
         return f"{'owners':<12} " + "  ".join(
             f"rank {x['stopped']} stopped: {x['pairs_lost']} pairs lost, outputs "

@@ -14,7 +14,7 @@ Conventions (the same as :class:`moecomm.AllToAll`):
 """
 import numpy as np
 
-from ._constants import COMBINE_BLOCK, E4M3_MAX
+from ._constants import COMBINE_BLOCK, E4M3_MAX, GAP_EDGES
 from ._dtypes import float8_e4m3fn, float8_e8m0fnu
 
 
@@ -23,6 +23,30 @@ def m_in_range(m, rows, max_tokens):
     ``max_tokens`` (max_num_tokens). The kernels follow it too (cuda/alltoall.cuh, ``m_in_range``; a test
     evaluates that one against this)."""
     return 0 <= m <= rows and m <= max_tokens
+
+
+def tag_error(tags, num_tags, first=0, step=1):
+    """A message naming the first tag of ``tags`` (of tokens first, first + step, ...) outside [0, num_tags), or
+    None if all are in range."""
+    bad = np.flatnonzero((np.asarray(tags) < 0) | (np.asarray(tags) >= num_tags))
+    if not bad.size:
+        return None
+    return (f"tags: token {first + step * int(bad[0])}: tag {int(np.asarray(tags)[bad[0]])} is outside "
+            f"[0, {num_tags})")
+
+
+def score_gap_bins(indices, weights):
+    """Each token's router-confidence bin (moecomm._constants.GAP_EDGES, compared in float32): the gap between
+    the largest and the smallest of its float32 ``weights`` [n, k] over its pairs with an expert id
+    (``indices`` [n, k] >= 0), for the tokens with two or more such pairs; an int64 array of those tokens'
+    bins. The kernels bin alike."""
+    ids, w = np.asarray(indices), np.asarray(weights, np.float32)
+    valid = ids >= 0
+    counted = valid.sum(axis=1) >= 2
+    top = np.where(valid, w, np.float32(-np.inf)).max(axis=1)
+    low = np.where(valid, w, np.float32(np.inf)).min(axis=1)
+    gap = (top - low)[counted].astype(np.float32)
+    return np.searchsorted(np.array(GAP_EDGES[1:], np.float32), gap, side="right").astype(np.int64)
 
 
 def routing_error(indices, num_experts):

@@ -87,6 +87,10 @@ def from_stats(snapshots, hot_factor=2.0, expert_map=None):
 
     With replicated experts the columns are physical slots; pass the ``expert_map`` in use to add
     ``"logical"``: per logical expert, share and mean / max / p95 per step of its replicas' pairs together.
+
+    With tags (AllToAll num_tags) ``"by_tag"`` lists, per tag, :func:`summarize` of its pairs alone (shares, p95,
+    hot streaks, imbalance) and its ``share_of_tagged``; with score_gap ``"score_gap"`` holds the bin ``edges``,
+    every rank's ``tokens`` per bin over the window, the ``near_tie_share`` (bin 0) and the ``per_step`` counts.
     """
     if not snapshots:
         raise InvalidArgument("from_stats: expected one stats() dict per rank, got none")
@@ -104,6 +108,18 @@ def from_stats(snapshots, hot_factor=2.0, expert_map=None):
             if n:
                 times[phase] = np.max([s["times_us"][phase][-n:] for s in snapshots], axis=0).tolist()
     out = summarize(counts, len(snapshots), hot_factor, dropped, sent, times or None)
+    if all(s.get("by_tag") is not None for s in snapshots):  # every expert's pairs per tag: [steps, tags, E]
+        tagged = np.concatenate([np.asarray(s["by_tag"])[-steps:] for s in snapshots], axis=2)
+        total = tagged.sum()
+        out["by_tag"] = [dict(summarize(tagged[:, t], len(snapshots), hot_factor), tag=t,
+                              share_of_tagged=float(tagged[:, t].sum() / total) if total else 0.0)
+                         for t in range(tagged.shape[1])]
+    if all(s.get("score_gap") is not None for s in snapshots):  # every rank's tokens per confidence bin
+        per_step = np.sum([np.asarray(s["score_gap"]["counts"])[-steps:] for s in snapshots], axis=0)
+        tokens = per_step.sum(axis=0)
+        out["score_gap"] = {"edges": list(snapshots[0]["score_gap"]["edges"]), "tokens": tokens.tolist(),
+                            "near_tie_share": float(tokens[0] / tokens.sum()) if tokens.sum() else 0.0,
+                            "per_step": per_step.tolist()}
     if expert_map is not None:
         logical = np.zeros((steps, expert_map.num_experts))
         held = expert_map.slots.ravel()
@@ -136,7 +152,10 @@ def to_prometheus(metrics, prefix="moecomm", labels=None):
     Gauges: ``<prefix>_expert_share``, ``_expert_tokens_mean``, ``_expert_tokens_max``, ``_expert_tokens_p95``
     and ``_expert_hot_streak_longest`` / ``_current`` (label ``expert``); ``_rank_tokens_mean`` and ``_max``
     (label ``rank``); ``_imbalance`` (label ``stat``: mean, p95, max); ``_dropped_pairs`` (label ``expert``)
-    and ``_bytes`` (label ``phase``), ``_phase_time_us_median`` / ``_p99`` (label ``phase``) when present.
+    and ``_bytes`` (label ``phase``), ``_phase_time_us_median`` / ``_p99`` (label ``phase``) when present;
+    with tags ``_tag_expert_share``, ``_tag_expert_tokens_p95``, ``_tag_expert_hot_streak_longest`` (labels
+    ``tag``, ``expert``) and ``_tag_pairs`` (label ``tag``); with the score gap ``_score_gap_tokens`` (label
+    ``bin``: "lo-hi") and ``_score_gap_near_tie_share``.
     ``labels`` (a dict) is added to every series, e.g.
     {"layer": "3"}.
     """
@@ -173,6 +192,27 @@ def to_prometheus(metrics, prefix="moecomm", labels=None):
         for stat in ("median", "p99"):
             gauge(f"phase_time_us_{stat}", f"device time per call of the phase, {stat} over the window", "phase",
                   {k: v[stat] for k, v in metrics["time_us"].items()})
+    if "by_tag" in metrics:
+        def tag_gauge(name, doc, field):
+            g = Gauge(f"{prefix}_tag_{name}", doc, list(extra) + ["tag", "expert"], registry=registry)
+            for t in metrics["by_tag"]:
+                for i, v in enumerate(field(t)):
+                    g.labels(*extra.values(), str(t["tag"]), str(i)).set(v)
+        tag_gauge("expert_share", "share of the tag's (token, expert) pairs over the window",
+                  lambda t: t["expert"]["share"])
+        tag_gauge("expert_tokens_p95", "the tag's pairs per step received by the expert, 95th percentile",
+                  lambda t: t["expert"]["p95"])
+        tag_gauge("expert_hot_streak_longest", "longest run of steps the expert was hot in the tag's traffic",
+                  lambda t: t["hot"]["longest_streak"])
+        gauge("tag_pairs", "(token, expert) pairs of the tag over the window", "tag",
+              {str(t["tag"]): t["pairs"] for t in metrics["by_tag"]})
+    if "score_gap" in metrics:
+        sg = metrics["score_gap"]
+        edges = sg["edges"] + [float("inf")]
+        gauge("score_gap_tokens", "tokens whose gap between their largest and smallest router weight is in the bin "
+              "over the window", "bin", {f"{lo:g}-{hi:g}": n for lo, hi, n in zip(edges, edges[1:], sg["tokens"])})
+        gauge("score_gap_near_tie_share", "share of tokens in the near-tie bin", "stat",
+              {"share": sg["near_tie_share"]})
     return generate_latest(registry)
 
 

@@ -9,18 +9,20 @@ Checked on every rank: the window (pairs routed to each local expert per call, t
 tokens received per expert, CALLS, bytes per peer (what a rank sent to a peer is what that peer received
 from it; dispatch bytes are the records sent times the record size, on every transport), timing=True gives one time
 per eager call, telemetry_window=0 keeps no window, and telemetry.from_stats summarises the gathered
-snapshots. Prints "<n> checks on <w> ranks: <f> failures" on rank 0.
+snapshots; with num_tags and score_gap, the pairs per tag and local expert and every rank's tokens per
+router-confidence bin equal numpy's counts, and a tag out of range fails its call on every rank. Prints "<n>
+checks on <w> ranks: <f> failures" on rank 0.
 """
 import argparse
 
 import numpy as np
 
 import moecomm
-from moecomm import telemetry
+from moecomm import reference, telemetry
 from moecomm._abi import RecordLayout
 from report import finish
 
-E_PER_RANK, K, H, M, WINDOW, CALLS = 3, 2, 64, 24, 16, 40
+E_PER_RANK, K, H, M, WINDOW, CALLS, TAGS = 3, 2, 64, 24, 16, 40, 3
 
 
 def draw(W, seed):
@@ -87,6 +89,63 @@ def graph_calls(a2a, drawn, r, replays):
             graph.launch(stream)
         stream.synchronize()
     a2a.synchronize(stream)
+
+
+def tags_and_gap(comm, xp, fails):
+    """An AllToAll with tags and router confidence (num_tags=TAGS, score_gap=True): over calls whole and split,
+    stats()["by_tag"] equals a numpy count of the pairs each local expert received per tag (a token of tag -1,
+    given no tags, counts none) and stats()["score_gap"] numpy's binning of every rank's tokens' gaps; a tag out of
+    range on the last rank fails that call on every rank (InvalidArgument there, PeerError on the others) and the
+    next call is counted right. Returns the number of checks."""
+    from moecomm import _constants as C
+    W, r, E, L = comm.world_size, comm.rank, E_PER_RANK * comm.world_size, E_PER_RANK
+    a2a = moecomm.AllToAll(comm, M, E, K, H, None, "fp16", "fp16", telemetry_window=WINDOW, num_tags=TAGS,
+                           score_gap=True)
+    want_tags, want_gap = [], []
+
+    def call(c, bad=False):
+        drawn = draw(W, 2000 + c)
+        tags = [np.random.default_rng([c, q]).integers(0, TAGS, M).astype(np.int32) for q in range(W)]
+        mine = tags[r].copy()
+        if bad:
+            mine[drawn[r][0] - 1 if drawn[r][0] else 0] = TAGS
+        m, x, w, ids = drawn[r]
+        n, ex = xp.zeros(L, np.int32), xp.zeros((L, M * W, H), np.float16)
+        args = (n, ex, None, xp.asarray(x), None, xp.asarray(ids), xp.array([m], np.int32))
+        a2a.dispatch(*args, weights=xp.asarray(w), tags=xp.asarray(mine), do_recv=c % 2 == 0)
+        if c % 2:
+            a2a.dispatch(*args, weights=xp.asarray(w), tags=xp.asarray(mine), do_send=False)
+        a2a.combine(xp.zeros((M, H), np.float16), args[5], None, ex, args[6])
+        a2a.synchronize()
+        counts = np.zeros((TAGS, L), np.int64)
+        for q, (mq, _, _, iq) in enumerate(drawn):
+            t, k = np.nonzero((iq[:mq] >= r * L) & (iq[:mq] < (r + 1) * L))
+            np.add.at(counts, (tags[q][t], iq[:mq][t, k] - r * L), 1)
+        want_tags.append(counts)
+        want_gap.append(np.bincount(reference.score_gap_bins(ids[:m], w[:m]), minlength=C.GAP_BINS))
+
+    for c in range(CALLS):
+        call(c)
+    e = None
+    try:
+        call(CALLS, bad=r == W - 1)
+        fails.append("a tag out of range raised nothing")
+    except (moecomm.InvalidArgument, moecomm.PeerError) as err:
+        e = err
+    if e is not None and type(e) is not (moecomm.InvalidArgument if r == W - 1 else moecomm.PeerError):
+        fails.append(f"a tag out of range on rank {W - 1} raised {type(e).__name__} here: {e}")
+    call(CALLS + 1)
+    s = a2a.stats()
+    got_tags, got_gap = s["by_tag"], s["score_gap"]["counts"]
+    want_tags, want_gap = np.array(want_tags[-len(got_tags):]), np.array(want_gap[-len(got_gap):])
+    if not np.array_equal(got_tags, want_tags):
+        fails.append(f"by_tag differs from numpy's count (last call):\n{got_tags[-1]}\n{want_tags[-1]}")
+    if not np.array_equal(got_gap, want_gap):
+        fails.append(f"score_gap differs from numpy's binning:\n{got_gap.tolist()}\n{want_gap.tolist()}")
+    if s["score_gap"]["edges"] != list(C.GAP_EDGES) or got_tags.shape[1:] != (TAGS, L):
+        fails.append(f"score_gap edges {s['score_gap']['edges']}, by_tag shape {got_tags.shape}")
+    a2a.destroy()
+    return 4
 
 
 def main():
@@ -163,6 +222,7 @@ def main():
         fails.append("telemetry_window=0 kept a window, tokens or bytes")
     checks += 1
     off.destroy()
+    checks += tags_and_gap(comm, xp, fails)
     finish(comm, fails, checks)
 
 

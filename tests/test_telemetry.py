@@ -99,3 +99,30 @@ def test_from_stats_joins_the_ranks_windows_and_maps_slots_to_logical_experts():
     assert m["time_us"]["dispatch"]["median"] == 2.5 and m["time_us"]["combine"]["median"] == 3.5
     assert m["logical"]["max"] == [6, 6, 9, 10]  # expert 0: its slot on rank 0 plus its replica on rank 1
     assert b"moecomm_phase_time_us_median" in telemetry.to_prometheus(m)
+
+
+def test_from_stats_summarizes_each_tag_and_the_score_gap():
+    """With tags, each tag's pairs alone are summarized (shares, p95, hot streaks) from every rank's
+    [steps, tags, L] window; the score gap's tokens per bin are summed over ranks and steps; Prometheus text
+    carries the tag and bin labels."""
+    need("prometheus_client", 'pip install ".[test]"')
+    from moecomm import _constants as C
+    rng = np.random.default_rng(3)
+    by_tag = [rng.integers(0, 5, (4, 2, 3)) for _ in range(2)]  # 2 ranks, 4 steps, 2 tags, 3 local experts
+    gaps = [rng.integers(0, 9, (4, C.GAP_BINS)) for _ in range(2)]
+    snaps = [dict(window=t.sum(axis=1), dropped=np.zeros(3, int), bytes={"dispatch_sent": np.zeros(2),
+                                                                        "combine_sent": np.zeros(2)},
+                  by_tag=t, score_gap={"edges": list(C.GAP_EDGES), "counts": g}) for t, g in zip(by_tag, gaps)]
+    m = telemetry.from_stats(snaps)
+    for tag in range(2):
+        counts = np.concatenate([t[:, tag] for t in by_tag], axis=1)  # [steps, 6 experts]
+        want = telemetry.summarize(counts, 2)
+        got = m["by_tag"][tag]
+        assert got["tag"] == tag and got["expert"] == want["expert"] and got["hot"] == want["hot"]
+        assert got["share_of_tagged"] == pytest.approx(counts.sum() / sum(t.sum() for t in by_tag))
+    tokens = sum(g.sum(axis=0) for g in gaps)
+    assert m["score_gap"]["tokens"] == tokens.tolist() and m["score_gap"]["edges"] == list(C.GAP_EDGES)
+    assert m["score_gap"]["near_tie_share"] == pytest.approx(tokens[0] / tokens.sum())
+    text = telemetry.to_prometheus(m).decode()
+    assert 'moecomm_tag_expert_share{expert="5",tag="1"}' in text and 'moecomm_tag_pairs{tag="0"}' in text
+    assert 'moecomm_score_gap_tokens{bin="0-0.01"}' in text and 'bin="0.5-inf"' in text

@@ -49,7 +49,7 @@ from types import SimpleNamespace
 import numpy as np
 
 from .._abi import CALL_FIELDS
-from .._constants import BYTE_FIELDS, CALL_PHASES, COUNTER_FIELDS
+from .._constants import BYTE_FIELDS, CALL_PHASES, COUNTER_FIELDS, GAP_EDGES
 
 
 def host_call_records():
@@ -193,7 +193,8 @@ class Transport(abc.ABC):
         once this rank's own work has run (what it sends reaches them first)."""
 
 
-def snapshot(counters, received, dropped, bytes_by_peer, ring, times_us=None, plan=None):
+def snapshot(counters, received, dropped, bytes_by_peer, ring, times_us=None, plan=None, tag_ring=None,
+             gap_ring=None):
     """A backend's telemetry as AllToAll.stats() returns it (L local experts, W ranks):
 
     ``MASKED_PAIRS``, ``DROPPED_PAIRS``, ``CALLS`` (ints, moecomm._constants.COUNTER_FIELDS); ``received`` [L]
@@ -201,18 +202,25 @@ def snapshot(counters, received, dropped, bytes_by_peer, ring, times_us=None, pl
     expert; ``bytes`` {BYTE_FIELDS name: [W] bytes per peer}; ``window`` [min(CALLS, window), L] the pairs
     routed to each local expert (its demand, dropped ones included) in each of the last calls, oldest first;
     ``times_us`` {"dispatch", "combine": [microseconds per call]} (timing=True) or None; ``plan`` what a GPU
-    backend launches (moecomm.transport.gpu_plan.LaunchPlan.summary()), None on the host.
+    backend launches (moecomm.transport.gpu_plan.LaunchPlan.summary()), None on the host; ``by_tag``
+    [min(CALLS, window), num_tags, L] the pairs each local expert received per tag in each of those calls
+    (num_tags; else None); ``score_gap`` {"edges": GAP_EDGES, "counts": [min(CALLS, window), GAP_BINS]} this
+    rank's tokens per router-confidence bin in each of those calls (score_gap; else None).
 
     Args: ``counters`` [COUNTER_FIELDS], ``received``/``dropped`` [L], ``bytes_by_peer`` [BYTE_FIELDS, W],
     ``ring`` [window, L] with the row of call c (from 0) at c % window (window 0: telemetry off, only the
-    counters are kept); ``times_us`` as above.
+    counters are kept), ``tag_ring`` [window, num_tags, L] and ``gap_ring`` [window, GAP_BINS] rowed alike (or
+    None); ``times_us`` as above.
     """
     out = {name: int(v) for name, v in zip(COUNTER_FIELDS, counters)}
     calls, n = out["CALLS"], ring.shape[0]
     rows = np.arange(max(0, calls - n), calls) % max(n, 1)
     out.update(received=np.asarray(received, np.int64), dropped=np.asarray(dropped, np.int64),
                bytes={name: np.asarray(b, np.int64) for name, b in zip(BYTE_FIELDS, bytes_by_peer)},
-               window=np.asarray(ring, np.int64)[rows], times_us=times_us, plan=plan)
+               window=np.asarray(ring, np.int64)[rows], times_us=times_us, plan=plan,
+               by_tag=None if tag_ring is None else np.asarray(tag_ring, np.int64)[rows],
+               score_gap=None if gap_ring is None else {"edges": list(GAP_EDGES),
+                                                         "counts": np.asarray(gap_ring, np.int64)[rows]})
     return out
 
 

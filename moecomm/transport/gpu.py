@@ -279,6 +279,9 @@ def _error(code, peer, phase, detail, call, amount, what, capacity, departed):
     if code == C.ERR_BAD_EXPERT:
         return InvalidRouting(f"{where}: this rank dispatched an expert id out of range or repeated in a row "
                               f"(token {detail}); no rank unpacked its tokens")
+    if code == C.ERR_BAD_TAG:
+        return InvalidArgument(f"{where}: tags: token {detail}: tag {amount} is outside [0, num_tags); no rank "
+                               f"unpacked its tokens")
     if code == C.ERR_BAD_M:
         return InvalidRouting(f"{where}: this rank passed bound_m={detail}, outside [0, {amount}] (at most "
                               f"max_num_tokens and the rows of each per-token array of the call)")

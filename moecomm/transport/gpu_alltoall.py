@@ -93,6 +93,8 @@ class GpuAllToAll(AllToAllBackend):
         self.mask = cupy.zeros(W, np.int32)
         self.counters = cupy.zeros(counters.size, np.uint64)
         self.ring = cupy.zeros((window, L), np.uint32)
+        self.tag_ring = cupy.zeros((window, cfg.num_tags, L), np.uint32) if cfg.num_tags else None
+        self.gap_ring = cupy.zeros((window, C.GAP_BINS), np.uint32) if cfg.score_gap else None
         self.map = None if cfg.slots_per_rank is None else cupy.zeros((cfg.num_experts, 1 + W), np.int32)
         self._generation = 0
         sym = transport.symmetric
@@ -148,9 +150,10 @@ class GpuAllToAll(AllToAllBackend):
             stage_bytes=sizes["stage_row"],
             c_received=counters["received"], c_dropped=counters["dropped"], c_bytes=counters["bytes"],
             s_expert=state["expert"], s_recv=state["recv"], s_kept=state["kept"], s_claim=state["claim"],
-            s_combined=state["combined"],
+            s_combined=state["combined"], num_tags=cfg.num_tags, s_tags=state["tags"], s_gap=state["gap"],
             senders=plan.senders, streamed=int(plan.streamed), comb_streamed=int(plan.combine_streams),
-            **_pointers(sent=self.sent, grad_buf=self.grad_buf, grad_sig=self.grad_sig, grad_w=self.grad_w),
+            **_pointers(sent=self.sent, grad_buf=self.grad_buf, grad_sig=self.grad_sig, grad_w=self.grad_w,
+                        tag_ring=self.tag_ring, gap_ring=self.gap_ring),
             grad_row_bytes=_abi.grad_row_bytes(cfg))
         self._calls = {phase: _abi.Call() for phase in C.CALL_PHASES}  # the call records (records())
         self._skipped = _abi.Call(skip=1)  # the call record of a half issued with no data
@@ -307,7 +310,9 @@ class GpuAllToAll(AllToAllBackend):
         c = self.counters.get().astype(np.int64)
         return snapshot(c[:at["received"]], c[at["received"]:at["dropped"]], c[at["dropped"]:at["bytes"]],
                         c[at["bytes"]:].reshape(-1, W), self.ring.get(),
-                        self._timing.times_us() if self._timing else None, self.plan.summary())
+                        self._timing.times_us() if self._timing else None, self.plan.summary(),
+                        None if self.tag_ring is None else self.tag_ring.get(),
+                        None if self.gap_ring is None else self.gap_ring.get())
 
     def set_expert_map(self, expert_map):
         """The map's replica table and generation into device memory once the last call's stream has

@@ -232,6 +232,9 @@ class HostAllToAll(AllToAllBackend):
         self._per_expert = np.zeros((2, L), np.int64)  # tokens received, pairs dropped
         self._bytes = np.zeros((len(BYTE_FIELDS), W), np.int64)
         self._ring = np.zeros((window, L), np.int64)
+        self._tag_ring = np.zeros((window, cfg.num_tags, L), np.int64)  # [call, tag, local expert] kept pairs
+        self._gap_ring = np.zeros((window, C.GAP_BINS), np.int64)  # [call, bin] tokens per confidence bin
+        self._gap = None  # [GAP_BINS] the dispatch in flight's tokens per bin (score_gap, weights given)
         self._demand = None  # [L] pairs routed to this rank's experts in the call (with a capacity)
         self._times = {"dispatch": deque(maxlen=window), "combine": deque(maxlen=window)} if timing else None
         self._started = {}
@@ -277,7 +280,12 @@ class HostAllToAll(AllToAllBackend):
         else:
             message = reference.routing_error(a.indices[:m], cfg.num_experts)
             status = _BAD_ROUTING if message else _OK
+        if status == _OK and a.tags is not None:
+            message = reference.tag_error(a.tags[cfg.dp_rank:m:cfg.dp_size], cfg.num_tags, cfg.dp_rank, cfg.dp_size)
+            status = C.REASON_BAD_TAG if message else _OK
         mine = np.arange(cfg.dp_rank, m if status == _OK else 0, cfg.dp_size)
+        self._gap = None if not cfg.score_gap or a.weights is None else np.bincount(
+            reference.score_gap_bins(a.indices[mine], a.weights[mine]), minlength=C.GAP_BINS)
         idx = a.indices[mine].astype(np.int64)
         if self.expert_map is not None:  # logical ids -> physical slots, by the map's replica rule
             idx = self.expert_map.physical(idx, mine, cfg.dp_group, np.flatnonzero(self._masked))
@@ -294,7 +302,8 @@ class HostAllToAll(AllToAllBackend):
         sent = np.where(owner >= 0, idx, -1).astype(np.int32)  # dropped and masked pairs: none
         per_rank, counts = self._per_rank(sent)
         rows = np.concatenate([self._dispatch_records(a.x[t], None if a.x_scale is None else a.x_scale[t], t, local,
-                                                      None if a.weights is None else a.weights[t])
+                                                      None if a.weights is None else a.weights[t],
+                                                      None if a.tags is None else a.tags[t])
                                for t, local in ((mine[sel], local) for sel, local in per_rank)])
         ex = self._exchanges["dispatch"]
         pending, statuses, reasons = ex.post(rows, counts, status, message or "")
@@ -318,10 +327,10 @@ class HostAllToAll(AllToAllBackend):
             out.append((sel, np.where(to_d[sel], ids[sel] - d * L, -1).astype(np.int32)))
         return out, counts
 
-    def _dispatch_records(self, x, scales, tokens, local, weights):
+    def _dispatch_records(self, x, scales, tokens, local, weights, tags):
         """Dispatch records in the kernels' layout (moecomm._abi.RecordLayout): uint8 [n, record size], the token
         row, its scales, then int32 token, int32 local expert ids [k] (-1: not this rank's), float32 weights [k]
-        (zeros when none were given)."""
+        (zeros when none were given), int32 tag (-1 when none were given)."""
         lay, n = self._layout, x.shape[0]
         rows = np.zeros((n, lay.size), np.uint8)
         rows[:, :lay.x_bytes] = np.ascontiguousarray(x).view(np.uint8).reshape(n, lay.x_bytes)
@@ -329,7 +338,8 @@ class HostAllToAll(AllToAllBackend):
             rows[:, lay.scale_off:lay.scale_off + lay.scale_bytes] = (
                 np.ascontiguousarray(scales).view(np.uint8).reshape(n, lay.scale_bytes))
         w = np.zeros(local.shape, np.float32) if weights is None else weights.astype(np.float32)
-        meta = _records(tokens.astype(np.int32)[:, None], local, w)
+        tag = np.full(n, -1, np.int32) if tags is None else tags.astype(np.int32)
+        meta = _records(tokens.astype(np.int32)[:, None], local, w, tag[:, None])
         rows[:, lay.meta_off:lay.meta_off + meta.shape[1]] = meta
         return rows
 
@@ -383,9 +393,10 @@ class HostAllToAll(AllToAllBackend):
         recv, src_counts = ex.finish(p)
         K, lay = cfg.experts_per_token, self._layout
         x = recv[:, :lay.x_bytes].view(cfg.in_dtype)
-        meta = np.ascontiguousarray(recv[:, lay.meta_off:lay.meta_off + 4 + 8 * K])
+        meta = np.ascontiguousarray(recv[:, lay.meta_off:lay.meta_off + 8 + 8 * K])
         token, local = meta[:, :4].view(np.int32)[:, 0], meta[:, 4:4 + 4 * K].view(np.int32)
-        weights = meta[:, 4 + 4 * K:].view(np.float32) if has_weights else None
+        weights = meta[:, 4 + 4 * K:4 + 8 * K].view(np.float32) if has_weights else None
+        tag = meta[:, 4 + 8 * K:].view(np.int32)[:, 0]
         pair_j, pair_k = np.nonzero(local >= 0)
         pair_le = local[pair_j, pair_k]
         counts = np.bincount(pair_le, minlength=cfg.num_local_experts)
@@ -413,8 +424,15 @@ class HostAllToAll(AllToAllBackend):
         self._per_expert[1] += demand - counts
         self._counters[_C["DROPPED_PAIRS"]] += int((demand - counts).sum())
         if len(self._ring):  # telemetry on
+            row = self._counters[_C["CALLS"]] % len(self._ring)
             self._per_expert[0] += counts
-            self._ring[self._counters[_C["CALLS"]] % len(self._ring)] = demand
+            self._ring[row] = demand
+            if cfg.num_tags:  # kept pairs per (tag, local expert); a token sent without a tag counts none
+                self._tag_ring[row] = 0
+                tagged = tag[pair_j] >= 0
+                np.add.at(self._tag_ring[row], (tag[pair_j][tagged], pair_le[tagged]), 1)
+            if cfg.score_gap:
+                self._gap_ring[row] = 0 if self._gap is None else self._gap
         self._counters[_C["CALLS"]] += 1
         self._demand = None
         src_rank = np.repeat(np.arange(cfg.world_size), src_counts)
@@ -623,7 +641,9 @@ class HostAllToAll(AllToAllBackend):
 
     def snapshot(self):
         times = None if self._times is None else {p: list(t) for p, t in self._times.items()}
-        return snapshot(self._counters, *self._per_expert, self._bytes, self._ring, times)
+        return snapshot(self._counters, *self._per_expert, self._bytes, self._ring, times,
+                        tag_ring=self._tag_ring if self.cfg.num_tags else None,
+                        gap_ring=self._gap_ring if self.cfg.score_gap else None)
 
     def set_expert_map(self, expert_map):
         self.expert_map = expert_map
