@@ -9,8 +9,9 @@ Scenarios (every rank draws the same popularity, each rank its own tokens):
 
 * ``uniform``, ``zipf``, ``moving-hot`` (Zipf whose hottest expert moves every ``--period`` steps),
   ``mixture`` (``--domains`` Zipf popularity profiles, standing in for languages or tasks, mixed with new
-  weights every step), ``adversarial`` (a synthetic linear router and inputs searched so that one expert
-  is in every token's top-k): ``--steps`` steps each. Tokens per rank per step: ``--tokens``, or with
+  weights every step; each token tagged with its domain, so that each domain's traffic is reported alone:
+  its share, imbalance and hot experts, from the kernels' counts per tag), ``adversarial`` (a synthetic
+  linear router and inputs searched so that one expert is in every token's top-k): ``--steps`` steps each. Tokens per rank per step: ``--tokens``, or with
   ``--lengths mixture`` short decode batches (1-8 tokens, 70 %) and long prompt chunks (half to all of
   ``--tokens``).
 * ``ramp``: Zipf routing at 1, 2, 4, ... ``--tokens`` tokens per rank.
@@ -77,7 +78,8 @@ def _zipf(E, a, seed, shift=0):
 
 
 class Routing:
-    """One routing generator; ``ids(rng, step, m)`` draws a step's expert ids on one rank."""
+    """One routing generator; ``draw(rng, step, m)`` draws a step's expert ids on one rank and, where the routing
+    has domains (mixture), each token's domain as its tag (else None)."""
 
     def __init__(self, kind, E, k, args):
         self.kind, self.E, self.k, self.args = kind, E, k, args
@@ -103,24 +105,26 @@ class Routing:
             alpha *= 2
         return router, target, alpha, hit
 
-    def ids(self, rng, step, m):
+    def draw(self, rng, step, m):
+        """(ids [m, k] int32, tags [m] int32 or None): a mixture's tokens are tagged with their domain, drawn
+        with the step's domain weights (the same on every rank)."""
         E, k, a = self.E, self.k, self.args
         if self.kind == "uniform":
-            return _topk(rng, np.zeros((m, E)), k)
+            return _topk(rng, np.zeros((m, E)), k), None
         if self.kind == "zipf":
-            return _topk(rng, np.broadcast_to(_zipf(E, a.zipf, a.seed), (m, E)), k)
+            return _topk(rng, np.broadcast_to(_zipf(E, a.zipf, a.seed), (m, E)), k), None
         if self.kind == "moving-hot":
             shift = (step // a.period) * max(1, E // 7)
-            return _topk(rng, np.broadcast_to(_zipf(E, a.zipf, a.seed, shift), (m, E)), k)
+            return _topk(rng, np.broadcast_to(_zipf(E, a.zipf, a.seed, shift), (m, E)), k), None
         if self.kind == "mixture":
-            weights = np.random.default_rng([a.seed, step]).dirichlet(np.ones(a.domains))  # the same on every rank
-            domain = rng.choice(a.domains, size=m, p=weights)
-            return _topk(rng, self.profiles[domain], k)
+            weights = np.random.default_rng([a.seed, step]).dirichlet(np.ones(a.domains))
+            domain = rng.choice(a.domains, size=m, p=weights).astype(np.int32)
+            return _topk(rng, self.profiles[domain], k), domain
         if self.kind == "adversarial":
             d = self.router.shape[0]
             direction = self.router[:, self.target] / np.linalg.norm(self.router[:, self.target])
             x = rng.standard_normal((m, d)) + self.alpha * direction
-            return np.argsort(-(x @ self.router), axis=1)[:, :k].astype(np.int32)
+            return np.argsort(-(x @ self.router), axis=1)[:, :k].astype(np.int32), None
         raise ValueError(self.kind)
 
 
@@ -136,7 +140,8 @@ def tokens_per_step(rng, args):
 # Running steps -------------------------------------------------------------------------------------
 class Layer:
     """One AllToAll and its arrays for a top-k (with ``slots`` expert slots per rank: replicas through an
-    expert map; ``expert_map`` switches to that map at once). ``step(ids, m)`` runs dispatch, then (``gemm``) one
+    expert map; ``expert_map`` switches to that map at once; the tokens' tags, a mixture's domains, counted per
+    local expert). ``step(ids, tags, m)`` runs dispatch, then (``gemm``) one
     GEMM per local expert over the rows it received ([count, hidden] x [hidden, hidden]: float16 on GPUs, CuPy,
     standing in for a bf16 grouped GEMM at the same rate; float32 numpy on CPU ranks), then combine (the experts'
     outputs are their inputs), and returns a :class:`Step`."""
@@ -152,7 +157,7 @@ class Layer:
             self.xp, dt = np, moecomm.bfloat16
         M, H = args.tokens, args.hidden
         self.a2a = moecomm.AllToAll(comm, M, args.experts, k, H, None, "bfloat16", "bfloat16", slots_per_rank=slots,
-                                    capacity=capacity, overflow="drop")
+                                    capacity=capacity, overflow="drop", num_tags=args.domains)
         if expert_map is not None:
             self.a2a.set_expert_map(expert_map)
         c = self.a2a.cfg
@@ -169,12 +174,17 @@ class Layer:
             self.events = [xp.cuda.Event() for _ in range(4 + 2 * c.num_local_experts)]
         self.align = True  # GPUs: start each timed step at a device barrier (not while a rank may stall)
 
-    def step(self, ids, m):
+    def step(self, ids, tags, m):
         xp, a2a = self.xp, self.a2a
         M = self.x.shape[0]
         idx = np.full((M, self.k), -1, np.int32)
         idx[:m] = ids
         d_idx, bound = xp.asarray(idx), xp.array([m], np.int32)
+        d_tags = None
+        if tags is not None:  # the tokens' domains (counted per local expert: stats()["by_tag"])
+            padded = np.zeros(M, np.int32)
+            padded[:m] = tags
+            d_tags = xp.asarray(padded)
         ev, marks = self.events if self.gpu else None, {}  # marks: the host's perf_counter at point i
 
         def mark(i):  # 0, 1: dispatch; 2, 3: combine; 4 + 2 le, 5 + 2 le: local expert le's GEMM
@@ -185,7 +195,7 @@ class Layer:
         if self.gpu and self.align:  # the ranks' host skew (routing draws, the per-step gather) is not counted
             self.comm.transport.barrier()
         mark(0)
-        a2a.dispatch(self.n, self.ex, None, self.x, None, d_idx, bound, weights=self.w)
+        a2a.dispatch(self.n, self.ex, None, self.x, None, d_idx, bound, weights=self.w, tags=d_tags)
         mark(1)
         if self.gemm:
             counts = self.counts()  # the GEMMs' rows (waits for the dispatch on GPUs)
@@ -262,7 +272,7 @@ def run_steps(comm, layer, routing, steps, args, first_step=0, replan=0, outputs
         m = tokens_per_step(rng, args)
         if beside is not None:
             beside.start()
-        done.append(layer.step(routing.ids(rng, s, m), m))
+        done.append(layer.step(*routing.draw(rng, s, m), m))
         if beside is not None:
             beside.finish()
         if outputs is not None:
@@ -343,6 +353,20 @@ def gemm_by_tokens(counts, gemm, num_ranks):
     steps = len(counts)
     per_rank = np.asarray(gemm).reshape(steps, num_ranks, -1).sum(axis=2).max(axis=1)
     return {"by_tokens": bins, "rank_total_us": _p50_p99(per_rank)}
+
+
+def by_domain(allgather, layer, steps):
+    """Each domain's traffic alone over the last ``steps`` calls of ``layer`` (its tokens' tags, counted per
+    local expert by the kernels: stats()["by_tag"], every rank's gathered): its share of the pairs, its
+    imbalance and its hot experts, which a global histogram hides."""
+    from moecomm import telemetry
+    snaps = allgather(layer.a2a.stats())
+    n = min(steps, min(len(s["window"]) for s in snaps))
+    m = telemetry.from_stats([dict(s, window=s["window"][-n:], by_tag=s["by_tag"][-n:]) for s in snaps])
+    return [{"domain": t["tag"], "share": t["share_of_tagged"], "imbalance": {k: t["imbalance"][k] for k in
+                                                                              ("mean", "max")},
+             "hot_experts": t["hot"]["experts"][:8], "top_expert_share": max(t["expert"]["share"])}
+            for t in m["by_tag"]]
 
 
 def scenario_mask(comm, layer, routing, args):
@@ -579,6 +603,8 @@ def main(argv=None):
             r = summarize_steps(name, steps, comm.world_size)
             if name == "adversarial":
                 r["target"] = {"expert": routing.target, "push": routing.alpha, "hit_rate": routing.hit}
+            if name == "mixture":  # each domain alone, from the tags the kernels counted
+                r["domains"] = by_domain(comm.allgather, layer(args.topk), args.steps)
             if slots:  # the same steps with planned replicas, re-planned every --replan steps
                 lay = layer(args.topk, slots)
                 emap = lay.a2a.expert_map
@@ -684,10 +710,13 @@ def _line(r):
               f"inputs") if "target" in r else ""
     gemm = (f"  expert GEMMs p50 {r['gemm']['rank_total_us']['p50']:.0f} us, layer p50 "
             f"{r['layer_time_us']['p50']:.0f} us") if "gemm" in r else ""
+    domains = f"\n{'  domains':<12} " + "  ".join(
+        f"{d['domain']}: {d['share']:.0%} of pairs, imbalance {d['imbalance']['mean']:.2f}, top expert "
+        f"{d['top_expert_share']:.0%}" for d in r["domains"]) if "domains" in r else ""
     return (f"{r['scenario']:<12} p50 {r['time_us']['p50']:.0f} us  p99 {r['time_us']['p99']:.0f} us  "
             f"rank tokens max {r['rank_tokens_max']:.0f} / mean {r['rank_tokens_mean']:.0f}  "
             f"imbalance mean {r['imbalance']['mean']:.2f} max {r['imbalance']['max']:.2f}  hot {r['hot_experts']}"
-            + gemm + target)
+            + gemm + target + domains)
 
 
 def plot(results, path):

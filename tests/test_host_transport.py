@@ -74,6 +74,8 @@ def test_load_tool_runs_every_scenario(tmp_path):
     shares = [pt["dropped_share"] for pt in doc["results"][7]["points"]]  # capacity 1x, 1.5x, 2x, 4x
     assert shares == sorted(shares, reverse=True) and shares[-1] < shares[0], shares
     assert doc["results"][4]["target"]["hit_rate"] >= 0.95
+    domains = doc["results"][3]["domains"]  # the mixture's tokens tagged by domain, counted per tag
+    assert [d["domain"] for d in domains] == [0, 1, 2, 3] and abs(sum(d["share"] for d in domains) - 1) < 1e-9
     replicas = zipf["replicas"]  # the same steps with planned replicas, switched every 4 steps
     assert replicas["slots_per_rank"] == 9 and replicas["switches"] == 2 and len(replicas["per_step"]["time_us"]) == 12
     gemm = zipf["gemm"]  # each local expert's GEMM against the tokens it received, every (step, expert)
