@@ -11,9 +11,9 @@ Scenarios (every rank draws the same popularity, each rank its own tokens):
   ``mixture`` (``--domains`` Zipf popularity profiles, standing in for languages or tasks, mixed with new
   weights every step; each token tagged with its domain, so that each domain's traffic is reported alone:
   its share, imbalance and hot experts, from the kernels' counts per tag), ``adversarial`` (a synthetic
-  linear router and inputs searched so that one expert is in every token's top-k): ``--steps`` steps each. Tokens per rank per step: ``--tokens``, or with
-  ``--lengths mixture`` short decode batches (1-8 tokens, 70 %) and long prompt chunks (half to all of
-  ``--tokens``).
+  linear router and inputs searched so that one expert is in every token's top-k): ``--steps`` steps each.
+  Tokens per rank per step: ``--tokens``, or with ``--lengths mixture`` short decode batches (1-8 tokens,
+  70 %) and long prompt chunks (half to all of ``--tokens``).
 * ``ramp``: Zipf routing at 1, 2, 4, ... ``--tokens`` tokens per rank.
 * ``topk``: Zipf routing with top-k 1, 2, 4, 8 (up to ``--topk``).
 * ``capacity``: Zipf routing with a capacity of ``--capacity-factors`` times the mean demand per expert
