@@ -157,7 +157,8 @@ class Bench:
         L = experts // W
         a2a = moecomm.AllToAll(comm, tokens, experts, k, hidden, scales, "float8_e4m3fn", "bfloat16",
                                telemetry_window=self.args.telemetry_window, timing=self.args.timing,
-                               layout=self.args.layout, combine_wire=self.args.combine_wire)
+                               layout=self.args.layout, combine_wire=self.args.combine_wire,
+                               num_tags=self.args.tags, score_gap=self.args.score_gap)
         rows = a2a.cfg.expert_x_shape()[:-1]  # (L, slots) padded, (rows,) packed
         rng = np.random.default_rng([self.args.seed, tokens])
         idx = [routing(rng, tokens, k, experts, self.args.routing) for _ in range(W)]
@@ -171,19 +172,21 @@ class Bench:
                  out=cp.zeros((tokens, hidden), np.uint16))
         if self.args.layout == "packed":
             d["off"] = cp.zeros(L + 1, np.int32)
+        # with --tags, each token's tag (tenant, say): counted per local expert by the kernels
+        d["tags"] = cp.asarray(rng.integers(0, self.args.tags, tokens).astype(np.int32)) if self.args.tags else None
         d["y"][...] = cp.arange(hidden, dtype=np.uint16) % 251 + 0x3C00  # finite bf16 (1..2)
 
         def phase(i, dispatch):
             send, recv = i % 2 == 0, i % 2 == 1
             if dispatch:
                 a2a.dispatch(d["n"], d["ex"], d["es"], d["x"], d["xs"], d["idx"], d["m"], do_send=send,
-                             do_recv=recv, weights=d["w"], stream=s, out_expert_offsets=d.get("off"))
+                             do_recv=recv, weights=d["w"], stream=s, out_expert_offsets=d.get("off"), tags=d["tags"])
             else:
                 a2a.combine(d["out"], d["idx"], None, d["y"], d["m"], do_send=send, do_recv=recv, stream=s)
 
         def calls():  # dispatch() and combine() as users call them: both halves each
             a2a.dispatch(d["n"], d["ex"], d["es"], d["x"], d["xs"], d["idx"], d["m"], weights=d["w"], stream=s,
-                         out_expert_offsets=d.get("off"))
+                         out_expert_offsets=d.get("off"), tags=d["tags"])
             a2a.combine(d["out"], d["idx"], None, d["y"], d["m"], stream=s)
 
         # correctness on this routing before timing
@@ -280,15 +283,16 @@ class Bench:
         cp, dev = self.cp, self.comm.device
         dtypes = dict(ex=moecomm.float8_e4m3fn, x=moecomm.float8_e4m3fn, y=moecomm.bfloat16,
                       out=moecomm.bfloat16)
-        kinds = {"cupy": d, "buffer": {k: moecomm.DeviceBuffer(a.data.ptr, a.shape, dtypes.get(k, a.dtype), dev, a)
+        kinds = {"cupy": d, "buffer": {k: None if a is None else
+                                       moecomm.DeviceBuffer(a.data.ptr, a.shape, dtypes.get(k, a.dtype), dev, a)
                                        for k, a in d.items()}}
         try:
             import torch
         except ImportError:
             return kinds
         views = dict(ex=torch.float8_e4m3fn, x=torch.float8_e4m3fn, y=torch.bfloat16, out=torch.bfloat16)
-        kinds["torch"] = {k: torch.from_dlpack(a).view(views[k]) if k in views else torch.from_dlpack(a)
-                          for k, a in d.items()}
+        kinds["torch"] = {k: None if a is None else torch.from_dlpack(a).view(views[k]) if k in views else
+                          torch.from_dlpack(a) for k, a in d.items()}
         cp.cuda.get_current_stream().synchronize()
         return kinds
 
@@ -309,12 +313,13 @@ class Bench:
             if prepared:
                 kind += " prepared"
                 dispatch = a2a.prepare_dispatch(a["n"], a["ex"], a["es"], a["x"], a["xs"], a["idx"], a["m"],
-                                                weights=a["w"], stream=s, out_expert_offsets=a.get("off"))
+                                                weights=a["w"], stream=s, out_expert_offsets=a.get("off"),
+                                                tags=a["tags"])
                 combine = a2a.prepare_combine(a["out"], a["idx"], None, a["y"], a["m"], stream=s)
             else:
                 def dispatch(a=a):
                     a2a.dispatch(a["n"], a["ex"], a["es"], a["x"], a["xs"], a["idx"], a["m"], weights=a["w"],
-                                 stream=s, out_expert_offsets=a.get("off"))
+                                 stream=s, out_expert_offsets=a.get("off"), tags=a["tags"])
 
                 def combine(a=a):
                     a2a.combine(a["out"], a["idx"], None, a["y"], a["m"], stream=s)
@@ -409,6 +414,8 @@ def _variant(r):
         name += f" w{r['telemetry_window']}"
     name += " packed" if r.get("layout") == "packed" else ""
     name += f" {r['combine_wire']}" if r.get("combine_wire") else ""
+    name += f" tags{r['tags']}" if r.get("tags") else ""
+    name += " gap" if r.get("score_gap") else ""
     return name + (" timing" if r.get("timing") else "")
 
 
@@ -517,6 +524,8 @@ def main(argv=None):
     p.add_argument("--transport", default="nvshmem", choices=["nvshmem", "ipc"], help="GPU transport (default nvshmem)")
     p.add_argument("--telemetry-window", type=int, default=64, help="AllToAll(telemetry_window=...); 0: off")
     p.add_argument("--timing", action="store_true", help="AllToAll(timing=True): CUDA events per phase")
+    p.add_argument("--tags", type=int, default=0, help="AllToAll(num_tags=...), each token a random tag")
+    p.add_argument("--score-gap", action="store_true", help="AllToAll(score_gap=True): router confidence counted")
     p.add_argument("--layout", default="padded", choices=["padded", "packed"], help="AllToAll(layout=...)")
     p.add_argument("--combine-wire", default=None, choices=["e4m3", "e4m3_ue8m0"],
                    help="AllToAll(combine_wire=...): combine's rows as FP8 (default: bf16)")
@@ -554,7 +563,7 @@ def measure(args, jobs, argv):
     results, t0 = [], time.time()
     for i, (name, c) in enumerate(jobs):
         results.append(dict(bench.run(name, *c), transport=args.transport, telemetry_window=args.telemetry_window,
-                            timing=args.timing, layout=args.layout))
+                            timing=args.timing, layout=args.layout, tags=args.tags, score_gap=args.score_gap))
         if comm.rank == 0:
             done = (i + 1) / len(jobs)
             print(f"\r[{'#' * int(30 * done):<30}] {i + 1}/{len(jobs)} {name} {c[0]} tokens "

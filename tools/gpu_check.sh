@@ -15,8 +15,8 @@
 #                                    examples/routing_telemetry.py,
 #                                    the load tool with one rank per EP group (--ep-size 1), and at 4
 #                                    ranks time-sliced over ipc its tp and owners scenarios
-#   bash tools/gpu_check.sh skew-bench  build, peer check, the benchmark with telemetry off / on / timing
-#                                    and the packed layout (R1 decode and prefill), the load tool at
+#   bash tools/gpu_check.sh skew-bench  build, peer check, the benchmark with telemetry off / on / timing,
+#                                    the packed layout and tags + score gap (R1 decode and prefill), the load tool at
 #                                    EP<GPUs> (R1 sizes)
 #   bash tools/gpu_check.sh transports  both GPU transports: the ipc transport through the quick sweep,
 #                                    control, masking, timeout, embedding, examples and demo; the nvshmem
@@ -289,12 +289,14 @@ fi
 if [ "${1:-}" = skew-bench ]; then  # the cost of telemetry and timing; the load tool
   nccl=$(python3 -c "import nvidia.nccl as m; print(list(m.__path__)[0] + '/lib')" 2>/dev/null)
   export LD_LIBRARY_PATH=${nccl}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
-  for v in "--telemetry-window 0" "--telemetry-window 64" "--timing" "--layout packed"; do  # telemetry off/on/timing; packed
+  for v in "--telemetry-window 0" "--telemetry-window 64" "--timing" "--layout packed" "--tags 16 --score-gap"; do
+    # telemetry off / on / timing; packed; tags and router confidence counted
     f=$(echo "$v" | tr -d ' -'); STEP_TIMEOUT=${BENCH_TIMEOUT:-200} step "${MPIRUN[@]}" -x LD_LIBRARY_PATH -np "$ngpu" \
       python3 -m moecomm.bench --transport $T --configs r1-decode,r1-prefill --iters ${BENCH_ITERS:-500} $v --json "$out/bench-$f.json"
   done
   step python3 -m moecomm.bench --merge "$out"/bench-telemetrywindow0.json "$out"/bench-telemetrywindow64.json \
-    "$out"/bench-timing.json "$out"/bench-layoutpacked.json --json "$out/bench-telemetry.json" --plot "$out/bench-telemetry.png"
+    "$out"/bench-timing.json "$out"/bench-layoutpacked.json "$out"/bench-tags16scoregap.json --json "$out/bench-telemetry.json" \
+    --plot "$out/bench-telemetry.png"
   expect "CommTimeout naming rank" "${MPIRUN[@]}" -np "$ngpu" python3 -m moecomm.loadtest --transport $T \
     --scenarios zipf,moving-hot,capacity,mask --experts 256 --topk 8 --hidden 7168 --tokens 128 --steps ${LOAD_STEPS:-200} \
     --spare-slots 16 --replan 20 --timeout 2 --json "$out/loadtest-ep$ngpu.json" --plot "$out/loadtest-ep$ngpu.png"
