@@ -333,8 +333,8 @@ __device__ __forceinline__ bool m_in_range(int m, int rows, int max_tokens) {
 // A combine call's checks, by every thread of its grid. `reason` (0: none) is what the call's signals carry
 // where this rank sends nothing: c.skip (a refused call: c.reason), a combine with no dispatch of its own before
 // it on this GPU (ERR_ORDER: a graph replayed out of order; `again`: the caller found this dispatch combined
-// already), a bound_m other than the dispatched m
-// (ERR_M_DIFFERS) or above c.rows, the fewest rows of the call's per-token arrays (ERR_BAD_M), or a dispatch
+// already), a bound_m other than the dispatched m (ERR_M_DIFFERS) or out of range (m_in_range: above c.rows,
+// the fewest rows of the call's per-token arrays; ERR_BAD_M), or a dispatch
 // whose receive half failed (`bad_recv`, state[BAD_RECV], which the next dispatch_send clears). `m`: the rows
 // this rank may combine, 0 where there is a reason or its dispatch failed (state[M] invalid: dispatch_send
 // reported it). Block 0's thread 0 records the bound_m errors (the call number `epoch`) and zeroes the next
