@@ -1,5 +1,5 @@
 """The configuration of one AllToAll, validated once, and the buffer shapes derived from it."""
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import numpy as np
 
@@ -202,12 +202,6 @@ class AllToAllConfig:
         return rows if self.layout == "packed" else (self.num_local_experts, *rows)
 
     def key(self):
-        """The fields that must be equal on every rank (rank excluded), by name."""
-        return {"world_size": self.world_size, "max_num_tokens": self.max_num_tokens, "num_experts": self.num_experts,
-                "experts_per_token": self.experts_per_token, "hidden_dim": self.hidden_dim,
-                "hidden_dim_scale": self.hidden_dim_scale, "in_dtype": str(self.in_dtype),
-                "out_dtype": str(self.out_dtype), "scale_dtype": str(self.scale_dtype), "dp_size": self.dp_size,
-                "slots_per_rank": self.slots_per_rank, "capacity": self.capacity, "overflow": self.overflow,
-                "layout": self.layout, "scale_layout": self.scale_layout, "combine_wire": self.combine_wire,
-                "max_sms": self.max_sms, "gradients": self.gradients, "num_tags": self.num_tags,
-                "score_gap": self.score_gap}
+        """The fields that must be equal on every rank (every field but rank), by name; dtypes by name."""
+        return {f.name: str(v) if isinstance(v, np.dtype) else v
+                for f in fields(self) if f.name != "rank" for v in (getattr(self, f.name),)}
