@@ -129,3 +129,27 @@ def test_a_transport_without_gradients_refuses_them_and_the_next_call_works(laye
     counts, ex, _ = jax.jit(lambda x: layer.dispatch(x, xs, ids, m, w))(x)
     out = jax.jit(lambda ex: layer.combine(ids, None, ex, m))(ex)
     assert int(np.asarray(counts).sum()) == int(m[0]) * K and out.shape == (M, H)
+
+
+def test_tags_inside_jit_are_counted_per_local_expert():
+    """layer.dispatch(..., tags=...) inside jit, whole and split: the AllToAll counts the pairs each local
+    expert received per tag (stats()["by_tag"]) as numpy does; tags=None counts none."""
+    comm = moecomm.init(transport="host")
+    try:
+        a2a = moecomm.AllToAll(comm, M, E, K, H, None, "bfloat16", "bfloat16", num_tags=3)
+        layer = mj.AllToAll(a2a)
+        x, _, ids, m, w = _inputs()
+        tags = jnp.asarray(np.arange(M) % 3, jnp.int32)
+        whole = jax.jit(lambda x, ids, m, w, t: layer.combine(ids, None, layer.dispatch(x, None, ids, m, w, t)[1], m))
+        split = jax.jit(lambda x, ids, m, w, t: layer.combine(
+            ids, None, layer.dispatch_recv(layer.dispatch_send(x, None, ids, m, w, t))[1], m))
+        for fn, t in ((whole, tags), (split, tags), (whole, None)):
+            fn(x, ids, m, w, t).block_until_ready()
+        want = np.zeros((3, E), np.int64)
+        rows = int(m[0])
+        np.add.at(want, (np.repeat(np.asarray(tags)[:rows], K), np.asarray(ids)[:rows].ravel()), 1)
+        by_tag = a2a.stats()["by_tag"]
+        assert np.array_equal(by_tag[0], want) and np.array_equal(by_tag[1], want) and not by_tag[2].any(), by_tag
+        a2a.destroy()
+    finally:
+        comm.finalize()

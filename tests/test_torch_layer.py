@@ -84,3 +84,25 @@ def test_a_transport_without_gradients_refuses_them_and_the_next_call_works():
         a2a.destroy()
     finally:
         comm.finalize()
+
+
+def test_tags_are_counted_per_local_expert():
+    """layer.dispatch(..., tags=...): the AllToAll counts the pairs each local expert received per tag."""
+    comm = moecomm.init(transport="host")
+    try:
+        a2a = moecomm.AllToAll(comm, M, E, K, H, None, "bfloat16", "bfloat16", num_tags=2)
+        layer = mt.AllToAll(a2a)
+        rng = np.random.default_rng(1)
+        x = torch.from_numpy(rng.standard_normal((M, H)).astype(np.float32)).to(torch.bfloat16)
+        ids = np.argsort(rng.random((M, E)), 1)[:, :K].astype(np.int64)
+        tags = np.arange(M, dtype=np.int32) % 2
+        m = torch.tensor([M], dtype=torch.int32)
+        with torch.no_grad():
+            _, ex, _ = layer.dispatch(x, None, torch.from_numpy(ids), m, None, torch.from_numpy(tags))
+            layer.combine(torch.from_numpy(ids), torch.ones((M, K)), ex, m)
+        want = np.zeros((2, E), np.int64)
+        np.add.at(want, (np.repeat(tags, K), ids.ravel()), 1)
+        assert np.array_equal(a2a.stats()["by_tag"][0], want)
+        a2a.destroy()
+    finally:
+        comm.finalize()
