@@ -200,11 +200,26 @@ __device__ void moecomm::dispatch_counts(const Fixed& f, const Call& c, unsigned
   const size_t call = f.window ? (size_t)(f.counters[MOECOMM_C_CALLS] % f.window) : 0;  // its row of the window
   const size_t row = call * f.local_experts;
   // the call's pairs per (tag, local expert) and tokens per router-confidence bin into their rows of the window
-  // (beside f.ring's), zeroed for the next call
+  // (beside f.ring's), zeroed for the next call. Every block has counted (this is the last): the counters are
+  // read from L2 (__ldcg), TAG_BATCH per thread before any is stored, so that their round trips overlap (16
+  // tags of 256 experts: 16 words a thread). Read whatever this rank's call gave: the peers' records carry
+  // their tokens' tags.
   const int tagged = f.num_tags * f.local_experts;
-  for (int i = threadIdx.x; i < tagged; i += blockDim.x) {
-    const unsigned n = atomicExch(&f.state[f.s_tags + i], 0u);
-    if (!c.skip && f.window) f.tag_ring[call * tagged + i] = n;
+  constexpr int TAG_BATCH = 8;
+  for (int base = threadIdx.x; base < tagged; base += TAG_BATCH * blockDim.x) {
+    unsigned n[TAG_BATCH];
+#pragma unroll
+    for (int u = 0; u < TAG_BATCH; ++u) {
+      const int i = base + u * blockDim.x;
+      n[u] = i < tagged ? __ldcg(&f.state[f.s_tags + i]) : 0u;
+    }
+#pragma unroll
+    for (int u = 0; u < TAG_BATCH; ++u) {
+      const int i = base + u * blockDim.x;
+      if (i >= tagged) break;
+      if (n[u]) f.state[f.s_tags + i] = 0u;
+      if (!c.skip && f.window) f.tag_ring[call * tagged + i] = n[u];
+    }
   }
   if (f.gap_ring) {
     for (int i = threadIdx.x; i < MOECOMM_GAP_BINS; i += blockDim.x) {
