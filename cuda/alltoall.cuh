@@ -536,6 +536,12 @@ __device__ __forceinline__ int dispatch_begin(const Fixed& f, const Call& c, uns
   return bad_m ? 0 : m;
 }
 
+// The word a dispatch leaves in every peer's f.ids[me] before its signal: the call and the program's call_id
+// (0xffffffff where the call gives none); a receiver's own must equal it (receive(), dispatch_recv.cu).
+__device__ __forceinline__ uint64_t call_id_word(const Call& c, unsigned epoch) {
+  return (uint64_t)epoch << 32 | (c.call_id ? (unsigned)*c.call_id : 0xffffffffu);
+}
+
 __device__ __forceinline__ void dispatch_sent(const Fixed& f, const Call& c, unsigned epoch, bool local,
                                               int own_records) {
   TRACE_LAST_START();
@@ -550,7 +556,10 @@ __device__ __forceinline__ void dispatch_sent(const Fixed& f, const Call& c, uns
     const uint64_t word = bad ? epoch_signal(epoch, SIG_BAD | bad) : count_signal(epoch, cnt, generation);
     const bool masked = d == f.rank ? self_masked : f.mask[d];
     if (!masked && local) f.sig[f.rank] = word;  // read by later kernels only (world size 1): no release
-    else if (!masked) signal_set(f.peers, &f.sig[f.rank], word, d);
+    else if (!masked) {
+      signal_set(f.peers, &f.ids[f.rank], call_id_word(c, epoch), d);  // before the signal the receiver reads
+      signal_set(f.peers, &f.sig[f.rank], word, d);
+    }
     if (d != f.rank) tally_bytes(f, MOECOMM_B_DISPATCH_SENT, d, (unsigned long long)cnt * f.rec_bytes);
   }
   __syncthreads();

@@ -17,6 +17,14 @@ static __device__ __forceinline__ unsigned receive(const Fixed& f, const Call& c
                  (int)(f.state[MOECOMM_S_GEN] & SIG_GEN));
     got = 0;
   }
+  if (v && !(v & SIG_BAD) && !c.skip && s != f.rank) {  // the program's call ids (written before the signal)
+    const uint64_t mine = call_id_word(c, epoch), their = load_acquire(&f.ids[s]);
+    if (their != mine) {
+      record_error(f.err, MOECOMM_ERR_CALL_ID, s, MOECOMM_PHASE_DISPATCH, (int)(unsigned)their, (int)epoch,
+                   (int)(unsigned)mine);
+      got = 0;
+    }
+  }
   if (got > (unsigned)f.max_tokens) {
     record_error(f.err, MOECOMM_ERR_OVERFLOW, s, MOECOMM_PHASE_DISPATCH, got, (int)epoch);
     got = 0;

@@ -64,6 +64,8 @@ FIXED_FIELDS = (
                                     # per call (row CALLS % window, beside ring); null without tags
     ("gap_ring", "unsigned*"),      # [window, GAP_BINS]: this rank's tokens per router-confidence bin, per call;
                                     # null without score_gap
+    ("ids", "uint64_t*"),           # symmetric [world]: (call << 32 | call_id, 0xffffffff: none) of each rank's
+                                    # dispatch, written before its signal (ERR_CALL_ID)
     # gradients (AllToAll(gradients=True), else null; cuda/backward.cu):
     ("sent", "int*"),               # [max_tokens, topk] physical expert each pair of the last dispatch went to
                                     # (-1: not sent), written by dispatch_send for this rank's tokens
@@ -118,6 +120,7 @@ CALL_FIELDS = (
     ("out_tokens", "uint8_t*"),     # combine: [rows, hidden] out_dtype
     ("out_dropped", "uint8_t*"),    # combine: [rows, topk] uint8, 1: the pair was dropped for capacity
     ("tags", "const int*"),         # dispatch: [rows] int32 each token's tag (AllToAll num_tags), or null
+    ("call_id", "const int*"),      # dispatch: [1] int32 the program's number of the call, or null
     ("rows", "int"),                # rows of x / out_tokens / indices / weights
     ("idx64", "int"),               # indices are int64
     ("partials", "int"),            # combine: weights came with dispatch (sum on the expert side)

@@ -38,6 +38,8 @@ ERR_WEIGHTS_DIFFER = 14  # rank `peer`'s combine was given router weights and th
                          # (detail: 1 where that rank's combine was given them)
 ERR_BAD_TAG = 16      # a token's tag outside [0, num_tags); detail = token index, amount = the tag (flagged to the
                       # peers as a refused "tags")
+ERR_CALL_ID = 17      # rank `peer`'s dispatch carried another call_id than this rank's (detail: its id, amount: this
+                      # rank's; -1: none given): a rank skipped or repeated a call of the program
 ERROR_WORDS = 6
 # A rank whose part of a call failed still takes part ("no data") and flags its signals with a reason:
 # an ERR_* code, and for ERR_REFUSED the refused argument's number in ARGUMENTS shifted by REASON_ARG_SHIFT
@@ -46,7 +48,7 @@ REASON_ARG_SHIFT = 8
 ARGUMENTS = ("the order of calls", "out_expert_num_tokens", "out_expert_x", "out_expert_x_scale", "dp_x",
              "dp_x_scale", "indices", "bound_m", "weights", "out_tokens", "expert_y", "stream", "do_send",
              "do_recv", "out_dropped", "out_expert_offsets", "plan", "plan.expert", "plan.origin", "plan.call",
-             "out_grad_x", "grad_expert_x", "out_grad_expert_y", "out_grad_weights", "grad_out", "tags")
+             "out_grad_x", "grad_expert_x", "out_grad_expert_y", "out_grad_weights", "grad_out", "tags", "call_id")
 
 # The reason a combine's signals carry when its expert ids differ from its dispatch's: a refused "indices".
 REASON_IDS_DIFFER = ERR_REFUSED | ARGUMENTS.index("indices") << REASON_ARG_SHIFT

@@ -46,11 +46,12 @@ class DispatchArgs(NamedTuple):
     weights: object = None
     out_expert_offsets: object = None
     tags: object = None
+    call_id: object = None
     stream: object = None
     moved_outputs: bool = False
     promised: bool = False
     phase = "dispatch"  # class attributes, not fields
-    arrays = 10  # the fields before ``stream``: what a call's reading depends on
+    arrays = 11  # the fields before ``stream``: what a call's reading depends on
 
     @property
     def first(self):
@@ -314,7 +315,7 @@ class AllToAll:
 
     def dispatch(self, out_expert_num_tokens, out_expert_x, out_expert_x_scale, dp_x, dp_x_scale,
                  indices, bound_m, do_send=True, do_recv=True, weights=None, stream=None, out_expert_offsets=None,
-                 tags=None):
+                 tags=None, call_id=None):
         """Send each token to the ranks of its experts and lay it out per local expert. Collective.
 
         Args (``m`` = tokens this call, read from ``bound_m``; each per-token array has its own number of
@@ -344,6 +345,11 @@ class AllToAll:
             tags: [rows] int32, each token's tag in [0, num_tags) (an AllToAll with num_tags), or None: the
                 pairs each local expert receives are counted per tag (stats()["by_tag"]). A tag out of range
                 fails the call on every rank (InvalidArgument here, PeerError on the peers).
+            call_id: [1] int32 (device array on GPUs, numpy on the host), the program's number of this call
+                (for example step * layers + layer), or None: every rank's must be equal, else the call
+                raises OutOfStep on every rank instead of pairing calls of different steps (a rank that
+                skipped or repeated a call, a ``lax.cond`` whose predicate differs between ranks), which
+                counting calls alone cannot see.
             stream: CUDA stream for device transports: an int handle, a CuPy, PyTorch or cuda.core stream,
                 or None for the current stream of the framework of ``dp_x`` on the communicator's device
                 (PyTorch's for a tensor, else CuPy's). Arrays from PyTorch or CuPy are taken to be written
@@ -361,8 +367,8 @@ class AllToAll:
         timeouts.
         """
         self.run(_new_tuple(DispatchArgs, (out_expert_num_tokens, out_expert_x, out_expert_x_scale, dp_x, dp_x_scale,
-                                           indices, bound_m, weights, out_expert_offsets, tags, stream, False,
-                                           False)), do_send, do_recv)
+                                           indices, bound_m, weights, out_expert_offsets, tags, call_id, stream,
+                                           False, False)), do_send, do_recv)
 
     def combine(self, out_tokens, indices, weights, expert_y, bound_m, do_send=True, do_recv=True,
                 stream=None, out_dropped=None):
@@ -391,14 +397,14 @@ class AllToAll:
                                           False)), do_send, do_recv)
 
     def prepare_dispatch(self, out_expert_num_tokens, out_expert_x, out_expert_x_scale, dp_x, dp_x_scale, indices,
-                         bound_m, weights=None, stream=None, out_expert_offsets=None, tags=None):
+                         bound_m, weights=None, stream=None, out_expert_offsets=None, tags=None, call_id=None):
         """A :class:`PreparedCall` of :meth:`dispatch` with these arguments (as there), for a loop that gives
         the same arrays every step: its runs after the first skip reading them and check instead that each
         keeps its address, shape, dtype and layout (a changed one is refused on every rank). Nothing runs
         here. The caller keeps the arrays alive and writes their contents between runs."""
         return PreparedCall(self, DispatchArgs(out_expert_num_tokens, out_expert_x, out_expert_x_scale, dp_x,
                                                dp_x_scale, indices, bound_m, weights, out_expert_offsets, tags,
-                                               stream, promised=True))
+                                               call_id, stream, promised=True))
 
     def prepare_combine(self, out_tokens, indices, weights, expert_y, bound_m, stream=None, out_dropped=None):
         """A :class:`PreparedCall` of :meth:`combine` with these arguments, as :meth:`prepare_dispatch`."""
@@ -505,6 +511,7 @@ class AllToAll:
         rec.tags = absent if args.tags is None else read(args.tags, "tags", _COUNTS, _TAGS)
         rec.rows = arrays.rows  # the fewest rows of the per-token arrays
         rec.bound_m = read(args.bound_m, "bound_m", _BOUND_M, _ONE)
+        rec.call_id = absent if args.call_id is None else read(args.call_id, "call_id", _COUNTS, _ONE)
         rec.out_num = read(args.out_expert_num_tokens, "out_expert_num_tokens", _COUNTS, self._counts_shape, True)
         rec.out_x = read(args.out_expert_x, "out_expert_x", self._in, self._expert_shape, True)
         rec.out_scale = absent if unscaled else read(args.out_expert_x_scale, "out_expert_x_scale", self._scale,

@@ -81,7 +81,7 @@ _KINDS = ("dispatch", "combine", "dispatch_backward", "combine_backward", "keep"
 # an operation's flags, the low byte of its one attribute (the layer's number above): its halves, a routing plan
 # among its results, dispatch's outputs' starting values among its operands (moved: a send half's), whether the
 # router weights are among its operands
-_SEND, _RECV, _PLAN, _START, _MOVED, _WEIGHTS, _TAGS = 1, 2, 4, 8, 16, 32, 64
+_SEND, _RECV, _PLAN, _START, _MOVED, _WEIGHTS, _TAGS, _CALL_ID = 1, 2, 4, 8, 16, 32, 64, 128
 _layers = weakref.WeakValueDictionary()  # {number: AllToAll}: whom a handler serves
 _numbers = itertools.count(1)
 
@@ -205,6 +205,7 @@ class DispatchHandle(NamedTuple):
     bound_m: jax.Array
     weights: object
     tags: object = None
+    call_id: object = None
 
 
 class CombineHandle(NamedTuple):
@@ -274,7 +275,8 @@ class AllToAll:
         return call(*arrays, op=np.int64(self._number << 8))
 
     def _dispatch_op(self, send, recv, inputs, outputs=None, plan=False):
-        """The given halves of dispatch on ``inputs`` (dp_x, dp_x_scale, indices, bound_m, weights, tags); a
+        """The given halves of dispatch on ``inputs`` (dp_x, dp_x_scale, indices, bound_m, weights, tags,
+        call_id); a
         receive half after a send half completes ``outputs`` (the send's counts, expert_x, expert_x_scale) in
         place. Returns (counts, expert_x, expert_x_scale or None), and with ``plan`` the dispatch's
         RoutingPlan and expert slots past their count zero (the outputs start as zeros: a gradient of the
@@ -284,7 +286,8 @@ class AllToAll:
         start = (outputs[:len(structs)] if outputs is not None else
                  [jax.numpy.zeros(t.shape, t.dtype) for t in structs] if plan or self._zero else ())
         flags = (send * _SEND | recv * _RECV | plan * _PLAN | bool(start) * _START | (outputs is not None) * _MOVED
-                 | (inputs[4] is not None) * _WEIGHTS | (inputs[5] is not None) * _TAGS)
+                 | (inputs[4] is not None) * _WEIGHTS | (inputs[5] is not None) * _TAGS
+                 | (inputs[6] is not None) * _CALL_ID)
         results = structs + (tuple(self._plan) if plan else ())
         out = self._call("dispatch", flags, results, (*start, *(a for a in inputs if a is not None)),
                          {i: i for i in range(len(start))} or None, like=inputs[0])
@@ -344,13 +347,15 @@ class AllToAll:
         stream, scope = self._scope(frame)
         arrays = [self._array(b) for b in ins[(2 + self._scaled) * bool(flags & _START):]]
         x, xs = arrays.pop(0), arrays.pop(0) if self._scaled else None
+        call_id = arrays.pop() if flags & _CALL_ID else None
         tags = arrays.pop() if flags & _TAGS else None
         w = arrays.pop() if flags & _WEIGHTS else None
         idx, m = arrays
         n, ex, *rest = (self._array(b) for b in outs)
         exs = rest.pop(0) if self._scaled else None
         with scope:  # after a send half, XLA may have copied its outputs: they hold what the send wrote
-            self.a2a.run(DispatchArgs(n, ex, exs, x, xs, idx, m, w, None, tags, stream, bool(flags & _MOVED)),
+            self.a2a.run(DispatchArgs(n, ex, exs, x, xs, idx, m, w, None, tags, call_id, stream,
+                                      bool(flags & _MOVED)),
                          flags & _SEND, flags & _RECV)
             if rest:
                 self.a2a.plan(RoutingPlan(*rest), stream)
@@ -389,21 +394,22 @@ class AllToAll:
             self.a2a.combine_backward(grad_y, grad_w, RoutingPlan(*plan), g, w, y, m, stream)
 
     # the API ----------------------------------------------------------------------------------
-    def dispatch(self, dp_x, dp_x_scale, indices, bound_m, weights=None, tags=None):
+    def dispatch(self, dp_x, dp_x_scale, indices, bound_m, weights=None, tags=None, call_id=None):
         """Both halves of :meth:`moecomm.AllToAll.dispatch` (``tags``: [rows] int32, each token's tag, with the
-        AllToAll's num_tags; or None). Returns ``(out_expert_num_tokens [L] int32, out_expert_x [L, capacity,
+        AllToAll's num_tags; ``call_id``: [1] int32, the program's number of the call, equal on every rank; or
+        None). Returns ``(out_expert_num_tokens [L] int32, out_expert_x [L, capacity,
         hidden] in_dtype, out_expert_x_scale (its shape) scale_dtype or None)``. Differentiable (``jax.grad``,
         ``jax.vjp``; where ``a2a.gradients``): the gradient of dp_x is the sum of its slots' gradients
         (:meth:`moecomm.AllToAll.dispatch_backward`, along the dispatch's routing plan, kept as a residual);
-        dp_x_scale, indices, bound_m and tags get none, and router weights given here get theirs through the
+        dp_x_scale, indices, bound_m, tags and call_id get none, and router weights given here get theirs through the
         combine that uses them. Not for FP8 dp_x (a JAX cotangent has the primal's dtype)."""
         self._weights_sent = weights is not None
         shape = (dp_x.shape[0], self.a2a.cfg.hidden_dim)
-        return self._dispatch_vjp(shape, dp_x.dtype)(dp_x, dp_x_scale, indices, bound_m, weights, tags)
+        return self._dispatch_vjp(shape, dp_x.dtype)(dp_x, dp_x_scale, indices, bound_m, weights, tags, call_id)
 
     def _dispatch_vjp(self, shape, dtype):
-        """dispatch as a jax.custom_vjp function of (dp_x, dp_x_scale, indices, bound_m, weights, tags), dp_x
-        of ``shape`` and ``dtype``."""
+        """dispatch as a jax.custom_vjp function of (dp_x, dp_x_scale, indices, bound_m, weights, tags, call_id),
+        dp_x of ``shape`` and ``dtype``."""
         @jax.custom_vjp
         def dispatch(*inputs):
             return self._dispatch_op(True, True, inputs)
@@ -419,14 +425,14 @@ class AllToAll:
                 raise InvalidArgument("moecomm.jax: gradients of an FP8 dispatch are not taken (a JAX cotangent "
                                       "is FP8 too); dispatch bfloat16 or float16 tokens to train")
             plan, bound_m = residuals
-            return self._dispatch_backward_op(plan, cotangents[1], bound_m, shape, dtype), None, None, None, None, None
+            return (self._dispatch_backward_op(plan, cotangents[1], bound_m, shape, dtype),) + (None,) * 6
 
         dispatch.defvjp(forward, backward)
         return dispatch
 
-    def dispatch_send(self, dp_x, dp_x_scale, indices, bound_m, weights=None, tags=None):
+    def dispatch_send(self, dp_x, dp_x_scale, indices, bound_m, weights=None, tags=None, call_id=None):
         """The send half of :meth:`dispatch`; returns a :class:`DispatchHandle` for :meth:`dispatch_recv`."""
-        inputs = (dp_x, dp_x_scale, indices, bound_m, weights, tags)
+        inputs = (dp_x, dp_x_scale, indices, bound_m, weights, tags, call_id)
         self._weights_sent = weights is not None
         return DispatchHandle(*self._dispatch_op(True, False, inputs), *inputs)
 

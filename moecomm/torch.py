@@ -69,15 +69,17 @@ class AllToAll:
         plan = RoutingPlan(*(self._new(s, np.int32, like, False) for s in self._plan_shapes))
         return plan, RoutingPlan(*(self._arg(t) for t in plan))
 
-    def dispatch(self, dp_x, dp_x_scale, indices, bound_m, weights=None, tags=None):
-        """:meth:`moecomm.AllToAll.dispatch` (both halves; ``tags``: [rows] int32 with num_tags, or None).
+    def dispatch(self, dp_x, dp_x_scale, indices, bound_m, weights=None, tags=None, call_id=None):
+        """:meth:`moecomm.AllToAll.dispatch` (both halves; ``tags``: [rows] int32 with num_tags, ``call_id``:
+        [1] int32 equal on every rank, or None).
         Returns ``(out_expert_num_tokens [L] int32,
         out_expert_x in_dtype, out_expert_x_scale scale_dtype (UE8M0 as uint8) or None)`` (packed layout:
         out_expert_offsets is :attr:`offsets` after the call). Expert slots past their count are zero in grad
         mode (a memset of out_expert_x; run inference under ``torch.no_grad()`` or ``torch.inference_mode()``
         to skip it), else unspecified. dp_x's gradient: the sum of its slots' gradients."""
         self._weights_sent = weights is not None
-        return _Dispatch.apply(self, torch.is_grad_enabled(), dp_x, dp_x_scale, indices, bound_m, weights, tags)
+        return _Dispatch.apply(self, torch.is_grad_enabled(), dp_x, dp_x_scale, indices, bound_m, weights, tags,
+                               call_id)
 
     def combine(self, indices, weights, expert_y, bound_m):
         """:meth:`moecomm.AllToAll.combine` (both halves). Returns out_tokens [rows, hidden] out_dtype (rows =
@@ -90,7 +92,7 @@ class AllToAll:
 
 class _Dispatch(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, layer, training, dp_x, dp_x_scale, indices, bound_m, weights, tags):
+    def forward(ctx, layer, training, dp_x, dp_x_scale, indices, bound_m, weights, tags, call_id):
         a2a, c, arg = layer.a2a, layer.a2a.cfg, layer._arg
         keep = ctx.needs_input_grad[2]
         if keep and not a2a.gradients:  # before anything runs: no dispatch is left without its combine
@@ -102,7 +104,8 @@ class _Dispatch(torch.autograd.Function):
         layer.offsets = (layer._new((c.num_local_experts + 1,), np.int32, dp_x, False) if c.layout == "packed"
                          else None)
         a2a.dispatch(arg(n), arg(ex), arg(exs), arg(dp_x), arg(dp_x_scale), arg(indices), arg(bound_m),
-                     weights=arg(weights), out_expert_offsets=arg(layer.offsets), tags=arg(tags))
+                     weights=arg(weights), out_expert_offsets=arg(layer.offsets), tags=arg(tags),
+                     call_id=arg(call_id))
         ctx.mark_non_differentiable(n)
         ctx.layer, ctx.rows, ctx.dtype = layer, dp_x.shape[0], dp_x.dtype
         if keep:
@@ -115,7 +118,7 @@ class _Dispatch(torch.autograd.Function):
     def backward(ctx, _counts, grad_expert_x, _grad_scale):
         layer = ctx.layer
         if not ctx.needs_input_grad[2]:  # only the weights required grad: theirs flows through combine
-            return (None,) * 8
+            return (None,) * 9
         if ctx.dtype == torch.float8_e4m3fn:
             raise InvalidArgument("moecomm.torch: FP8 tokens get no gradient (it would be FP8 too); differentiate "
                                   "the bfloat16 tokens before quantising")
@@ -123,7 +126,7 @@ class _Dispatch(torch.autograd.Function):
         grad_x = torch.zeros((ctx.rows, layer.a2a.cfg.hidden_dim), dtype=ctx.dtype, device=grad_expert_x.device)
         layer.a2a.dispatch_backward(layer._arg(grad_x), RoutingPlan(*map(layer._arg, plan)),
                                     layer._arg(grad_expert_x.contiguous()), layer._arg(bound_m))
-        return None, None, grad_x, None, None, None, None, None
+        return None, None, grad_x, None, None, None, None, None, None
 
 
 class _Combine(torch.autograd.Function):

@@ -33,6 +33,13 @@ def test_failed_calls_at_one_rank_leave_the_next_call_right():
     assert p.returncode == 0 and ": 0 failures" in p.stdout, p.stdout[-4000:] + p.stderr[-4000:]
 
 
+def test_a_rank_that_skips_a_numbered_call_is_named_not_paired():
+    """tests/mpi_call_ids.py on 3 host ranks: with call ids, a rank that skips a call raises OutOfStep on every
+    rank (naming the program's calls) instead of pairing its next call with the peers' call."""
+    p = run_mpi(3, "tests/mpi_call_ids.py", timeout=120)
+    assert p.returncode == 0 and ": 0 failures" in p.stdout, p.stdout[-4000:] + p.stderr[-4000:]
+
+
 def test_a_masked_dead_rank_leaves_the_survivors_serving():
     """tests/mpi_mask.py: the survivors name the stalled rank, mask it, match the reference without its
     experts (and count the pairs not sent), then take it back."""

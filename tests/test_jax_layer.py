@@ -22,6 +22,13 @@ def test_jax_matrix_on_host_ranks(ranks):
     assert p.returncode == 0 and ": 0 failures" in p.stdout, p.stdout[-4000:] + p.stderr[-4000:]
 
 
+def test_a_rank_whose_cond_skips_a_numbered_layer_is_named():
+    """tests/mpi_call_ids.py --jax on 2 host ranks: the layer under lax.cond, its predicate False on one rank
+    only, with call ids: OutOfStep on every rank, not calls of different steps paired."""
+    p = run_mpi(2, "tests/mpi_call_ids.py", "--jax", timeout=300)
+    assert p.returncode == 0 and ": 0 failures" in p.stdout, p.stdout[-4000:] + p.stderr[-4000:]
+
+
 @pytest.fixture(scope="module")
 def layer():
     comm = moecomm.init(transport="host")

@@ -128,8 +128,8 @@ def parts(comm, a2a, delay_args, delay, arrays, stream):
     cs = cupy.cuda.ExternalStream(stream)
     rows["stream_handle(CuPy stream)"] = timed(lambda: stream_handle(cs), 2000)
     rows["arrays.begin"] = timed(lambda: a2a._arrays.begin(stream, b["x"]), 2000)
-    d_args = DispatchArgs(b["n"], b["ex"], b["es"], b["x"], b["xs"], b["idx"], b["m"], b["w"], None, None, stream,
-                          False)
+    d_args = DispatchArgs(b["n"], b["ex"], b["es"], b["x"], b["xs"], b["idx"], b["m"], b["w"], None, None, None,
+                          stream, False)
     c_args = CombineArgs(b["out"], b["idx"], None, b["y"], b["m"], None, stream)
     rows["read dispatch (DeviceBuffer)"] = timed(lambda: a2a._read(d_args, stream, False, False), 2000)
     rows["read combine (DeviceBuffer)"] = timed(lambda: a2a._read(c_args, stream, False, False), 2000)

@@ -279,6 +279,10 @@ def _error(code, peer, phase, detail, call, amount, what, capacity, departed):
     if code == C.ERR_BAD_EXPERT:
         return InvalidRouting(f"{where}: this rank dispatched an expert id out of range or repeated in a row "
                               f"(token {detail}); no rank unpacked its tokens")
+    if code == C.ERR_CALL_ID:
+        return OutOfStep(f"{where}: rank {peer}'s dispatch is the program's call {detail} (call_id), this rank's "
+                         f"call {amount} (-1: none given): a rank skipped or repeated a call; its tokens were not "
+                         f"unpacked")
     if code == C.ERR_BAD_TAG:
         return InvalidArgument(f"{where}: tags: token {detail}: tag {amount} is outside [0, num_tags); no rank "
                                f"unpacked its tokens")

@@ -7,7 +7,7 @@ Symmetric memory per rank (bytes), W ranks, M = max_num_tokens, K = top-k, H = h
     dispatch records   W * M * R          R = align16(H * in_size) + align16(scale bytes) + align16(4 + 8K)
     combine rows       max(W, K) * M * B      B = H * out_size, or on an FP8 combine wire align16(H + scale bytes)
     staging            blocks * 4 * max(R, H * out_size)   (sources of puts to non-mapped peers)
-    signals            3 * W * 8          (dispatch, combine, and the detail of a failed call)
+    signals            4 * W * 8          (dispatch, combine, the detail of a failed call, the call ids)
     arrival words      2 * W * M * 8      (one per dispatch record slot, one per partial sum of combine)
     drop words         W * M * 8          (only with overflow="drop")
     gradient rows      W * M * G          G = 4H + align16(4K) + 16 (only with gradients=True; backward.cu)
@@ -53,7 +53,7 @@ def symmetric_sizes(cfg, plan):
     grad_row = _abi.grad_row_bytes(cfg) if cfg.gradients else 0
     stage_row = max(record_bytes(cfg), comb_row, grad_row)
     return dict(recv_buf=W * M * record_bytes(cfg), comb_buf=max(W, K) * M * comb_row,
-                stage=plan.stage_rows * stage_row, signals=3 * W * 8, arrive=2 * W * M * 8, stage_row=stage_row,
+                stage=plan.stage_rows * stage_row, signals=4 * W * 8, arrive=2 * W * M * 8, stage_row=stage_row,
                 drop_buf=W * M * 8 if cfg.drops else 0,
                 grad_buf=W * M * grad_row, grad_words=(3 * W + M * K) * 8 if cfg.gradients else 0)
 
@@ -101,7 +101,7 @@ class GpuAllToAll(AllToAllBackend):
         self.recv_buf = sym((sizes["recv_buf"],), np.uint8)
         self.comb_buf = sym((sizes["comb_buf"],), np.uint8)
         self.stage = sym((sizes["stage"],), np.uint8)
-        self.sig = sym((3, W), np.uint64)  # [0]: dispatch signals, [1]: combine signals, [2]: why
+        self.sig = sym((4, W), np.uint64)  # [0]: dispatch signals, [1]: combine signals, [2]: why, [3]: call ids
         self.arrive = sym((2, W, M), np.uint64)  # arrival words (the call) of [0] dispatch records, [1] partial sums
         self._owned = [self.recv_buf, self.comb_buf, self.stage, self.sig, self.arrive]
         self.drop_buf = sym((W, M), np.uint64) if cfg.drops else None
@@ -136,6 +136,7 @@ class GpuAllToAll(AllToAllBackend):
             ids_of=self.ids_of.data.ptr,
             comb_sig=self.sig[1].data.ptr, slot_of=self.slot_of.data.ptr, mask=self.mask.data.ptr,
             counters=self.counters.data.ptr, ring=self.ring.data.ptr, why=self.sig[2].data.ptr,
+            ids=self.sig[3].data.ptr,
             drop_buf=0 if self.drop_buf is None else self.drop_buf.data.ptr,
             map=0 if self.map is None else self.map.data.ptr, peers=transport.peers.data.ptr,
             gone=transport.gone.data.ptr, timeout_ns=int(timeout_s * 1e9),

@@ -37,8 +37,8 @@ _OK, _BAD_ROUTING, _BAD_M, _BAD_ARG = C.ERR_NONE, C.ERR_BAD_EXPERT, C.ERR_BAD_M,
 # capacity is set; the backward ones are the gradients' (dispatch_backward, combine_backward and its weights)
 _PHASES = ("dispatch", "combine", "demand", "dispatch_backward", "combine_backward", "weights_backward")
 _C = {name: i for i, name in enumerate(COUNTER_FIELDS)}
-_FIELDS, _HEADER = 7, 256  # header: int64 [alltoall, phase, call, status, count, map generation, agree], then
-                           # the reason (UTF-8); agree: what every rank must pass alike (_Exchange.post)
+_FIELDS, _HEADER = 8, 256  # header: int64 [alltoall, phase, call, status, count, map generation, agree, call_id],
+                           # then the reason (UTF-8); agree: what every rank must pass alike (_Exchange.post)
 
 
 class _Exchange:
@@ -69,12 +69,13 @@ class _Exchange:
         self._receives, self.calls, self.live = [], 0, list(live)
         self.tag = exchange_tag(_PHASES.index(self.phase), generation)
 
-    def post(self, rows, dest_counts, status, reason="", agree=0):
+    def post(self, rows, dest_counts, status, reason="", agree=0, call_id=-1):
         """Exchange headers; then, if every rank's status is OK, post the rows. Returns (pending or None,
         statuses [world], reasons [world]). ``status``: OK, or the error code of this rank's failed part (a
         refusal's reason: moecomm._constants). ``agree``: what every rank must pass alike in this exchange (a
         backward call's plan stamp, :func:`_stamp`; combine: whether it was given router weights);
-        InvalidArgument on every rank otherwise (:func:`_disagreement`), nothing exchanged."""
+        InvalidArgument on every rank otherwise (:func:`_disagreement`), nothing exchanged. ``call_id``: the
+        program's number of the call (-1: none given), which every rank's must equal: OutOfStep otherwise."""
         w, c, live = self.comm.Get_size(), self.comm, self.live
         self.calls += 1
         me = (self.alltoall, _PHASES.index(self.phase), self.calls)
@@ -82,12 +83,12 @@ class _Exchange:
         head = np.zeros((w, _HEADER), np.uint8)
         fields = head[:, :8 * _FIELDS].view(np.int64)
         fields[:, :3], fields[:, 3], fields[:, 4], fields[:, 5] = me, status, dest_counts, self.map_generation
-        fields[:, 6] = agree
+        fields[:, 6], fields[:, 7] = agree, call_id
         text = reason.encode()[:_HEADER - 8 * _FIELDS]
         head[:, 8 * _FIELDS:8 * _FIELDS + len(text)] = np.frombuffer(text, np.uint8)
         heads = np.zeros((w, _HEADER), np.uint8)
         heads[:, :8 * _FIELDS].view(np.int64)[:, :3] = me  # masked ranks: in step, OK, no rows, same map
-        heads[:, :8 * _FIELDS].view(np.int64)[:, 5:7] = self.map_generation, agree
+        heads[:, :8 * _FIELDS].view(np.int64)[:, 5:8] = self.map_generation, agree, call_id
         recvs = self._receives = [c.Irecv(heads[s], source=s, tag=self.tag) for s in live]
         sends = [c.Isend(head[d], dest=d, tag=self.tag) for d in live]
         wait_all(recvs + sends, live * 2, deadline, self.timeout_s, self.phase, self.departures)
@@ -98,6 +99,11 @@ class _Exchange:
                 theirs = _PHASES[phase] if 0 <= phase < len(_PHASES) else f"phase {phase}"
                 raise OutOfStep(f"{self.phase}: rank {s} is in AllToAll #{a} {theirs} call {call} while this "
                                 f"rank is in AllToAll #{self.alltoall} {self.phase} call {self.calls}")
+        other = [s for s in live if got[s, 7] != call_id]
+        if other:
+            raise OutOfStep(f"{self.phase}: rank {other[0]}'s call is the program's call {int(got[other[0], 7])} "
+                            f"(call_id), this rank's call {call_id} (-1: none given): a rank skipped or repeated a "
+                            f"call; nothing was exchanged")
         other = [s for s in live if got[s, 5] != self.map_generation]
         if other:
             raise ExpertMapMismatch(f"{self.phase}: rank {other[0]} routes with expert map generation "
@@ -275,6 +281,7 @@ class HostAllToAll(AllToAllBackend):
         m = int(a.bound_m[0])
         status, message = _OK, None
         self._demand = None
+        self._call_id = -1 if a.call_id is None else int(a.call_id[0])  # every rank's must equal (_Exchange.post)
         if not reference.m_in_range(m, a.rows, cfg.max_num_tokens):
             status, message = _BAD_M, _bad_m(m, min(a.rows, cfg.max_num_tokens))
         else:
@@ -306,7 +313,7 @@ class HostAllToAll(AllToAllBackend):
                                                       None if a.tags is None else a.tags[t])
                                for t, local in ((mine[sel], local) for sel, local in per_rank)])
         ex = self._exchanges["dispatch"]
-        pending, statuses, reasons = ex.post(rows, counts, status, message or "")
+        pending, statuses, reasons = ex.post(rows, counts, status, message or "", call_id=self._call_id)
         if pending is None:
             _raise_status(statuses, reasons, (status, message) if status else None, "dispatch")
         self._tally("dispatch_sent", counts * rows.shape[1])
@@ -356,7 +363,7 @@ class HostAllToAll(AllToAllBackend):
         ex = self._exchanges["demand"]
         live = np.array([not m for m in self._masked], np.int64)
         rows = np.repeat(mine.view(np.uint8)[None], int(live.sum()), axis=0)
-        pending, statuses, reasons = ex.post(rows, live, status, message or "")
+        pending, statuses, reasons = ex.post(rows, live, status, message or "", call_id=self._call_id)
         if pending is None:
             _raise_status(statuses, reasons, (status, message) if status else None, "dispatch")
         got, src = ex.finish(pending)
