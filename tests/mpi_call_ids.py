@@ -100,6 +100,9 @@ def main():
     opts = p.parse_args()
     comm = moecomm.init(transport=opts.transport, timeout=5.0)
     W, r = comm.world_size, comm.rank
+    if W < 2:  # a rank to skip a call and a peer to meet it
+        comm.finalize()
+        sys.exit("mpi_call_ids.py needs 2 or more ranks (one skips a call)")
     xp = np
     if comm.transport.memory == "device":
         import cupy as xp
