@@ -45,7 +45,7 @@ constexpr unsigned M_INVALID = 0x80000000u;
 // a block waiting in the receive half never keeps a send block of its own grid from running).
 // dispatch_send sends on the grid's first `senders` blocks: all of them in the split kernel, f.senders in the
 // one-launch kernel (a share of it where records stream: its other blocks unpack the records that have landed,
-// from HBM, while the sends keep NVLink busy; moecomm/_abi.py, dispatch_senders).
+// from HBM, while the sends keep NVLink busy; moecomm/transport/gpu_plan.py, dispatch_senders).
 // Pipelined: the one-launch kernel of streamed batches (moecomm_dispatch_streamed) and the local path's
 // (local.cu), whose sending blocks route a token while they send the one before where they have several, in a
 // build without puts (HAS_PUTS, transport.cuh); the other kernels carry none of that code. `local` (local.cu:

@@ -6,7 +6,7 @@ using namespace moecomm;
 // grid: world * parts blocks, all resident (as moecomm_dispatch, dispatch.cu). Each block sends the
 // expert outputs of its records, then sums its tokens once every expert rank has signalled. Streamed form,
 // with partial sums where f.comb_streamed (prefill-sized batches, DP size 1, the padded layout, a transport
-// that gains by it: moecomm/_abi.py, combine_streams; compiled in only where MOECOMM_STREAMS_COMBINE): this
+// that gains by it: gpu_plan.py, combine_streams; compiled in only where MOECOMM_STREAMS_COMBINE): this
 // rank's own partial sums are never formed. The blocks of its own records go straight to the token side,
 // which sums each token's own expert rows with the peers' partial sums as these land (arrival words), while
 // the other blocks send; those join the token side once sent. Every block reads the call number before it
@@ -20,7 +20,7 @@ extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, MOECOMM_BLOC
   TRACE_SPAN(MOECOMM_TRACE_COMBINE_SEND, 1);
 }
 
-// On the FP8 combine wire (never streamed: moecomm/_abi.py, combine_streams).
+// On the FP8 combine wire (never streamed: moecomm/transport/gpu_plan.py, combine_streams).
 extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, MOECOMM_BLOCKS_PER_SM)
     moecomm_combine_wire(const Fixed f, const Call c) {
   after_previous_kernel();

@@ -1,10 +1,10 @@
 // The local path: dispatch and combine at world size 1 in the padded layout, where every pair is this rank's
-// own, so nothing is exchanged and no block waits for another (moecomm/_abi.py: local).
+// own, so nothing is exchanged and no block waits for another (moecomm/transport/gpu_plan.py: local).
 #include "alltoall.cuh"
 
 using namespace moecomm;
 
-// grid: f.max_tokens * parts blocks (moecomm/_abi.py: whole_kernels, small batches; _token_part_blocks: parts
+// grid: f.max_tokens * parts blocks (gpu_plan.py: whole_kernels, small batches; _token_part_blocks: parts
 // up to top-k while half the resident grid has room, 1 where pairs may be dropped for capacity, whose drop word
 // is the token's). Block b takes token t = b / parts and its pairs k with k % parts == b % parts, so that a small
 // batch's rows are stored from many SMs: its threads load the token's row and scales (RowCopy) while warp 0
@@ -125,7 +125,7 @@ extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, MOECOMM_BLOC
   TRACE_SPAN(MOECOMM_TRACE_DISPATCH_SEND, 1);
 }
 
-// grid: any number of blocks (moecomm/_abi.py: _sum_blocks). Each token's sum is formed straight from its expert
+// grid: any number of blocks (gpu_plan.py: _sum_blocks). Each token's sum is formed straight from its expert
 // rows in c.y, as combine_send and combine_recv would form and add its partial sum: its pairs' slots and
 // dispatched weights from f.own_of (dispatch_send), or the weights of c.weights where the dispatch had none
 // (c.partials 0). No partial sum, signal or grid-wide count: a block ends with its work. Work items, handed

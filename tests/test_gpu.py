@@ -29,7 +29,7 @@ def test_alltoall_matches_reference(transport):
 @each_transport
 def test_model_sized_and_streamed_batches(transport):
     """R1-sized cases and prefill-sized batches that stream (arrival words, the streamed combine; on nvshmem from
-    the ipc build, every peer being mapped: GpuTransport.kernels):
+    the ipc build, every peer being mapped: moecomm/transport/gpu_plan.py):
     ``tests/mpi_alltoall.py --full``; then capacity policies in an AllToAll of prefill size."""
     p = run_mpi(GPUS, "tests/mpi_alltoall.py", "--transport", transport, "--quick", "--full", timeout=600)
     assert p.returncode == 0 and ": 0 failures" in p.stdout, p.stdout[-4000:] + p.stderr[-4000:]
