@@ -21,9 +21,12 @@ using namespace moecomm;
 // destination rank as a record (the receiver fans it out to its experts); tokens for this rank's own
 // experts go straight into their expert slots, and only the record's metadata (for combine) is kept.
 // The token row is read once and stored into every destination (with f.packed, this rank's own record
-// takes the row like a peer's: rows are placed by dispatch_recv and dispatch_pack). Expert id -1 sends nothing, nor does an
-// expert of a masked rank (f.mask; counted in f.counters). With an expert map (f.map) ids are logical and
-// each pair goes to one replica (physical()); records carry physical ids. A pair for this rank's own expert
+// takes the row like a peer's: rows are placed by dispatch_recv and dispatch_pack). Expert id -1 sends
+// nothing, nor does an expert of a masked rank (f.mask; counted in f.counters). With an expert map (f.map) ids
+// are logical and each pair goes to one replica (physical(), passing over masked ranks); records carry
+// physical ids. With tags (f.num_tags) a record's metadata also carries its token's tag, and the pairs this
+// rank's own experts keep are counted per tag here (count_tag); with f.gap_ring each token's router
+// confidence is counted (count_gap). A tag out of range fails the token like a bad id (ERR_BAD_TAG). A pair for this rank's own expert
 // past its capacity is not stored: dropped (f.drop: flagged in f.drop_buf[me][t] for combine) or, with
 // overflow="error", reported by dispatch_recv, which sees the expert's whole demand. With c.skip (a refused
 // call) nothing is sent and every signal carries SIG_BAD | c.reason; otherwise a signal carries the count
