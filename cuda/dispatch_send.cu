@@ -26,8 +26,9 @@ using namespace moecomm;
 // are logical and each pair goes to one replica (physical(), passing over masked ranks); records carry
 // physical ids. With tags (f.num_tags) a record's metadata also carries its token's tag, and the pairs this
 // rank's own experts keep are counted per tag here (count_tag); with f.gap_ring each token's router
-// confidence is counted (count_gap). A tag out of range fails the token like a bad id (ERR_BAD_TAG). A pair for this rank's own expert
-// past its capacity is not stored: dropped (f.drop: flagged in f.drop_buf[me][t] for combine) or, with
+// confidence is counted (count_gap). A tag out of range fails the token like a bad id (ERR_BAD_TAG). A pair
+// for this rank's own expert past its capacity is not stored: dropped (f.drop: flagged in f.drop_buf[me][t]
+// for combine) or, with
 // overflow="error", reported by dispatch_recv, which sees the expert's whole demand. With c.skip (a refused
 // call) nothing is sent and every signal carries SIG_BAD | c.reason; otherwise a signal carries the count
 // and the expert-map generation (state[GEN]).
