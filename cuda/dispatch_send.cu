@@ -28,10 +28,9 @@ using namespace moecomm;
 // rank's own experts keep are counted per tag here (count_tag); with f.gap_ring each token's router
 // confidence is counted (count_gap). A tag out of range fails the token like a bad id (ERR_BAD_TAG). A pair
 // for this rank's own expert past its capacity is not stored: dropped (f.drop: flagged in f.drop_buf[me][t]
-// for combine) or, with
-// overflow="error", reported by dispatch_recv, which sees the expert's whole demand. With c.skip (a refused
-// call) nothing is sent and every signal carries SIG_BAD | c.reason; otherwise a signal carries the count
-// and the expert-map generation (state[GEN]).
+// for combine) or, with overflow="error", reported by dispatch_recv, which sees the expert's whole demand.
+// With c.skip (a refused call) nothing is sent and every signal carries SIG_BAD | c.reason; otherwise a
+// signal carries the count and the expert-map generation (state[GEN]).
 template <bool Pipelined>
 __device__ void moecomm::dispatch_send(const Fixed& f, const Call& c, int senders, bool local) {
   TRACE(MOECOMM_TRACE_DISPATCH_SEND, 0);
