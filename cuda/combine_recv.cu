@@ -84,7 +84,8 @@ __device__ void moecomm::combine_recv(const Fixed& f, const Call& c, unsigned ep
   TRACE(MOECOMM_TRACE_COMBINE_RECV, 0);
   const uint64_t deadline = now_ns() + f.timeout_ns;
   int m = c.skip ? 0 : *c.bound_m;
-  if (m != (int)f.state[MOECOMM_S_M] || f.state[MOECOMM_S_M] == M_INVALID || !m_in_range(m, c.rows, f.max_tokens))
+  if (m != (int)f.state[MOECOMM_S_M] || f.state[MOECOMM_S_M] == M_INVALID || !m_in_range(m, c.rows, f.max_tokens)
+      || f.state[MOECOMM_S_EPOCH_DS] != epoch)  // a combine with no dispatch of its own (ERR_ORDER): nothing
     m = 0;  // dispatch_send or combine_send reported it (to every rank)
   __shared__ const uint8_t* srcs[2][MOECOMM_MAX_TOPK];  // two lists of rows to add (comb_buf, or expert_y)
   __shared__ float wts[2][MOECOMM_MAX_TOPK];
