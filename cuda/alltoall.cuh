@@ -95,22 +95,46 @@ __device__ __forceinline__ int physical(const Fixed& f, int e, int t) {
 }
 
 // Tags (f.num_tags): token t's tag as given (c.tags), -1 where the call gives none; tag_ok(): it is in [0,
-// num_tags), or the call gives none. count_tag(): a pair kept by local expert le, of a token with tag `tag`
-// (-1: none).
+// num_tags), or the call gives none.
 __device__ __forceinline__ int tag_of(const Fixed& f, const Call& c, int t) {
   return f.num_tags && c.tags && t < c.rows ? c.tags[t] : -1;
 }
 __device__ __forceinline__ bool tag_ok(const Fixed& f, const Call& c, int tag) {
   return !f.num_tags || !c.tags || (tag >= 0 && tag < f.num_tags);
 }
-__device__ __forceinline__ void count_tag(const Fixed& f, int tag, int le) {
-  if (tag >= 0 && tag < f.num_tags) atomicAdd(&f.state[f.s_tags + tag * f.local_experts + le], 1u);
+
+// Tags and router confidence are counted straight into this call's rows of their windows: f.tag_ring and
+// f.gap_ring have f.tally_rows rows (a power of two above the window), the call's at CALLS % tally_rows (CALLS is
+// counted by the call's last block, after every count; call_row()). Every block of the kernels that end a
+// dispatch (the receive half's, the local path's) zeroes its share of the next call's rows (zero_next_rows()):
+// no block of this call counts there and the next call's kernels begin after this call's end, so nothing is
+// copied or cleared at the end of a call.
+__device__ __forceinline__ unsigned call_row(const Fixed& f) {
+  return (unsigned)f.counters[MOECOMM_C_CALLS] & (unsigned)(f.tally_rows - 1);
+}
+__device__ __forceinline__ void zero_next_rows(const Fixed& f) {
+  if (!f.tag_ring && !f.gap_ring) return;
+  const unsigned next = (call_row(f) + 1) & (unsigned)(f.tally_rows - 1);
+  const int tagged = f.num_tags * f.local_experts;
+  const int first = blockIdx.x * blockDim.x + threadIdx.x, stride = gridDim.x * blockDim.x;
+  if (f.tag_ring)
+    for (int i = first; i < tagged; i += stride) f.tag_ring[(size_t)next * tagged + i] = 0u;
+  if (f.gap_ring)
+    for (int i = first; i < MOECOMM_GAP_BINS; i += stride) f.gap_ring[next * MOECOMM_GAP_BINS + i] = 0u;
 }
 
-// Router confidence (f.gap_ring: score_gap), warp-wide: lane k holds a valid token's k-th expert id e (-1: none)
-// and router weight w; the token's gap between its largest and smallest weight over its ids, when it has two
-// or more, is counted in its bin (MOECOMM_GAP_EDGES, as moecomm.reference.score_gap_bins) by lane 0.
-__device__ __forceinline__ void count_gap(const Fixed& f, const Call& c, int e, float w) {
+// A pair kept by local expert le, of a token with tag `tag` (-1: none), into this call's `row` (call_row(), read
+// before the block counted itself done).
+__device__ __forceinline__ void count_tag(const Fixed& f, int tag, int le, unsigned row) {
+  if (f.tag_ring && tag >= 0 && tag < f.num_tags)
+    atomicAdd(&f.tag_ring[((size_t)row * f.num_tags + tag) * f.local_experts + le], 1u);
+}
+
+// Router confidence (score_gap), warp-wide: lane k holds a valid token's k-th expert id e (-1: none) and router
+// weight w; the token's gap between its largest and smallest weight over its ids, when it has two or more, is
+// counted in its bin (MOECOMM_GAP_EDGES, as moecomm.reference.score_gap_bins) by lane 0, into this call's `row`
+// (as count_tag's).
+__device__ __forceinline__ void count_gap(const Fixed& f, const Call& c, int e, float w, unsigned row) {
   if (!f.gap_ring || !c.weights) return;
   const bool id = e >= 0;
   const int ids = __popc(__ballot_sync(FULL, id));
@@ -125,7 +149,7 @@ __device__ __forceinline__ void count_gap(const Fixed& f, const Call& c, int e, 
     const float gap = hi - lo;
     int bin = 0;
     for (int i = 1; i < MOECOMM_GAP_BINS; ++i) bin += gap >= edges[i];
-    atomicAdd(&f.state[f.s_gap + bin], 1u);
+    atomicAdd(&f.gap_ring[(size_t)row * MOECOMM_GAP_BINS + bin], 1u);
   }
 }
 

@@ -83,6 +83,7 @@ __device__ void moecomm::dispatch_recv(const Fixed& f, const Call& c) {
   const int b = gridDim.x - 1 - blockIdx.x, k = b % served, part = b / served;
   const int src = others && k >= f.rank ? k + 1 : k;
   const unsigned epoch = f.state[MOECOMM_S_EPOCH_DR] + 1;
+  zero_next_rows(f);  // tags: the next call's row
   // f.streamed: records of a source this rank maps are unpacked as they land: the blocks serving it claim
   // them one at a time (state[s_claim + src]) and each waits for its record's arrival word or the source's
   // signal (its count, which ends the claims). Otherwise, and for sources reached by puts, masked, or with
@@ -135,7 +136,7 @@ __device__ void moecomm::dispatch_recv(const Fixed& f, const Call& c) {
         } else {
           dropped = f.drop;
         }
-        if (where >= 0) count_tag(f, tag, le);
+        if (where >= 0) count_tag(f, tag, le, call_row(f));
       }
       f.slot_of[((size_t)src * f.max_tokens + j) * f.topk + lane] = where;
     }
@@ -205,36 +206,7 @@ __device__ void moecomm::dispatch_recv(const Fixed& f, const Call& c) {
 // state[BAD_RECV]), telemetry, and the per-call state reset for the next call, whose number `epoch` then is.
 __device__ void moecomm::dispatch_counts(const Fixed& f, const Call& c, unsigned epoch) {
   const int lo = f.rank * f.local_experts;
-  const size_t call = f.window ? (size_t)(f.counters[MOECOMM_C_CALLS] % f.window) : 0;  // its row of the window
-  const size_t row = call * f.local_experts;
-  // the call's pairs per (tag, local expert) and tokens per router-confidence bin into their rows of the window
-  // (beside f.ring's), zeroed for the next call. Every block has counted (this is the last): the counters are
-  // read from L2 (__ldcg), TAG_BATCH per thread before any is stored, so that their round trips overlap (16
-  // tags of 256 experts: 16 words a thread). Read whatever this rank's call gave: the peers' records carry
-  // their tokens' tags.
-  const int tagged = f.num_tags * f.local_experts;
-  constexpr int TAG_BATCH = 8;
-  for (int base = threadIdx.x; base < tagged; base += TAG_BATCH * blockDim.x) {
-    unsigned n[TAG_BATCH];
-#pragma unroll
-    for (int u = 0; u < TAG_BATCH; ++u) {
-      const int i = base + u * blockDim.x;
-      n[u] = i < tagged ? __ldcg(&f.state[f.s_tags + i]) : 0u;
-    }
-#pragma unroll
-    for (int u = 0; u < TAG_BATCH; ++u) {
-      const int i = base + u * blockDim.x;
-      if (i >= tagged) break;
-      if (n[u]) f.state[f.s_tags + i] = 0u;
-      if (!c.skip && f.window) f.tag_ring[call * tagged + i] = n[u];
-    }
-  }
-  if (f.gap_ring) {
-    for (int i = threadIdx.x; i < MOECOMM_GAP_BINS; i += blockDim.x) {
-      const unsigned n = atomicExch(&f.state[f.s_gap + i], 0u);
-      if (!c.skip && f.window) f.gap_ring[call * MOECOMM_GAP_BINS + i] = n;
-    }
-  }
+  const size_t row = f.window ? (size_t)(f.counters[MOECOMM_C_CALLS] % f.window) * f.local_experts : 0;
   for (int le = threadIdx.x; le < f.local_experts; le += blockDim.x) {
     const unsigned demand = atomicExch(&f.state[f.s_expert + le], 0u);
     const unsigned kept = f.packed ? atomicExch(&f.state[f.s_kept + le], 0u) : min(demand, (unsigned)f.cap);

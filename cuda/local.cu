@@ -38,11 +38,14 @@ extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, MOECOMM_BLOC
   const bool masked = warp == 0 && f.mask[f.rank];
   RowCopy row;
   if (readable) row.load(f, xt, scales);
+  zero_next_rows(f);
+  const unsigned counted = f.tag_ring || f.gap_ring ? call_row(f) : 0u;  // tags' and confidence's row
   const int m = dispatch_begin(f, c, epoch);
   TRACE(MOECOMM_TRACE_DISPATCH_SEND, 1);
   __shared__ uint8_t* xd[MOECOMM_MAX_TOPK];  // the token's rows of c.out_x and c.out_scale, compacted
   __shared__ uint8_t* sd[MOECOMM_MAX_TOPK];
   __shared__ int n;
+  bool gap = false;  // warp 0: the token's router confidence is counted (after its row is stored)
   if (warp == 0 && t < m) {
     const bool first_e = first_of(e);
     const unsigned pairs = __ballot_sync(FULL, e >= 0);
@@ -63,13 +66,13 @@ extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, MOECOMM_BLOC
         n = 0;
       }
     } else {
-      if (part == 0) count_gap(f, c, e, w);
+      gap = part == 0;
       const int lo = f.rank * f.local_experts;
       const int pe = e >= 0 && !masked ? physical(f, e, t) : -1;  // the pair's physical expert; -1: not sent
       const bool take = pe >= 0 && mine;
       const unsigned slot = take ? atomicAdd(&f.state[f.s_expert + pe - lo], 1u) : 0u;
       const int where = take && slot < (unsigned)f.cap ? (pe - lo) * f.cap + (int)slot : -1;
-      if (where >= 0) count_tag(f, tag, pe - lo);
+      if (where >= 0) count_tag(f, tag, pe - lo, counted);
       const unsigned drops = __ballot_sync(FULL, take && where < 0 && f.drop);  // parts 1 where any can drop
       const unsigned rows = __ballot_sync(FULL, where >= 0);
       if (where >= 0) {
@@ -109,6 +112,7 @@ extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, MOECOMM_BLOC
   }
   __syncthreads();
   if (t < m) row.store(f, xd, sd, n, 0, xt, scales);
+  if (gap) count_gap(f, c, e, w, counted);  // off the slots' path: nothing of this call reads it
   TRACE(MOECOMM_TRACE_DISPATCH_SEND, 3);
   if (last) dispatch_sent(f, c, epoch, true, m);
   TRACE_SPAN(MOECOMM_TRACE_DISPATCH_SEND, 1);
@@ -121,6 +125,7 @@ extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, MOECOMM_BLOC
     moecomm_dispatch_local(const Fixed f, const Call c) {
   after_previous_kernel();
   TRACE_SPAN(MOECOMM_TRACE_DISPATCH_SEND, 0);
+  zero_next_rows(f);
   dispatch_send<true>(f, c, gridDim.x, true);
   TRACE_SPAN(MOECOMM_TRACE_DISPATCH_SEND, 1);
 }

@@ -60,10 +60,10 @@ FIXED_FIELDS = (
                                     # physical slots (rank * local_experts + slot); null without an expert map
     ("peers", "const long long*"),  # [world] the transport's peer table (MOECOMM_PEER_UNMAPPED: puts)
     ("gone", "const uint64_t*"),    # symmetric [world]: gone[q] != 0 once rank q has left (every wait reads it)
-    ("tag_ring", "unsigned*"),      # [window, num_tags, local_experts]: pairs each local expert received per tag,
-                                    # per call (row CALLS % window, beside ring); null without tags
-    ("gap_ring", "unsigned*"),      # [window, GAP_BINS]: this rank's tokens per router-confidence bin, per call;
-                                    # null without score_gap
+    ("tag_ring", "unsigned*"),      # [tally_rows, num_tags, local_experts]: pairs each local expert received per
+                                    # tag, per call (row CALLS % tally_rows); null without tags or window
+    ("gap_ring", "unsigned*"),      # [tally_rows, GAP_BINS]: this rank's tokens per router-confidence bin, per
+                                    # call, rowed alike; null without score_gap or window
     ("ids", "uint64_t*"),           # symmetric [world]: (call << 32 | call_id, 0xffffffff: none) of each rank's
                                     # dispatch, written before its signal (ERR_CALL_ID)
     # gradients (AllToAll(gradients=True), else null; cuda/backward.cu):
@@ -102,8 +102,7 @@ FIXED_FIELDS = (
     ("comb_streamed", "int"),       # 1: the one-launch combine with partial sums streams (combine_streams)
     ("grad_row_bytes", "int"),      # bytes of a gradient row (grad_row_bytes)
     ("num_tags", "int"),            # tags a token's tag may be below (0: tags are not counted)
-    ("s_tags", "int"),              # state[] offset of the call's pairs per (tag, local expert)
-    ("s_gap", "int"),               # state[] offset of the call's tokens per router-confidence bin
+    ("tally_rows", "int"),          # rows of tag_ring and gap_ring: the least power of two above window
 )
 # The arrays of one call (dispatch fields, then combine fields): device addresses, 0 for None.
 CALL_FIELDS = (
@@ -187,12 +186,10 @@ def state_layout(cfg, combine_local_blocks):
     records sent per destination rank, pairs per local expert (its demand), records received per source,
     pairs kept per local expert (packed layout), records claimed per source (streamed dispatch_recv), the call
     each block of moecomm_combine_local last combined (its grid: ``combine_local_blocks``, 0 where the
-    AllToAll does not launch it), the call's pairs per (tag, local expert) (num_tags) and its tokens per
-    router-confidence bin (score_gap)."""
+    AllToAll does not launch it)."""
     W, L = cfg.world_size, cfg.num_local_experts
     return Layout(C.STATE_FIXED, (("send", W), ("expert", L), ("recv", W), ("kept", L), ("claim", W),
-                                  ("combined", combine_local_blocks), ("tags", cfg.num_tags * L),
-                                  ("gap", C.GAP_BINS if cfg.score_gap else 0)))
+                                  ("combined", combine_local_blocks)))
 
 
 def counter_layout(cfg):

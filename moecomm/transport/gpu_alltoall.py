@@ -93,8 +93,11 @@ class GpuAllToAll(AllToAllBackend):
         self.mask = cupy.zeros(W, np.int32)
         self.counters = cupy.zeros(counters.size, np.uint64)
         self.ring = cupy.zeros((window, L), np.uint32)
-        self.tag_ring = cupy.zeros((window, cfg.num_tags, L), np.uint32) if cfg.num_tags else None
-        self.gap_ring = cupy.zeros((window, C.GAP_BINS), np.uint32) if cfg.score_gap else None
+        # tags and router confidence: rows for the window and the next call's (cuda/alltoall.cuh, call_row)
+        self.window, self.tally_rows = window, 1 << window.bit_length()
+        R = self.tally_rows
+        self.tag_ring = cupy.zeros((R, cfg.num_tags, L), np.uint32) if cfg.num_tags and window else None
+        self.gap_ring = cupy.zeros((R, C.GAP_BINS), np.uint32) if cfg.score_gap and window else None
         self.map = None if cfg.slots_per_rank is None else cupy.zeros((cfg.num_experts, 1 + W), np.int32)
         self._generation = 0
         sym = transport.symmetric
@@ -151,7 +154,7 @@ class GpuAllToAll(AllToAllBackend):
             stage_bytes=sizes["stage_row"],
             c_received=counters["received"], c_dropped=counters["dropped"], c_bytes=counters["bytes"],
             s_expert=state["expert"], s_recv=state["recv"], s_kept=state["kept"], s_claim=state["claim"],
-            s_combined=state["combined"], num_tags=cfg.num_tags, s_tags=state["tags"], s_gap=state["gap"],
+            s_combined=state["combined"], num_tags=cfg.num_tags, tally_rows=self.tally_rows,
             senders=plan.senders, streamed=int(plan.streamed), comb_streamed=int(plan.combine_streams),
             **_pointers(sent=self.sent, grad_buf=self.grad_buf, grad_sig=self.grad_sig, grad_w=self.grad_w,
                         tag_ring=self.tag_ring, gap_ring=self.gap_ring),
@@ -309,11 +312,22 @@ class GpuAllToAll(AllToAllBackend):
         _cuda.context_synchronize()
         at, W = _abi.counter_layout(self.cfg), self.cfg.world_size
         c = self.counters.get().astype(np.int64)
+        calls = int(c[C.COUNTER_FIELDS.index("CALLS")])
+        tags = self._windowed(self.tag_ring, calls, (self.cfg.num_tags, self.cfg.num_local_experts))
+        gap = self._windowed(self.gap_ring, calls, (C.GAP_BINS,))
         return snapshot(c[:at["received"]], c[at["received"]:at["dropped"]], c[at["dropped"]:at["bytes"]],
                         c[at["bytes"]:].reshape(-1, W), self.ring.get(),
                         self._timing.times_us() if self._timing else None, self.plan.summary(),
-                        None if self.tag_ring is None else self.tag_ring.get(),
-                        None if self.gap_ring is None else self.gap_ring.get())
+                        tags if self.cfg.num_tags else None, gap if self.cfg.score_gap else None)
+
+    def _windowed(self, ring, calls, shape):
+        """A ring of tally_rows rows (call c's at c % tally_rows) rowed as snapshot() reads the window's:
+        [window, *shape], call c's row at c % window."""
+        out = np.zeros((self.window, *shape), np.int64)
+        if ring is not None:
+            c = np.arange(max(0, calls - self.window), calls)
+            out[c % self.window] = ring.get()[c % self.tally_rows]
+        return out
 
     def set_expert_map(self, expert_map):
         """The map's replica table and generation into device memory once the last call's stream has
