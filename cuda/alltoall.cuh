@@ -225,13 +225,22 @@ __device__ __forceinline__ void store_scale_word(const Fixed& f, uint8_t* row, i
 // 16 KB row in all) and its first scale word into registers, in one round trip; store() writes them into the n rows
 // xd[j] and sd[j], then copies whatever the first round did not cover. Source and destinations must not alias. Both
 // by the block, or both by the same threads tid = 0..nthreads-1 of it.
+struct RowCopy;
+__device__ __forceinline__ void store_quantised(const Fixed& f, const int4* v, uint8_t* const* xd, uint8_t* const* sd,
+                                                int n, int outputs, const uint8_t* x, int tid, int nthreads);
+
+// The bytes of one row of c.x: a quantising dispatch's source rows (f.quant: bf16 / fp16), else x_bytes.
+__device__ __forceinline__ int source_row_bytes(const Fixed& f) { return f.quant ? f.src_row_bytes : f.x_bytes; }
+
 struct RowCopy {
   int4 v[INFLIGHT];
   int first;
+  bool quant;  // the send side of a quantising dispatch (f.quant): x is a source row, quantised as it is stored
+  __device__ explicit RowCopy(bool quantise = false) : quant(quantise) {}
   __device__ __forceinline__ void load(const Fixed& f, const uint8_t* x, const uint8_t* scales,
                                        int tid = threadIdx.x, int nthreads = THREADS) {
-    const int chunks = f.x_bytes / 16;
-    first = tid < f.scale_bytes / 4 ? ((const int*)scales)[tid] : 0;
+    const int chunks = (quant ? f.src_row_bytes : f.x_bytes) / 16;
+    first = !quant && tid < f.scale_bytes / 4 ? ((const int*)scales)[tid] : 0;
 #pragma unroll
     for (int u = 0; u < INFLIGHT; ++u)
       if (tid + u * nthreads < chunks) v[u] = ((const int4*)x)[tid + u * nthreads];
@@ -242,6 +251,7 @@ struct RowCopy {
   __device__ __forceinline__ void store(const Fixed& f, uint8_t* const* xd, uint8_t* const* sd, int n, int outputs,
                                         const uint8_t* x, const uint8_t* scales, int tid = threadIdx.x,
                                         int nthreads = THREADS) const {
+    if (quant) return store_quantised(f, v, xd, sd, n, outputs, x, tid, nthreads);
     const int chunks = f.x_bytes / 16;
     for (int j = 0; j < n; ++j) {
       int4* d = (int4*)xd[j];
@@ -667,16 +677,10 @@ __device__ __forceinline__ void chunk_to_float(const Fixed& f, const int4& v, fl
   }
 }
 
-// 8 float values into chunk c of the nd rows dsts: the output dtype, or e4m3 with the scale of their block of
-// MOECOMM_COMBINE_BLOCK values (the 16 lanes of a half-warp hold one block: they all call this together),
-// written by the block's first lane.
-template <bool Wire>
-__device__ __forceinline__ void store_chunk(const Fixed& f, const float* a, int c, uint8_t* const* dsts, int nd) {
-  if (!Wire) {
-    const int4 o = from_float8(a, f.out_code);
-    for (int d = 0; d < nd; ++d) ((int4*)dsts[d])[c] = o;
-    return;
-  }
+// 8 float values a (chunk c of a row) as e4m3 (q: 8 bytes) with the scale of their block of MOECOMM_COMBINE_BLOCK
+// values, absmax / E4M3_MAX (1 for zeros; `pow2`: rounded up to a power of two), which it returns: the 16 lanes of
+// a half-warp hold one block and call this together. moecomm.reference.quantize_e4m3, operation for operation.
+__device__ __forceinline__ float quantize8(const float* a, bool pow2, unsigned* q) {
   float amax = 0.0f;
 #pragma unroll
   for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(a[i]));
@@ -684,13 +688,12 @@ __device__ __forceinline__ void store_chunk(const Fixed& f, const float* a, int 
 #pragma unroll
   for (int o = WIRE_CHUNKS / 2; o; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(half, amax, o));
   float scale = amax > 0.0f ? __fdiv_rn(amax, MOECOMM_E4M3_MAX) : 1.0f;
-  if (f.wire == MOECOMM_WIRE_E4M3_UE8M0) {  // up to a power of two: 2^ceil(log2(scale))
+  if (pow2) {  // up to a power of two: 2^ceil(log2(scale))
     int e;
     const float m = frexpf(scale, &e);  // scale = m * 2^e, m in [0.5, 1)
     scale = ldexpf(1.0f, m == 0.5f ? e - 1 : e);
   }
   const float inverse = __frcp_rn(scale);
-  unsigned q[2];
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
     const unsigned lo = __nv_cvt_float2_to_fp8x2(
@@ -699,12 +702,74 @@ __device__ __forceinline__ void store_chunk(const Fixed& f, const float* a, int 
         make_float2(__fmul_rn(a[4 * i + 2], inverse), __fmul_rn(a[4 * i + 3], inverse)), __NV_SATFINITE, __NV_E4M3);
     q[i] = lo | hi << 16;
   }
+  return scale;
+}
+
+// A power-of-two scale as its UE8M0 byte (2^-127: byte 0).
+__device__ __forceinline__ uint8_t ue8m0_of(float scale) { return (uint8_t)(__float_as_uint(scale) >> 23); }
+
+// 8 float values into chunk c of the nd rows dsts: the output dtype, or e4m3 with the scale of their block of
+// MOECOMM_COMBINE_BLOCK values (quantize8: the 16 lanes of a half-warp hold one block, they all call this
+// together), written by the block's first lane.
+template <bool Wire>
+__device__ __forceinline__ void store_chunk(const Fixed& f, const float* a, int c, uint8_t* const* dsts, int nd) {
+  if (!Wire) {
+    const int4 o = from_float8(a, f.out_code);
+    for (int d = 0; d < nd; ++d) ((int4*)dsts[d])[c] = o;
+    return;
+  }
+  unsigned q[2];
+  const float scale = quantize8(a, f.wire == MOECOMM_WIRE_E4M3_UE8M0, q);
   const bool first = c % WIRE_CHUNKS == 0;
   for (int d = 0; d < nd; ++d) {
     ((int2*)dsts[d])[c] = make_int2((int)q[0], (int)q[1]);
     if (!first) continue;
     if (f.wire == MOECOMM_WIRE_E4M3) ((float*)(dsts[d] + f.hidden))[c / WIRE_CHUNKS] = scale;
-    else dsts[d][f.hidden + c / WIRE_CHUNKS] = (uint8_t)(__float_as_uint(scale) >> 23);  // 2^-127: byte 0
+    else dsts[d][f.hidden + c / WIRE_CHUNKS] = ue8m0_of(scale);
+  }
+}
+
+// Scale i of a quantised token row into a scale row: a record's (row-major), or `output` one of c.out_scale at
+// scale_row(): float32 (f.quant FLOAT, POW2) or a UE8M0 byte (UE8M0: one a byte, or four an int32, first lowest),
+// in the AllToAll's scale layout.
+__device__ __forceinline__ void store_quant_scale(const Fixed& f, uint8_t* row, int i, float scale, bool output) {
+  const bool column = output && f.scale_column;
+  if (f.quant != MOECOMM_QUANT_UE8M0) {
+    *(float*)(row + (column ? (size_t)i * f.cap * 4 : (size_t)i * 4)) = scale;
+  } else {
+    const size_t at = !column ? i : f.scale_item == 1 ? (size_t)i * f.cap : (size_t)(i / 4) * f.cap * 4 + i % 4;
+    row[at] = ue8m0_of(scale);
+  }
+}
+
+// RowCopy::store of a quantising dispatch's send side: the source row x (f.src_row_bytes of bf16 / fp16, its first
+// INFLIGHT chunks per thread in v) into the n destinations as e4m3 (f.x_bytes) with a scale per
+// MOECOMM_COMBINE_BLOCK values (quantize8; f.quant: rounded up to a power of two unless FLOAT). A 16-byte source
+// chunk (8 values) becomes 8 bytes; a half-warp holds a scale block's 16 chunks (nthreads is a multiple of 16 and
+// hidden of COMBINE_BLOCK), whose first lane stores the scale.
+__device__ __forceinline__ void store_quantised(const Fixed& f, const int4* v, uint8_t* const* xd, uint8_t* const* sd,
+                                                int n, int outputs, const uint8_t* x, int tid, int nthreads) {
+  const int chunks = f.src_row_bytes / 16;
+  const bool pow2 = f.quant != MOECOMM_QUANT_FLOAT;
+  for (int base = 0; base < chunks; base += INFLIGHT * nthreads) {
+    int4 w[INFLIGHT];
+#pragma unroll
+    for (int u = 0; u < INFLIGHT; ++u) {
+      const int c = base + tid + u * nthreads;
+      if (c < chunks) w[u] = base ? ((const int4*)x)[c] : v[u];
+    }
+#pragma unroll
+    for (int u = 0; u < INFLIGHT; ++u) {
+      const int c = base + tid + u * nthreads;
+      if (c >= chunks) continue;  // the same in a half-warp
+      float a[8];
+      to_float8(w[u], f.src_code, a);
+      unsigned q[2];
+      const float scale = quantize8(a, pow2, q);
+      for (int j = 0; j < n; ++j) ((int2*)xd[j])[c] = make_int2((int)q[0], (int)q[1]);
+      if (c % WIRE_CHUNKS == 0)
+        for (int j = 0; j < n; ++j) store_quant_scale(f, sd[j], c / WIRE_CHUNKS, scale, j >= outputs);
+    }
   }
 }
 

@@ -214,11 +214,11 @@ __device__ void moecomm::dispatch_send(const Fixed& f, const Call& c, int sender
     // list b is read before this round's barrier only: warp 0 refills it in the next round
     const int t = !pipelined ? token(i) : k < 0 ? 0 : tok[b];
     if (t < 0 || t >= m) break;
-    const uint8_t* const xt = x + (size_t)t * f.x_bytes;
+    const uint8_t* const xt = x + (size_t)t * source_row_bytes(f);
     const uint8_t* const scales = c.x_scale + (size_t)t * f.scale_bytes;
     const bool ahead = pipelined && k >= 0 && n_put[b] >= 0;  // pipelined: a valid token to send
     const int ahead_nd = ahead ? n_direct[b] : 0;
-    RowCopy row;
+    RowCopy row(f.quant != 0);
     if (!pipelined) row.load(f, xt, scales);  // the token row and scales, in flight while warp 0 routes the token
     arr.release_pending(epoch);
     if (warp == 0) {

@@ -25,7 +25,7 @@ extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, MOECOMM_BLOC
   const unsigned epoch = f.state[MOECOMM_S_EPOCH_DS] + 1;
   // loaded before m is known: any row < min(c.rows, max_tokens) is readable
   const bool readable = t < min(c.rows, f.max_tokens);
-  const uint8_t* const xt = c.x + (size_t)t * f.x_bytes;
+  const uint8_t* const xt = c.x + (size_t)t * source_row_bytes(f);
   const uint8_t* const scales = c.x_scale + (size_t)t * f.scale_bytes;
   const size_t pair = (size_t)t * f.topk + lane;
   int e = -1;  // warp 0, lane k: the token's k-th id and weight; every lane: its tag (tag_of)
@@ -36,7 +36,7 @@ extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, MOECOMM_BLOC
   }
   const int tag = warp == 0 && readable ? tag_of(f, c, t) : -1;
   const bool masked = warp == 0 && f.mask[f.rank];
-  RowCopy row;
+  RowCopy row(f.quant != 0);
   if (readable) row.load(f, xt, scales);
   zero_next_rows(f);
   const unsigned counted = f.tag_ring || f.gap_ring ? call_row(f) : 0u;  // tags' and confidence's row

@@ -77,7 +77,10 @@ FIXED_FIELDS = (
     ("timeout_ns", "unsigned long long"),
     ("world", "int"), ("rank", "int"), ("dp", "int"), ("num_experts", "int"), ("local_experts", "int"),
     ("topk", "int"), ("max_tokens", "int"), ("hidden", "int"),
-    ("x_bytes", "int"),             # hidden * in_dtype size
+    ("x_bytes", "int"),             # hidden * expert dtype size: a token row as it travels and lands
+    ("quant", "int"),               # MOECOMM_QUANT_*: the send side quantises rows of src_code (dispatch_wire)
+    ("src_code", "int"),            # with quant: MOECOMM_DT_BF16 / FP16 of c.x
+    ("src_row_bytes", "int"),       # with quant: hidden * 2, a row of c.x
     ("scale_bytes", "int"),         # a token's scales in bytes (0 without scales)
     ("scale_item", "int"),          # bytes of one scale: 4 (float32, int32 of four UE8M0) or 1 (UE8M0)
     ("scale_column", "int"),        # 1: out_scale column-major per expert ([L, scales, cap]; packed [scales, cap])
@@ -106,13 +109,13 @@ FIXED_FIELDS = (
 )
 # The arrays of one call (dispatch fields, then combine fields): device addresses, 0 for None.
 CALL_FIELDS = (
-    ("x", "const uint8_t*"),        # dispatch: [rows, hidden] in_dtype
+    ("x", "const uint8_t*"),        # dispatch: [rows, hidden] in_dtype (quant: src_code)
     ("x_scale", "const uint8_t*"),  # dispatch: [rows, scales] scale_dtype
     ("indices", "const void*"),     # [rows, topk] int32/uint32 (idx64 == 0) or int64 expert ids
     ("weights", "const float*"),    # [rows, topk] float32
     ("bound_m", "const int*"),      # [1] int32/uint32: m
     ("out_num", "int*"),            # dispatch: [local_experts] int32
-    ("out_x", "uint8_t*"),          # dispatch: [local_experts, cap, hidden] in_dtype
+    ("out_x", "uint8_t*"),          # dispatch: [local_experts, cap, hidden] expert dtype
     ("out_scale", "uint8_t*"),      # dispatch: [local_experts, cap, scales] scale_dtype (scale_column: transposed)
     ("out_offsets", "int*"),        # dispatch, packed layout: [local_experts + 1] int32
     ("y", "const uint8_t*"),        # combine: [local_experts, cap, hidden] out_dtype
@@ -232,7 +235,7 @@ class RecordLayout:
 
     @classmethod
     def of(cls, cfg):
-        x = cfg.hidden_dim * cfg.in_dtype.itemsize
+        x = cfg.hidden_dim * cfg.expert_dtype.itemsize  # the token as it travels
         scales = 0 if cfg.hidden_dim_scale is None else cfg.hidden_dim_scale * cfg.scale_dtype.itemsize
         meta = _align16(x) + _align16(scales)
         return cls(x, _align16(x), scales, meta, meta + _align16(8 + 8 * cfg.experts_per_token))

@@ -4,7 +4,7 @@ from dataclasses import dataclass, fields
 import numpy as np
 
 from . import _constants as C
-from ._dtypes import IN_DTYPES, OUT_DTYPES, SCALE_DTYPES, as_dtype, float32
+from ._dtypes import IN_DTYPES, OUT_DTYPES, SCALE_DTYPES, as_dtype, bfloat16, float8_e4m3fn, float8_e8m0fnu, float16, float32, int32
 from ._errors import InvalidArgument
 
 
@@ -12,6 +12,30 @@ def positive_int(name, value, minimum=1):
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
         raise InvalidArgument(f"{name} must be an integer >= {minimum}, got {value!r}")
     return int(value)
+
+
+def _quantised_scales(wire, in_dtype, hidden_dim, hidden_dim_scale, scale_dtype):
+    """(hidden_dim_scale, scale_dtype) of a quantising dispatch (AllToAllConfig.dispatch_wire): a scale per
+    COMBINE_BLOCK values, float32 by default; with "e4m3_ue8m0" also UE8M0 bytes or int32 of four. Raises
+    InvalidArgument for what it cannot quantise."""
+    if wire not in C.WIRE_CODES or wire is None:
+        raise InvalidArgument(f"dispatch_wire must be one of {list(C.WIRE_CODES)}, got {wire!r}")
+    if in_dtype not in (bfloat16, float16):
+        raise InvalidArgument(f"dispatch_wire={wire!r} quantises bfloat16 or float16 tokens, in_dtype is {in_dtype}")
+    if hidden_dim % C.COMBINE_BLOCK:
+        raise InvalidArgument(f"dispatch_wire={wire!r} needs hidden_dim a multiple of {C.COMBINE_BLOCK} (one scale "
+                              f"per {C.COMBINE_BLOCK} values), got {hidden_dim}")
+    allowed = (float32,) if wire == "e4m3" else (float32, float8_e8m0fnu, int32)
+    scale_dtype = as_dtype(float32 if scale_dtype is None else scale_dtype, allowed, f"dispatch_wire={wire!r}: scale_dtype")
+    blocks = hidden_dim // C.COMBINE_BLOCK
+    if scale_dtype == int32 and blocks % 4:
+        raise InvalidArgument(f"scale_dtype int32 packs four UE8M0 scales: hidden_dim / {C.COMBINE_BLOCK} = {blocks} "
+                              f"is not a multiple of 4")
+    derived = blocks // 4 if scale_dtype == int32 else blocks
+    if hidden_dim_scale is not None and hidden_dim_scale != derived:
+        raise InvalidArgument(f"hidden_dim_scale={hidden_dim_scale}: dispatch_wire={wire!r} makes {derived} scales of "
+                              f"{scale_dtype} a token (leave it None)")
+    return derived, scale_dtype
 
 
 @dataclass(frozen=True)
@@ -27,7 +51,12 @@ class AllToAllConfig:
         hidden_dim_scale: scale values per token, or None when tokens carry no scales.
         in_dtype / out_dtype / scale_dtype: numpy dtypes (bf16/fp16/fp8 e4m3/uint8 opaque bytes; bf16/fp16;
             float32, UE8M0 (float8_e8m0fnu), int32 (four UE8M0 per int32) or None). Scales and opaque rows pass
-            through bit-exactly.
+            through bit-exactly. in_dtype is dp_x's; out_expert_x has expert_dtype.
+        dispatch_wire: None (tokens travel as given) or "e4m3" / "e4m3_ue8m0": dispatch takes bf16/fp16 tokens
+            and quantises each to FP8 e4m3 with a scale per COMBINE_BLOCK values (absmax / E4M3_MAX; rounded up to
+            a power of two with "e4m3_ue8m0"), which travel and land in out_expert_x (e4m3) and
+            out_expert_x_scale (scale_dtype: float32, or with "e4m3_ue8m0" also float8_e8m0fnu or int32 of four;
+            hidden_dim_scale derived); moecomm.reference.quantize_tokens is the rounding.
         dp_size: ranks per data-parallel group (they hold the same tokens); divides world_size.
         slots_per_rank: physical expert slots per rank when experts are replicated through an
             :class:`moecomm.balance.ExpertMap` (indices are then logical ids), or None: rank r owns
@@ -75,12 +104,13 @@ class AllToAllConfig:
     gradients: bool = False
     num_tags: int = 0
     score_gap: bool = False
+    dispatch_wire: object = None
 
     @classmethod
     def create(cls, world_size, rank, max_num_tokens, num_experts, experts_per_token, hidden_dim,
                hidden_dim_scale, in_dtype, out_dtype, scale_dtype, dp_size, slots_per_rank=None, capacity=None,
                overflow="error", layout="padded", scale_layout="row", combine_wire=None, max_sms=None, gradients=False,
-               num_tags=0, score_gap=False):
+               num_tags=0, score_gap=False, dispatch_wire=None):
         """Validate the arguments of :class:`moecomm.AllToAll`; raise InvalidArgument on the first bad one."""
         max_num_tokens = positive_int("max_num_tokens", max_num_tokens)
         if max_num_tokens >= 1 << C.SIG_COUNT_BITS:
@@ -106,6 +136,9 @@ class AllToAllConfig:
                 raise InvalidArgument(
                     f"hidden_dim={hidden_dim} with {name}={dt} gives rows of "
                     f"{hidden_dim * dt.itemsize} bytes; rows must be a multiple of {C.ROW_ALIGN} bytes")
+        if dispatch_wire is not None:
+            hidden_dim_scale, scale_dtype = _quantised_scales(dispatch_wire, in_dtype, hidden_dim, hidden_dim_scale,
+                                                              scale_dtype)
         if hidden_dim_scale is None:
             if scale_dtype is not None:
                 raise InvalidArgument("scale_dtype given but hidden_dim_scale is None")
@@ -155,9 +188,14 @@ class AllToAllConfig:
             raise InvalidArgument(f"num_tags={num_tags} exceeds the supported {C.MAX_TAGS}")
         return cls(world_size, rank, max_num_tokens, num_experts, k, hidden_dim, hidden_dim_scale,
                    in_dtype, out_dtype, scale_dtype, dp_size, slots_per_rank, capacity, overflow, layout,
-                   scale_layout, combine_wire, max_sms, bool(gradients), num_tags, bool(score_gap))
+                   scale_layout, combine_wire, max_sms, bool(gradients), num_tags, bool(score_gap), dispatch_wire)
 
     # Derived layout -------------------------------------------------------------------------
+    @property
+    def expert_dtype(self):
+        """out_expert_x's dtype, the tokens' as they travel: float8_e4m3fn with a dispatch_wire, else in_dtype."""
+        return float8_e4m3fn if self.dispatch_wire is not None else self.in_dtype
+
     @property
     def num_local_experts(self):
         """Experts (physical slots with replicas) on each rank."""

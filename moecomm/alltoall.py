@@ -258,13 +258,22 @@ class AllToAll:
             between its largest and smallest weight (the router's confidence; bins
             ``moecomm._constants.GAP_EDGES``, the first the near ties), per call in the telemetry window
             (``stats()["score_gap"]``).
+        dispatch_wire: None (default: tokens travel as given) or "e4m3" / "e4m3_ue8m0": dispatch takes
+            bfloat16 or float16 tokens (``in_dtype``; no ``dp_x_scale``) and quantises each block of 128 values
+            to FP8 e4m3 with one scale, absmax / 448 (rounded up to a power of two with "e4m3_ue8m0"), as
+            DeepEP's and NCCL EP's FP8 dispatch do: out_expert_x is float8_e4m3fn and out_expert_x_scale has
+            hidden_dim / 128 scales a token in ``scale_dtype`` (float32, the default; with "e4m3_ue8m0" also
+            float8_e8m0fnu, or int32 of four UE8M0: DeepEP's ``use_ue8m0``), laid out by ``scale_layout``;
+            ``hidden_dim_scale`` is derived (leave it None). The sender quantises once, in the kernel that
+            reads the row; ``moecomm.reference.quantize_tokens`` is the rounding, bit for bit. hidden_dim a
+            multiple of 128.
     """
 
     def __init__(self, comm, max_num_tokens, num_experts, experts_per_token, hidden_dim,
                  hidden_dim_scale=None, in_dtype="bfloat16", out_dtype="bfloat16", scale_dtype=None,
                  dp_size=1, timeout=None, slots_per_rank=None, capacity=None, overflow="error", layout="padded",
                  telemetry_window=64, timing=False, scale_layout="row", combine_wire=None, max_sms=None,
-                 gradients=False, num_tags=0, score_gap=False):
+                 gradients=False, num_tags=0, score_gap=False, dispatch_wire=None):
         self.comm, self._backend, self.masked, self.expert_map = comm, None, (), None
         error = None
         try:  # checked on every rank, then compared: a bad argument on one rank raises on all of them
@@ -272,7 +281,7 @@ class AllToAll:
                                                  experts_per_token, hidden_dim, hidden_dim_scale, in_dtype,
                                                  out_dtype, scale_dtype, dp_size, slots_per_rank, capacity, overflow,
                                                  layout, scale_layout, combine_wire, max_sms, gradients, num_tags,
-                                                 score_gap)
+                                                 score_gap, dispatch_wire)
             window = positive_int("telemetry_window", telemetry_window, minimum=0)
             self.timeout_s = comm.timeout_s if timeout is None else timeout_seconds(timeout)[0]
             mine = (None, dict(c.key(), telemetry_window=window, timing=bool(timing), timeout=self.timeout_s))
@@ -293,6 +302,7 @@ class AllToAll:
         self._records = self._backend.records()  # {phase: its call record}: each call fills its phase's
         self._absent = None if transport.memory == "host" else 0  # an absent array in the call record
         self._in, self._out = accepted(c.in_dtype), accepted(c.out_dtype)
+        self._expert = accepted(c.expert_dtype)  # out_expert_x's: the tokens as they travel
         self._scale = None if c.scale_dtype is None else accepted(c.scale_dtype)
         # expected shapes, computed once (None: any number of rows, at most max_num_tokens)
         self._token_shape, self._token_scale_shape = (None, c.hidden_dim), (None, c.hidden_dim_scale)
@@ -321,14 +331,17 @@ class AllToAll:
         Args (``m`` = tokens this call, read from ``bound_m``; each per-token array has its own number of
         rows, at least m and at most max_num_tokens, as in pplx-kernels):
             out_expert_num_tokens: [num_local_experts] int32, written: tokens received per local expert.
-            out_expert_x: [num_local_experts, capacity, hidden_dim] in_dtype (capacity: max_num_tokens *
+            out_expert_x: [num_local_experts, capacity, hidden_dim] in_dtype, float8_e4m3fn with a dispatch_wire
+                (capacity: max_num_tokens *
                 (world_size // dp_size) unless set), written: slots 0..count-1 of each expert hold its
                 tokens (order unspecified); packed layout: [capacity, hidden_dim], expert e's tokens in
                 rows out_expert_offsets[e] .. out_expert_offsets[e + 1] - 1.
-            out_expert_x_scale: [num_local_experts, same capacity, hidden_dim_scale] float32, written
-                like out_expert_x; None when the AllToAll has no scales.
+            out_expert_x_scale: [num_local_experts, same capacity, hidden_dim_scale] scale_dtype (columns
+                first with scale_layout="column"), written like out_expert_x; None when the AllToAll has no
+                scales.
             dp_x: [rows, hidden_dim] in_dtype, the tokens (identical on every rank of a DP group).
-            dp_x_scale: [rows, hidden_dim_scale] float32, or None without scales.
+            dp_x_scale: [rows, hidden_dim_scale] scale_dtype, or None without scales or with a dispatch_wire
+                (the scales are made from dp_x).
             indices: [rows, experts_per_token] int32, uint32 or int64 expert ids (read as they are), each
                 in [0, num_experts) and distinct within a row, or -1 (0xffffffff as uint32): this slot
                 goes nowhere (nothing is sent for it and it adds nothing in combine).
@@ -490,13 +503,16 @@ class AllToAll:
         record's None: None on the host, 0 on GPUs)."""
         c, rec, arrays, absent = self.cfg, self._records["dispatch"], self._arrays, self._absent
         read = arrays.read
-        unscaled = c.hidden_dim_scale is None
-        if (args.out_expert_x_scale is None) != unscaled or (args.dp_x_scale is None) != unscaled:
+        unscaled, quantised = c.hidden_dim_scale is None, c.dispatch_wire is not None
+        if quantised and args.dp_x_scale is not None:
+            raise InvalidArgument(f"dp_x_scale: dispatch_wire={c.dispatch_wire!r} makes the scales from dp_x: pass "
+                                  f"None")
+        if (args.out_expert_x_scale is None) != unscaled or (args.dp_x_scale is None) != (unscaled or quantised):
             if unscaled:
                 raise InvalidArgument("this AllToAll has no scales (hidden_dim_scale=None): pass None for "
                                       "out_expert_x_scale and dp_x_scale")
-            raise InvalidArgument(f"{'dp_x_scale' if args.dp_x_scale is None else 'out_expert_x_scale'}: "
-                                  f"required, got None")
+            raise InvalidArgument(f"{'dp_x_scale' if args.out_expert_x_scale is not None else 'out_expert_x_scale'}:"
+                                  f" required, got None")
         if (args.out_expert_offsets is None) != (c.layout == "padded"):
             raise InvalidArgument("out_expert_offsets: " + ("required by the packed layout" if c.layout == "packed"
                                                             else "only for the packed layout, pass None"))
@@ -504,7 +520,7 @@ class AllToAll:
         rec.indices = read(args.indices, "indices", _INDICES, self._ids_shape)
         rec.idx64 = int(arrays.dtype.itemsize == 8)
         rec.weights = absent if args.weights is None else read(args.weights, "weights", _FLOAT32, self._ids_shape)
-        rec.x_scale = absent if unscaled else read(args.dp_x_scale, "dp_x_scale", self._scale,
+        rec.x_scale = absent if unscaled or quantised else read(args.dp_x_scale, "dp_x_scale", self._scale,
                                                    self._token_scale_shape)
         if args.tags is not None and not c.num_tags:
             raise InvalidArgument("tags: this AllToAll counts no tags (num_tags=0): pass None")
@@ -513,7 +529,7 @@ class AllToAll:
         rec.bound_m = read(args.bound_m, "bound_m", _BOUND_M, _ONE)
         rec.call_id = absent if args.call_id is None else read(args.call_id, "call_id", _COUNTS, _ONE)
         rec.out_num = read(args.out_expert_num_tokens, "out_expert_num_tokens", _COUNTS, self._counts_shape, True)
-        rec.out_x = read(args.out_expert_x, "out_expert_x", self._in, self._expert_shape, True)
+        rec.out_x = read(args.out_expert_x, "out_expert_x", self._expert, self._expert_shape, True)
         rec.out_scale = absent if unscaled else read(args.out_expert_x_scale, "out_expert_x_scale", self._scale,
                                                      self._expert_scale_shape, True)
         rec.out_offsets = absent if args.out_expert_offsets is None else read(

@@ -155,17 +155,23 @@ class Bench:
         cp, comm, s = self.cp, self.comm, self.stream
         W, rank = comm.world_size, comm.rank
         L = experts // W
-        a2a = moecomm.AllToAll(comm, tokens, experts, k, hidden, scales, "float8_e4m3fn", "bfloat16",
+        wire = self.args.dispatch_wire  # bf16 tokens quantised by dispatch (scales made there), else FP8 given
+        a2a = moecomm.AllToAll(comm, tokens, experts, k, hidden, None if wire else scales,
+                               "bfloat16" if wire else "float8_e4m3fn", "bfloat16",
                                telemetry_window=self.args.telemetry_window, timing=self.args.timing,
                                layout=self.args.layout, combine_wire=self.args.combine_wire,
-                               num_tags=self.args.tags, score_gap=self.args.score_gap)
+                               num_tags=self.args.tags, score_gap=self.args.score_gap, dispatch_wire=wire)
+        scales = a2a.cfg.hidden_dim_scale
         rows = a2a.cfg.expert_x_shape()[:-1]  # (L, slots) padded, (rows,) packed
         rng = np.random.default_rng([self.args.seed, tokens])
         idx = [routing(rng, tokens, k, experts, self.args.routing) for _ in range(W)]
         x = [rng.integers(0, 255, (tokens, hidden), np.uint8) & 0x77 for _ in range(W)]  # finite fp8 bytes
         xs = [rng.random((tokens, scales), np.float32) for _ in range(W)]
+        if wire:  # bf16 tokens (as uint16) across a few binades; dispatch makes the e4m3 values and scales
+            x = [rng.standard_normal((tokens, hidden)).astype(moecomm.bfloat16).view(np.uint16) for _ in range(W)]
+            xs = [reference.quantize_tokens(xi.view(moecomm.bfloat16), wire, np.float32)[1] for xi in x]
         w = [rng.random((tokens, k), np.float32) for _ in range(W)]
-        d = dict(x=cp.asarray(x[rank]), xs=cp.asarray(xs[rank]), idx=cp.asarray(idx[rank]),
+        d = dict(x=cp.asarray(x[rank]), xs=None if wire else cp.asarray(xs[rank]), idx=cp.asarray(idx[rank]),
                  w=cp.asarray(w[rank]), m=cp.asarray(np.array([tokens], np.int32)),
                  n=cp.zeros(L, np.int32), ex=cp.zeros(rows + (hidden,), np.uint8),
                  es=cp.zeros(rows + (scales,), np.float32), y=cp.empty(rows + (hidden,), np.uint16),
@@ -193,7 +199,9 @@ class Bench:
         for i in range(4):
             phase(i, i < 2)
         a2a.synchronize(s)
-        ref = reference.dispatch([xi.view(moecomm.float8_e4m3fn) for xi in x], xs, idx, experts, W, tokens)[rank]
+        sent = ([reference.quantize_tokens(xi.view(moecomm.bfloat16), wire, np.float32)[0] for xi in x] if wire else
+                [xi.view(moecomm.float8_e4m3fn) for xi in x])
+        ref = reference.dispatch(sent, xs, idx, experts, W, tokens)[rank]
         counts = d["n"].get()
         ok = bool(np.array_equal(counts, ref["expert_num_tokens"]))
         if ok and tokens * k * W <= 4096:
@@ -246,7 +254,7 @@ class Bench:
         comb_bytes = sum(remote_ranks) * comb_row
         result = dict(config=name, tokens=tokens, experts=experts, topk=k, hidden=hidden, scales=scales,
                       world=W, routing=self.args.routing, weights_at_dispatch=True,
-                      combine_wire=self.args.combine_wire,
+                      combine_wire=self.args.combine_wire, dispatch_wire=wire,
                       bytes={"dispatch": int(disp_bytes), "combine": int(comb_bytes), "combine_row": comb_row,
                              "dispatch_record": record_bytes(a2a.cfg)},
                       eager={p: stats(eager[:, i]) for i, p in enumerate(PHASES)})
@@ -281,8 +289,8 @@ class Bench:
         """The bench arrays as each kind of input a user passes: CuPy arrays (as they are), raw
         DeviceBuffers, and PyTorch tensors of the real dtypes (when torch is installed)."""
         cp, dev = self.cp, self.comm.device
-        dtypes = dict(ex=moecomm.float8_e4m3fn, x=moecomm.float8_e4m3fn, y=moecomm.bfloat16,
-                      out=moecomm.bfloat16)
+        tokens = moecomm.bfloat16 if self.args.dispatch_wire else moecomm.float8_e4m3fn
+        dtypes = dict(ex=moecomm.float8_e4m3fn, x=tokens, y=moecomm.bfloat16, out=moecomm.bfloat16)
         kinds = {"cupy": d, "buffer": {k: None if a is None else
                                        moecomm.DeviceBuffer(a.data.ptr, a.shape, dtypes.get(k, a.dtype), dev, a)
                                        for k, a in d.items()}}
@@ -290,7 +298,8 @@ class Bench:
             import torch
         except ImportError:
             return kinds
-        views = dict(ex=torch.float8_e4m3fn, x=torch.float8_e4m3fn, y=torch.bfloat16, out=torch.bfloat16)
+        views = dict(ex=torch.float8_e4m3fn, x=torch.bfloat16 if self.args.dispatch_wire else torch.float8_e4m3fn,
+                     y=torch.bfloat16, out=torch.bfloat16)
         kinds["torch"] = {k: None if a is None else torch.from_dlpack(a).view(views[k]) if k in views else
                           torch.from_dlpack(a) for k, a in d.items()}
         cp.cuda.get_current_stream().synchronize()
@@ -414,6 +423,7 @@ def _variant(r):
         name += f" w{r['telemetry_window']}"
     name += " packed" if r.get("layout") == "packed" else ""
     name += f" {r['combine_wire']}" if r.get("combine_wire") else ""
+    name += f" bf16→{r['dispatch_wire']}" if r.get("dispatch_wire") else ""
     name += f" tags{r['tags']}" if r.get("tags") else ""
     name += " gap" if r.get("score_gap") else ""
     return name + (" timing" if r.get("timing") else "")
@@ -529,6 +539,8 @@ def main(argv=None):
     p.add_argument("--layout", default="padded", choices=["padded", "packed"], help="AllToAll(layout=...)")
     p.add_argument("--combine-wire", default=None, choices=["e4m3", "e4m3_ue8m0"],
                    help="AllToAll(combine_wire=...): combine's rows as FP8 (default: bf16)")
+    p.add_argument("--dispatch-wire", default=None, choices=["e4m3", "e4m3_ue8m0"],
+                   help="AllToAll(dispatch_wire=...): bf16 tokens quantised by dispatch (default: FP8 tokens given)")
     p.add_argument("--merge", nargs="+", metavar="JSON",
                    help="no measurement: join these result files (e.g. one per transport) into --json and --plot")
     args = p.parse_args(argv)

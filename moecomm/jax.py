@@ -238,10 +238,11 @@ class AllToAll:
             raise ValueError("moecomm.jax takes AllToAlls of the padded layout")
         self._host = a2a.comm.transport.memory == "host"
         self._device = a2a.comm.device
-        expert = jax.ShapeDtypeStruct(c.expert_x_shape(), c.in_dtype)
+        expert = jax.ShapeDtypeStruct(c.expert_x_shape(), c.expert_dtype)
         scale = jax.ShapeDtypeStruct(c.expert_x_scale_shape(), c.scale_dtype) if c.hidden_dim_scale else None
         self._dispatch_out = (jax.ShapeDtypeStruct((c.num_local_experts,), np.int32), expert, scale)
-        self._scaled = scale is not None
+        self._scaled = scale is not None  # out_expert_x_scale; dp_x_scale too but with a dispatch_wire
+        self._scales_in = self._scaled and c.dispatch_wire is None
         self._plan = RoutingPlan(*(jax.ShapeDtypeStruct(s, np.int32) for s in a2a.plan_shapes()))
         self._weights_sent = False  # whether the last dispatch traced here was given router weights
         self._number = next(_numbers)  # its operations' attribute names it to the handlers
@@ -346,7 +347,7 @@ class AllToAll:
     def _dispatch(self, flags, ins, outs, frame):
         stream, scope = self._scope(frame)
         arrays = [self._array(b) for b in ins[(2 + self._scaled) * bool(flags & _START):]]
-        x, xs = arrays.pop(0), arrays.pop(0) if self._scaled else None
+        x, xs = arrays.pop(0), arrays.pop(0) if self._scales_in else None
         call_id = arrays.pop() if flags & _CALL_ID else None
         tags = arrays.pop() if flags & _TAGS else None
         w = arrays.pop() if flags & _WEIGHTS else None
@@ -398,7 +399,8 @@ class AllToAll:
         """Both halves of :meth:`moecomm.AllToAll.dispatch` (``tags``: [rows] int32, each token's tag, with the
         AllToAll's num_tags; ``call_id``: [1] int32, the program's number of the call, equal on every rank; or
         None). Returns ``(out_expert_num_tokens [L] int32, out_expert_x [L, capacity,
-        hidden] in_dtype, out_expert_x_scale (its shape) scale_dtype or None)``. Differentiable (``jax.grad``,
+        hidden] in_dtype (float8_e4m3fn with a dispatch_wire), out_expert_x_scale (its shape) scale_dtype or
+        None)``. Differentiable (``jax.grad``,
         ``jax.vjp``; where ``a2a.gradients``): the gradient of dp_x is the sum of its slots' gradients
         (:meth:`moecomm.AllToAll.dispatch_backward`, along the dispatch's routing plan, kept as a residual);
         dp_x_scale, indices, bound_m, tags and call_id get none, and router weights given here get theirs through the
@@ -425,7 +427,10 @@ class AllToAll:
                 raise InvalidArgument("moecomm.jax: gradients of an FP8 dispatch are not taken (a JAX cotangent "
                                       "is FP8 too); dispatch bfloat16 or float16 tokens to train")
             plan, bound_m = residuals
-            return (self._dispatch_backward_op(plan, cotangents[1], bound_m, shape, dtype),) + (None,) * 6
+            grad = cotangents[1]
+            if grad.dtype.itemsize == 1:  # a quantising dispatch's e4m3 output: straight through to dp_x
+                grad = grad.astype(np.float32)
+            return (self._dispatch_backward_op(plan, grad, bound_m, shape, dtype),) + (None,) * 6
 
         dispatch.defvjp(forward, backward)
         return dispatch

@@ -144,7 +144,7 @@ def dispatch(x, x_scale, indices, num_experts, world_size, max_num_tokens, dp_si
 
 
 def quantize_e4m3(rows, ue8m0=False):
-    """The FP8 combine wire's rounding: ``rows`` [n, hidden] float32 (hidden a multiple of COMBINE_BLOCK) as
+    """The FP8 wires' rounding (combine_wire, and dispatch_wire: :func:`quantize_tokens`): ``rows`` [n, hidden] float32 (hidden a multiple of COMBINE_BLOCK) as
     (e4m3 [n, hidden], scales [n, hidden / COMBINE_BLOCK]): each block of COMBINE_BLOCK values times the
     float32 reciprocal of its scale, absmax / E4M3_MAX (1 for a block of zeros), rounded to nearest e4m3.
     With ``ue8m0`` the scale is rounded up to a power of two and given as float8_e8m0fnu; else float32. Every
@@ -160,6 +160,19 @@ def quantize_e4m3(rows, ue8m0=False):
     inverse = (np.float32(1) / scale).astype(np.float32)  # values times the scale's reciprocal, as the kernels do
     q = np.clip(blocks * inverse[..., None], -E4M3_MAX, E4M3_MAX).astype(float8_e4m3fn).reshape(n, hidden)
     return q, scale.astype(float8_e8m0fnu) if ue8m0 else scale
+
+
+def quantize_tokens(x, wire, scale_dtype):
+    """A quantising dispatch's tokens as they travel (AllToAll dispatch_wire): ``x`` [n, hidden] bfloat16 or
+    float16 as (float8_e4m3fn [n, hidden], scales [n, hidden_dim_scale] scale_dtype), by :func:`quantize_e4m3`
+    (``wire`` "e4m3_ue8m0": power-of-two scales) and its scales as ``scale_dtype`` holds them: float32,
+    float8_e8m0fnu, or int32 of four UE8M0 bytes (the first scale in the lowest byte)."""
+    q, scale = quantize_e4m3(np.asarray(x).astype(np.float32), ue8m0=wire == "e4m3_ue8m0")
+    scale_dtype = np.dtype(scale_dtype)
+    if scale_dtype == np.float32:
+        return q, scale.astype(np.float32)
+    e8m0 = np.ascontiguousarray(scale.astype(float8_e8m0fnu))
+    return q, e8m0 if scale_dtype == float8_e8m0fnu else e8m0.view(np.uint8).view("<i4").astype(np.int32)
 
 
 def dequantize_e4m3(q, scales):

@@ -73,7 +73,8 @@ class AllToAll:
         """:meth:`moecomm.AllToAll.dispatch` (both halves; ``tags``: [rows] int32 with num_tags, ``call_id``:
         [1] int32 equal on every rank, or None).
         Returns ``(out_expert_num_tokens [L] int32,
-        out_expert_x in_dtype, out_expert_x_scale scale_dtype (UE8M0 as uint8) or None)`` (packed layout:
+        out_expert_x in_dtype (float8_e4m3fn with a dispatch_wire), out_expert_x_scale scale_dtype (UE8M0 as
+        uint8) or None)`` (packed layout:
         out_expert_offsets is :attr:`offsets` after the call). Expert slots past their count are zero in grad
         mode (a memset of out_expert_x; run inference under ``torch.no_grad()`` or ``torch.inference_mode()``
         to skip it), else unspecified. dp_x's gradient: the sum of its slots' gradients."""
@@ -99,8 +100,9 @@ class _Dispatch(torch.autograd.Function):
             raise InvalidArgument(no_gradients(a2a.comm.transport.name))
         n = layer._new((c.num_local_experts,), np.int32, dp_x, False)
         # slots past their count zero in grad mode: a gradient of the experts' weights reads every slot
-        ex = layer._new(c.expert_x_shape(), c.in_dtype, dp_x, training)
-        exs = None if dp_x_scale is None else layer._new(c.expert_x_scale_shape(), c.scale_dtype, dp_x, training)
+        ex = layer._new(c.expert_x_shape(), c.expert_dtype, dp_x, training)
+        exs = None if c.hidden_dim_scale is None else layer._new(c.expert_x_scale_shape(), c.scale_dtype, dp_x,
+                                                                 training)
         layer.offsets = (layer._new((c.num_local_experts + 1,), np.int32, dp_x, False) if c.layout == "packed"
                          else None)
         a2a.dispatch(arg(n), arg(ex), arg(exs), arg(dp_x), arg(dp_x_scale), arg(indices), arg(bound_m),
@@ -124,6 +126,8 @@ class _Dispatch(torch.autograd.Function):
                                   "the bfloat16 tokens before quantising")
         *plan, bound_m = ctx.saved_tensors
         grad_x = torch.zeros((ctx.rows, layer.a2a.cfg.hidden_dim), dtype=ctx.dtype, device=grad_expert_x.device)
+        if grad_expert_x.element_size() == 1:  # a quantising dispatch's e4m3 output: straight through to dp_x
+            grad_expert_x = grad_expert_x.float()
         layer.a2a.dispatch_backward(layer._arg(grad_x), RoutingPlan(*map(layer._arg, plan)),
                                     layer._arg(grad_expert_x.contiguous()), layer._arg(bound_m))
         return None, None, grad_x, None, None, None, None, None, None

@@ -3,7 +3,9 @@ four per int32) in either scale layout (row-major, column-major per expert) and 
 round-trips bit-exactly through dispatch; an NVFP4-shaped opaque payload (uint8 rows: packed 4-bit values,
 their e4m3 scales, a float32 global scale) does too, and combine stays typed; the FP8 combine wire ("e4m3",
 "e4m3_ue8m0", weights sent with dispatch or given at combine) equals the reference's rounding, stays within
-the stated bound of the exact result, and sends fewer bytes than the bf16 path.
+the stated bound of the exact result, and sends fewer bytes than the bf16 path; a quantising dispatch
+(dispatch_wire "e4m3" / "e4m3_ue8m0", bf16 and fp16 tokens, every scale format and layout) lands exactly the
+reference's e4m3 values and scales (moecomm.reference.quantize_tokens).
 
     mpiexec -n 3 python tests/mpi_formats.py [--transport host|ipc|nvshmem]
 
@@ -62,13 +64,13 @@ def dispatch(a2a, x, xs, ids, w, weights_at_dispatch=True):
     arrays, and expert_x where the transport keeps it (for a combine)."""
     c = a2a.cfg
     n = A.empty(c.num_local_experts, np.int32)
-    ex = A.empty(c.expert_x_shape(), c.in_dtype)
-    es = None if xs is None else A.empty(c.expert_x_scale_shape(), c.scale_dtype)
+    ex = A.empty(c.expert_x_shape(), c.expert_dtype)
+    es = None if c.hidden_dim_scale is None else A.empty(c.expert_x_scale_shape(), c.scale_dtype)
     off = A.empty(c.num_local_experts + 1, np.int32) if c.layout == "packed" else None
     a2a.dispatch(n, ex, es, A.put(x), None if xs is None else A.put(xs), A.put(ids), A.put(np.array([M], np.int32)),
                  weights=A.put(w) if weights_at_dispatch else None, out_expert_offsets=off)
     got = [None if a is None else A.get(a).view(dtype) for a, dtype in
-           ((n, np.int32), (ex, c.in_dtype), (es, c.scale_dtype), (off, np.int32))]
+           ((n, np.int32), (ex, c.expert_dtype), (es, c.scale_dtype), (off, np.int32))]
     return (*got, ex)
 
 
@@ -191,6 +193,48 @@ def check_fp8_combine(comm, fails):
     return checks
 
 
+def check_quantising_dispatch(comm, fails):
+    """dispatch_wire: bf16 / fp16 tokens quantised by the sender, bit-exactly the reference's values and scales in
+    every scale format and layout; values across many binades, a block of zeros and one below e4m3's normal range
+    in every token."""
+    W, r, checks = comm.world_size, comm.rank, 0
+    E = E_PER_RANK * W
+    cases = [("e4m3", "float32")] + [("e4m3_ue8m0", d) for d in ("float32", "ue8m0", "ue8m0x4")]
+    for (wire, scale_dtype), in_dtype in [(case, dt) for case in cases for dt in ("bf16", "fp16")]:
+        for scale_layout, layout in (("row", "padded"), ("column", "padded"), ("row", "packed")):
+            label = f"dispatch_wire {wire} {in_dtype} scales {scale_dtype} {scale_layout}-major, {layout}"
+            a2a = moecomm.AllToAll(comm, M, E, K, H, None, in_dtype, "bf16", scale_dtype=scale_dtype,
+                                   layout=layout, scale_layout=scale_layout, dispatch_wire=wire)
+            c = a2a.cfg
+            drawn = draw(W, 40 + checks)
+            span = np.exp(np.linspace(-6, 6, H, dtype=np.float32))  # values across many binades
+            tokens = []
+            for x, _, _ in drawn:
+                v = x.astype(np.float32) * span
+                v[:, :128] = 0  # a block of zeros: scale 1
+                v[:, 128:256] *= 2.0 ** -20  # a block far below e4m3's normal range after scaling by 448 / absmax
+                tokens.append(v.astype(c.in_dtype))
+            _, ids, w = drawn[r]
+            n, ex, es, off, kept = dispatch(a2a, tokens[r], None, ids, w)
+            combine(a2a, ids, None, A.put(np.zeros(c.expert_x_shape(), c.out_dtype)))
+            rows = es if scale_layout == "row" else np.swapaxes(es, -1, -2)  # [.., slots, scales]
+            if layout == "packed":
+                ex, rows = padded(ex, off, M * W), padded(np.ascontiguousarray(rows), off, M * W)
+            q = [reference.quantize_tokens(t, wire, c.scale_dtype) for t in tokens]
+            ref = reference.dispatch([a for a, _ in q], [b for _, b in q], [d[1] for d in drawn], E, W, M)[r]
+            if not np.array_equal(n, ref["expert_num_tokens"]):
+                fails.append(f"{label}: counts {n.tolist()} != {ref['expert_num_tokens'].tolist()}")
+            for e in range(E_PER_RANK):
+                got = reference.canonical_rows(n[e], ex[e], np.ascontiguousarray(rows[e]))
+                want = reference.canonical_rows(n[e], ref["expert_x"][e], ref["expert_x_scale"][e])
+                if not np.array_equal(got, want):
+                    fails.append(f"{label}: expert {e}'s e4m3 values and scales are not the reference's bytes")
+                    break
+            a2a.destroy()
+            checks += 1
+    return checks
+
+
 def main():
     global A
     p = argparse.ArgumentParser()
@@ -199,7 +243,8 @@ def main():
     A = Host if transport == "host" else Device
     comm = moecomm.init(transport=transport, timeout=3.0 if transport == "host" else 30.0)
     fails = []
-    checks = check_scales(comm, fails) + check_opaque(comm, fails) + check_fp8_combine(comm, fails)
+    checks = (check_scales(comm, fails) + check_opaque(comm, fails) + check_fp8_combine(comm, fails)
+              + check_quantising_dispatch(comm, fails))
     finish(comm, fails, checks)
 
 

@@ -160,3 +160,41 @@ def test_tags_inside_jit_are_counted_per_local_expert():
         a2a.destroy()
     finally:
         comm.finalize()
+
+
+def test_quantising_dispatch_inside_jit_and_its_gradient_straight_through():
+    """dispatch_wire="e4m3_ue8m0" (UE8M0 scales) through the layer inside jit: e4m3 values and scales equal the
+    reference's; the gradient of dp_x is the sum of its slots' cotangents (straight through the quantisation)."""
+    from moecomm import reference
+    comm = moecomm.init(transport="host")
+    try:
+        h = 512  # four UE8M0 scales a token: a multiple of 4 bytes
+        a2a = moecomm.AllToAll(comm, M, E, K, h, None, "bfloat16", "bfloat16", scale_dtype="ue8m0",
+                               dispatch_wire="e4m3_ue8m0")
+        layer = mj.AllToAll(a2a)
+        _, _, ids, m, w = _inputs()
+        x = jnp.asarray(np.random.default_rng(1).standard_normal((M, h)) * 5, jnp.bfloat16)
+        y = jnp.zeros(a2a.cfg.expert_x_shape(), jnp.bfloat16)
+
+        @jax.jit
+        def step(x):
+            counts, ex, exs = layer.dispatch(x, None, ids, m, w)
+            out = layer.combine(ids, None, y, m)
+            return ex.astype(jnp.float32).sum() + 0 * out.astype(jnp.float32).sum(), (counts, ex, exs)
+
+        (_, (counts, ex, exs)), grad = jax.value_and_grad(step, has_aux=True)(x)
+        rows = int(m[0])
+        q, s = reference.quantize_tokens(np.asarray(x)[:rows], "e4m3_ue8m0", a2a.cfg.scale_dtype)
+        ref = reference.dispatch([q], [s], [np.asarray(ids)[:rows]], E, 1, M)[0]
+        assert np.array_equal(np.asarray(counts), ref["expert_num_tokens"])
+        for e in range(E):
+            n = int(counts[e])
+            got = reference.canonical_rows(n, np.asarray(ex)[e], np.asarray(exs)[e])
+            assert np.array_equal(got, reference.canonical_rows(n, ref["expert_x"][e], ref["expert_x_scale"][e]))
+        slots = np.zeros(M)
+        slots[:rows] = (np.asarray(ids)[:rows] >= 0).sum(1)  # each slot's cotangent is 1: its token gets one each
+        assert grad.dtype == jnp.bfloat16
+        assert np.array_equal(np.asarray(grad, np.float32), np.repeat(slots[:, None], h, 1))
+        a2a.destroy()
+    finally:
+        comm.finalize()

@@ -1,7 +1,9 @@
 """The numpy reference on a hand-checked example, and routing validation."""
 import numpy as np
+import pytest
 
 from moecomm import reference
+from moecomm._dtypes import bfloat16, float8_e4m3fn, float8_e8m0fnu
 
 
 def _example():
@@ -108,3 +110,32 @@ def test_combine_backward_gives_the_derivatives_of_combine():
         assert np.isclose(lhs, sum(float((a * b).sum()) for a, b in zip(w, gw)), rtol=1e-5)
         for o, d in zip(origin, gy):
             assert not d[o[:, :, 0] < 0].any()
+
+
+@pytest.mark.parametrize("wire,scale_dtype", [("e4m3", np.float32), ("e4m3_ue8m0", np.float32),
+                                              ("e4m3_ue8m0", float8_e8m0fnu), ("e4m3_ue8m0", np.int32)])
+def test_quantize_tokens_rounds_within_e4m3_and_encodes_the_scales(wire, scale_dtype):
+    """quantize_tokens: every value back within 2^-4 of itself (or scale * 2^-10 below e4m3's normal range), the
+    scale absmax / 448 (up to a power of two for UE8M0, 1 for zeros), UE8M0 packed first-scale-lowest in int32."""
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal((5, 512)) * np.exp(np.linspace(-5, 5, 512))).astype(bfloat16)
+    x[0, :128] = 0
+    q, s = reference.quantize_tokens(x, wire, scale_dtype)
+    assert q.dtype == float8_e4m3fn and q.shape == x.shape
+    if np.dtype(scale_dtype) == np.int32:
+        assert s.shape == (5, 1)
+        scale = s.view(np.uint8).view(float8_e8m0fnu).astype(np.float32)  # little-endian bytes in order
+    else:
+        assert s.shape == (5, 4) and s.dtype == np.dtype(scale_dtype)
+        scale = s.astype(np.float32)
+    v = x.astype(np.float32)
+    amax = np.abs(v).reshape(5, 4, 128).max(-1)
+    want = np.where(amax > 0, amax / np.float32(448), 1).astype(np.float32)
+    if wire == "e4m3_ue8m0":
+        assert (scale >= want).all() and (scale < 2 * want).all()
+        assert (np.frexp(scale)[0] == 0.5).all()  # powers of two
+    else:
+        assert np.array_equal(scale, want)
+    back = (q.astype(np.float32).reshape(5, 4, 128) * scale[..., None]).reshape(5, 512)
+    assert (np.abs(back - v) <= 2 ** -4 * np.abs(v) + np.repeat(scale, 128, axis=1) * 2 ** -10).all()
+    assert not back[0, :128].any()

@@ -106,3 +106,39 @@ def test_tags_are_counted_per_local_expert():
         a2a.destroy()
     finally:
         comm.finalize()
+
+
+def test_quantising_dispatch_and_its_gradient_straight_through():
+    """dispatch_wire="e4m3" through the layer: e4m3 values and float32 scales equal the reference's; the gradient
+    of the bf16 tokens is the sum of their slots' gradients (straight through the quantisation)."""
+    from moecomm import reference
+    comm = moecomm.init(transport="host")
+    try:
+        h = 256
+        a2a = moecomm.AllToAll(comm, M, E, K, h, None, "bfloat16", "bfloat16", dispatch_wire="e4m3")
+        layer = mt.AllToAll(a2a)
+        rng = np.random.default_rng(2)
+        x = torch.from_numpy((rng.standard_normal((M, h)) * 5).astype(np.float32)).to(torch.bfloat16)
+        x.requires_grad_()
+        ids = torch.from_numpy(np.argsort(rng.random((M, E)), 1)[:, :K].astype(np.int64))
+        w = torch.from_numpy(rng.random((M, K)).astype(np.float32))
+        rows = M - 2
+        m = torch.tensor([rows], dtype=torch.int32)
+        counts, ex, exs = layer.dispatch(x, None, ids, m, w)
+        assert ex.dtype == torch.float8_e4m3fn and exs.dtype == torch.float32
+        layer.combine(ids, w, torch.zeros(a2a.cfg.expert_x_shape(), dtype=torch.bfloat16), m)
+        q, s = reference.quantize_tokens(x.detach().float().numpy().astype(moecomm.bfloat16)[:rows], "e4m3",
+                                         np.float32)
+        ref = reference.dispatch([q], [s], [ids.numpy()[:rows]], E, 1, M)[0]
+        got_x = ex.detach().view(torch.uint8).numpy().view(moecomm.float8_e4m3fn)
+        for e in range(E):
+            n = int(counts[e])
+            assert np.array_equal(reference.canonical_rows(n, got_x[e], exs.detach().numpy()[e]),
+                                  reference.canonical_rows(n, ref["expert_x"][e], ref["expert_x_scale"][e]))
+        ex.float().sum().backward()
+        want = torch.zeros(M)
+        want[:rows] = 2.0  # K = 2 distinct ids a token: two slots, each's gradient 1
+        assert x.grad.dtype == torch.bfloat16 and torch.equal(x.grad.float(), want[:, None].expand(M, h))
+        a2a.destroy()
+    finally:
+        comm.finalize()

@@ -44,6 +44,15 @@ def record_bytes(cfg):
     return _abi.RecordLayout.of(cfg).size
 
 
+def _quant_code(cfg):
+    """Fixed.quant of ``cfg``: how the send side quantises (dispatch_wire, and the scales' format)."""
+    if cfg.dispatch_wire is None:
+        return C.QUANT_NONE
+    if cfg.dispatch_wire == "e4m3":
+        return C.QUANT_FLOAT
+    return C.QUANT_POW2 if np.dtype(cfg.scale_dtype) == np.float32 else C.QUANT_UE8M0
+
+
 def symmetric_sizes(cfg, plan):
     """Bytes of each symmetric buffer one rank allocates for ``cfg`` launched by ``plan`` (a LaunchPlan; the
     formula in the module doc), and the staging row size: {"recv_buf", "comb_buf", "stage", "signals",
@@ -147,7 +156,8 @@ class GpuAllToAll(AllToAllBackend):
             max_tokens=M, hidden=cfg.hidden_dim, x_bytes=rec.x_bytes, scale_bytes=rec.scale_bytes,
             scale_item=0 if cfg.scale_dtype is None else cfg.scale_dtype.itemsize,
             scale_column=int(cfg.scale_layout == "column"), meta_off=rec.meta_off, rec_bytes=rec.size,
-            out_code=_DT_CODES[np.dtype(cfg.out_dtype)],
+            out_code=_DT_CODES[np.dtype(cfg.out_dtype)], quant=_quant_code(cfg),
+            src_code=_DT_CODES.get(np.dtype(cfg.in_dtype), 0), src_row_bytes=cfg.hidden_dim * cfg.in_dtype.itemsize,
             out_row_bytes=cfg.hidden_dim * cfg.out_dtype.itemsize, wire=C.WIRE_CODES[cfg.combine_wire],
             comb_row_bytes=_abi.combine_row_bytes(cfg), cap=cfg.expert_capacity, drop=int(cfg.drops),
             packed=int(cfg.layout == "packed"), window=window, stage_slots=C.STAGE_SLOTS,

@@ -308,7 +308,11 @@ class HostAllToAll(AllToAllBackend):
             owner[self._dropped] = -1
         sent = np.where(owner >= 0, idx, -1).astype(np.int32)  # dropped and masked pairs: none
         per_rank, counts = self._per_rank(sent)
-        rows = np.concatenate([self._dispatch_records(a.x[t], None if a.x_scale is None else a.x_scale[t], t, local,
+        x, x_scale = a.x, a.x_scale
+        if cfg.dispatch_wire is not None:  # quantised once, as the kernels do where they read the row
+            x, x_scale = reference.quantize_tokens(a.x[:mine[-1] + 1 if len(mine) else 0], cfg.dispatch_wire,
+                                                   cfg.scale_dtype)
+        rows = np.concatenate([self._dispatch_records(x[t], None if x_scale is None else x_scale[t], t, local,
                                                       None if a.weights is None else a.weights[t],
                                                       None if a.tags is None else a.tags[t])
                                for t, local in ((mine[sel], local) for sel, local in per_rank)])
@@ -399,7 +403,7 @@ class HostAllToAll(AllToAllBackend):
         ex, p, has_weights = pending
         recv, src_counts = ex.finish(p)
         K, lay = cfg.experts_per_token, self._layout
-        x = recv[:, :lay.x_bytes].view(cfg.in_dtype)
+        x = recv[:, :lay.x_bytes].view(cfg.expert_dtype)
         meta = np.ascontiguousarray(recv[:, lay.meta_off:lay.meta_off + 8 + 8 * K])
         token, local = meta[:, :4].view(np.int32)[:, 0], meta[:, 4:4 + 4 * K].view(np.int32)
         weights = meta[:, 4 + 4 * K:4 + 8 * K].view(np.float32) if has_weights else None
