@@ -90,9 +90,24 @@ def padded(a, off, cap):
     return out
 
 
+def against_reference(fails, label, got, ref, scale_layout, W):
+    """A dispatch's (counts, expert_x, scales, offsets or None) against the reference's rank dict: counts equal,
+    each expert's rows and scales the same bytes (slots compared as sets: the host transport keeps the reference's
+    order, but the comparison does not rely on it)."""
+    n, ex, es, off = got
+    rows = es if scale_layout == "row" else np.swapaxes(es, -1, -2)  # [.., slots, scales]
+    if off is not None:  # packed
+        ex, rows = padded(ex, off, M * W), padded(np.ascontiguousarray(rows), off, M * W)
+    if not np.array_equal(n, ref["expert_num_tokens"]):
+        fails.append(f"{label}: counts {n.tolist()} != {ref['expert_num_tokens'].tolist()}")
+    for e in range(E_PER_RANK):
+        mine = reference.canonical_rows(n[e], ex[e], np.ascontiguousarray(rows[e]))
+        if not np.array_equal(mine, reference.canonical_rows(n[e], ref["expert_x"][e], ref["expert_x_scale"][e])):
+            fails.append(f"{label}: expert {e}'s rows and scales are not the reference's bytes")
+
+
 def check_scales(comm, fails):
-    """Scales and tokens bit-exact against the reference (slots compared as sets: the host transport keeps the
-    reference's order, but the comparison does not rely on it)."""
+    """Scales and tokens bit-exact against the reference."""
     W, r, checks = comm.world_size, comm.rank, 0
     E = E_PER_RANK * W
     for dtype, n_scales in SCALES:
@@ -103,20 +118,10 @@ def check_scales(comm, fails):
                                        layout=layout, scale_layout=scale_layout)
                 drawn, scales = draw(W, checks), random_scales(W, checks, dtype, n_scales)
                 x, ids, w = drawn[r]
-                n, ex, es, off, kept = dispatch(a2a, x, scales[r], ids, w)
+                *got, kept = dispatch(a2a, x, scales[r], ids, w)
                 combine(a2a, ids, None, kept)
-                rows = es if scale_layout == "row" else np.swapaxes(es, -1, -2)  # [.., slots, scales]
-                if layout == "packed":
-                    cap = M * W
-                    ex, rows = padded(ex, off, cap), padded(np.ascontiguousarray(rows), off, cap)
                 ref = reference.dispatch([d[0] for d in drawn], scales, [d[1] for d in drawn], E, W, M)[r]
-                if not np.array_equal(n, ref["expert_num_tokens"]):
-                    fails.append(f"{label}: counts {n.tolist()} != {ref['expert_num_tokens'].tolist()}")
-                for e in range(E_PER_RANK):
-                    got = reference.canonical_rows(n[e], ex[e], np.ascontiguousarray(rows[e]))
-                    want = reference.canonical_rows(n[e], ref["expert_x"][e], ref["expert_x_scale"][e])
-                    if not np.array_equal(got, want):
-                        fails.append(f"{label}: expert {e}'s tokens and scales are not the reference's bytes")
+                against_reference(fails, label, got, ref, scale_layout, W)
                 a2a.destroy()
                 checks += 1
     return checks
@@ -215,21 +220,11 @@ def check_quantising_dispatch(comm, fails):
                 v[:, 128:256] *= 2.0 ** -20  # a block far below e4m3's normal range after scaling by 448 / absmax
                 tokens.append(v.astype(c.in_dtype))
             _, ids, w = drawn[r]
-            n, ex, es, off, kept = dispatch(a2a, tokens[r], None, ids, w)
+            *got, _ = dispatch(a2a, tokens[r], None, ids, w)
             combine(a2a, ids, None, A.put(np.zeros(c.expert_x_shape(), c.out_dtype)))
-            rows = es if scale_layout == "row" else np.swapaxes(es, -1, -2)  # [.., slots, scales]
-            if layout == "packed":
-                ex, rows = padded(ex, off, M * W), padded(np.ascontiguousarray(rows), off, M * W)
             q = [reference.quantize_tokens(t, wire, c.scale_dtype) for t in tokens]
             ref = reference.dispatch([a for a, _ in q], [b for _, b in q], [d[1] for d in drawn], E, W, M)[r]
-            if not np.array_equal(n, ref["expert_num_tokens"]):
-                fails.append(f"{label}: counts {n.tolist()} != {ref['expert_num_tokens'].tolist()}")
-            for e in range(E_PER_RANK):
-                got = reference.canonical_rows(n[e], ex[e], np.ascontiguousarray(rows[e]))
-                want = reference.canonical_rows(n[e], ref["expert_x"][e], ref["expert_x_scale"][e])
-                if not np.array_equal(got, want):
-                    fails.append(f"{label}: expert {e}'s e4m3 values and scales are not the reference's bytes")
-                    break
+            against_reference(fails, label, got, ref, scale_layout, W)
             a2a.destroy()
             checks += 1
     return checks
