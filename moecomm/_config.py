@@ -4,7 +4,8 @@ from dataclasses import dataclass, fields
 import numpy as np
 
 from . import _constants as C
-from ._dtypes import IN_DTYPES, OUT_DTYPES, SCALE_DTYPES, as_dtype, bfloat16, float8_e4m3fn, float8_e8m0fnu, float16, float32, int32
+from ._dtypes import (IN_DTYPES, OUT_DTYPES, SCALE_DTYPES, as_dtype, bfloat16, float8_e4m3fn, float8_e8m0fnu, float16,
+                      float32, int32)
 from ._errors import InvalidArgument
 
 
@@ -26,7 +27,8 @@ def _quantised_scales(wire, in_dtype, hidden_dim, hidden_dim_scale, scale_dtype)
         raise InvalidArgument(f"dispatch_wire={wire!r} needs hidden_dim a multiple of {C.COMBINE_BLOCK} (one scale "
                               f"per {C.COMBINE_BLOCK} values), got {hidden_dim}")
     allowed = (float32,) if wire == "e4m3" else (float32, float8_e8m0fnu, int32)
-    scale_dtype = as_dtype(float32 if scale_dtype is None else scale_dtype, allowed, f"dispatch_wire={wire!r}: scale_dtype")
+    scale_dtype = as_dtype(float32 if scale_dtype is None else scale_dtype, allowed,
+                           f"dispatch_wire={wire!r}: scale_dtype")
     blocks = hidden_dim // C.COMBINE_BLOCK
     if scale_dtype == int32 and blocks % 4:
         raise InvalidArgument(f"scale_dtype int32 packs four UE8M0 scales: hidden_dim / {C.COMBINE_BLOCK} = {blocks} "

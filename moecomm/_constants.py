@@ -188,8 +188,8 @@ TRACE_SPAN = 8
 
 
 # Exported to device code as MOECOMM_<name> (moecomm/_abi.py writes them into the generated moecomm_abi.h):
-# every ERR_*, PHASE_*, DT_*, WIRE_* and QUANT_* constant above, these scalars, these literals (with their C suffixes), the
-# build options and the indices of the field tables (S_*, C_*, B_*, TRACE_<half>).
+# every ERR_*, PHASE_*, DT_*, WIRE_* and QUANT_* constant above, these scalars, these literals (with their C
+# suffixes), the build options and the indices of the field tables (S_*, C_*, B_*, TRACE_<half>).
 _DEVICE_SCALARS = ("TIMEOUT_LEFT", "REASON_IDS_DIFFER", "REASON_BAD_TAG", "GAP_BINS", "ERROR_WORDS",
                    "REASON_ARG_SHIFT", "SIG_COUNT_BITS",
                    "SIG_GEN_BITS", "MAX_TOPK", "MAX_EXPERTS", "ROW_ALIGN", "BLOCK_THREADS", "BLOCKS_PER_SM",
@@ -201,7 +201,8 @@ _DEVICE_LITERALS = {"REPLICA_TOKEN": "u", "REPLICA_GROUP": "u", "PEER_UNMAPPED":
 def device_constants():
     """The constants above (and the build options from the environment) by device name (MOECOMM_<name>)."""
     names = globals()
-    values = {n: v for n, v in names.items() if n.startswith(("ERR_", "PHASE_", "DT_", "WIRE_", "QUANT_")) and isinstance(v, int)}
+    values = {n: v for n, v in names.items()
+              if n.startswith(("ERR_", "PHASE_", "DT_", "WIRE_", "QUANT_")) and isinstance(v, int)}
     values.update({n: names[n] for n in _DEVICE_SCALARS})
     values.update({n: f"{names[n]}{suffix}" for n, suffix in _DEVICE_LITERALS.items()})
     values.update(GAP_EDGES="{" + ", ".join(f"{e!r}f" for e in GAP_EDGES) + "}")  # an initializer list

@@ -144,12 +144,12 @@ def dispatch(x, x_scale, indices, num_experts, world_size, max_num_tokens, dp_si
 
 
 def quantize_e4m3(rows, ue8m0=False):
-    """The FP8 wires' rounding (combine_wire, and dispatch_wire: :func:`quantize_tokens`): ``rows`` [n, hidden] float32 (hidden a multiple of COMBINE_BLOCK) as
-    (e4m3 [n, hidden], scales [n, hidden / COMBINE_BLOCK]): each block of COMBINE_BLOCK values times the
-    float32 reciprocal of its scale, absmax / E4M3_MAX (1 for a block of zeros), rounded to nearest e4m3.
-    With ``ue8m0`` the scale is rounded up to a power of two and given as float8_e8m0fnu; else float32. Every
-    value comes back within 2^-4 of itself (e4m3's 3 mantissa bits), or within scale * 2^-10 where it falls
-    below e4m3's normal range."""
+    """The FP8 wires' rounding (combine_wire, and dispatch_wire: :func:`quantize_tokens`): ``rows`` [n, hidden]
+    float32 (hidden a multiple of COMBINE_BLOCK) as (e4m3 [n, hidden], scales [n, hidden / COMBINE_BLOCK]): each
+    block of COMBINE_BLOCK values times the float32 reciprocal of its scale, absmax / E4M3_MAX (1 for a block of
+    zeros), rounded to nearest e4m3. With ``ue8m0`` the scale is rounded up to a power of two and given as
+    float8_e8m0fnu; else float32. Every value comes back within 2^-4 of itself (e4m3's 3 mantissa bits), or
+    within scale * 2^-10 where it falls below e4m3's normal range."""
     n, hidden = rows.shape
     blocks = np.asarray(rows, np.float32).reshape(n, hidden // COMBINE_BLOCK, COMBINE_BLOCK)
     amax = np.abs(blocks).max(axis=2)
