@@ -1,0 +1,254 @@
+"""DeepEP's low-latency API on moecomm: a program written for ``deep_ep.Buffer(..., low_latency_mode=True)``
+runs with its import changed to ``from moecomm.compat import deep_ep``.
+
+    buffer = deep_ep.Buffer(group, num_rdma_bytes=deep_ep.Buffer.get_low_latency_rdma_size_hint(
+        num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts), low_latency_mode=True)
+    recv_x, recv_count, handle, event, hook = buffer.low_latency_dispatch(
+        x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, use_fp8=True)
+    combined_x, event, hook = buffer.low_latency_combine(expert_y, topk_idx, topk_weights, handle)
+
+Each (num_max_dispatch_tokens_per_rank, hidden, num_experts, top-k, FP8 format) gets a :class:`moecomm.AllToAll`
+at its first call (collective, as DeepEP's calls are), in the padded layout DeepEP's low-latency kernels use:
+``recv_x [num_local_experts, num_max_dispatch_tokens_per_rank * num_ranks, hidden]`` with counts per local
+expert. ``use_fp8`` quantises inside dispatch (``dispatch_wire``: e4m3 with a float32 scale per 128 values,
+``round_scale`` powers of two, ``use_ue8m0`` four UE8M0 scales per int32), the scales' last two dimensions
+column-major as DeepEP returns them. ``return_recv_hook`` issues the send half; the hook runs the receive
+half (moecomm holds no SMs between them). ``async_finish``: every call runs on the current stream, so the
+returned event is complete when the current stream reaches it. The handle is DeepEP's five-tuple: each slot's
+source token ``[L, T * R]`` int32 and per local expert and source rank ``(first slot << 32) | count`` int64
+(moecomm fills an expert's slots in arrival order, so one source's slots need not be contiguous; the count
+is exact and ``first slot`` is the first of them), then num_max_dispatch_tokens_per_rank, hidden and
+num_experts. Refused with a moecomm InvalidArgument: normal-mode calls (``dispatch``/``combine`` with a
+layout: use ``moecomm.AllToAll(layout="packed")``), LogFMT combine (``combine_wire="e4m3"`` is moecomm's FP8
+combine), and the wait-cost statistics. torch is imported here only.
+"""
+import numpy as np
+import torch
+
+import moecomm
+
+from .._errors import InvalidArgument
+from ..alltoall import RoutingPlan
+from ..torch import AllToAll as _Layer
+
+_NOT_LOW_LATENCY = ("DeepEP's normal mode is not provided by moecomm.compat.deep_ep: use moecomm.AllToAll(..., "
+                    "layout='packed') for tokens grouped per expert with counts (docs/migration.md)")
+
+
+class EventOverlap:
+    """DeepEP's event wrapper: ``event`` a torch.cuda.Event recorded on the call's stream (None on CPU tensors);
+    ``current_stream_wait()`` makes the current stream wait for it; as a context manager, on exit."""
+
+    def __init__(self, event=None, extra_tensors=None):
+        self.event, self.extra_tensors = event, extra_tensors
+
+    def current_stream_wait(self):
+        if self.event is not None:
+            torch.cuda.current_stream().wait_event(self.event)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.current_stream_wait()
+
+
+def _event(like):
+    """An EventOverlap of the current stream's work so far (none for CPU tensors)."""
+    if like.device.type != "cuda":
+        return EventOverlap()
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(like.device))
+    return EventOverlap(event)
+
+
+class _Handle(tuple):
+    """DeepEP's handle (src_info, layout_range, num_max_dispatch_tokens_per_rank, hidden, num_experts), carrying
+    the moecomm call it belongs to (its layer and bound_m) for low_latency_combine."""
+
+    def __new__(cls, fields, layer, bound_m):
+        handle = super().__new__(cls, fields)
+        handle.layer, handle.bound_m = layer, bound_m
+        return handle
+
+
+class Buffer:
+    """DeepEP's ``deep_ep.Buffer`` in low-latency mode (its constructor's arguments; the byte counts are hints
+    moecomm does not need: each AllToAll sizes its own symmetric buffers).
+
+    Args:
+        group: a torch.distributed process group, a :class:`moecomm.Communicator`, or None (``moecomm.init()``
+            over MPI).
+        num_nvl_bytes, num_rdma_bytes, num_qps_per_rank, allow_nvlink_for_low_latency_mode, allow_mnnvl,
+            explicitly_destroy: accepted as DeepEP takes them.
+        low_latency_mode: DeepEP's; the normal-mode calls are refused either way.
+    """
+    num_sms = 20  # DeepEP's class attribute (its normal-mode kernels' SMs; the low-latency calls ignore it)
+
+    def __init__(self, group=None, num_nvl_bytes=0, num_rdma_bytes=0, low_latency_mode=False,
+                 num_qps_per_rank=24, allow_nvlink_for_low_latency_mode=True, allow_mnnvl=False,
+                 explicitly_destroy=False, **_):
+        self._owned = not isinstance(group, moecomm.Communicator)
+        self.comm = moecomm.init(comm=group) if self._owned else group
+        self.group, self.rank, self.group_size = group, self.comm.rank, self.comm.world_size
+        self.num_nvl_bytes, self.num_rdma_bytes = num_nvl_bytes, num_rdma_bytes
+        self.low_latency_mode, self.explicitly_destroy = low_latency_mode, explicitly_destroy
+        self._layers = {}  # {(tokens, hidden, experts, topk, wire, scale dtype): moecomm.torch layer}
+        self._combine_buffers = {}  # {layer key: bf16 expert_y for zero-copy combines}
+        self._masked = ()
+
+    @staticmethod
+    def set_num_sms(new_num_sms):
+        Buffer.num_sms = new_num_sms
+
+    @staticmethod
+    def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts):
+        """Bytes of symmetric memory moecomm allocates per rank for this shape with FP8 dispatch (top-k 8, the
+        gradient rows the handle's source info needs included): DeepEP's hint, for reporting."""
+        from .._config import AllToAllConfig
+        from ..transport.gpu_alltoall import symmetric_bytes
+        cfg = AllToAllConfig.create(num_ranks, 0, num_max_dispatch_tokens_per_rank, num_experts,
+                                    min(8, num_experts), hidden, None, "bfloat16", "bfloat16", None, 1,
+                                    gradients=True, dispatch_wire="e4m3")
+        return symmetric_bytes(cfg)
+
+    # the low-latency calls ----------------------------------------------------------------------
+    def _layer(self, tokens, hidden, num_experts, topk, use_fp8, round_scale, use_ue8m0):
+        if use_ue8m0 and not round_scale:
+            raise InvalidArgument("low_latency_dispatch: use_ue8m0 needs round_scale=True (as in DeepEP)")
+        wire = None if not use_fp8 else "e4m3_ue8m0" if round_scale else "e4m3"
+        scale_dtype = None if not use_fp8 else "ue8m0x4" if use_ue8m0 else "float32"
+        key = (tokens, hidden, num_experts, topk, wire, scale_dtype)
+        if key not in self._layers:
+            a2a = moecomm.AllToAll(self.comm, tokens, num_experts, topk, hidden, None, "bfloat16", "bfloat16",
+                                   scale_dtype=scale_dtype, scale_layout="column" if use_fp8 else "row",
+                                   dispatch_wire=wire, gradients=True)
+            if self._masked:
+                a2a.mask_ranks(self._masked)
+            self._layers[key] = _Layer(a2a)
+        return self._layers[key]
+
+    def low_latency_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
+                             cumulative_local_expert_recv_stats=None, dispatch_wait_recv_cost_stats=None,
+                             use_fp8=True, round_scale=False, use_ue8m0=False, async_finish=False,
+                             return_recv_hook=False):
+        """DeepEP's low_latency_dispatch: x [num_tokens, hidden] bfloat16, topk_idx [num_tokens, top-k] int64 (-1:
+        none), num_tokens <= num_max_dispatch_tokens_per_rank. Returns (recv_x, or (recv_x e4m3, scales) with
+        use_fp8; recv_count [L] int32; handle; event; hook or None)."""
+        if dispatch_wait_recv_cost_stats is not None:
+            raise InvalidArgument("low_latency_dispatch: dispatch_wait_recv_cost_stats is not provided by moecomm "
+                                  "(a2a.stats() keeps per-call counts and, with timing=True, times)")
+        layer = self._layer(num_max_dispatch_tokens_per_rank, x.size(1), num_experts, topk_idx.size(1), use_fp8,
+                            round_scale, use_ue8m0)
+        a2a, c, arg = layer.a2a, layer.a2a.cfg, layer._arg
+        bound_m = torch.tensor([x.size(0)], dtype=torch.int32, device=x.device)
+        count = layer._new((c.num_local_experts,), np.int32, x, False)
+        recv_x = layer._new(c.expert_x_shape(), c.expert_dtype, x, False)
+        scales = layer._new(c.expert_x_scale_shape(), c.scale_dtype, x, False) if use_fp8 else None
+        plan = RoutingPlan(*(layer._new(s, np.int32, x, False) for s in a2a.plan_shapes()))
+        src_info = layer._new(c.expert_x_shape()[:-1], np.int32, x, False)  # filled by the receive half
+        layout_range = torch.empty((c.num_local_experts, self.group_size), dtype=torch.int64, device=x.device)
+        args = (arg(count), arg(recv_x), arg(scales), arg(x), None, arg(topk_idx), arg(bound_m))
+
+        def receive():
+            a2a.dispatch(*args, do_send=False)
+            a2a.plan(RoutingPlan(*map(arg, plan)))
+            src_info.copy_(plan.origin[..., 1])  # origin [L, T * R, 3]: (source rank, token, k), -1 where empty
+            layout_range.copy_(_layout_range(plan.origin[..., 0], self.group_size))
+            if cumulative_local_expert_recv_stats is not None:
+                cumulative_local_expert_recv_stats.add_(count)
+
+        a2a.dispatch(*args, do_recv=False)
+        if not return_recv_hook:
+            receive()
+        handle = _Handle((src_info, layout_range, num_max_dispatch_tokens_per_rank, x.size(1), num_experts), layer,
+                         bound_m)
+        received = (recv_x, scales.transpose(1, 2)) if use_fp8 else recv_x  # scales: last two dims column-major
+        return received, count, handle, _event(x), receive if return_recv_hook else None
+
+    def low_latency_combine(self, x, topk_idx, topk_weights, handle, use_logfmt=False, zero_copy=False,
+                            async_finish=False, return_recv_hook=False, out=None,
+                            combine_wait_recv_cost_stats=None):
+        """DeepEP's low_latency_combine: x [L, T * R, hidden] bfloat16 expert outputs (ignored with zero_copy:
+        the buffer of get_next_low_latency_combine_buffer), topk_idx and topk_weights [num_tokens, top-k] as
+        dispatched. Returns (combined_x [num_tokens, hidden] bfloat16 (``out`` when given), event, hook or
+        None)."""
+        layer = handle.layer
+        a2a, arg = layer.a2a, layer._arg
+        refusal = ("LogFMT is not provided by moecomm: AllToAll(combine_wire='e4m3') is its FP8 combine"
+                   if use_logfmt else "combine_wait_recv_cost_stats is not provided by moecomm"
+                   if combine_wait_recv_cost_stats is not None else None)
+        if refusal:
+            a2a.abort()  # the dispatch's call ends on every rank (each refuses alike)
+            raise InvalidArgument(f"low_latency_combine: {refusal}")
+        y = self._combine_buffers[id(layer)] if zero_copy else x
+        combined = out if out is not None else torch.empty((topk_idx.size(0), a2a.cfg.hidden_dim),
+                                                           dtype=torch.bfloat16, device=topk_idx.device)
+        args = (arg(combined), arg(topk_idx), arg(topk_weights), arg(y), arg(handle.bound_m))
+        a2a.combine(*args, do_recv=False)
+        hook = lambda: a2a.combine(*args, do_send=False)  # noqa: E731
+        if not return_recv_hook:
+            hook()
+        return combined, _event(combined), hook if return_recv_hook else None
+
+    def get_next_low_latency_combine_buffer(self, handle):
+        """The bf16 [L, T * R, hidden] tensor a zero-copy low_latency_combine of this handle's AllToAll reads."""
+        layer = handle.layer
+        if id(layer) not in self._combine_buffers:
+            self._combine_buffers[id(layer)] = torch.empty(layer.a2a.cfg.expert_x_shape(), dtype=torch.bfloat16,
+                                                           device=handle[0].device)
+        return self._combine_buffers[id(layer)]
+
+    def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank, hidden, num_experts):
+        """Nothing to clean: moecomm's buffers carry the call each word belongs to."""
+
+    # masking (DeepEP's elastic low-latency mode) ----------------------------------------------------
+    def low_latency_update_mask_buffer(self, rank_to_mask, mask=False):
+        """Mask (``mask=True``) or unmask ``rank_to_mask`` in every AllToAll of this buffer, now and later
+        (moecomm.AllToAll.mask_ranks: collective among the unmasked ranks)."""
+        masked = set(self._masked) | {rank_to_mask} if mask else set(self._masked) - {rank_to_mask}
+        self._masked = tuple(sorted(masked))
+        for layer in self._layers.values():
+            layer.a2a.mask_ranks(self._masked)
+
+    def low_latency_query_mask_buffer(self, mask_status):
+        """Write 1 for each masked rank, 0 elsewhere, into mask_status [num_ranks] int32."""
+        mask_status.zero_()
+        for r in self._masked:
+            mask_status[r] = 1
+
+    def low_latency_clean_mask_buffer(self):
+        """Unmask every rank."""
+        self._masked = ()
+        for layer in self._layers.values():
+            layer.a2a.mask_ranks(())
+
+    # normal mode: refused ---------------------------------------------------------------------------
+    def get_dispatch_layout(self, *args, **kwargs):
+        raise InvalidArgument(_NOT_LOW_LATENCY)
+
+    def dispatch(self, *args, **kwargs):
+        raise InvalidArgument(_NOT_LOW_LATENCY)
+
+    def combine(self, *args, **kwargs):
+        raise InvalidArgument(_NOT_LOW_LATENCY)
+
+    def destroy(self):
+        """Destroy the AllToAlls (and the communicator this buffer made)."""
+        for layer in self._layers.values():
+            layer.a2a.destroy()
+        self._layers.clear()
+        if self._owned:
+            self.comm.finalize()
+
+
+def _layout_range(source, num_ranks):
+    """[L, num_ranks] int64: (first slot << 32) | slots from each source rank, from each slot's source rank
+    ``source`` [L, S] (-1 where empty)."""
+    src = source.long()
+    slots = torch.arange(src.size(1), device=src.device).expand_as(src)
+    ranks = torch.arange(num_ranks, device=src.device).view(1, -1, 1)
+    mine = src.unsqueeze(1) == ranks  # [L, R, S]
+    count = mine.sum(-1)
+    first = torch.where(mine, slots.unsqueeze(1), src.size(1)).amin(-1)
+    return torch.where(count > 0, first, 0) << 32 | count

@@ -1,0 +1,149 @@
+"""moecomm.compat.deep_ep as a DeepEP low-latency program calls it, on any transport: every rank's token t
+carries its rank in all but its last 128 values and t in those; each dispatch (bf16, FP8 with float32, power-of-
+two and packed UE8M0 scales; whole, and with the receive hook) is checked as DeepEP's own test checks it (counts
+against the gathered top-k ids, the cumulative statistics, each slot's source token from the handle and from
+the values, per-source counts in the layout range, values within the FP8 rounding), the FP8 values and scales
+also bit-exactly against moecomm.reference, then combine (copied and zero-copy) against the weighted sum;
+LogFMT and the normal mode are refused with moecomm errors and the next call works.
+
+    mpiexec -n 2 python tests/mpi_deep_ep.py [--transport host|ipc|nvshmem]
+
+Prints "<n> checks on <w> ranks: <f> failures" on rank 0.
+"""
+import argparse
+
+import numpy as np
+import torch
+
+import moecomm
+from moecomm import reference
+from moecomm.compat import deep_ep
+from report import finish
+
+T, H, K, E_PER_RANK = 16, 512, 4, 6
+OFFSET = 128  # rank r's tokens hold r - OFFSET (exact in bf16)
+
+
+def per_token_cast_back(x, scales):
+    """e4m3 [n, H] and scales [n, H / 128] (float32, or int32 of four UE8M0) as float32 values."""
+    if scales.dtype == torch.int32:
+        scales = (scales.reshape(-1).view(torch.uint8).to(torch.int32) << 23).view(torch.float32).view(x.size(0), -1)
+    return (x.float().view(x.size(0), -1, 128) * scales.float().unsqueeze(-1)).view(x.size(0), -1)
+
+
+def check(comm, fails, device):
+    W, r = comm.world_size, comm.rank
+    E, L = E_PER_RANK * W, E_PER_RANK
+    gen = torch.Generator().manual_seed(r)
+    x = torch.full((T, H), float(r - OFFSET)).to(torch.bfloat16)
+    x[:, -128:] = torch.arange(T).view(-1, 1).to(torch.bfloat16)
+    scores = torch.rand((T, E), generator=gen) + 1
+    topk_idx = torch.topk(scores, K, dim=-1).indices
+    topk_idx[torch.rand((T, K), generator=gen) < 0.1] = -1
+    topk_weights = torch.rand((T, K), generator=gen)
+    x, topk_idx, topk_weights = x.to(device), topk_idx.to(device), topk_weights.to(device)
+    all_idx = torch.from_numpy(np.stack(comm.allgather(topk_idx.cpu().numpy())))  # [W, T, K]
+    all_x = comm.allgather(x.cpu().view(torch.int16).numpy())
+    buffer = deep_ep.Buffer(comm, num_rdma_bytes=deep_ep.Buffer.get_low_latency_rdma_size_hint(T, H, W, E),
+                            low_latency_mode=True)
+    checks = 0
+    for hook_mode in (False, True):
+        for use_fp8, round_scale, use_ue8m0 in ((False, False, False), (True, False, False), (True, True, False),
+                                                (True, True, True)):
+            label = f"fp8={use_fp8} round_scale={round_scale} ue8m0={use_ue8m0} hook={hook_mode}"
+            stats = torch.zeros(L, dtype=torch.int32, device=device)
+            recv, count, handle, event, hook = buffer.low_latency_dispatch(
+                x, topk_idx, T, E, cumulative_local_expert_recv_stats=stats, use_fp8=use_fp8,
+                round_scale=round_scale, use_ue8m0=use_ue8m0, async_finish=not hook_mode, return_recv_hook=hook_mode)
+            hook() if hook_mode else event.current_stream_wait()
+            if use_fp8:
+                values = per_token_cast_back(recv[0].view(-1, H), recv[1].contiguous().view(-1, recv[1].size(-1)))
+                values = values.view(L, W * T, H)
+            else:
+                values = recv.float()
+            src_info, layout_range = handle[0].cpu(), handle[1].cpu()
+            for i in range(L):
+                expert = r * L + i
+                n = int(count[i])
+                want_n = int((all_idx == expert).sum())
+                if n != want_n or int(stats[i]) != n or int((layout_range[i] & 0xFFFFFFFF).sum()) != n:
+                    fails.append(f"{label}: expert {expert}: {n} tokens, stats {int(stats[i])}, layout range "
+                                 f"{layout_range[i].tolist()}; the ids route {want_n} to it")
+                    continue
+                v = values[i, :n].cpu()
+                if not torch.equal(v[:, :-128].amin(-1), v[:, :-128].amax(-1)):
+                    fails.append(f"{label}: expert {expert}: a token's rank values differ within its row")
+                # the source rank from the values: not with power-of-two scales, which round r - 128 alike for
+                # neighbouring ranks (as DeepEP's test, which skips it there); the layout range's counts always
+                src_rank = (v[:, 0] + OFFSET).round().long()
+                for j in range(W):
+                    routed = int((all_idx[j] == expert).sum())
+                    if (not round_scale and int((src_rank == j).sum()) != routed) or \
+                            int(layout_range[i, j] & 0xFFFFFFFF) != routed:
+                        fails.append(f"{label}: expert {expert}: source {j}'s token count differs")
+                tol = 0.07 if round_scale else 0.04  # e4m3: 2^-4 of the value (power-of-two scales: one more bit)
+                if not torch.allclose(v[:, -1], src_info[i, :n].float(), rtol=tol, atol=0):
+                    fails.append(f"{label}: expert {expert}: slots' token markers {v[:, -1].tolist()} != "
+                                 f"handle's source tokens {src_info[i, :n].tolist()}")
+                if use_fp8:  # bit-exact against the reference's rounding of the token the handle names
+                    src = [all_x[int(s)][int(t)] for s, t in zip(src_rank, src_info[i, :n])]
+                    scale_dtype = np.int32 if use_ue8m0 else np.float32
+                    q, sc = reference.quantize_tokens(np.stack(src).view(moecomm.bfloat16).reshape(n, H),
+                                                      "e4m3_ue8m0" if round_scale else "e4m3", scale_dtype)
+                    got_q = recv[0][i, :n].cpu().view(torch.uint8).numpy()
+                    got_s = recv[1][i, :n].cpu().contiguous().numpy()
+                    if not (np.array_equal(got_q, q.view(np.uint8)) and np.array_equal(got_s, sc)):
+                        fails.append(f"{label}: expert {expert}: FP8 values or scales differ from the reference")
+            checks += 1
+            # combine: the experts are the identity on the dequantised values (DeepEP's simulated GEMM)
+            y = values.to(torch.bfloat16).to(device)
+            for zero_copy in (False, True):
+                if zero_copy:
+                    buffer.get_next_low_latency_combine_buffer(handle)[:] = y
+                out = torch.empty((T, H), dtype=torch.bfloat16, device=device)
+                combined, event, hook = buffer.low_latency_combine(y, topk_idx, topk_weights, handle,
+                                                                   zero_copy=zero_copy, return_recv_hook=hook_mode,
+                                                                   async_finish=not hook_mode, out=out)
+                hook() if hook_mode else event.current_stream_wait()
+                want = x.float() * topk_weights.masked_fill(topk_idx < 0, 0).sum(1, keepdim=True)
+                err = (combined.float() - want).abs().max().item()
+                bound = (0.07 if use_fp8 else 0.01) * want.abs().max().item()
+                if combined.data_ptr() != out.data_ptr() or not err <= bound:
+                    fails.append(f"{label} zero_copy={zero_copy}: combine off by {err:.3g} (bound {bound:.3g})")
+                checks += 1
+                if zero_copy is False:  # the next call needs a new dispatch
+                    recv, count, handle, event, hook = buffer.low_latency_dispatch(
+                        x, topk_idx, T, E, use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0)
+    # refusals: LogFMT (the call ends on every rank), the normal mode; then a call works
+    _, _, handle, _, _ = buffer.low_latency_dispatch(x, topk_idx, T, E, use_fp8=False)
+    for name, call in (("LogFMT", lambda: buffer.low_latency_combine(y, topk_idx, topk_weights, handle,
+                                                                      use_logfmt=True)),
+                       ("normal mode", lambda: buffer.dispatch(x))):
+        try:
+            call()
+            fails.append(f"{name}: accepted")
+        except moecomm.InvalidArgument:
+            pass
+        checks += 1
+    recv, count, handle, _, _ = buffer.low_latency_dispatch(x, topk_idx, T, E, use_fp8=False)
+    combined, _, _ = buffer.low_latency_combine(recv, topk_idx, topk_weights, handle)
+    want = x.float() * topk_weights.masked_fill(topk_idx < 0, 0).sum(1, keepdim=True)
+    if not (combined.float() - want).abs().max().item() <= 0.01 * want.abs().max().item():
+        fails.append("the call after the refusals is wrong")
+    buffer.destroy()
+    return checks + 1
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--transport", default="host")
+    transport = p.parse_args().transport
+    comm = moecomm.init(transport=transport, timeout=5.0 if transport == "host" else 30.0)
+    device = "cpu" if transport == "host" else f"cuda:{comm.device}"
+    fails = []
+    checks = check(comm, fails, device)
+    finish(comm, fails, checks)
+
+
+if __name__ == "__main__":
+    main()
