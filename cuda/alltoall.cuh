@@ -745,8 +745,9 @@ __device__ __forceinline__ void store_quant_scale(const Fixed& f, uint8_t* row, 
 // RowCopy::store of a quantising dispatch's send side: the source row x (f.src_row_bytes of bf16 / fp16, its first
 // INFLIGHT chunks per thread in v) into the n destinations as e4m3 (f.x_bytes) with a scale per
 // MOECOMM_COMBINE_BLOCK values (quantize8; f.quant: rounded up to a power of two unless FLOAT). A 16-byte source
-// chunk (8 values) becomes 8 bytes; a half-warp holds a scale block's 16 chunks (nthreads is a multiple of 16 and
-// hidden of COMBINE_BLOCK), whose first lane stores the scale.
+// chunk (8 values) becomes 8 bytes, which an even lane stores with its odd neighbour's as one 16-byte chunk; a
+// half-warp holds a scale block's 16 chunks (nthreads is a multiple of 16 and hidden of COMBINE_BLOCK), whose
+// first lane stores the scale.
 __device__ __forceinline__ void store_quantised(const Fixed& f, const int4* v, uint8_t* const* xd, uint8_t* const* sd,
                                                 int n, int outputs, const uint8_t* x, int tid, int nthreads) {
   const int chunks = f.src_row_bytes / 16;
@@ -766,7 +767,11 @@ __device__ __forceinline__ void store_quantised(const Fixed& f, const int4* v, u
       to_float8(w[u], f.src_code, a);
       unsigned q[2];
       const float scale = quantize8(a, pow2, q);
-      for (int j = 0; j < n; ++j) ((int2*)xd[j])[c] = make_int2((int)q[0], (int)q[1]);
+      // the odd lane's 8 bytes to its even neighbour, which stores both as one 16-byte chunk: half the stores
+      const unsigned half = 0xffffu << (threadIdx.x & 16);
+      const unsigned n0 = __shfl_down_sync(half, q[0], 1), n1 = __shfl_down_sync(half, q[1], 1);
+      if (c % 2 == 0)
+        for (int j = 0; j < n; ++j) ((int4*)xd[j])[c / 2] = make_int4((int)q[0], (int)q[1], (int)n0, (int)n1);
       if (c % WIRE_CHUNKS == 0)
         for (int j = 0; j < n; ++j) store_quant_scale(f, sd[j], c / WIRE_CHUNKS, scale, j >= outputs);
     }

@@ -111,9 +111,25 @@ def check(comm, fails, device):
                 if combined.data_ptr() != out.data_ptr() or not err <= bound:
                     fails.append(f"{label} zero_copy={zero_copy}: combine off by {err:.3g} (bound {bound:.3g})")
                 checks += 1
-                if zero_copy is False:  # the next call needs a new dispatch
+                if zero_copy is False:  # a handle combines once: a new dispatch (whose slots may differ) first
                     recv, count, handle, event, hook = buffer.low_latency_dispatch(
                         x, topk_idx, T, E, use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0)
+                    values = (per_token_cast_back(recv[0].view(-1, H), recv[1].contiguous().view(W * T * L, -1))
+                              .view(L, W * T, H) if use_fp8 else recv.float())
+                    y = values.to(torch.bfloat16).to(device)
+    # a dispatch left uncombined, then another (DeepEP's test does so); then a handle combined twice is refused
+    buffer.low_latency_dispatch(x, topk_idx, T, E, use_fp8=False)
+    recv, _, handle, _, _ = buffer.low_latency_dispatch(x, topk_idx, T, E, use_fp8=False)
+    combined, _, _ = buffer.low_latency_combine(recv, topk_idx, topk_weights, handle)
+    want = x.float() * topk_weights.masked_fill(topk_idx < 0, 0).sum(1, keepdim=True)
+    if not (combined.float() - want).abs().max().item() <= 0.01 * want.abs().max().item():
+        fails.append("the dispatch after an uncombined one is combined wrong")
+    try:
+        buffer.low_latency_combine(recv, topk_idx, topk_weights, handle)
+        fails.append("a handle combined twice: accepted")
+    except moecomm.InvalidArgument:
+        pass
+    checks += 2
     # refusals: LogFMT (the call ends on every rank), the normal mode; then a call works
     _, _, handle, _, _ = buffer.low_latency_dispatch(x, topk_idx, T, E, use_fp8=False)
     for name, call in (("LogFMT", lambda: buffer.low_latency_combine(y, topk_idx, topk_weights, handle,

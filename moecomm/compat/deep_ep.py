@@ -18,7 +18,8 @@ returned event is complete when the current stream reaches it. The handle is Dee
 source token ``[L, T * R]`` int32 and per local expert and source rank ``(first slot << 32) | count`` int64
 (moecomm fills an expert's slots in arrival order, so one source's slots need not be contiguous; the count
 is exact and ``first slot`` is the first of them), then num_max_dispatch_tokens_per_rank, hidden and
-num_experts. Refused with a moecomm InvalidArgument: normal-mode calls (``dispatch``/``combine`` with a
+num_experts. A dispatch left uncombined ends (``a2a.abort()``) when the next one begins; a handle combines once
+(DeepEP lets it combine again). Refused with a moecomm InvalidArgument: normal-mode calls (``dispatch``/``combine`` with a
 layout: use ``moecomm.AllToAll(layout="packed")``), LogFMT combine (``combine_wire="e4m3"`` is moecomm's FP8
 combine), and the wait-cost statistics. torch is imported here only.
 """
@@ -96,6 +97,7 @@ class Buffer:
         self._layers = {}  # {(tokens, hidden, experts, topk, wire, scale dtype): moecomm.torch layer}
         self._combine_buffers = {}  # {layer key: bf16 expert_y for zero-copy combines}
         self._masked = ()
+        self._open = None  # the handle of the dispatch not combined yet
 
     @staticmethod
     def set_num_sms(new_num_sms):
@@ -138,6 +140,9 @@ class Buffer:
         if dispatch_wait_recv_cost_stats is not None:
             raise InvalidArgument("low_latency_dispatch: dispatch_wait_recv_cost_stats is not provided by moecomm "
                                   "(a2a.stats() keeps per-call counts and, with timing=True, times)")
+        if self._open is not None:  # DeepEP lets a dispatch go uncombined: its call ends here, on every rank alike
+            self._open.layer.a2a.abort()
+            self._open = None
         layer = self._layer(num_max_dispatch_tokens_per_rank, x.size(1), num_experts, topk_idx.size(1), use_fp8,
                             round_scale, use_ue8m0)
         a2a, c, arg = layer.a2a, layer.a2a.cfg, layer._arg
@@ -161,8 +166,8 @@ class Buffer:
         a2a.dispatch(*args, do_recv=False)
         if not return_recv_hook:
             receive()
-        handle = _Handle((src_info, layout_range, num_max_dispatch_tokens_per_rank, x.size(1), num_experts), layer,
-                         bound_m)
+        handle = self._open = _Handle((src_info, layout_range, num_max_dispatch_tokens_per_rank, x.size(1),
+                                       num_experts), layer, bound_m)
         received = (recv_x, scales.transpose(1, 2)) if use_fp8 else recv_x  # scales: last two dims column-major
         return received, count, handle, _event(x), receive if return_recv_hook else None
 
@@ -173,6 +178,11 @@ class Buffer:
         the buffer of get_next_low_latency_combine_buffer), topk_idx and topk_weights [num_tokens, top-k] as
         dispatched. Returns (combined_x [num_tokens, hidden] bfloat16 (``out`` when given), event, hook or
         None)."""
+        if handle is not self._open:
+            raise InvalidArgument("low_latency_combine: this handle's dispatch was combined already, or another "
+                                  "dispatch came after it: moecomm combines each dispatch once, along the "
+                                  "placement it keeps until then (DeepEP lets a handle combine again)")
+        self._open = None
         layer = handle.layer
         a2a, arg = layer.a2a, layer._arg
         refusal = ("LogFMT is not provided by moecomm: AllToAll(combine_wire='e4m3') is its FP8 combine"
