@@ -19,9 +19,9 @@ source token ``[L, T * R]`` int32 and per local expert and source rank ``(first 
 (moecomm fills an expert's slots in arrival order, so one source's slots need not be contiguous; the count
 is exact and ``first slot`` is the first of them), then num_max_dispatch_tokens_per_rank, hidden and
 num_experts. A dispatch left uncombined ends (``a2a.abort()``) when the next one begins; a handle combines once
-(DeepEP lets it combine again). Refused with a moecomm InvalidArgument: normal-mode calls (``dispatch``/``combine`` with a
-layout: use ``moecomm.AllToAll(layout="packed")``), LogFMT combine (``combine_wire="e4m3"`` is moecomm's FP8
-combine), and the wait-cost statistics. torch is imported here only.
+(DeepEP lets it combine again). Refused with a moecomm InvalidArgument: normal-mode calls (``dispatch`` and
+``combine`` with a layout: use ``moecomm.AllToAll(layout="packed")``), LogFMT combine (``combine_wire="e4m3"`` is
+moecomm's FP8 combine), and the wait-cost statistics. torch is imported here only.
 """
 import numpy as np
 import torch
