@@ -150,3 +150,28 @@ def test_quantising_dispatch_and_its_gradient_straight_through():
         a2a.destroy()
     finally:
         comm.finalize()
+
+
+def test_deep_ep_moves_expert_outputs_to_a_new_dispatch_slots():
+    """compat.deep_ep's repeated combine: expert outputs laid out by one plan's origin land in the slots that hold
+    the same (source rank, token, k) in another plan's (GPUs fill slots in arrival order); empty slots zero."""
+    from moecomm.compat.deep_ep import _moved
+    rng = np.random.default_rng(3)
+    L, S, H = 3, 10, 4
+    before = np.full((L, S, 3), -1, np.int32)
+    for e in range(L):
+        n = rng.integers(1, S)
+        before[e, :n] = np.stack([rng.integers(0, 4, n), rng.choice(50, n, replace=False), rng.integers(0, 8, n)], 1)
+    after = np.full_like(before, -1)
+    for e in range(L):
+        n = int((before[e, :, 0] >= 0).sum())
+        after[e, :n] = before[e, rng.permutation(n)]
+    y = torch.from_numpy(rng.standard_normal((L, S, H)).astype(np.float32))
+    moved = _moved(y, torch.from_numpy(before), torch.from_numpy(after)).numpy()
+    for e in range(L):
+        for s in range(S):
+            if after[e, s, 0] < 0:
+                assert not moved[e, s].any()
+            else:
+                (old,) = np.flatnonzero((before[e] == after[e, s]).all(1))
+                assert np.array_equal(moved[e, s], y.numpy()[e, old])

@@ -18,10 +18,12 @@ returned event is complete when the current stream reaches it. The handle is Dee
 source token ``[L, T * R]`` int32 and per local expert and source rank ``(first slot << 32) | count`` int64
 (moecomm fills an expert's slots in arrival order, so one source's slots need not be contiguous; the count
 is exact and ``first slot`` is the first of them), then num_max_dispatch_tokens_per_rank, hidden and
-num_experts. A dispatch left uncombined ends (``a2a.abort()``) when the next one begins; a handle combines once
-(DeepEP lets it combine again). Refused with a moecomm InvalidArgument: normal-mode calls (``dispatch`` and
-``combine`` with a layout: use ``moecomm.AllToAll(layout="packed")``), LogFMT combine (``combine_wire="e4m3"`` is
-moecomm's FP8 combine), and the wait-cost statistics. torch is imported here only.
+num_experts. A dispatch left uncombined ends (``a2a.abort()``) when the next one begins; the last handle may be
+combined again, as DeepEP allows (moecomm combines each dispatch once: the tokens are dispatched again and the
+expert outputs moved to the new slots of their pairs, a dispatch's cost). Refused with a moecomm
+InvalidArgument: normal-mode calls (``dispatch`` and ``combine`` with a layout: use
+``moecomm.AllToAll(layout="packed")``), LogFMT combine (``combine_wire="e4m3"`` is moecomm's FP8 combine), and the
+wait-cost statistics. torch is imported here only.
 """
 import numpy as np
 import torch
@@ -65,11 +67,12 @@ def _event(like):
 
 class _Handle(tuple):
     """DeepEP's handle (src_info, layout_range, num_max_dispatch_tokens_per_rank, hidden, num_experts), carrying
-    the moecomm call it belongs to (its layer and bound_m) for low_latency_combine."""
+    the moecomm call it belongs to for low_latency_combine: its layer, bound_m, its tokens (``x``: their shape is
+    what a repeated combine's new dispatch needs) and its plan's ``origin`` [L, T * R, 3]."""
 
-    def __new__(cls, fields, layer, bound_m):
+    def __new__(cls, fields, layer, bound_m, x, origin):
         handle = super().__new__(cls, fields)
-        handle.layer, handle.bound_m = layer, bound_m
+        handle.layer, handle.bound_m, handle.x, handle.origin = layer, bound_m, x, origin
         return handle
 
 
@@ -98,6 +101,7 @@ class Buffer:
         self._combine_buffers = {}  # {layer key: bf16 expert_y for zero-copy combines}
         self._masked = ()
         self._open = None  # the handle of the dispatch not combined yet
+        self._last = None  # the handle of the last dispatch
 
     @staticmethod
     def set_num_sms(new_num_sms):
@@ -166,8 +170,9 @@ class Buffer:
         a2a.dispatch(*args, do_recv=False)
         if not return_recv_hook:
             receive()
-        handle = self._open = _Handle((src_info, layout_range, num_max_dispatch_tokens_per_rank, x.size(1),
-                                       num_experts), layer, bound_m)
+        handle = self._open = self._last = _Handle(
+            (src_info, layout_range, num_max_dispatch_tokens_per_rank, x.size(1), num_experts), layer, bound_m, x,
+            plan.origin)
         received = (recv_x, scales.transpose(1, 2)) if use_fp8 else recv_x  # scales: last two dims column-major
         return received, count, handle, _event(x), receive if return_recv_hook else None
 
@@ -178,11 +183,9 @@ class Buffer:
         the buffer of get_next_low_latency_combine_buffer), topk_idx and topk_weights [num_tokens, top-k] as
         dispatched. Returns (combined_x [num_tokens, hidden] bfloat16 (``out`` when given), event, hook or
         None)."""
-        if handle is not self._open:
-            raise InvalidArgument("low_latency_combine: this handle's dispatch was combined already, or another "
-                                  "dispatch came after it: moecomm combines each dispatch once, along the "
-                                  "placement it keeps until then (DeepEP lets a handle combine again)")
-        self._open = None
+        if handle is not self._last:
+            raise InvalidArgument("low_latency_combine: another dispatch came after this handle's: moecomm combines "
+                                  "the last dispatch")
         layer = handle.layer
         a2a, arg = layer.a2a, layer._arg
         refusal = ("LogFMT is not provided by moecomm: AllToAll(combine_wire='e4m3') is its FP8 combine"
@@ -192,6 +195,9 @@ class Buffer:
             a2a.abort()  # the dispatch's call ends on every rank (each refuses alike)
             raise InvalidArgument(f"low_latency_combine: {refusal}")
         y = self._combine_buffers[id(layer)] if zero_copy else x
+        if handle is not self._open:  # combined already (DeepEP lets a handle combine again): moecomm combines
+            y = _moved(y, handle.origin, self._dispatch_again(handle, topk_idx))  # each dispatch once
+        self._open = None
         combined = out if out is not None else torch.empty((topk_idx.size(0), a2a.cfg.hidden_dim),
                                                            dtype=torch.bfloat16, device=topk_idx.device)
         args = (arg(combined), arg(topk_idx), arg(topk_weights), arg(y), arg(handle.bound_m))
@@ -200,6 +206,19 @@ class Buffer:
         if not return_recv_hook:
             hook()
         return combined, _event(combined), hook if return_recv_hook else None
+
+    def _dispatch_again(self, handle, topk_idx):
+        """Dispatch ``handle``'s tokens again along ``topk_idx`` (its routing) into scratch outputs, so that its
+        call can be combined once more; returns the new plan's origin (its slots may differ: arrival order)."""
+        layer = handle.layer
+        a2a, c, arg, x = layer.a2a, layer.a2a.cfg, layer._arg, handle.x
+        scales = layer._new(c.expert_x_scale_shape(), c.scale_dtype, x, False) if c.hidden_dim_scale else None
+        plan = RoutingPlan(*(layer._new(s, np.int32, x, False) for s in a2a.plan_shapes()))
+        a2a.dispatch(arg(layer._new((c.num_local_experts,), np.int32, x, False)),
+                     arg(layer._new(c.expert_x_shape(), c.expert_dtype, x, False)), arg(scales), arg(x), None,
+                     arg(topk_idx), arg(handle.bound_m))
+        a2a.plan(RoutingPlan(*map(arg, plan)))
+        return plan.origin
 
     def get_next_low_latency_combine_buffer(self, handle):
         """The bf16 [L, T * R, hidden] tensor a zero-copy low_latency_combine of this handle's AllToAll reads."""
@@ -250,6 +269,20 @@ class Buffer:
         self._layers.clear()
         if self._owned:
             self.comm.finalize()
+
+
+def _moved(y, before, after):
+    """Expert outputs y [L, S, hidden] laid out by the plan origin ``before`` [L, S, 3] (source rank, token, k; -1
+    where empty), moved to the slots that hold the same pairs in ``after``."""
+    def keys(origin):
+        o = origin.long()
+        return torch.where(o[..., 0] >= 0, (o[..., 0] << 40) | (o[..., 1] << 8) | o[..., 2], -1)
+    old, new = keys(before), keys(after)
+    ordered, slot = old.sort(dim=1)
+    at = torch.searchsorted(ordered, new).clamp(max=old.size(1) - 1)
+    source = slot.gather(1, at)  # the old slot of each new slot's pair
+    moved = y.gather(1, source.unsqueeze(-1).expand_as(y))
+    return torch.where((new >= 0).unsqueeze(-1), moved, torch.zeros((), dtype=y.dtype, device=y.device))
 
 
 def _layout_range(source, num_ranks):
