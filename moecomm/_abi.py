@@ -17,7 +17,8 @@ from dataclasses import dataclass
 
 from . import _constants as C
 
-_CTYPES = {"int": ctypes.c_int32, "unsigned": ctypes.c_uint32, "unsigned long long": ctypes.c_uint64}
+_CTYPES = {"int": ctypes.c_int32, "unsigned": ctypes.c_uint32, "unsigned long long": ctypes.c_uint64,
+           "unsigned char": ctypes.c_uint8}
 
 
 def _ctype(c_decl):
@@ -124,10 +125,11 @@ CALL_FIELDS = (
     ("tags", "const int*"),         # dispatch: [rows] int32 each token's tag (AllToAll num_tags), or null
     ("call_id", "const int*"),      # dispatch: [1] int32 the program's number of the call, or null
     ("rows", "int"),                # rows of x / out_tokens / indices / weights
-    ("idx64", "int"),               # indices are int64
-    ("partials", "int"),            # combine: weights came with dispatch (sum on the expert side)
-    ("skip", "int"),                # 1: this rank takes part with no data (its call was refused); arrays 0
     ("reason", "int"),              # with skip: the reason flagged to the peers (0: none), see _constants
+    # flags in bytes: the record stays within 128 bytes (136 slowed the default path: benchmarks/NOTES.md)
+    ("idx64", "unsigned char"),     # indices are int64
+    ("partials", "unsigned char"),  # combine: weights came with dispatch (sum on the expert side)
+    ("skip", "unsigned char"),      # 1: this rank takes part with no data (its call was refused); arrays 0
 )
 # The arrays of one backward call or plan (cuda/backward.cu): device addresses, 0 for None.
 GRAD_FIELDS = (
