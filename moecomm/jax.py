@@ -22,6 +22,11 @@ device, on every rank of a call that failed on any; :meth:`AllToAll.check` raise
 outputs are ready; the AllToAll's next call outside a graph raises them too). Where XLA runs the call outside
 a command buffer, the handler runs every time and raises what the kernels recorded so far, as an eager call
 does; the call order is kept on the device either way (XLA may record one half of a call and run the other).
+XLA runs a jitted function's first executions, and a sequence of fewer commands than its flag
+``xla_gpu_graph_min_graph_size`` (a step of one MoE layer and little else), op by op: Python runs per call
+then, as in an eager call (``XLA_FLAGS=--xla_gpu_graph_min_graph_size=1`` captures a small step too;
+benchmarks/NOTES.md has the measurement). After ``UNCAPTURED_WARNING`` such runs of one AllToAll's calls a
+RuntimeWarning says so, once.
 Shapes are static, as in :class:`moecomm.AllToAll` (worst-case expert slots; ``bound_m`` is a [1] int32 array).
 Split halves: :meth:`AllToAll.dispatch_send` returns a handle that :meth:`AllToAll.dispatch_recv` completes
 (other JAX work may sit between them), likewise ``combine_send`` / ``combine_recv``.
@@ -66,6 +71,7 @@ import contextlib
 import ctypes
 import functools
 import itertools
+import warnings
 import weakref
 from typing import NamedTuple
 
@@ -83,6 +89,7 @@ _KINDS = ("dispatch", "combine", "dispatch_backward", "combine_backward", "keep"
 # router weights are among its operands
 _SEND, _RECV, _PLAN, _START, _MOVED, _WEIGHTS, _TAGS, _CALL_ID = 1, 2, 4, 8, 16, 32, 64, 128
 _layers = weakref.WeakValueDictionary()  # {number: AllToAll}: whom a handler serves
+UNCAPTURED_WARNING = 200  # runs of one AllToAll's calls outside XLA's command buffers before it warns
 _numbers = itertools.count(1)
 
 
@@ -246,6 +253,7 @@ class AllToAll:
         self._plan = RoutingPlan(*(jax.ShapeDtypeStruct(s, np.int32) for s in a2a.plan_shapes()))
         self._weights_sent = False  # whether the last dispatch traced here was given router weights
         self._number = next(_numbers)  # its operations' attribute names it to the handlers
+        self._uncaptured = 0  # handler runs on GPUs outside XLA's command buffers (Python per call)
         _layers[self._number] = self
 
     def check(self):
@@ -342,7 +350,20 @@ class AllToAll:
         if self._host:
             return None, contextlib.nullcontext()
         stream = _xla_ffi.stream(frame)
-        return stream, self.a2a.captured(recording=_cuda.is_capturing(stream))
+        recording = _cuda.is_capturing(stream)
+        if not recording:
+            self._ran_uncaptured()
+        return stream, self.a2a.captured(recording=recording)
+
+    def _ran_uncaptured(self):
+        """Count a handler run outside XLA's command buffers; at UNCAPTURED_WARNING of them, warn once."""
+        self._uncaptured += 1
+        if self._uncaptured == UNCAPTURED_WARNING:
+            warnings.warn(f"moecomm.jax: XLA has run this AllToAll's calls {UNCAPTURED_WARNING} times outside its "
+                          "command buffers, with Python per call: a jitted step of fewer commands "
+                          "than xla_gpu_graph_min_graph_size runs op by op; set "
+                          "XLA_FLAGS=--xla_gpu_graph_min_graph_size=1 before JAX starts, or jit more of the step "
+                          "together", RuntimeWarning, stacklevel=2)
 
     def _dispatch(self, flags, ins, outs, frame):
         stream, scope = self._scope(frame)

@@ -198,3 +198,19 @@ def test_quantising_dispatch_inside_jit_and_its_gradient_straight_through():
         a2a.destroy()
     finally:
         comm.finalize()
+
+
+def test_calls_run_outside_command_buffers_are_named_once(layer):
+    """A GPU handler run outside XLA's command buffers (a small jitted step XLA runs op by op) is counted; the
+    UNCAPTURED_WARNING-th run warns, once, naming the XLA flag that captures it."""
+    import warnings
+    layer._uncaptured = 0
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for _ in range(mj.UNCAPTURED_WARNING - 1):
+            layer._ran_uncaptured()
+        assert not seen
+        for _ in range(3 * mj.UNCAPTURED_WARNING):
+            layer._ran_uncaptured()
+    assert len(seen) == 1 and seen[0].category is RuntimeWarning
+    assert "xla_gpu_graph_min_graph_size=1" in str(seen[0].message)

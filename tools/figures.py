@@ -108,10 +108,13 @@ def host():
 def jax():
     """A jitted step of MoE layers through moecomm.jax against the same calls in a CUDA graph (jax-step.json)."""
     rows = [[f"{r['layers']} layers, {r['form']}", r["dtype"], _us(r["per_layer_us"]), _us(r["step_us"]),
-             _us(r["graph_us"]), f"{r['handler_runs']} / {r['timed_steps']}"]
+             _us(r["graph_us"]), _us(r["graph_step_us"]),
+             f"{_us(r['xla_only_per_layer_us'])} / {_us(r['xla_only_step_us'])}",
+             f"{r['handler_runs']} / {r['timed_steps']}"]
             for r in _load("jax-step.json")["results"]]
     return _caption("jax-step.json") + _table(
         ["step", "dtype", "per layer, pipelined", "one step at a time", "CUDA graph, dispatch + combine",
+         "the layers in one CUDA graph, one at a time", "XLA alone (a fused op per layer): per layer / step",
          "handler runs"], rows)
 
 

@@ -15,13 +15,16 @@ ran before it); the next layer's tokens are the combined ones
 random tokens, routing and m, layer after layer with the kernels' rounding (float32 sums, bfloat16 results),
 and again with another m on the same compiled step (a stale capture of the first m would fail it).
 
-Timed (medians over ``--rounds`` rounds): ``per_layer_us``, ``--steps`` steps queued back to back then
-waited for, per layer; ``step_us``, one step at a time (dispatch, wait); ``graph_us``, dispatch + combine
-of one layer captured in a CUDA graph with moecomm's kernels alone, timed as moecomm.bench times graphs (a
-device delay first, CUDA events); ``native_per_layer_us``, the same layer the JAX-native way: sort the
-(token, expert) pairs by expert, ``lax.ragged_all_to_all`` under ``shard_map`` there and back, a weighted
-scatter-add. ``handler_runs`` counts how often moecomm's handlers ran in the timed steps (0: XLA replayed
-its command buffers with no Python). Prints a table; writes the JSON (command, GPU, versions, rows).
+Timed (medians over ``--rounds`` rounds): ``per_layer_us``, ``--steps`` steps queued back to back then waited
+for, per layer; ``step_us``, one step at a time (dispatch, wait); ``graph_us``, dispatch + combine of one
+layer captured in a CUDA graph with moecomm's kernels alone, timed as moecomm.bench times graphs (a device
+delay first, CUDA events); ``graph_step_us``, the layers' calls in one CUDA graph launched and waited for one
+at a time; ``xla_only_per_layer_us`` and ``xla_only_step_us``, the same step with each layer's
+calls replaced by one fused XLA op (the floor JAX and XLA set); ``native_per_layer_us``, the same layer the
+JAX-native way: sort the (token, expert) pairs by expert, ``lax.ragged_all_to_all`` under ``shard_map`` there
+and back, a weighted scatter-add. ``handler_runs`` counts how often moecomm's handlers ran in the timed steps
+(0: XLA replayed its command buffers with no Python).
+Prints a table; writes the JSON (command, GPU, versions, rows).
 """
 import argparse
 import json
@@ -130,54 +133,83 @@ def main():
             for name in ("_dispatch", "_combine"):  # how often the handlers run in the timed steps
                 fn = getattr(layer, name)
                 setattr(layer, name, lambda *a, fn=fn: (runs.__setitem__("n", runs["n"] + 1), fn(*a))[1])
-            for _ in range(20):
+            for _ in range(20):  # XLA runs a step's first executions op by op before its command buffers
                 out = step(*dev_in)
             out.block_until_ready()
             runs["n"] = 0
-            queued, single = [], []
-            for _ in range(args.rounds):
-                t0 = time.perf_counter()
-                for _ in range(args.steps):
-                    out = step(*dev_in)
-                out.block_until_ready()
-                queued.append(1e6 * (time.perf_counter() - t0) / (args.steps * args.layers))
-                for _ in range(20):
-                    t0 = time.perf_counter()
-                    step(*dev_in).block_until_ready()
-                    single.append(1e6 * (time.perf_counter() - t0))
+            queued, single = timed(step, args, dev_in)
             handler_runs = runs["n"]
             del layer._dispatch, layer._combine
             layer.check()
             rows.append(dict(config="r1-decode", world=W, form=form, dtype=dtype, layers=args.layers,
                              per_layer_us=float(np.median(queued)), per_layer_spread_us=[min(queued), max(queued)],
                              step_us=float(np.median(single)), step_p99_us=float(np.percentile(single, 99)),
-                             handler_runs=handler_runs, timed_steps=args.rounds * (args.steps + 20)))
-        graph = graph_time(bench, a2a, comm, fp8)
+                             handler_runs=handler_runs, timed_steps=20 + args.rounds * (args.steps + 20)))
+        graph = graph_time(bench, a2a, comm, fp8, args.layers)
         for row in rows:
             if row["dtype"] == dtype:
-                row["graph_us"] = graph
+                row.update(graph)
+                row.update(xla_only_time(jax, jnp, row["form"], args, dev_in))
         a2a.destroy()
     if args.native:
         native = native_time(jax, jnp, put, dev, args)
         for row in rows:
-            row["native_per_layer_us"] = native
+            row.update(native)
     argv = [a for i, a in enumerate(sys.argv[1:]) if a != "--json" and sys.argv[i] != "--json"]
     result = {"command": " ".join([f"mpirun -np {W} python tools/jax_step.py", *argv]),
               "environment": dict(environment(), jax=jax.__version__, xla_flags=os.environ.get("XLA_FLAGS", "")),
               "results": rows}
     if r == 0:
-        print(f"{'dtype':<14}{'form':<10}{'per layer':>11}{'step':>10}{'graph':>9}{'native':>10}{'handler runs':>14}")
+        cols = ("per_layer_us", "step_us", "graph_us", "graph_step_us", "xla_only_per_layer_us", "xla_only_step_us",
+                "native_per_layer_us")
+        print(f"{'dtype':<14}{'form':<10}" + "".join(f"{c[:-3]:>16}" for c in cols) + "  handler runs")
         for row in rows:
-            print(f"{row['dtype']:<14}{row['form']:<10}{row['per_layer_us']:>9.1f}us{row['step_us']:>8.1f}us"
-                  f"{row['graph_us']:>7.1f}us{row.get('native_per_layer_us', float('nan')):>8.1f}us"
-                  f"{row['handler_runs']:>8} / {row['timed_steps']}")
+            print(f"{row['dtype']:<14}{row['form']:<10}" + "".join(f"{row.get(c, float('nan')):>14.1f}us" for c in cols)
+                  + f"  {row['handler_runs']} / {row['timed_steps']}")
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
     comm.finalize()
 
 
-def graph_time(bench, a2a, comm, fp8):
-    """Median microseconds of dispatch + combine of one layer in a CUDA graph (moecomm's kernels alone)."""
+def timed(step, args, dev_in):
+    """(pipelined µs per layer, one step at a time µs) of a jitted step, medians over the rounds."""
+    for _ in range(20):
+        out = step(*dev_in)
+    out.block_until_ready()
+    queued, single = [], []
+    for _ in range(args.rounds):
+        t0 = time.perf_counter()
+        for _ in range(args.steps):
+            out = step(*dev_in)
+        out.block_until_ready()
+        queued.append(1e6 * (time.perf_counter() - t0) / (args.steps * args.layers))
+        for _ in range(20):
+            t0 = time.perf_counter()
+            step(*dev_in).block_until_ready()
+            single.append(1e6 * (time.perf_counter() - t0))
+    return queued, single
+
+
+def xla_only_time(jax, jnp, form, args, dev_in):
+    """The floor JAX and XLA set without moecomm: the same step (same inputs, form and layer count) with each
+    layer's dispatch + combine replaced by one fused XLA op on the tokens (x * the sum of its weights)."""
+    def layer(x, w):
+        return (x.astype(jnp.float32) * w.sum(1, keepdims=True)).astype(x.dtype)
+
+    def xla_unrolled(x, xs, ids, w, m):
+        for n in range(args.layers):
+            x = layer(x, w[n])
+        return x
+
+    def xla_scanned(x, xs, ids, w, m):
+        return jax.lax.scan(lambda c, p: (layer(c, p), None), x, w)[0]
+    queued, single = timed(jax.jit(xla_unrolled if form == "unrolled" else xla_scanned), args, dev_in)
+    return dict(xla_only_per_layer_us=float(np.median(queued)), xla_only_step_us=float(np.median(single)))
+
+
+def graph_time(bench, a2a, comm, fp8, layers):
+    """Median microseconds of dispatch + combine of one layer in a CUDA graph (moecomm's kernels alone), and of
+    a graph of ``layers`` such layers launched and waited for one at a time (the step's floor without JAX)."""
     cp = bench.cp
     rng = np.random.default_rng(9)
     L = a2a.cfg.num_local_experts
@@ -199,11 +231,25 @@ def graph_time(bench, a2a, comm, fp8):
             a2a.combine(d["out"], d["idx"], None, y, d["m"], stream=bench.stream)
         calls()
         a2a.synchronize(bench.stream)
-        return stats(bench.time_graphs([bench.capture(calls)], 0))["median_us"]
+        graph = stats(bench.time_graphs([bench.capture(calls)], 0))["median_us"]
+        stack = bench.capture(lambda: [calls() for _ in range(layers)])
+        single = []
+        for it in range(120):  # launched and waited for from the host, as one jitted step at a time is
+            t0 = time.perf_counter()
+            stack.launch(bench.stream)
+            bench.stream.synchronize()
+            single.append(1e6 * (time.perf_counter() - t0))
+        return dict(graph_us=graph, graph_step_us=float(np.median(single[20:])))
 
 
 def native_time(jax, jnp, put, dev, args):
-    """Median microseconds per layer of the JAX-native layer (one device), its output checked against numpy."""
+    """Median microseconds per layer of the JAX-native layer (one device), its output checked against numpy;
+    and of the same layer without its two exchanges (what the sort, gather and scatter-add cost alone)."""
+    return dict(native_per_layer_us=native_layer_time(jax, jnp, put, dev, args, True),
+                native_without_exchange_us=native_layer_time(jax, jnp, put, dev, args, False))
+
+
+def native_layer_time(jax, jnp, put, dev, args, exchange):
     from jax.sharding import Mesh, PartitionSpec as P
     try:
         from jax import shard_map
@@ -219,8 +265,10 @@ def native_time(jax, jnp, put, dev, args):
         rows = x[tok]
         zero = jnp.zeros((1,), jnp.int32)
         size = jnp.full((1,), n, jnp.int32)
-        there = jax.lax.ragged_all_to_all(rows, jnp.zeros_like(rows), zero, size, zero, size, axis_name="ep")
-        back = jax.lax.ragged_all_to_all(there, jnp.zeros_like(rows), zero, size, zero, size, axis_name="ep")
+        back = rows
+        if exchange:
+            there = jax.lax.ragged_all_to_all(rows, jnp.zeros_like(rows), zero, size, zero, size, axis_name="ep")
+            back = jax.lax.ragged_all_to_all(there, jnp.zeros_like(rows), zero, size, zero, size, axis_name="ep")
         weighted = back.astype(jnp.float32) * w.reshape(-1)[order][:, None]
         return jnp.zeros((T, H), jnp.float32).at[tok].add(weighted).astype(jnp.bfloat16)
 
