@@ -25,8 +25,9 @@ does; the call order is kept on the device either way (XLA may record one half o
 XLA runs a jitted function's first executions, and a sequence of fewer commands than its flag
 ``xla_gpu_graph_min_graph_size`` (a step of one MoE layer and little else), op by op: Python runs per call
 then, as in an eager call (``XLA_FLAGS=--xla_gpu_graph_min_graph_size=1`` captures a small step too;
-benchmarks/NOTES.md has the measurement). After ``UNCAPTURED_WARNING`` such runs of one AllToAll's calls a
-RuntimeWarning says so, once.
+benchmarks/NOTES.md has the measurement). After ``UNCAPTURED_WARNING`` such runs of one AllToAll's calls in a
+row (none recorded between: a big step's first executions are followed by its recording) a RuntimeWarning says
+so, once.
 Shapes are static, as in :class:`moecomm.AllToAll` (worst-case expert slots; ``bound_m`` is a [1] int32 array).
 Split halves: :meth:`AllToAll.dispatch_send` returns a handle that :meth:`AllToAll.dispatch_recv` completes
 (other JAX work may sit between them), likewise ``combine_send`` / ``combine_recv``.
@@ -89,7 +90,7 @@ _KINDS = ("dispatch", "combine", "dispatch_backward", "combine_backward", "keep"
 # router weights are among its operands
 _SEND, _RECV, _PLAN, _START, _MOVED, _WEIGHTS, _TAGS, _CALL_ID = 1, 2, 4, 8, 16, 32, 64, 128
 _layers = weakref.WeakValueDictionary()  # {number: AllToAll}: whom a handler serves
-UNCAPTURED_WARNING = 200  # runs of one AllToAll's calls outside XLA's command buffers before it warns
+UNCAPTURED_WARNING = 1000  # runs of one AllToAll's calls in a row outside XLA's command buffers before it warns
 _numbers = itertools.count(1)
 
 
@@ -253,7 +254,7 @@ class AllToAll:
         self._plan = RoutingPlan(*(jax.ShapeDtypeStruct(s, np.int32) for s in a2a.plan_shapes()))
         self._weights_sent = False  # whether the last dispatch traced here was given router weights
         self._number = next(_numbers)  # its operations' attribute names it to the handlers
-        self._uncaptured = 0  # handler runs on GPUs outside XLA's command buffers (Python per call)
+        self._uncaptured = 0  # handler runs on GPUs outside XLA's command buffers since its last recording
         _layers[self._number] = self
 
     def check(self):
@@ -351,13 +352,13 @@ class AllToAll:
             return None, contextlib.nullcontext()
         stream = _xla_ffi.stream(frame)
         recording = _cuda.is_capturing(stream)
-        if not recording:
-            self._ran_uncaptured()
+        self._count_run(recording)
         return stream, self.a2a.captured(recording=recording)
 
-    def _ran_uncaptured(self):
-        """Count a handler run outside XLA's command buffers; at UNCAPTURED_WARNING of them, warn once."""
-        self._uncaptured += 1
+    def _count_run(self, recording):
+        """Count a handler run outside XLA's command buffers (a recording starts the count again); at
+        UNCAPTURED_WARNING in a row, warn (again only after another recording)."""
+        self._uncaptured = 0 if recording else self._uncaptured + 1
         if self._uncaptured == UNCAPTURED_WARNING:
             warnings.warn(f"moecomm.jax: XLA has run this AllToAll's calls {UNCAPTURED_WARNING} times outside its "
                           "command buffers, with Python per call: a jitted step of fewer commands "

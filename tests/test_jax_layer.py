@@ -201,16 +201,19 @@ def test_quantising_dispatch_inside_jit_and_its_gradient_straight_through():
 
 
 def test_calls_run_outside_command_buffers_are_named_once(layer):
-    """A GPU handler run outside XLA's command buffers (a small jitted step XLA runs op by op) is counted; the
-    UNCAPTURED_WARNING-th run warns, once, naming the XLA flag that captures it."""
+    """GPU handler runs outside XLA's command buffers (a small jitted step XLA runs op by op) are counted, a
+    recording (a big step's first executions, then its command buffer) starts the count again; the
+    UNCAPTURED_WARNING-th run in a row warns, once, naming the XLA flag that captures it."""
     import warnings
     layer._uncaptured = 0
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
-        for _ in range(mj.UNCAPTURED_WARNING - 1):
-            layer._ran_uncaptured()
+        for _ in range(3):
+            for _ in range(mj.UNCAPTURED_WARNING - 1):
+                layer._count_run(False)
+            layer._count_run(True)
         assert not seen
         for _ in range(3 * mj.UNCAPTURED_WARNING):
-            layer._ran_uncaptured()
+            layer._count_run(False)
     assert len(seen) == 1 and seen[0].category is RuntimeWarning
     assert "xla_gpu_graph_min_graph_size=1" in str(seen[0].message)

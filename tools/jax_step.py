@@ -234,7 +234,7 @@ def graph_time(bench, a2a, comm, fp8, layers):
         graph = stats(bench.time_graphs([bench.capture(calls)], 0))["median_us"]
         stack = bench.capture(lambda: [calls() for _ in range(layers)])
         single = []
-        for it in range(120):  # launched and waited for from the host, as one jitted step at a time is
+        for _ in range(120):  # launched and waited for from the host, as one jitted step at a time is
             t0 = time.perf_counter()
             stack.launch(bench.stream)
             bench.stream.synchronize()
