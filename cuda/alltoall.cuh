@@ -364,6 +364,19 @@ __device__ __forceinline__ bool m_in_range(int m, int rows, int max_tokens) {
   return m >= 0 && m <= rows && m <= max_tokens;
 }
 
+// With c.zero_tail (moecomm.jax: XLA's result buffers start uninitialised), every thread of the grid, strided:
+// rows m..c.rows-1 of c.out_tokens become zeros (all rows where the call failed: m 0). Nothing when m is c.rows
+// or the record has no out_tokens (a skipped call). Rows are whole 16-byte words (MOECOMM_ROW_ALIGN).
+static_assert(MOECOMM_ROW_ALIGN % 16 == 0, "zero_tail stores 16-byte words");
+__device__ __forceinline__ void zero_tail(const Fixed& f, const Call& c, int m) {
+  if (!c.zero_tail || !c.out_tokens || m >= c.rows) return;
+  uint4* const out = reinterpret_cast<uint4*>(c.out_tokens);
+  const size_t end = (size_t)c.rows * f.out_row_bytes / 16, stride = (size_t)gridDim.x * blockDim.x;
+  for (size_t i = (size_t)m * f.out_row_bytes / 16 + (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < end;
+       i += stride)
+    out[i] = make_uint4(0u, 0u, 0u, 0u);
+}
+
 // A combine call's checks, by every thread of its grid. `reason` (0: none) is what the call's signals carry
 // where this rank sends nothing: c.skip (a refused call: c.reason), a combine with no dispatch of its own before
 // it on this GPU (ERR_ORDER: a graph replayed out of order; `again`: the caller found this dispatch combined

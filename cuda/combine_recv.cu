@@ -73,7 +73,8 @@ static __device__ __forceinline__ void token_rows(const Fixed& f, const Call& c,
 // (this rank's copies), c.indices (c.idx64), c.weights [rows, topk]
 // float32 (read when c.partials == 0), c.bound_m, c.rows; writes rows 0..m-1 of c.out_tokens
 // [rows, hidden] out_dtype (a token whose ids are all -1 gets zeros) and, when given, of c.out_dropped
-// [rows, topk] uint8 (1: the pair was dropped for capacity, from f.drop_buf; it adds nothing). Experts of
+// [rows, topk] uint8 (1: the pair was dropped for capacity, from f.drop_buf; it adds nothing), and with
+// c.zero_tail zeros in the rest of c.out_tokens' rows (zero_tail). Experts of
 // masked ranks add nothing and masked ranks are not waited for. With c.skip, a bound_m other than the
 // dispatched m or above c.rows (both reported by combine_send) or a dispatch whose send half failed, nothing
 // is written.
@@ -87,6 +88,7 @@ __device__ void moecomm::combine_recv(const Fixed& f, const Call& c, unsigned ep
   if (m != (int)f.state[MOECOMM_S_M] || f.state[MOECOMM_S_M] == M_INVALID || !m_in_range(m, c.rows, f.max_tokens)
       || f.state[MOECOMM_S_EPOCH_DS] != epoch)  // a combine with no dispatch of its own (ERR_ORDER): nothing
     m = 0;  // dispatch_send or combine_send reported it (to every rank)
+  zero_tail(f, c, m);
   __shared__ const uint8_t* srcs[2][MOECOMM_MAX_TOPK];  // two lists of rows to add (comb_buf, or expert_y)
   __shared__ float wts[2][MOECOMM_MAX_TOPK];
   __shared__ int n[2], cur[2];

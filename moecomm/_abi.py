@@ -130,6 +130,7 @@ CALL_FIELDS = (
     ("idx64", "unsigned char"),     # indices are int64
     ("partials", "unsigned char"),  # combine: weights came with dispatch (sum on the expert side)
     ("skip", "unsigned char"),      # 1: this rank takes part with no data (its call was refused); arrays 0
+    ("zero_tail", "unsigned char"),  # combine: rows m..rows-1 of out_tokens get zeros too (all rows when m fails)
 )
 # The arrays of one backward call or plan (cuda/backward.cu): device addresses, 0 for None.
 GRAD_FIELDS = (

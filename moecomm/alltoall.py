@@ -61,7 +61,9 @@ class DispatchArgs(NamedTuple):
 
 class CombineArgs(NamedTuple):
     """The arrays of one combine call, as :meth:`AllToAll.combine` takes them (shapes and dtypes there);
-    ``promised`` as in :class:`DispatchArgs` (:meth:`AllToAll.prepare_combine`)."""
+    ``promised`` as in :class:`DispatchArgs` (:meth:`AllToAll.prepare_combine`); ``zero_tail``: rows m..rows-1
+    of out_tokens are written too, as zeros (all its rows where the call fails), for a framework whose output
+    buffers start uninitialised (``moecomm.jax``); combine() leaves them as they were."""
     out_tokens: object
     indices: object
     weights: object
@@ -70,6 +72,7 @@ class CombineArgs(NamedTuple):
     out_dropped: object = None
     stream: object = None
     promised: bool = False
+    zero_tail: bool = False
     phase = "combine"
     arrays = 6
 
@@ -407,7 +410,7 @@ class AllToAll:
         dispatch to combine is refused.
         """
         self.run(_new_tuple(CombineArgs, (out_tokens, indices, weights, expert_y, bound_m, out_dropped, stream,
-                                          False)), do_send, do_recv)
+                                          False, False)), do_send, do_recv)
 
     def prepare_dispatch(self, out_expert_num_tokens, out_expert_x, out_expert_x_scale, dp_x, dp_x_scale, indices,
                          bound_m, weights=None, stream=None, out_expert_offsets=None, tags=None, call_id=None):
@@ -490,6 +493,7 @@ class AllToAll:
                 raise InvalidArgument("dispatch: the receive half got other output arrays than the send half "
                                       "(out_expert_num_tokens, out_expert_x, out_expert_x_scale must be the same)")
             return weights, outputs
+        self._records["combine"].zero_tail = args.zero_tail  # not an array: set whether or not they were read
         if not weights and self._order.open and not self._order.dispatch_weights:
             raise InvalidArgument("combine: weights=None needs the router weights to have been passed to "
                                   "dispatch(weights=...)")

@@ -306,18 +306,21 @@ class AllToAll:
 
     def _combine_op(self, send, recv, inputs, out_tokens=None, plan=False):
         """The given halves of combine on ``inputs`` (indices, weights, expert_y, bound_m), writing into
-        ``out_tokens`` (a send half's, for its receive half), else into zeros (rows >= m stay zero: no
-        uninitialised memory reaches JAX). With ``plan``, returns (out_tokens, the RoutingPlan of the dispatch
-        it combines)."""
+        ``out_tokens`` (a send half's, for its receive half), else into a new result whose rows >= m the
+        kernels write as zeros (CombineArgs.zero_tail: no uninitialised memory reaches JAX, and no zeros are
+        copied in first), or, where the router weights have fewer rows than the indices (the kernels' rows),
+        into zeros. With ``plan``, returns (out_tokens, the RoutingPlan of the dispatch it combines)."""
         _unbatched(*inputs)
         c = self.a2a.cfg
         shape = (inputs[0].shape[0], c.hidden_dim)
-        if out_tokens is None:
+        if out_tokens is None and inputs[1] is not None and inputs[1].shape[0] < shape[0]:
             out_tokens = jax.numpy.zeros(shape, c.out_dtype)
-        flags = send * _SEND | recv * _RECV | plan * _PLAN | (inputs[1] is not None) * _WEIGHTS
+        start = () if out_tokens is None else (out_tokens,)
+        flags = (send * _SEND | recv * _RECV | plan * _PLAN | bool(start) * _START
+                 | (inputs[1] is not None) * _WEIGHTS)
         structs = jax.ShapeDtypeStruct(shape, c.out_dtype)
         out = self._call("combine", flags, (structs, *(self._plan if plan else ())),
-                         (out_tokens, *(a for a in inputs if a is not None)), {0: 0}, like=inputs[2])
+                         (*start, *(a for a in inputs if a is not None)), {0: 0} if start else None, like=inputs[2])
         return (out[0], RoutingPlan(*out[1:])) if plan else out[0]
 
     def _dispatch_backward_op(self, plan, grad_expert_x, bound_m, shape, dtype):
@@ -385,14 +388,15 @@ class AllToAll:
 
     def _combine(self, flags, ins, outs, frame):
         stream, scope = self._scope(frame)
-        idx, *arrays = (self._array(b) for b in ins[1:])
+        idx, *arrays = (self._array(b) for b in ins[bool(flags & _START):])
         w = arrays.pop(0) if flags & _WEIGHTS else None
         y, m = arrays
         out, *rest = (self._array(b) for b in outs)
         with scope:
             if rest:
                 self.a2a.plan(RoutingPlan(*rest), stream)
-            self.a2a.run(CombineArgs(out, idx, w, y, m, None, stream), flags & _SEND, flags & _RECV)
+            self.a2a.run(CombineArgs(out, idx, w, y, m, None, stream, zero_tail=True),
+                         flags & _SEND, flags & _RECV)
 
     def _keep(self, flags, ins, outs, frame):
         for (src, shape, dtype), (dst, _, _) in zip(ins, outs):

@@ -27,7 +27,7 @@ import torch
 
 from ._dtypes import bfloat16, float8_e4m3fn, float8_e8m0fnu
 from ._errors import InvalidArgument
-from .alltoall import RoutingPlan, no_gradients
+from .alltoall import CombineArgs, RoutingPlan, no_gradients
 
 _RAW = {torch.bfloat16: (torch.int16, bfloat16), torch.float8_e4m3fn: (torch.uint8, float8_e4m3fn)}
 _TORCH = {np.dtype(bfloat16): torch.bfloat16, np.dtype(float8_e4m3fn): torch.float8_e4m3fn,
@@ -149,8 +149,12 @@ class _Combine(torch.autograd.Function):
         if keep:
             plan, view = layer._plan(expert_y)
             a2a.plan(view)  # the plan of the dispatch this combine ends
-        out = layer._new((indices.shape[0], c.hidden_dim), c.out_dtype, expert_y, True)
-        a2a.combine(arg(out), arg(indices), None if summed else arg(weights), arg(expert_y), arg(bound_m))
+        # rows >= m: written as zeros by the kernels (zero_tail), or zeros first where the router weights have
+        # fewer rows than the indices (the kernels' rows)
+        short = not summed and weights.shape[0] < indices.shape[0]
+        out = layer._new((indices.shape[0], c.hidden_dim), c.out_dtype, expert_y, short)
+        a2a.run(CombineArgs(arg(out), arg(indices), None if summed else arg(weights), arg(expert_y), arg(bound_m),
+                            zero_tail=True))
         if refusal:
             raise InvalidArgument(refusal)
         if keep:

@@ -18,6 +18,7 @@ import numpy as np
 import moecomm
 from moecomm import reference
 from moecomm._dtypes import _ALIASES, as_dtype, IN_DTYPES, OUT_DTYPES
+from moecomm.alltoall import CombineArgs
 
 POISON = 0xFF  # bytes of NaN in every float dtype we use; counts become -1
 
@@ -231,14 +232,19 @@ def run_case(comm, A, c, seed, tol):
             want = reference.combine(idx, w, ref_y, [q["origin"] for q in ref], E, W, out_dt)[g]
             out_t = A.empty((rows, H), out_dt)
             cw = None if send_w else A.put(pad(w[g]))
-            cargs = (out_t, idx_in(idx[g]), cw, A.put(y), bound_m)
+            # zero_tail (what moecomm.jax asks for): rows m..rows-1 of out_tokens become zeros; else left as they were
+            cargs = CombineArgs(out_t, idx_in(idx[g]), cw, A.put(y), bound_m, zero_tail=c.get("zero_tail", False))
             if split_c:
-                a2a.combine(*cargs, do_send=True, do_recv=False)
+                a2a.run(cargs, do_send=True, do_recv=False)
                 A.work()
-                a2a.combine(*cargs, do_send=False, do_recv=True)
+                a2a.run(cargs, do_send=False, do_recv=True)
             else:
-                a2a.combine(*cargs)
+                a2a.run(cargs)
             a2a.synchronize()
+            tail = A.get(out_t).view(np.uint8)[m:rows]
+            if not (tail == (0 if cargs.zero_tail else POISON)).all():
+                fails.append(f"iter {it}: combine rows {m}..{rows - 1} of out_tokens are not "
+                             f"{'zeros' if cargs.zero_tail else 'as they were'}")
             got_t = A.get(out_t).view(out_dt)[:m].astype(np.float32)
             want = want.astype(np.float32)
             # error bound: a few roundings of the output dtype, relative to the sum of |terms|
@@ -389,6 +395,8 @@ def cases(world, quick):
     out.append(dict(base, split=True))
     out.append(dict(base, split="alternate", iters=4))
     out.append(dict(base, split="alternate", iters=4, weights_at="combine", routing="holes"))
+    out.append(dict(base, zero_tail=True, iters=4))
+    out.append(dict(base, zero_tail=True, split=True, weights_at="combine", iters=4))
     # grids capped at the fewest SMs the world size allows (max_sms: 2 blocks per SM, a block per rank; the host
     # transport has no grids) and one more: a block takes many tokens, so at 512 tokens records stream and the
     # one-launch phases run on a few blocks
@@ -421,7 +429,8 @@ def gpu_cases(world, quick):
            # rank's own expert rows
            dict(base, hidden=512, scale=4, max_m=2048, m=2048, iters=1), dict(base, hidden=512, scale=4, max_m=2048),
            dict(base, hidden=512, scale=4, max_m=2048, m=2048, routing="other_rank", iters=1),
-           dict(base, hidden=512, scale=4, max_m=2048, m=2048, weights_at="combine", iters=1)]
+           dict(base, hidden=512, scale=4, max_m=2048, m=2048, weights_at="combine", iters=1),
+           dict(base, zero_tail=True, iters=4), dict(base, hidden=512, scale=4, max_m=2048, zero_tail=True)]
     if world % 2 == 0:  # the same in DP groups of two (2048 tokens per rank)
         out.append(dict(base, hidden=256, scale=2, max_m=4096, m=4096, dp_size=2, iters=1))
     if quick:

@@ -5,7 +5,7 @@
 
 The layer: router top-k -> dispatch -> every local expert as one batched matmul over its slots -> combine.
 Each case runs jitted with a new token count m < max_num_tokens (and m = max_num_tokens once), on fresh
-random tokens, and compares rows < m with the reference (relative L2, bf16 tolerance):
+random tokens, and compares rows < m with the reference (relative L2, bf16 tolerance); rows >= m must be zeros:
 
 * one layer, router weights sent with dispatch or given at combine; two AllToAlls in one jitted step;
 * ``lax.scan`` over two layers (unroll 1 and 2), ``fori_loop``, ``while_loop``, ``lax.cond`` and ``lax.switch``
@@ -126,9 +126,12 @@ def main():
     def close(name, got, want, m):
         nonlocal checks
         checks += 1
-        err = jax_layers.relative_error(np.asarray(got)[:m], np.asarray(want)[:m])
+        got = np.asarray(got)
+        err = jax_layers.relative_error(got[:m], np.asarray(want)[:m])
         if not err < TOL:  # NaN fails
             fails.append(f"rank {r}: {name} m={m}: relative error {err:.3g}")
+        if name != "cond false" and np.any(got[m:].astype(np.float32) != 0):  # a combine's rows >= m: zeros
+            fails.append(f"rank {r}: {name} m={m}: rows >= m are not zeros")
 
     rng = np.random.default_rng([r, 11])
     for m in [int(v) for v in rng.integers(1, M, 3)] + [M]:  # m changes every step, programs stay compiled

@@ -212,6 +212,12 @@ def test_abi_header_states_every_struct_field():
         assert f'extern "C" __global__ void {name}(' in text
 
 
+def test_the_call_record_fits_128_bytes():
+    """Every launch copies the Call record as a kernel parameter: at 136 bytes the default path was ~0.3 us
+    slower (benchmarks/NOTES.md), so new flags are bytes within the 128."""
+    assert ctypes.sizeof(_abi.Call) <= 128
+
+
 def test_the_bound_m_rule_is_the_same_in_the_kernels_and_on_the_host():
     """cuda/alltoall.cuh's m_in_range, evaluated as Python, agrees with moecomm.reference.m_in_range everywhere
     around the edges; no kernel spells the rule again."""

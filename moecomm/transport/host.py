@@ -529,6 +529,8 @@ class HostAllToAll(AllToAllBackend):
             y = self._from_wire(recv[:, 8:], cfg.out_dtype)
             np.add.at(acc, token, a.weights[token, k].astype(np.float32)[:, None] * y)
         a.out_tokens[:m] = acc.astype(cfg.out_dtype)
+        if a.zero_tail:
+            a.out_tokens[m:a.rows] = 0
         if a.out_dropped is not None:  # this rank's own pairs (dp_size 1 when a capacity is set)
             a.out_dropped[:] = 0
             if self._dropped is not None and cfg.dp_size == 1:
