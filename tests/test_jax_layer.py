@@ -1,7 +1,8 @@
 """moecomm.jax on the host transport (JAX's CPU backend; skipped without jax): the matrix of tests/mpi_jax.py
 (jit, scan, fori_loop, cond, checkpoint, donation, two AllToAlls, split halves, m changing every step) on 1
-and 2 ranks, the gradients (tests/mpi_jax_grad.py), the SPMD form (tests/mpi_jax_spmd.py), and the operations'
-plumbing in one process. The GPU checks run the same programs on GPUs."""
+and 2 ranks, the gradients (tests/mpi_jax_grad.py), the SPMD form (tests/mpi_jax_spmd.py), errors inside
+jitted scanned steps (tests/mpi_jax_errors.py), and the operations' plumbing in one process. The GPU checks
+run the same programs on GPUs."""
 import numpy as np
 import pytest
 
@@ -26,6 +27,16 @@ def test_a_rank_whose_cond_skips_a_numbered_layer_is_named():
     """tests/mpi_call_ids.py --jax on 2 host ranks: the layer under lax.cond, its predicate False on one rank
     only, with call ids: OutOfStep on every rank, not calls of different steps paired."""
     p = run_mpi(2, "tests/mpi_call_ids.py", "--jax", timeout=300)
+    assert p.returncode == 0 and ": 0 failures" in p.stdout, p.stdout[-4000:] + p.stderr[-4000:]
+
+
+@pytest.mark.parametrize("how", [(2,), (2, "--silent"), pytest.param((3,), marks=FULL)],
+                         ids=lambda h: " ".join(map(str, h)))
+def test_errors_in_jitted_scanned_steps_reach_every_rank(how):
+    """tests/mpi_jax_errors.py: an expert id out of range, a bound_m above the rows and a capacity overflow on
+    the last rank inside a jitted lax.scan: a moecomm error on every rank, the next step right; with --silent a
+    rank that misses a step is named by CommTimeout."""
+    p = run_mpi(how[0], "tests/mpi_jax_errors.py", *how[1:], timeout=600)
     assert p.returncode == 0 and ": 0 failures" in p.stdout, p.stdout[-4000:] + p.stderr[-4000:]
 
 

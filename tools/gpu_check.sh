@@ -54,8 +54,9 @@
 #                                    ($RANKS; RANKS= leaves these out) time-sliced on GPU 0 over ipc with control
 #                                    and quick sweeps, the exit cases, then a soak with every fault kind at 2
 #                                    ranks ($SOAK_MINUTES, default 5)
-#   bash tools/gpu_check.sh jax      moecomm.jax on one GPU over ipc: tests/mpi_jax.py, mpi_jax_grad.py and
-#                                    mpi_jax_spmd.py (the SPMD form) at 1 and 2 ranks, then tools/jax_step.py
+#   bash tools/gpu_check.sh jax      moecomm.jax on one GPU over ipc: tests/mpi_jax.py, mpi_jax_grad.py,
+#                                    mpi_jax_spmd.py (the SPMD form) and mpi_jax_errors.py (faults in replayed
+#                                    steps; a silent rank at 2) at 1 and 2 ranks, then tools/jax_step.py
 #                                    (jitted 8-layer steps against the same calls in a CUDA graph;
 #                                    $OUT/jax-step.json)
 #   bash tools/gpu_check.sh --help   this text
@@ -114,7 +115,9 @@ if [ "${1:-}" = jax ]; then  # moecomm.jax: correct first, then timed
     expect ": 0 failures" "${MPIRUN[@]}" -np $n python3 tests/mpi_jax.py
     expect ": 0 failures" "${MPIRUN[@]}" -np $n python3 tests/mpi_jax_grad.py --transport ipc
     expect ": 0 failures" "${MPIRUN[@]}" -np $n python3 tests/mpi_jax_spmd.py
+    expect ": 0 failures" "${MPIRUN[@]}" -np $n python3 tests/mpi_jax_errors.py
   done
+  expect ": 0 failures" "${MPIRUN[@]}" -np 2 python3 tests/mpi_jax_errors.py --silent
   step "${MPIRUN[@]}" -np 1 python3 tools/jax_step.py --json "$out/jax-step.json"
   exit $status
 fi
