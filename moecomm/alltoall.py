@@ -280,11 +280,12 @@ class AllToAll:
         self.comm, self._backend, self.masked, self.expert_map = comm, None, (), None
         error = None
         try:  # checked on every rank, then compared: a bad argument on one rank raises on all of them
-            self.cfg = c = AllToAllConfig.create(comm.world_size, comm.rank, max_num_tokens, num_experts,
-                                                 experts_per_token, hidden_dim, hidden_dim_scale, in_dtype,
-                                                 out_dtype, scale_dtype, dp_size, slots_per_rank, capacity, overflow,
-                                                 layout, scale_layout, combine_wire, max_sms, gradients, num_tags,
-                                                 score_gap, dispatch_wire)
+            self.cfg = c = AllToAllConfig.create(  # the options by name (a test keeps the three lists equal)
+                comm.world_size, comm.rank, max_num_tokens, num_experts, experts_per_token, hidden_dim,
+                hidden_dim_scale, in_dtype, out_dtype, scale_dtype, dp_size, slots_per_rank=slots_per_rank,
+                capacity=capacity, overflow=overflow, layout=layout, scale_layout=scale_layout,
+                combine_wire=combine_wire, max_sms=max_sms, gradients=gradients, num_tags=num_tags,
+                score_gap=score_gap, dispatch_wire=dispatch_wire)
             window = positive_int("telemetry_window", telemetry_window, minimum=0)
             self.timeout_s = comm.timeout_s if timeout is None else timeout_seconds(timeout)[0]
             mine = (None, dict(c.key(), telemetry_window=window, timing=bool(timing), timeout=self.timeout_s))

@@ -1,5 +1,8 @@
 """Argument validation: every bad input raises a clear exception before anything is sent, and the next
 valid call still works (single host rank, in process)."""
+import dataclasses
+import inspect
+
 import numpy as np
 import pytest
 
@@ -135,6 +138,20 @@ def test_bad_config(comm, case):
     with pytest.raises(moecomm.InvalidArgument) as e:
         moecomm.AllToAll(comm, **args)
     assert message in str(e.value)
+
+
+def test_the_alltoall_parameters_and_the_config_fields_agree():
+    """AllToAll's parameters, AllToAllConfig.create's and the config's fields are one list in three places:
+    the same names (AllToAll adds its own: comm, timeout, telemetry_window, timing) and the same defaults."""
+    from moecomm._config import AllToAllConfig
+    own = {"self", "comm", "timeout", "telemetry_window", "timing"}
+    fields = {f.name: f.default for f in dataclasses.fields(AllToAllConfig)}
+    for fn, skip in ((moecomm.AllToAll.__init__, own), (AllToAllConfig.create, {"cls", "world_size", "rank"})):
+        params = {n: p.default for n, p in inspect.signature(fn).parameters.items() if n not in skip}
+        assert set(params) == set(fields) - {"world_size", "rank"}, fn
+        for name, default in params.items():
+            if fields[name] is not dataclasses.MISSING and default is not inspect.Parameter.empty:
+                assert default == fields[name], (fn, name)
 
 
 def test_finalize_ends_its_alltoalls():
