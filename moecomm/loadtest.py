@@ -319,13 +319,17 @@ def summarize_steps(name, steps, num_ranks):
     counts = steps.counts
     m = telemetry.summarize(counts, num_ranks)
     rank = counts.reshape(len(counts), num_ranks, -1).sum(axis=2)
-    out = {"scenario": name, "steps": len(steps.seconds), "time_us": _p50_p99(steps.seconds),
+    mean = counts.mean(axis=1)  # the hottest expert against the mean: what its GEMM waits for, at any EP size
+    expert = np.where(mean > 0, counts.max(axis=1) / np.where(mean > 0, mean, 1), 1.0)
+    out = {"scenario": name, "num_ranks": num_ranks, "steps": len(steps.seconds), "time_us": _p50_p99(steps.seconds),
            "layer_time_us": _p50_p99(steps.layer),
            "rank_tokens_max": float(rank.max(axis=1).mean()), "rank_tokens_mean": float(rank.mean()),
            "imbalance": {k: m["imbalance"][k] for k in ("mean", "p95", "max")},
+           "expert_imbalance": {"mean": float(expert.mean()), "max": float(expert.max())},
            "hot_experts": m["hot"]["experts"][:8], "per_step": {
                "time_us": (steps.seconds * 1e6).round(2).tolist(), "layer_us": (steps.layer * 1e6).round(2).tolist(),
-               "imbalance": m["imbalance"]["per_step"], "rank_tokens_max": rank.max(axis=1).tolist()}}
+               "imbalance": m["imbalance"]["per_step"], "rank_tokens_max": rank.max(axis=1).tolist(),
+               "expert_imbalance": expert.round(3).tolist(), "expert_pairs_max": counts.max(axis=1).tolist()}}
     if steps.gemm is not None:
         out["gemm"] = gemm_by_tokens(counts, steps.gemm, num_ranks)
     return out
@@ -715,14 +719,16 @@ def _line(r):
         f"{d['top_expert_share']:.0%}" for d in r["domains"]) if "domains" in r else ""
     return (f"{r['scenario']:<12} p50 {r['time_us']['p50']:.0f} us  p99 {r['time_us']['p99']:.0f} us  "
             f"rank tokens max {r['rank_tokens_max']:.0f} / mean {r['rank_tokens_mean']:.0f}  "
-            f"imbalance mean {r['imbalance']['mean']:.2f} max {r['imbalance']['max']:.2f}  hot {r['hot_experts']}"
+            f"imbalance mean {r['imbalance']['mean']:.2f} max {r['imbalance']['max']:.2f}  expert imbalance mean "
+            f"{r['expert_imbalance']['mean']:.2f} max {r['expert_imbalance']['max']:.2f}  hot {r['hot_experts']}"
             + gemm + target + domains)
 
 
 def plot(results, path):
     """Per routing scenario (and its replicas run, dashed): imbalance and step time over the steps, the
     step-time CDF, the busiest rank's pairs per step and an expert's GEMM time against the tokens it received;
-    time against tokens for ramp when it ran."""
+    time against tokens for ramp when it ran. With one rank per EP group the load panels are the experts' (the
+    hottest expert against the mean, its pairs), a rank's being the whole load."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -732,23 +738,25 @@ def plot(results, path):
     runs = [(x, "--" if x is not r else "-") for r in results if "per_step" in r for x in (r, r.get("replicas")) if x]
     ramp = next((r for r in results if r["scenario"] == "ramp"), None)
     n = 6
+    unit = "rank" if runs and runs[0][0]["num_ranks"] > 1 else "expert"
+    load, busiest = ("imbalance", "rank_tokens_max") if unit == "rank" else ("expert_imbalance", "expert_pairs_max")
     fig, axes = plt.subplots(2, 3, figsize=(15, 8))
     axes = axes.ravel()
     for x, ls in runs:
         ps, name = x["per_step"], x["scenario"]
         t = np.sort(ps["time_us"])
-        axes[0].plot(ps["imbalance"], label=name, ls=ls)
+        axes[0].plot(ps[load], label=name, ls=ls)
         axes[1].plot(ps["time_us"], label=name, ls=ls)
         axes[2].plot(t, np.arange(1, t.size + 1) / t.size, label=name, ls=ls)
-        axes[3].plot(ps["rank_tokens_max"], label=name, ls=ls)
+        axes[3].plot(ps[busiest], label=name, ls=ls)
         if "gemm" in x:
             bins = x["gemm"]["by_tokens"]
             axes[5].plot([max(b["tokens"][0], 0.5) for b in bins], [b["median_us"] for b in bins], "o", label=name,
                          ls=ls)
-    axes[0].set(xlabel="step", ylabel="max / mean rank load", title="imbalance per step")
+    axes[0].set(xlabel="step", ylabel=f"max / mean {unit} load", title=f"{unit} imbalance per step")
     axes[1].set(xlabel="step", ylabel="dispatch + combine (us, max over ranks)", title="step time", yscale="log")
     axes[2].set(xlabel="dispatch + combine (us)", ylabel="fraction of steps", title="step time CDF", xscale="log")
-    axes[3].set(xlabel="step", ylabel="(token, expert) pairs", title="busiest rank's pairs per step")
+    axes[3].set(xlabel="step", ylabel="(token, expert) pairs", title=f"busiest {unit}'s pairs per step")
     if ramp:
         t = [pt["tokens"] for pt in ramp["points"]]
         axes[4].plot(t, [pt["time_us"]["p50"] for pt in ramp["points"]], "o-", label="p50")
