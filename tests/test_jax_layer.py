@@ -79,6 +79,30 @@ def test_whole_and_split_calls_agree_and_rows_past_m_are_zero(layer):
     assert not np.asarray(a[3], np.float32)[int(m[0]):].any()  # no uninitialised rows reach JAX
 
 
+def test_router_weights_with_fewer_rows_than_the_indices_leave_no_uninitialised_rows(layer):
+    """combine(weights=[rows - 2, k]) with m below both: the kernels' rows are the weights' (the fewest), the
+    output has the indices' rows; every row >= m is zero, whole and split."""
+    x, xs, ids, m, w = _inputs()
+    short = w[:M - 2]
+
+    @jax.jit
+    def whole(x, xs, ids, m, w):
+        ex = layer.dispatch(x, xs, ids, m)[1]
+        return layer.combine(ids, w, ex, m)
+
+    @jax.jit
+    def split(x, xs, ids, m, w):
+        ex = layer.dispatch(x, xs, ids, m)[1]
+        return layer.combine_recv(layer.combine_send(ids, w, ex, m))
+
+    want = np.asarray(x, np.float32) * np.asarray(w).sum(1)[:, None]  # the experts are the identity
+    for fn in (whole, split):
+        got = np.asarray(fn(x, xs, ids, m, short), np.float32)
+        assert got.shape == (M, H)
+        np.testing.assert_allclose(got[:int(m[0])], want[:int(m[0])], rtol=2e-2, atol=1e-2)
+        assert not got[int(m[0]):].any()
+
+
 def test_a_refusal_inside_jit_names_the_argument_and_the_next_call_works(layer):
     x, xs, ids, m, w = _inputs()
     with pytest.raises(Exception, match="dp_x: dtype float32"):
