@@ -62,8 +62,9 @@ class DispatchArgs(NamedTuple):
 class CombineArgs(NamedTuple):
     """The arrays of one combine call, as :meth:`AllToAll.combine` takes them (shapes and dtypes there);
     ``promised`` as in :class:`DispatchArgs` (:meth:`AllToAll.prepare_combine`); ``zero_tail``: rows m..rows-1
-    of out_tokens are written too, as zeros (all its rows where the call fails), for a framework whose output
-    buffers start uninitialised (``moecomm.jax``); combine() leaves them as they were."""
+    of out_tokens (rows: the fewest of the per-token arrays) are written too, as zeros, and on GPUs all of its
+    rows where the kernels find the call failed, for a framework whose output buffers start uninitialised
+    (``moecomm.jax``, ``moecomm.torch``); combine() leaves them as they were."""
     out_tokens: object
     indices: object
     weights: object
