@@ -8,12 +8,12 @@ A step is ``lax.scan`` over two layers (dispatch with router weights -> the expe
 combine), routing given per layer, under ``jax.jit``; on GPUs ``XLA_FLAGS=--xla_gpu_graph_min_graph_size=1`` and
 warm-up steps first, so that the faulty steps are replayed from XLA's command buffers with no Python per call
 (the kernels find the fault). The faults, on the last rank: an expert id out of range in the second layer,
-a bound_m above the rows, and (an AllToAll with capacity=2, overflow="error") every token routed to the same
-two experts. After each, every rank must have met a moecomm error for that step, raised by the jitted call
-itself (where the handlers run: the host transport, XLA running the step op by op) or by ``layer.check()``
-once the outputs are ready, and the next step (fresh tokens, another m) must equal numpy's on every rank, rows
->= m zero. With ``--silent`` the last rank then skips a step (sleeping past the timeout) while the others run
-it: they must raise CommTimeout naming it. Prints "<n> checks on <w> ranks: <f> failures".
+a bound_m above the rows, and (an AllToAll with capacity=2, overflow="error") all of its max_num_tokens tokens
+routed to the same two experts. After each, every rank must have met a moecomm error for that step, raised by
+the jitted call itself (where the handlers run: the host transport, XLA running the step op by op) or by
+``layer.check()`` once the outputs are ready, and the next step (fresh tokens, another m) must equal numpy's on
+every rank, rows >= m zero. With ``--silent`` the last rank then skips a step (sleeping past the timeout) while
+the others run it: they must raise CommTimeout naming it. Prints "<n> checks on <w> ranks: <f> failures".
 """
 import argparse
 import os
@@ -76,7 +76,7 @@ def main():
         if last and fault == "expert id out of range":
             ids[1, 0, 0] = E + 3
         if last and fault == "capacity overflow":
-            m, ids[1] = M, np.tile(np.arange(K, dtype=np.int32), (M, 1))
+            m, ids[:] = M, np.tile(np.arange(K, dtype=np.int32), (M, 1))  # both layers: M pairs on experts 0, 1
         bound = M + 1 if last and fault == "bound_m above the rows" else m
         return m, x, ids, wts, bound
 
