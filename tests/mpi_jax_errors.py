@@ -42,6 +42,7 @@ def main():
     import jax
     import jax.numpy as jnp
 
+    import jax_layers
     import moecomm.jax as mj
     if comm.transport.memory == "host":
         jax.config.update("jax_platforms", "cpu")
@@ -59,7 +60,7 @@ def main():
             return layer.combine(p[0], None, ex, m), None  # the experts: the identity
         return jax.lax.scan(body, x, (ids, wts))[0]
 
-    steps = {id(layer): jax.jit(lambda *a, layer=layer: stack(layer, *a)) for layer in (plain, capped)}
+    steps = {layer: jax.jit(lambda *a, layer=layer: stack(layer, *a)) for layer in (plain, capped)}
     rng = np.random.default_rng([r, 5])
     fails, checks, met = [], 0, {}  # met: fault -> the moecomm error this rank met (printed by rank 0)
 
@@ -84,7 +85,7 @@ def main():
         """The step's output (numpy) and the error text it met (None: none), checked with layer.check()."""
         m, x, ids, wts, bound = inputs
         try:
-            out = steps[id(layer)](put(jnp.asarray(x)), put(jnp.asarray([bound], jnp.int32)), put(jnp.asarray(ids)),
+            out = steps[layer](put(jnp.asarray(x)), put(jnp.asarray([bound], jnp.int32)), put(jnp.asarray(ids)),
                                    put(jnp.asarray(wts)))
             out = np.asarray(jax.block_until_ready(out))
             layer.check()
@@ -106,7 +107,7 @@ def main():
         for n in range(LAYERS):  # every id valid: each token's output is its input times its weights' sum
             want = (want * wts[n].sum(1, keepdims=True)).astype(moecomm.bfloat16).astype(np.float32)
         got = out.astype(np.float32)
-        err = float(np.linalg.norm(got[:m] - want[:m]) / max(np.linalg.norm(want[:m]), 1e-30))
+        err = jax_layers.relative_error(got[:m], want[:m])
         if not err < TOL:
             fails.append(f"rank {r}: {name}: m={m}: relative error {err:.3g}")
         if np.any(got[m:] != 0):
