@@ -667,7 +667,8 @@ __device__ __forceinline__ float wire_scale(const Fixed& f, const uint8_t* row, 
   return __uint_as_float(e ? e << 23 : 0x400000u);
 }
 
-// 8 values of a row at chunk c as float: the output dtype (16 bytes), or e4m3 (8 bytes) times its scale.
+// 8 values of a row at chunk c as float: dtype `code` (MOECOMM_DT_BF16 / FP16: 16 bytes), or e4m3 (8 bytes)
+// times its scale.
 template <bool Wire>
 __device__ __forceinline__ int4 load_chunk(const uint8_t* row, int c) {
   if (Wire) {
@@ -678,8 +679,8 @@ __device__ __forceinline__ int4 load_chunk(const uint8_t* row, int c) {
 }
 
 template <bool Wire>
-__device__ __forceinline__ void chunk_to_float(const Fixed& f, const int4& v, float scale, float* out) {
-  if (!Wire) return to_float8(v, f.out_code, out);
+__device__ __forceinline__ void chunk_to_float(const Fixed& f, const int4& v, float scale, float* out, int code) {
+  if (!Wire) return to_float8(v, code, out);
   const unsigned words[2] = {(unsigned)v.x, (unsigned)v.y};
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
@@ -721,13 +722,14 @@ __device__ __forceinline__ float quantize8(const float* a, bool pow2, unsigned* 
 // A power-of-two scale as its UE8M0 byte (2^-127: byte 0).
 __device__ __forceinline__ uint8_t ue8m0_of(float scale) { return (uint8_t)(__float_as_uint(scale) >> 23); }
 
-// 8 float values into chunk c of the nd rows dsts: the output dtype, or e4m3 with the scale of their block of
+// 8 float values into chunk c of the nd rows dsts: dtype `code` (BF16 / FP16), or e4m3 with the scale of their block of
 // MOECOMM_COMBINE_BLOCK values (quantize8: the 16 lanes of a half-warp hold one block, they all call this
 // together), written by the block's first lane.
 template <bool Wire>
-__device__ __forceinline__ void store_chunk(const Fixed& f, const float* a, int c, uint8_t* const* dsts, int nd) {
+__device__ __forceinline__ void store_chunk(const Fixed& f, const float* a, int c, uint8_t* const* dsts, int nd,
+                                            int code) {
   if (!Wire) {
-    const int4 o = from_float8(a, f.out_code);
+    const int4 o = from_float8(a, code);
     for (int d = 0; d < nd; ++d) ((int4*)dsts[d])[c] = o;
     return;
   }
@@ -793,7 +795,8 @@ __device__ __forceinline__ void store_quantised(const Fixed& f, const int4* v, u
 
 // Block-wide (or by the block's threads tid = 0..nthreads-1): dsts[0..nd) = sum_j w[j] * rows[j] over n rows of
 // f.hidden values, accumulated in float; only the 8-value chunks [from, to) of the rows where `to` is given (0:
-// the whole row). Rows and destinations are in the output dtype, or (SrcWire, DstWire) on the FP8 combine wire.
+// the whole row). Rows and destinations are in dtypes src_code and dst_code (MOECOMM_DT_BF16 / FP16; -1: the
+// output dtype, f.out_code), or (SrcWire, DstWire) on the FP8 combine wire.
 // Each thread handles two chunks at a time and loads them from Batch rows before accumulating, so up to
 // 2 * Batch loads are in flight; a 14 KB bf16 row takes two such rounds per group of Batch rows.
 // nthreads is a multiple of 16 and f.hidden of MOECOMM_COMBINE_BLOCK where a side is on the wire, so a
@@ -801,8 +804,11 @@ __device__ __forceinline__ void store_quantised(const Fixed& f, const int4* v, u
 template <bool SrcWire, bool DstWire, int Batch = 4>
 __device__ __forceinline__ void weighted_sum(const Fixed& f, const uint8_t* const* rows, const float* w, int n,
                                              uint8_t* const* dsts, int nd, int tid = threadIdx.x,
-                                             int nthreads = THREADS, int from = 0, int to = 0) {
+                                             int nthreads = THREADS, int from = 0, int to = 0, int src_code = -1,
+                                             int dst_code = -1) {
   constexpr bool exact = SrcWire || DstWire;  // round each product and sum, as the reference does
+  if (src_code < 0) src_code = f.out_code;
+  if (dst_code < 0) dst_code = f.out_code;
   const int chunks = to ? to : f.hidden / 8;
   for (int c = from + tid; c < chunks; c += 2 * nthreads) {
     const int c1 = c + nthreads;
@@ -827,20 +833,20 @@ __device__ __forceinline__ void weighted_sum(const Fixed& f, const uint8_t* cons
       for (int u = 0; u < Batch; ++u) {
         if (j + u >= n) continue;
         float v[8];
-        chunk_to_float<SrcWire>(f, v0[u], s0[u], v);
+        chunk_to_float<SrcWire>(f, v0[u], s0[u], v, src_code);
 #pragma unroll
         for (int i = 0; i < 8; ++i)
           a0[i] = exact ? __fadd_rn(a0[i], __fmul_rn(w[j + u], v[i])) : a0[i] + w[j + u] * v[i];
         if (two) {
-          chunk_to_float<SrcWire>(f, v1[u], s1[u], v);
+          chunk_to_float<SrcWire>(f, v1[u], s1[u], v, src_code);
 #pragma unroll
           for (int i = 0; i < 8; ++i)
             a1[i] = exact ? __fadd_rn(a1[i], __fmul_rn(w[j + u], v[i])) : a1[i] + w[j + u] * v[i];
         }
       }
     }
-    store_chunk<DstWire>(f, a0, c, dsts, nd);
-    if (two) store_chunk<DstWire>(f, a1, c1, dsts, nd);
+    store_chunk<DstWire>(f, a0, c, dsts, nd, dst_code);
+    if (two) store_chunk<DstWire>(f, a1, c1, dsts, nd, dst_code);
   }
 }
 

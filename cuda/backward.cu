@@ -27,6 +27,7 @@
 // group has other ranks), and does the work that needs none first: its own tokens whose pairs are all on this
 // rank, its own tokens' slots. The blocks count each part in a counter of its own (state[DONE_B0 + part]),
 // and a part's last block signals (with one rank, only the last part is counted: nobody waits for the others).
+// At world size 1 in the padded layout each operation has a local kernel instead (the end of this file).
 // When a backward call fails (on any rank), what it writes is unspecified: its outputs may be partly written.
 #include "alltoall.cuh"
 
@@ -111,11 +112,12 @@ __device__ void finish_row(const Fixed& f, const Targets& tg, int from, int to, 
 }
 
 // Block-wide: chunks c0 .. c1-1 (8 values each) of rows dsts[0..nd) (dtype out_code) = the float32 sum of rows
-// srcs[0..n) (dtype codes[j]), BATCH rows' loads in flight before the adds (R1: all of a token's rows). Not
-// inlined: its loads take the registers that the callers' NVSHMEM paths hold.
+// srcs[0..n) (dtype codes[j]), BATCH rows' loads in flight before the adds (8, R1: all of a token's rows; 2 in
+// the local path's float32 case, beside weighted_sum's registers). Not inlined: its loads take the registers
+// that the callers' NVSHMEM paths hold.
+template <int BATCH = 8>
 static __device__ __noinline__ void sum_rows(uint8_t* const* dsts, int nd, int out_code, const uint8_t* const* srcs,
                                              const int* codes, int n, int c0, int c1) {
-  constexpr int BATCH = 8;
   for (int c = c0 + threadIdx.x; c < c1; c += THREADS) {
     float a[8] = {0, 0, 0, 0, 0, 0, 0, 0};
     for (int j = 0; j < n; j += BATCH) {
@@ -189,10 +191,10 @@ __device__ void signal_all(const Fixed& f, uint64_t* sig, uint64_t v) {
 }
 
 // Every thread, at the end of part `part` (0, 1, 2) of the kernel: true in the part's last block (counted in
-// state[DONE_B0 + part], which it resets for the next call).
-__device__ bool part_last(const Fixed& f, int part) {
+// state[DONE_B0 + part], which it resets for the next call; `system`: the blocks' writes include peers').
+__device__ bool part_last(const Fixed& f, int part, bool system = true) {
   unsigned* const done = &f.state[MOECOMM_S_DONE_B0 + part];
-  if (!last_block(done, true)) return false;
+  if (!last_block(done, system)) return false;
   if (threadIdx.x == 0) *done = 0;
   return true;
 }
@@ -290,6 +292,18 @@ __device__ Begun begin(const Fixed& f, const Grad& g, int phase) {
   return Begun{epoch, ok ? m : 0, ok};
 }
 
+// Block 0, where this rank's part runs with data: the plan's pairs for tokens >= m, which make it another call's
+// plan (ERR_PLAN_M).
+__device__ void check_plan_m(const Fixed& f, const Grad& g, const Begun& b, int phase) {
+  if (blockIdx.x != 0 || !b.ok) return;
+  bool extra = false;
+  for (int i = b.m * f.topk + threadIdx.x; i < f.max_tokens * f.topk; i += blockDim.x) extra |= g.expert[i] >= 0;
+  if (__syncthreads_or(extra) && threadIdx.x == 0) {
+    record_error(f.err, MOECOMM_ERR_PLAN_M, f.rank, phase, b.m, (int)b.epoch);
+    fail(f, MOECOMM_ERR_PLAN_M);
+  }
+}
+
 // The send part of both operations (every block of the call's launch, part 0), after the checks of this rank's
 // m (begin) and plan (pairs for tokens >= m: ERR_PLAN_M, block 0), once each peer has read the last call's rows.
 // Dispatch (expert side): each group of g.held (a token's slots on this rank, find_groups) sends one row of
@@ -305,14 +319,7 @@ __device__ void send_part(const Fixed& f, const Grad& g, const Begun& b) {
   const int phase = Dispatch ? MOECOMM_PHASE_DISPATCH_BACKWARD : MOECOMM_PHASE_COMBINE_BACKWARD;
   const int m = b.m;
   const bool send = b.ok;
-  if (blockIdx.x == 0 && send) {  // another call's plan: pairs for tokens >= m
-    bool extra = false;
-    for (int i = m * f.topk + threadIdx.x; i < f.max_tokens * f.topk; i += blockDim.x) extra |= g.expert[i] >= 0;
-    if (__syncthreads_or(extra) && threadIdx.x == 0) {
-      record_error(f.err, MOECOMM_ERR_PLAN_M, f.rank, phase, m, (int)epoch);
-      fail(f, MOECOMM_ERR_PLAN_M);
-    }
-  }
+  check_plan_m(f, g, b, phase);
   const uint64_t deadline = now_ns() + f.timeout_ns;
   for (int q = threadIdx.x; q < f.world; q += blockDim.x)  // each peer's buffer is free once it read the last call
     if (send && q != f.rank && !f.mask[q])
@@ -644,11 +651,12 @@ __device__ void weight_side(const Fixed& f, const Grad& g, const Begun& b) {
 }
 
 // The end of both operations (every block, after the last part, `part`): this rank has read every row and
-// word of the call, so its buffer is free: f.grad_sig[2][me] = the call on every unmasked rank; the call is
-// counted in state[EPOCH_B] (every block read it in begin) and its failure reason reset.
-__device__ void finish(const Fixed& f, int part, unsigned epoch) {
-  if (!part_last(f, part)) return;
-  signal_all(f, f.grad_sig + 2 * f.world, epoch_signal(epoch, 1));
+// word of the call, so its buffer is free: f.grad_sig[2][me] = the call on every unmasked rank (not on the
+// local path, `exchanged` false: nothing was exchanged, nobody waits); the call is counted in state[EPOCH_B]
+// (every block read it in begin) and its failure reason reset.
+__device__ void finish(const Fixed& f, int part, unsigned epoch, bool exchanged = true) {
+  if (!part_last(f, part, exchanged)) return;
+  if (exchanged) signal_all(f, f.grad_sig + 2 * f.world, epoch_signal(epoch, 1));
   if (threadIdx.x == 0) {
     f.state[MOECOMM_S_BAD_B] = 0;
     f.state[MOECOMM_S_EPOCH_B] = epoch;
@@ -679,4 +687,182 @@ extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, MOECOMM_BLOC
   expert_part(f, g, b);
   weight_side(f, g, b);
   finish(f, 2, b.epoch);
+}
+
+// The local path (gpu_plan.py: local(), world size 1 in the padded layout): every pair is this rank's own, so
+// nothing is exchanged and no block waits for another; both operations read the slots of plan.local, grids of
+// any size, work items handed out strided, each block's first item's plan entries loaded beside begin's loads
+// (the items are cut by the rows, min(g.rows, max_tokens), which m is at most once checked). What they check
+// and write is what the operations above do there.
+
+namespace {
+
+// Rows of the call's per-token arrays that the local path may read before m is known.
+__device__ __forceinline__ int rows_known(const Fixed& f, const Grad& g) {
+  return g.skip ? 0 : min(g.rows, f.max_tokens);
+}
+
+// The slot `s` of plan.local as taken: -1 for none; a slot beyond the AllToAll's (not a plan of this
+// AllToAll's) is recorded (ERR_PLAN_DIFFERS, detail -2) and taken as none.
+__device__ __forceinline__ int local_slot(const Fixed& f, const Grad& g, const Begun& b, int s, int phase) {
+  if (s >= -1 && s < g.slots) return s;
+  record_error(f.err, MOECOMM_ERR_PLAN_DIFFERS, f.rank, phase, -2, (int)b.epoch, s);
+  fail(f, MOECOMM_ERR_PLAN_DIFFERS);
+  return -1;
+}
+
+}  // namespace
+
+// grid: any number of blocks (gpu_plan.py: _sum_blocks). dispatch_backward as moecomm_combine_local sums:
+// work items (token t < m, slice of its row's 8-value chunks), `slices` per token so that a small batch fills
+// the grid; each warp lists the token's slots itself (no block barrier), then the block's threads share the
+// slice: rows 0..m-1 of g.out (out_grad_x [rows, hidden], g.out_code) = the float32 sum of the token's slots'
+// rows of g.grad (grad_expert_x [slots, hidden], g.grad_code), zeros for a token without one (weighted_sum
+// for 16-bit dtypes, sum_rows where one is float32). Rows >= m are left as they are.
+extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, MOECOMM_BLOCKS_PER_SM)
+    moecomm_dispatch_backward_local(const Fixed f, const Grad g) {
+  after_previous_kernel();
+  const int phase = MOECOMM_PHASE_DISPATCH_BACKWARD;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, chunks = f.hidden / 8, rows = rows_known(f, g);
+  const int most_slices = (chunks + MOECOMM_SUM_SLICE_CHUNKS - 1) / MOECOMM_SUM_SLICE_CHUNKS;
+  const int slices = max(1, min((int)gridDim.x / max(rows, 1), most_slices)), per = (chunks + slices - 1) / slices;
+  auto slot_of = [&](int i) {  // lane k: the slot of item i's token's k-th pair (plan.local)
+    const int t = i / slices;
+    return t < rows && lane < f.topk ? g.local[(size_t)t * f.topk + lane] : -1;
+  };
+  int slot = slot_of(blockIdx.x);
+  const Begun b = begin(f, g, phase);
+  check_plan_m(f, g, b, phase);
+  const bool wide = g.grad_code != MOECOMM_DT_FP32 && g.out_code != MOECOMM_DT_FP32;  // weighted_sum's dtypes
+  const size_t grad_bytes = (size_t)f.hidden * value_bytes(g.grad_code);
+  __shared__ const uint8_t* srcs[THREADS / 32][MOECOMM_MAX_TOPK];  // each warp's list of the token's rows
+  __shared__ float ones[MOECOMM_MAX_TOPK];
+  __shared__ int codes[MOECOMM_MAX_TOPK];
+  if (threadIdx.x < MOECOMM_MAX_TOPK) ones[threadIdx.x] = 1.0f, codes[threadIdx.x] = g.grad_code;
+  __syncthreads();
+  for (int i = blockIdx.x; i < b.m * slices; i += gridDim.x) {
+    const int t = i / slices, s = i % slices;
+    if (i != (int)blockIdx.x) slot = slot_of(i);
+    slot = local_slot(f, g, b, slot, phase);
+    const unsigned use = __ballot_sync(FULL, slot >= 0);
+    if (slot >= 0) srcs[warp][__popc(use & ((1u << lane) - 1))] = g.grad + (size_t)slot * grad_bytes;
+    __syncwarp();
+    uint8_t* const dst = g.out + (size_t)t * f.hidden * value_bytes(g.out_code);
+    const int c0 = s * per, c1 = min(chunks, c0 + per);
+    if (wide)
+      weighted_sum<false, false, 8>(f, srcs[warp], ones, __popc(use), &dst, 1, threadIdx.x, THREADS, c0, c1,
+                                    g.grad_code, g.out_code);
+    else
+      sum_rows<2>(&dst, 1, g.out_code, srcs[warp], codes, __popc(use), c0, c1);
+    __syncwarp();  // the list is rewritten for the next item
+  }
+  finish(f, 0, b.epoch, false);
+}
+
+// Pairs combine_backward's local path takes at a time, two 8-value chunks of each in flight per thread.
+constexpr int PAIR_BATCH = 4;
+
+// grid: any number of blocks (gpu_plan.py: _pair_blocks). combine_backward as moecomm_dispatch_tokens stores:
+// work items (token t < m, part p of its pairs: k % parts == p), `parts` per token so that a small batch fills
+// the grid. Warp 0 lists the item's pairs that hold a slot (plan.local) with their router weights (g.weights
+// [rows, topk]); the block's threads then take 8-value chunks of g.grad[t] (grad_out [rows, hidden],
+// g.grad_code) and of each slot's g.y row (expert_y [slots, hidden], f.out_code), PAIR_BATCH slots at a time:
+// g.out[slot] (out_grad_expert_y [slots, hidden], g.out_code) = weight * grad_out[t], and the chunks' part of
+// <grad_out[t], expert_y[slot]>, reduced over the block into g.out_w[t * topk + k] (out_grad_weights
+// [rows, topk] float32). The item's pairs without a slot (-1 ids, dropped, masked) get 0. Rows >= m and empty
+// slots are left as they are.
+extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, MOECOMM_BLOCKS_PER_SM)
+    moecomm_combine_backward_local(const Fixed f, const Grad g) {
+  after_previous_kernel();
+  const int phase = MOECOMM_PHASE_COMBINE_BACKWARD;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, chunks = f.hidden / 8, rows = rows_known(f, g);
+  const int parts = max(1, min(f.topk, (int)gridDim.x / max(rows, 1)));
+  bool ours = false;  // warp 0, lane k: whether item i takes its token's pair k, and the pair's slot and weight
+  int slot = -1;
+  float weight = 0.0f;
+  auto pair_of = [&](int i) {
+    const int t = i / parts, k = lane;
+    const size_t pair = (size_t)t * f.topk + k;
+    ours = t < rows && k < f.topk && k % parts == i % parts;
+    slot = ours ? g.local[pair] : -1;
+    weight = ours ? g.weights[pair] : 0.0f;
+  };
+  if (warp == 0) pair_of(blockIdx.x);
+  const Begun b = begin(f, g, phase);
+  check_plan_m(f, g, b, phase);
+  const size_t grad_bytes = (size_t)f.hidden * value_bytes(g.grad_code);
+  const size_t out_bytes = (size_t)f.hidden * value_bytes(g.out_code);
+  __shared__ uint8_t* outs[MOECOMM_MAX_TOPK];
+  __shared__ const uint8_t* ys[MOECOMM_MAX_TOPK];
+  __shared__ float wts[MOECOMM_MAX_TOPK], partial[MOECOMM_MAX_TOPK][THREADS / 32];
+  __shared__ int pairs[MOECOMM_MAX_TOPK], n;
+  for (int i = blockIdx.x; i < b.m * parts; i += gridDim.x) {
+    const int t = i / parts;
+    __syncthreads();  // the previous item's list and partial sums are read
+    if (warp == 0) {
+      if (i != (int)blockIdx.x) pair_of(i);
+      const size_t pair = (size_t)t * f.topk + lane;
+      const int s = ours ? local_slot(f, g, b, slot, phase) : -1;
+      const unsigned use = __ballot_sync(FULL, s >= 0);
+      if (s >= 0) {
+        const int pos = __popc(use & ((1u << lane) - 1));
+        outs[pos] = g.out + (size_t)s * out_bytes;
+        ys[pos] = g.y + (size_t)s * f.out_row_bytes;
+        wts[pos] = weight;
+        pairs[pos] = (int)pair;
+      } else if (ours) {
+        g.out_w[pair] = 0.0f;
+      }
+      if (lane == 0) n = __popc(use);
+    }
+    __syncthreads();
+    const int count = n;
+    const uint8_t* const grad = g.grad + (size_t)t * grad_bytes;
+    for (int j0 = 0; j0 < count; j0 += PAIR_BATCH) {
+      float dot[PAIR_BATCH] = {};
+      for (int c = threadIdx.x; c < chunks; c += 2 * THREADS) {
+        const int c1 = c + THREADS;
+        const bool two = c1 < chunks;
+        float x[2][8];
+        int4 y[2][PAIR_BATCH];
+        load8(grad, g.grad_code, c, x[0]);
+        if (two) load8(grad, g.grad_code, c1, x[1]);
+#pragma unroll
+        for (int j = 0; j < PAIR_BATCH; ++j)
+          if (j0 + j < count) {
+            y[0][j] = ((const int4*)ys[j0 + j])[c];
+            if (two) y[1][j] = ((const int4*)ys[j0 + j])[c1];
+          }
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          if (h && !two) break;
+#pragma unroll
+          for (int j = 0; j < PAIR_BATCH; ++j) {
+            if (j0 + j >= count) continue;
+            float v[8], o[8];
+            to_float8(y[h][j], f.out_code, v);
+            const float w = wts[j0 + j];
+#pragma unroll
+            for (int e = 0; e < 8; ++e) {
+              dot[j] += x[h][e] * v[e];
+              o[e] = w * x[h][e];
+            }
+            store8(outs[j0 + j], g.out_code, h ? c1 : c, o);
+          }
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < PAIR_BATCH; ++j) {
+        for (int o = 16; o; o >>= 1) dot[j] += __shfl_xor_sync(FULL, dot[j], o);
+        if (lane == 0 && j0 + j < count) partial[j0 + j][warp] = dot[j];
+      }
+    }
+    __syncthreads();
+    if (threadIdx.x < count) {
+      float sum = 0.0f;
+      for (int w = 0; w < THREADS / 32; ++w) sum += partial[threadIdx.x][w];
+      g.out_w[pairs[threadIdx.x]] = sum;
+    }
+  }
+  finish(f, 0, b.epoch, false);
 }

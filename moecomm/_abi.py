@@ -265,7 +265,8 @@ KERNELS = {k.name: k for k in (
         "moecomm_combine_send_wire", "moecomm_combine_recv_wire", "moecomm_combine_wire", "moecomm_dispatch_local",
         "moecomm_dispatch_tokens", "moecomm_combine_local")),
     *(Kernel(name, (Fixed, Grad)) for name in ("moecomm_plan", "moecomm_dispatch_backward",
-                                                "moecomm_combine_backward")),
+                                                "moecomm_combine_backward", "moecomm_dispatch_backward_local",
+                                                "moecomm_combine_backward_local")),
     Kernel("moecomm_peer_check", (PeerCheck,), threads=32, dependent=False),
     Kernel("moecomm_delay", (Delay,), threads=1, dependent=False),
 )}

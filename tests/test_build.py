@@ -78,10 +78,10 @@ def test_every_launch_plan_names_kernels_its_module_has(built):
                                                       max_sms=max_sms, gradients=grads)
                             for variant, mapped in (("ipc", True), ("nvshmem", True), ("nvshmem", False)):
                                 p = gpu_plan.launch_plan(c, 132, variant, mapped)
-                                named = {*p.grids, *p.backward, *(k for ks in p.halves.values() for k in ks),
+                                named = {*p.backward.values(), *(k for ks in p.halves.values() for k in ks),
                                          *(k for ks in p.whole.values() for k in ks)}
                                 assert named <= kernels[p.variant], (c, p)
-                                assert named == {*p.grids, *p.backward}, p  # every launch has its grid
+                                assert named == set(p.grids), p  # every launch has its grid
                                 assert all(0 < g <= C.BLOCKS_PER_SM * p.sms for g in p.grids.values()), p
                                 assert [k[0] for k in p.halves.values()] == list(gpu_plan.half_kernels(c))
                                 for phase, ks in p.whole.items():
@@ -89,6 +89,9 @@ def test_every_launch_plan_names_kernels_its_module_has(built):
                                     assert ks[1:] == (("moecomm_dispatch_pack",) if layout == "packed"
                                                       and phase == "dispatch" else ())
                                 assert bool(p.backward) == grads
+                                if grads:  # the local path's backward where its forward takes it
+                                    assert (p.backward["combine_backward"].endswith("_local")
+                                            == (world == 1 and layout == "padded")), p
                                 plans += 1
     assert plans == 2 * 3 * 3 * 3 * 3 * 2 * 3
 

@@ -172,7 +172,7 @@ class GpuAllToAll(AllToAllBackend):
         self._calls = {phase: _abi.Call() for phase in C.CALL_PHASES}  # the call records (records())
         self._skipped = _abi.Call(skip=1)  # the call record of a half issued with no data
         launch = {n: transport.launch(n, g, self.fixed, self._calls[phase_of(n)], module=self.module)
-                  for n, g in plan.grids.items()}  # each kernel reads its phase's call record
+                  for n, g in plan.grids.items() if n not in plan.backward.values()}  # each its phase's call record
         halves = {half: tuple(launch[n] for n in kernels) for half, kernels in plan.halves.items()}
         self._halves = {phase: (halves[phase + "_send"], halves[phase + "_recv"]) for phase in plan.whole}
         self._whole = {phase: tuple(launch[n] for n in kernels) for phase, kernels in plan.whole.items()}
@@ -181,8 +181,8 @@ class GpuAllToAll(AllToAllBackend):
         if cfg.gradients:
             slots = int(np.prod(cfg.expert_x_shape()[:-1]))
             self._grad, self._grad_skipped = _abi.Grad(slots=slots), _abi.Grad(slots=slots, skip=1)
-            self._grads = [{n: transport.launch(n, g, self.fixed, record, module=self.module)
-                            for n, g in plan.backward.items()}
+            self._grads = [{op: transport.launch(n, plan.grids[n], self.fixed, record, module=self.module)
+                            for op, n in plan.backward.items()}
                            for record in (self._grad, self._grad_skipped)]  # [0]: with data, [1]: skipped
         transport.settle("AllToAll(...)")
 
@@ -257,7 +257,7 @@ class GpuAllToAll(AllToAllBackend):
         self._cupy.cuda.runtime.memsetAsync(plan.local, 0xFF, 4 * self.cfg.max_num_tokens * self.cfg.experts_per_token,
                                             stream)  # -1: not on this rank
         self._cupy.cuda.runtime.memsetAsync(plan.held, 0, 4, stream)  # none held yet
-        self._grads[0]["moecomm_plan"](stream)
+        self._grads[0]["plan"](stream)
 
     def dispatch_backward(self, a, stream):
         self._run_backward("dispatch_backward", a, stream, a.out)
@@ -275,14 +275,14 @@ class GpuAllToAll(AllToAllBackend):
         g.bound_m, g.rows = a.bound_m, a.rows
         g.grad, g.out, g.grad_code, g.out_code = a.grad, out, _DT_CODES[a.grad_dtype], _DT_CODES[a.out_dtype]
         g.out_w, g.weights, g.y = a.out_grad_weights or 0, a.weights or 0, a.y or 0
-        self._grads[0]["moecomm_" + phase](stream)
+        self._grads[0][phase](stream)
         if not self.captured:
             self.check_error()
 
     def skip_backward(self, phase, refusal, stream):
         self.check_error(timeout_only=True)
         self._grad_skipped.reason = refusal.code
-        self._grads[1]["moecomm_" + phase](stream)
+        self._grads[1][phase](stream)
 
     def skip(self, halves, stream, refusal=None):
         """Launch ``halves`` with no data (Call.skip); their send halves' signals carry the refusal's code (the

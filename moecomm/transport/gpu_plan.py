@@ -17,7 +17,8 @@ The rules, each beside its reason:
 * **Streaming** (:func:`streamed`): at prefill-sized batches dispatch records carry arrival words and part of
   the one-launch dispatch unpacks them as they land (its own kernel, ``moecomm_dispatch_streamed``); the
   one-launch combine streams its partial sums too where :func:`combine_streams` says so.
-* **The local path** (:func:`local`): at world size 1 in the padded layout (cuda/local.cu).
+* **The local path** (:func:`local`): at world size 1 in the padded layout (cuda/local.cu; the backward
+  operations' local kernels in cuda/backward.cu).
 * **The module**: the transport's own build, or at prefill-sized batches in a group whose every peer is mapped
   its put-free twin (:data:`PUT_FREE_TWIN`).
 * **FP8 combine wire**: the combine kernels of the wire (names ending ``_wire``), so the out-dtype kernels carry
@@ -37,7 +38,10 @@ LOCAL_TOKENS = "moecomm_dispatch_tokens"  # the local path's dispatch where ever
 PACK_KERNEL = "moecomm_dispatch_pack"  # the packed layout's third dispatch kernel (after the receive half)
 WIRE = "_wire"  # the combine kernels of an FP8 combine wire: their names end so (cuda/combine*.cu)
 WIRE_KERNELS = ("moecomm_combine_send_wire", "moecomm_combine_recv_wire", "moecomm_combine_wire")
-GRAD_KERNELS = ("moecomm_plan", "moecomm_dispatch_backward", "moecomm_combine_backward")  # backward.cu
+GRAD_KERNELS = {"plan": "moecomm_plan", "dispatch_backward": "moecomm_dispatch_backward",
+                "combine_backward": "moecomm_combine_backward"}  # {operation: its kernel} (backward.cu)
+LOCAL_GRAD_KERNELS = {"dispatch_backward": "moecomm_dispatch_backward_local",
+                      "combine_backward": "moecomm_combine_backward_local"}  # local() (backward.cu)
 
 # A variant whose kernels a group with every peer mapped runs at prefill-sized batches instead of its own: the
 # same sources without the put path, whose registers and stack slow the streamed kernels (the streamed combine
@@ -89,6 +93,13 @@ def _sum_blocks(cfg, sms):
     return max(1, min(C.BLOCKS_PER_SM * sms, cfg.max_num_tokens * slices))
 
 
+def _pair_blocks(cfg, sms):
+    """moecomm_combine_backward_local (cuda/backward.cu): a block per (token, part of its pairs) work item, up to
+    BLOCKS_PER_SM per SM (the kernel cuts a token's pairs into as many parts as the grid has room for, up to
+    top-k)."""
+    return max(1, min(C.BLOCKS_PER_SM * sms, cfg.max_num_tokens * cfg.experts_per_token))
+
+
 def _resident_blocks(cfg, sms):
     """BLOCKS_PER_SM per SM, the blocks resident at once: the backward kernels (cuda/backward.cu), each
     operation in one launch whose parts wait for each other's signals."""
@@ -113,6 +124,8 @@ GRIDS = {  # every dispatch/combine kernel's grid rule
     "moecomm_plan": _resident_blocks,
     "moecomm_dispatch_backward": _resident_blocks,
     "moecomm_combine_backward": _resident_blocks,
+    "moecomm_dispatch_backward_local": _sum_blocks,
+    "moecomm_combine_backward_local": _pair_blocks,
 }
 
 
@@ -176,6 +189,12 @@ def local(cfg):
     return cfg.world_size == 1 and cfg.layout == "padded"
 
 
+def backward_kernels(cfg):
+    """{operation: its kernel} of the backward calls (cuda/backward.cu): the local path's (local()) where it
+    is taken, whose blocks wait for nothing; else each operation in one launch of a resident grid."""
+    return dict(GRAD_KERNELS, **LOCAL_GRAD_KERNELS) if local(cfg) else dict(GRAD_KERNELS)
+
+
 def whole_kernels(cfg, sms):
     """{phase: the kernel that runs its two halves in one launch}: the local path's (local()), whose dispatch has
     a kernel of its own (LOCAL_TOKENS) where every token of max_num_tokens gets a block; else the dispatch of
@@ -216,7 +235,8 @@ class LaunchPlan:
         streamed: prefill-sized batches: dispatch records carry arrival words (Fixed.streamed).
         combine_streams: the one-launch combine streams its partial sums (Fixed.comb_streamed).
         senders: blocks of the one-launch dispatch that send (Fixed.senders).
-        backward: {kernel: blocks} of the backward kernels (gradients=True), else empty.
+        backward: {operation ("plan", "dispatch_backward", "combine_backward"): its kernel} (gradients=True),
+            else empty; their grids are in ``grids``.
         stage_rows: staging rows the kernels that stage rows need (a block's at blockIdx * STAGE_SLOTS).
     """
     variant: str
@@ -236,7 +256,7 @@ class LaunchPlan:
         return {"variant": self.variant, "sm_budget": self.sms, "grids": dict(self.grids),
                 "halves": {h: list(k) for h, k in self.halves.items()},
                 "whole": {p: list(k) for p, k in self.whole.items()}, "fallback": dict(self.fallback),
-                "streamed": self.streamed, "combine_streams": self.combine_streams}
+                "streamed": self.streamed, "combine_streams": self.combine_streams, "backward": dict(self.backward)}
 
 
 def launch_plan(cfg, num_sms, variant, all_mapped=True):
@@ -258,10 +278,11 @@ def launch_plan(cfg, num_sms, variant, all_mapped=True):
             whole[phase] = split
             fallback[phase] = (f"{name}'s {blocks} blocks are not resident at once on {num_sms} SMs "
                                f"({C.BLOCKS_PER_SM} per SM): the halves' kernels run back to back")
-    backward = {n: GRIDS[n](cfg, sms) for n in GRAD_KERNELS} if cfg.gradients else {}
-    stagers = [halves["dispatch_send"][0], halves["combine_send"][0], *(k[0] for k in whole.values())]
-    stage_rows = max([grids[n] for n in stagers]
-                     + ([backward["moecomm_dispatch_backward"]] if backward else [])) * C.STAGE_SLOTS
+    backward = backward_kernels(cfg) if cfg.gradients else {}
+    grids.update({n: GRIDS[n](cfg, sms) for n in backward.values()})
+    stagers = [halves["dispatch_send"][0], halves["combine_send"][0], *(k[0] for k in whole.values()),
+               *(n for op, n in backward.items() if op != "plan" and n == GRAD_KERNELS[op])]  # the exchanging ones
+    stage_rows = max(grids[n] for n in stagers) * C.STAGE_SLOTS
     module = module_variant(cfg, sms, variant, all_mapped)
     return LaunchPlan(variant=module, sms=sms, grids=grids, halves=halves, whole=whole, fallback=fallback,
                       streamed=streamed(cfg, sms), combine_streams=combine_streams(cfg, sms, module),
