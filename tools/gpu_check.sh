@@ -193,7 +193,7 @@ if [ "${1:-}" = grads ]; then  # gradients: the plan and both backward calls, th
     done
     [ $status = 0 ] ) || status=1
   [ -n "${GRAD_BENCH-1}" ] && step "${MPIRUN[@]}" -np 1 python3 tools/grad_bench.py --transport ipc \
-    --iters ${BENCH_ITERS:-300} --json "$out/ws1-gradients.json"
+    --iters ${BENCH_ITERS:-300} --json "$out/grad-ws1.json"
   [ -n "${GRAD_BENCH-1}" ] && [ "$ngpu" -gt 1 ] && step "${MPIRUN[@]}" -np "$ngpu" python3 tools/grad_bench.py \
     --transport $T --iters ${BENCH_ITERS:-300} --json "$out/ep$ngpu-gradients.json"
   if [ -n "${GRAD_NCU:-}" ]; then  # every kernel of one eager pass of each phase, forward and backward, at decode

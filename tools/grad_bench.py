@@ -3,8 +3,12 @@ then of combine_backward and dispatch_backward (the order a training step runs t
 CUDA events (medians and p99 over --iters replays after --warmup, max over ranks), and the same calls eagerly;
 any world size (tokens per rank as the configuration says). Before timing, every rank's gradients of this
 routing are checked against numpy (the slots the plan holds; the empty ones must stay as they were, zeros).
+Each result holds forward_us, backward_us and ratio (graph medians: dispatch + combine, combine_backward +
+dispatch_backward); at world size 1 also ``floor``: each phase's memory pattern alone (tools/hbm_floor.py's
+plain kernels over the same slots), each in its own graph timed in the same loop, so that a phase's figure
+and its floor carry the same graph launch.
 
-    mpirun -np 1 python tools/grad_bench.py --transport ipc --configs r1-decode r1-prefill-cap256 --json out.json
+    mpirun -np 1 python tools/grad_bench.py --transport ipc --configs r1-decode r1-prefill-cap256 --json grad-ws1.json
     mpirun -np 2 python tools/grad_bench.py ...     (EP2: a GPU per rank)
 
 Configurations: name -> (tokens, experts, top-k, hidden, scales, capacity); fp8 tokens with float32 scales,
@@ -79,8 +83,9 @@ def run(comm, name, args):
         fails = [f for rank in comm.allgather(check(comm, d, plan, T, K, H)) for f in rank]
         phases = {"dispatch": dispatch, "combine": combine, "combine_backward": combine_backward,
                   "dispatch_backward": dispatch_backward}
+        patterns = floor_patterns(cp, d, plan, T, K, H) if W == 1 else {}
         graphs = {}
-        for p, fn in phases.items():
+        for p, fn in {**phases, **{"floor_" + k: f for k, f in patterns.items()}}.items():
             s.begin_capture(cp.cuda.runtime.streamCaptureModeRelaxed)
             fn()
             graphs[p] = s.end_capture()
@@ -90,12 +95,40 @@ def run(comm, name, args):
     out = {"config": name, "tokens": T, "experts": E, "topk": K, "hidden": H, "scales": S,
            "capacity": c.expert_capacity, "world_size": W, "transport": comm.transport.name, "check_failures": fails}
     names = list(phases)
+    if patterns:  # the memory patterns alone, each in its graph timed beside the phases' (world size 1)
+        t = graph[:, len(names):]
+        out["floor"] = {k: stats(t[:, i]) for i, k in enumerate(patterns)}
+        out["floor"]["forward"] = stats(t[:, 0] + t[:, 1])
+        out["floor"]["backward"] = stats(t[:, 2] + t[:, 3])
     for kind, t in (("graph", graph), ("eager", eager)):
         out[kind] = {n: stats(t[:, i]) for i, n in enumerate(names)}
         out[kind]["forward"] = stats(t[:, 0] + t[:, 1])
         out[kind]["backward"] = stats(t[:, 2] + t[:, 3])
         out[kind]["backward_over_forward"] = out[kind]["backward"]["median_us"] / out[kind]["forward"]["median_us"]
+    g = out["graph"]  # the figures the issue's target reads: graph medians
+    out.update(forward_us=g["forward"]["median_us"], backward_us=g["backward"]["median_us"],
+               ratio=g["backward_over_forward"])
     return out
+
+
+def floor_patterns(cp, d, plan, T, K, H):
+    """{phase: a launch of its memory pattern alone} at world size 1 (tools/hbm_floor.py's plain grid-stride
+    kernels, over this routing's slots, plan.local): dispatch writes each token row (fp8) into its slots'
+    rows, combine sums a token's slot rows (bf16), combine_backward reads a token's grad_out row and its slots'
+    expert_y rows and writes their gradients, dispatch_backward sums a token's slot gradients. The bytes each
+    phase must move, less its scales, ids and weights."""
+    from hbm_floor import KERNELS
+    mod = cp.RawModule(code=KERNELS)
+    fanout, wsum, scale_dot = (mod.get_function(k) for k in ("fanout", "wsum", "scale_dot"))
+    grid, threads = (8 * cp.cuda.Device().attributes["MultiProcessorCount"],), (256,)
+    slots, sink = plan.local, cp.zeros(1, np.float32)
+    x, y = H // 16, 2 * H // 16  # 16-byte chunks of an fp8 and of a bf16 row
+    T, K = np.int64(T), np.int32(K)
+    return {"dispatch": lambda: fanout(grid, threads, (d["x"], d["ex"], slots, T, np.int32(x), K)),
+            "combine": lambda: wsum(grid, threads, (d["y"], d["out"], slots, T, np.int32(y), K)),
+            "combine_backward": lambda: scale_dot(grid, threads, (d["gout"], d["y"], d["gy"], slots, T,
+                                                                  np.int32(y), K, sink)),
+            "dispatch_backward": lambda: wsum(grid, threads, (d["gex"], d["gx"], slots, T, np.int32(y), K))}
 
 
 def timed(cp, s, fns, args, comm, eager=False):
@@ -172,6 +205,12 @@ def main(argv=None):
                                                                          "dispatch_backward"))
                   + f"); eager forward {e['forward']['median_us']:.1f}, backward {e['backward']['median_us']:.1f}; "
                   f"check failures: {res['check_failures']}")
+            if "floor" in res:
+                fl = res["floor"]
+                print(f"  memory patterns alone, graphs: forward {fl['forward']['median_us']:.1f} us, backward "
+                      f"{fl['backward']['median_us']:.1f} us (" + ", ".join(
+                          f"{n} {fl[n]['median_us']:.1f}" for n in ("dispatch", "combine", "combine_backward",
+                                                                    "dispatch_backward")) + ")")
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"command": " ".join(sys.argv), "environment": environment(), "results": results}, f,

@@ -15,7 +15,10 @@ occupancy (every thread a 16-byte chunk, grid-stride), with R1-prefill's shapes 
 
 At world size 1 (``--world 1``: every pair is the rank's own) the dispatch writes each token into its eight
 expert rows, and the combine's token side sums a token's eight expert rows (the local path forms no partial
-sums); nothing lands. ``--world 2,1`` measures both, one after the other, into one JSON.
+sums); nothing lands. The backward operations' patterns there too (bf16 gradients): dispatch_backward sums a
+token's eight slot gradients (the combine's pattern), combine_backward reads a token's grad_out row and its
+eight expert_y rows and writes its eight slot gradients (weight * row) beside the dot products. ``--world 2,1``
+measures both, one after the other, into one JSON.
 
 It prints each pattern's rate (bytes read + written per second) and each phase's time at those rates (the
 pattern floor), and its time at the rate of a 1 GiB device-to-device copy (the copy floor): moecomm's kernels
@@ -32,12 +35,14 @@ import sys
 import numpy as np
 
 KERNELS = r"""
-// dst rows dest[r * fan + k] = src row r, k < fan (rows of `chunks` 16-byte chunks)
+// dst rows dest[r * fan + k] = src row r, k < fan (rows of `chunks` 16-byte chunks; a row -1: none, as in
+// every kernel here)
 extern "C" __global__ void fanout(const int4* src, int4* dst, const int* dest, long rows, int chunks, int fan) {
   for (long g = blockIdx.x * (long)blockDim.x + threadIdx.x; g < rows * chunks; g += (long)gridDim.x * blockDim.x) {
     const long r = g / chunks, c = g % chunks;
     const int4 v = src[g];
-    for (int k = 0; k < fan; ++k) dst[(long)dest[r * fan + k] * chunks + c] = v;
+    for (int k = 0; k < fan; ++k)
+      if (dest[r * fan + k] >= 0) dst[(long)dest[r * fan + k] * chunks + c] = v;
   }
 }
 // dst row r = sum over j < n of src rows rows_of[r * n + j] (bf16, accumulated in float)
@@ -46,6 +51,7 @@ extern "C" __global__ void wsum(const int4* src, int4* dst, const int* rows_of, 
     const long r = g / chunks, c = g % chunks;
     float a[8] = {0, 0, 0, 0, 0, 0, 0, 0};
     for (int j = 0; j < n; ++j) {
+      if (rows_of[r * n + j] < 0) continue;
       const int4 v = src[(long)rows_of[r * n + j] * chunks + c];
       const unsigned u[4] = {(unsigned)v.x, (unsigned)v.y, (unsigned)v.z, (unsigned)v.w};
       for (int i = 0; i < 4; ++i) {
@@ -57,6 +63,34 @@ extern "C" __global__ void wsum(const int4* src, int4* dst, const int* rows_of, 
     for (int i = 0; i < 4; ++i)
       o[i] = (__float_as_uint(a[2 * i]) >> 16) | (__float_as_uint(a[2 * i + 1]) & 0xffff0000u);
     dst[g] = make_int4((int)o[0], (int)o[1], (int)o[2], (int)o[3]);
+  }
+}
+// combine_backward's pattern: dst rows rows_of[r * n + j] = 0.5 * src row r (bf16) and the dot product of src
+// row r with y rows rows_of[r * n + j] (accumulated in float; stored only if it is a value never reached)
+extern "C" __global__ void scale_dot(const int4* src, const int4* y, int4* dst, const int* rows_of, long rows,
+                                     int chunks, int n, float* sink) {
+  for (long g = blockIdx.x * (long)blockDim.x + threadIdx.x; g < rows * chunks; g += (long)gridDim.x * blockDim.x) {
+    const long r = g / chunks, c = g % chunks;
+    const int4 v = src[g];
+    const unsigned u[4] = {(unsigned)v.x, (unsigned)v.y, (unsigned)v.z, (unsigned)v.w};
+    unsigned o[4];
+    float x[8];
+    for (int i = 0; i < 4; ++i) {
+      x[2 * i] = __uint_as_float(u[i] << 16);
+      x[2 * i + 1] = __uint_as_float(u[i] & 0xffff0000u);
+      o[i] = u[i] - (1u << 7) - (1u << 23);  // each value halved (its exponent less one)
+    }
+    float dot = 0.0f;
+    for (int j = 0; j < n; ++j) {
+      if (rows_of[r * n + j] < 0) continue;
+      const long d = (long)rows_of[r * n + j] * chunks + c;
+      const int4 t = y[d];
+      const unsigned w[4] = {(unsigned)t.x, (unsigned)t.y, (unsigned)t.z, (unsigned)t.w};
+      for (int i = 0; i < 4; ++i)
+        dot += x[2 * i] * __uint_as_float(w[i] << 16) + x[2 * i + 1] * __uint_as_float(w[i] & 0xffff0000u);
+      dst[d] = make_int4((int)o[0], (int)o[1], (int)o[2], (int)o[3]);
+    }
+    if (dot == 1234.5f) *sink = dot;
   }
 }
 """
@@ -78,7 +112,7 @@ def floor(world, iters):
     peer_records, local = (PEER_RECORDS, LOCAL) if world == 2 else (0, TOPK)
     rec = record_bytes(cfg)
     mod = cp.RawModule(code=KERNELS)
-    fanout, wsum = mod.get_function("fanout"), mod.get_function("wsum")
+    fanout, wsum, scale_dot = (mod.get_function(k) for k in ("fanout", "wsum", "scale_dot"))
     sms = cp.cuda.Device().attributes["MultiProcessorCount"]
     grid, threads = (8 * sms,), (256,)
     rng = np.random.default_rng(0)
@@ -138,12 +172,20 @@ def floor(world, iters):
         landing = cp.zeros(peer_records * Y_ROW, np.uint8)
         out["landing_combine"] = dict(timed(lambda: landing.fill(0)), bytes=landing.nbytes)
         combine_keys.append("landing_combine")
+    phases = {"dispatch": dispatch_keys, "combine": combine_keys}
+    if not peer_records:  # the backward operations alone (world size 1): their slot rows as the combine's
+        grad_y, sink = cp.zeros_like(y), cp.zeros(1, np.float32)
+        out[f"scale_dot{local}"] = dict(
+            timed(lambda: scale_dot(grid, threads, (tokens_out, y, grad_y, of_token, np.int64(TOKENS),
+                                                    np.int32(Y_ROW // 16), np.int32(local), sink))),
+            bytes=TOKENS * Y_ROW * (1 + 2 * local))
+        phases.update(dispatch_backward=[f"sum{n_token}"], combine_backward=[f"scale_dot{local}"])
+        del grad_y
     big = cp.zeros(1 << 30, np.uint8)
     copy = cp.empty_like(big)
     out["copy_1GiB"] = dict(timed(lambda: copy.__setitem__(Ellipsis, big)), bytes=2 * big.nbytes)
     for v in out.values():
         v["TBps"] = v["bytes"] / v["median_us"] / 1e6
-    phases = {"dispatch": dispatch_keys, "combine": combine_keys}
     floors = {phase: sum(out[k]["median_us"] for k in keys) for phase, keys in phases.items()}
     copy_floors = {phase: sum(out[k]["bytes"] for k in keys) / out["copy_1GiB"]["TBps"] / 1e6
                    for phase, keys in phases.items()}
@@ -151,9 +193,8 @@ def floor(world, iters):
     for k, v in out.items():
         print(f"{k:<18} {v['bytes'] / 1e6:>8.1f} {v['median_us']:>10.1f} {v['TBps']:>6.2f}")
     where = "EP2" if world == 2 else "world size 1"
-    print(f"R1-prefill per rank at {where}: pattern floor dispatch {floors['dispatch']:.1f} us, combine "
-          f"{floors['combine']:.1f} us; copy floor dispatch {copy_floors['dispatch']:.1f} us, combine "
-          f"{copy_floors['combine']:.1f} us")
+    print(f"R1-prefill per rank at {where}: " + "; ".join(
+        f"{phase} pattern floor {floors[phase]:.1f} us, copy floor {copy_floors[phase]:.1f} us" for phase in phases))
     return {"world_size": world, "patterns": out, "floors_us": floors, "copy_floors_us": copy_floors,
             "record_bytes": rec, "grid": [grid[0], threads[0]]}
 
