@@ -199,7 +199,8 @@ def test_tags_inside_jit_are_counted_per_local_expert():
 
 def test_quantising_dispatch_inside_jit_and_its_gradient_straight_through():
     """dispatch_wire="e4m3_ue8m0" (UE8M0 scales) through the layer inside jit: e4m3 values and scales equal the
-    reference's; the gradient of dp_x is the sum of its slots' cotangents (straight through the quantisation)."""
+    reference's; the gradient of dp_x is the sum of its slots' cotangents (straight through the quantisation),
+    which JAX hands the layer in e4m3: a cotangent below e4m3's range becomes 0."""
     from moecomm import reference
     comm = moecomm.init(transport="host")
     try:
@@ -230,6 +231,11 @@ def test_quantising_dispatch_inside_jit_and_its_gradient_straight_through():
         slots[:rows] = (np.asarray(ids)[:rows] >= 0).sum(1)  # each slot's cotangent is 1: its token gets one each
         assert grad.dtype == jnp.bfloat16
         assert np.array_equal(np.asarray(grad, np.float32), np.repeat(slots[:, None], h, 1))
+        # the cotangent reaches the layer in e4m3 (its primal's dtype), rounded with no scale (docs/api.md):
+        # 2^-8 per value survives as 2^-8, 2^-11 (below e4m3's smallest, 2^-9) becomes 0
+        for c, want in ((2.0 ** -8, 2.0 ** -8), (2.0 ** -11, 0.0)):
+            small = jax.jit(jax.value_and_grad(lambda x, c=c: c * step(x)[0]))(x)[1]
+            assert np.array_equal(np.asarray(small, np.float32), np.repeat(slots[:, None], h, 1) * want)
         a2a.destroy()
     finally:
         comm.finalize()
