@@ -119,15 +119,17 @@ def jax():
 
 
 def grads():
-    """The backward calls against the forward ones (ws1-gradients.json)."""
+    """The backward calls against the forward ones, and their memory patterns alone (grad-ws1.json)."""
     rows = []
-    for r in _load("ws1-gradients.json")["results"]:
-        g = r["graph"]
+    for r in _load("grad-ws1.json")["results"]:
+        g, fl = r["graph"], r["floor"]
         rows.append([GRAD_ROWS[r["config"]], f"{_us(g['dispatch'])} + {_us(g['combine'])}",
-                     f"{_us(g['combine_backward'])} + {_us(g['dispatch_backward'])}",
-                     f"{g['backward_over_forward']:.2f}×"])
-    return _caption("ws1-gradients.json") + _table(
-        ["R1 shapes", "dispatch + combine", "combine_backward + dispatch_backward", "backward / forward"], rows)
+                     f"{_us(g['combine_backward'])} + {_us(g['dispatch_backward'])}", f"{r['ratio']:.2f}×",
+                     f"{_us(fl['forward'])} / {_us(fl['backward'])}",
+                     f"{fl['backward']['median_us'] / r['forward_us']:.2f}×"])
+    return _caption("grad-ws1.json") + _table(
+        ["R1 shapes", "dispatch + combine", "combine_backward + dispatch_backward", "backward / forward",
+         "memory patterns alone: forward / backward", "backward's patterns / forward"], rows)
 
 
 TABLES = {f.__name__: f for f in (ep2, ws1, host, jax, grads)}
