@@ -166,13 +166,15 @@ PEER_CHECK_FIELDS = (
     ("rank", "int"), ("world", "int"),
 )
 DELAY_FIELDS = (("ns", "unsigned long long"),)
+HALF_FIELDS = (("recv", "int"),)  # a kernel that runs either half of a phase (cuda/deep_ep.cu): 1 the receive half
 
 Fixed = _struct("Fixed", FIXED_FIELDS, "Parameters fixed for one AllToAll (see FIXED_FIELDS).")
 Call = _struct("Call", CALL_FIELDS, "Arrays of one dispatch or combine call (see CALL_FIELDS).")
 Grad = _struct("Grad", GRAD_FIELDS, "Arrays of one backward call or plan (see GRAD_FIELDS).")
 PeerCheck = _struct("PeerCheck", PEER_CHECK_FIELDS, "Parameters of one peer check.")
 Delay = _struct("Delay", DELAY_FIELDS, "Parameters of the benchmark's device delay.")
-STRUCTS = (Fixed, Call, Grad, PeerCheck, Delay)
+Half = _struct("Half", HALF_FIELDS, "Which half a kernel of both halves runs.")
+STRUCTS = (Fixed, Call, Grad, PeerCheck, Delay, Half)
 
 
 # Layouts of device memory the kernels index ---------------------------------------------------------
@@ -251,11 +253,28 @@ class Kernel:
     whether it is a programmatic dependent launch where the GPU has them (``dependent``; compute capability
     from ``PROGRAMMATIC_ARCH``): it may then be launched while the stream's previous kernel runs, and its
     first statement is ``after_previous_kernel()`` (cuda/device.cuh), which waits for that kernel's end.
-    Which kernels an AllToAll runs, and their grids: moecomm/transport/gpu_plan.py."""
+    Which kernels an AllToAll runs, and their grids: moecomm/transport/gpu_plan.py.
+
+    ``cxx``: the C++ kernel (``namespace::name``, parameters in namespace moecomm) this entry launches where it
+    is not the ``extern "C"`` kernel ``name`` (DeepEP's profiler names, cuda/deep_ep.cu); several entries may
+    launch one, each with its own ``half`` (its Half parameter). ``symbol``: the name the module has."""
     name: str
     params: tuple
     threads: int = C.BLOCK_THREADS
     dependent: bool = True
+    cxx: str = ""
+    half: int = 0
+
+    @property
+    def symbol(self):
+        """``name``, or ``cxx`` mangled (Itanium C++ ABI: nested names, each parameter a struct of namespace
+        moecomm, which is the first substitution S_)."""
+        if not self.cxx:
+            return self.name
+        parts = self.cxx.split("::")
+        assert parts[0] == "moecomm", self.cxx
+        return ("_ZN" + "".join(f"{len(p)}{p}" for p in parts) + "E"
+                + "".join(f"NS_{len(t.__name__)}{t.__name__}E" for t in self.params))
 
 
 KERNELS = {k.name: k for k in (
@@ -267,6 +286,8 @@ KERNELS = {k.name: k for k in (
     *(Kernel(name, (Fixed, Grad)) for name in ("moecomm_plan", "moecomm_dispatch_backward",
                                                 "moecomm_combine_backward", "moecomm_dispatch_backward_local",
                                                 "moecomm_combine_backward_local")),
+    *(Kernel(f"moecomm_deep_ep_{phase}_{half}", (Fixed, Call, Half), cxx=f"moecomm::deep_ep::{phase}",
+             half=int(half == "recv")) for phase in ("dispatch", "combine") for half in ("send", "recv")),
     Kernel("moecomm_peer_check", (PeerCheck,), threads=32, dependent=False),
     Kernel("moecomm_delay", (Delay,), threads=1, dependent=False),
 )}
@@ -294,8 +315,12 @@ def header():
                          f"alignof(decltype({s.__name__}::{f})) == {ctypes.alignment(t)}, "
                          f'"{s.__name__}.{f}: size or alignment differs from moecomm/_abi.py");')
     lines += ["}  // namespace moecomm", ""]
-    for k in KERNELS.values():
+    for cxx, k in {k.cxx or k.name: k for k in KERNELS.values()}.items():
         params = ", ".join(f"const moecomm::{p.__name__}" for p in k.params)
-        lines.append(f'extern "C" __global__ void {k.name}({params});')
+        if k.cxx:
+            space, name = cxx.rsplit("::", 1)
+            lines.append(f"namespace {space} {{ __global__ void {name}({params}); }}")
+        else:
+            lines.append(f'extern "C" __global__ void {k.name}({params});')
     return "\n".join(lines) + "\n"
 

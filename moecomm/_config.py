@@ -84,6 +84,8 @@ class AllToAllConfig:
             the pairs each local expert receives are counted per tag and call (stats()["by_tag"]).
         score_gap: whether dispatch histograms each token's router confidence, the gap between its largest
             and smallest router weight (GAP_EDGES; stats()["score_gap"]), when weights are given.
+        kernel_names: "moecomm" (each half its own kernel) or "deep_ep": the split halves run under DeepEP's
+            profiler names, one kernel per phase (cuda/deep_ep.cu; moecomm.compat.deep_ep); GPU transports.
     """
     world_size: int
     rank: int
@@ -107,12 +109,13 @@ class AllToAllConfig:
     num_tags: int = 0
     score_gap: bool = False
     dispatch_wire: object = None
+    kernel_names: str = "moecomm"
 
     @classmethod
     def create(cls, world_size, rank, max_num_tokens, num_experts, experts_per_token, hidden_dim,
                hidden_dim_scale, in_dtype, out_dtype, scale_dtype, dp_size, slots_per_rank=None, capacity=None,
                overflow="error", layout="padded", scale_layout="row", combine_wire=None, max_sms=None, gradients=False,
-               num_tags=0, score_gap=False, dispatch_wire=None):
+               num_tags=0, score_gap=False, dispatch_wire=None, kernel_names="moecomm"):
         """Validate the arguments of :class:`moecomm.AllToAll`; raise InvalidArgument on the first bad one."""
         max_num_tokens = positive_int("max_num_tokens", max_num_tokens)
         if max_num_tokens >= 1 << C.SIG_COUNT_BITS:
@@ -185,12 +188,15 @@ class AllToAllConfig:
                                       f"{worst} (leave it None for that)")
             if dp_size != 1:
                 raise InvalidArgument("capacity: needs dp_size == 1 so far")
+        if kernel_names not in C.KERNEL_NAMES:
+            raise InvalidArgument(f"kernel_names must be one of {list(C.KERNEL_NAMES)}, got {kernel_names!r}")
         num_tags = positive_int("num_tags", num_tags, minimum=0)
         if num_tags > C.MAX_TAGS:
             raise InvalidArgument(f"num_tags={num_tags} exceeds the supported {C.MAX_TAGS}")
         return cls(world_size, rank, max_num_tokens, num_experts, k, hidden_dim, hidden_dim_scale,
                    in_dtype, out_dtype, scale_dtype, dp_size, slots_per_rank, capacity, overflow, layout,
-                   scale_layout, combine_wire, max_sms, bool(gradients), num_tags, bool(score_gap), dispatch_wire)
+                   scale_layout, combine_wire, max_sms, bool(gradients), num_tags, bool(score_gap), dispatch_wire,
+                   kernel_names)
 
     # Derived layout -------------------------------------------------------------------------
     @property

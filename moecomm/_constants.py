@@ -82,6 +82,7 @@ STATE_FIELDS = ("EPOCH_DS", "EPOCH_DR", "EPOCH_CS", "DONE_DS", "DONE_DR", "DONE_
                 "BAD_B", "IDS")
 STATE_FIXED = len(STATE_FIELDS)
 STAGE_SLOTS = 4       # staging rows per block for puts to peers without a load/store mapping
+KERNEL_NAMES = ("moecomm", "deep_ep")  # AllToAll(kernel_names=): the split halves' own kernels, or DeepEP's names
 BLOCK_THREADS = 256   # threads of every alltoall block: a block handles one token or record at a time
 BLOCKS_PER_SM = 2     # alltoall blocks resident per SM (kernels are built for it: 128 registers per thread)
 PROGRAMMATIC_ARCH = 900  # compute capability (as __CUDA_ARCH__: 100 * major + 10 * minor) from which moecomm's

@@ -92,7 +92,7 @@ class Module:
         self.handle = check(driver.cuModuleLoadData(cubin), "cuModuleLoadData")
 
     def function(self, kernel):
-        f = check(driver.cuModuleGetFunction(self.handle, kernel.name.encode()), f"loading {kernel.name}")
+        f = check(driver.cuModuleGetFunction(self.handle, kernel.symbol.encode()), f"loading {kernel.name}")
         for i, struct in enumerate(kernel.params):
             _, size = check(driver.cuFuncGetParamInfo(f, i), f"{kernel.name} parameter {i}")
             if size != ctypes.sizeof(struct):

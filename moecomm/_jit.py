@@ -58,7 +58,7 @@ class Variant:
 
 
 _KERNELS = ("dispatch_send.cu", "dispatch_recv.cu", "dispatch_pack.cu", "dispatch.cu", "combine_send.cu",
-            "combine_recv.cu", "combine.cu", "local.cu", "backward.cu", "peer_check.cu", "trace.cu")
+            "combine_recv.cu", "combine.cu", "local.cu", "backward.cu", "deep_ep.cu", "peer_check.cu", "trace.cu")
 VARIANTS = {
     "nvshmem": Variant(_KERNELS, "transport_nvshmem.cuh", puts=True, nvshmem=True),
     "ipc": Variant(_KERNELS, "transport_ipc.cuh", streams_combine=True),

@@ -271,13 +271,18 @@ class AllToAll:
             ``hidden_dim_scale`` is derived (leave it None). The sender quantises once, in the kernel that
             reads the row; ``moecomm.reference.quantize_tokens`` is the rounding, bit for bit. hidden_dim a
             multiple of 128.
+        kernel_names: "moecomm" (default: each half of a phase is a kernel of its own, ``moecomm_dispatch_send``
+            ...) or "deep_ep": the split halves run under DeepEP's profiler names, one kernel per phase
+            (``moecomm::deep_ep::dispatch``, ``moecomm::deep_ep::combine``), so that tools that time DeepEP's
+            kernels by name (its tests' ``bench_kineto``) find ours; the same code. On an FP8 combine wire the
+            combine keeps its own names. GPU transports; the same on every rank.
     """
 
     def __init__(self, comm, max_num_tokens, num_experts, experts_per_token, hidden_dim,
                  hidden_dim_scale=None, in_dtype="bfloat16", out_dtype="bfloat16", scale_dtype=None,
                  dp_size=1, timeout=None, slots_per_rank=None, capacity=None, overflow="error", layout="padded",
                  telemetry_window=64, timing=False, scale_layout="row", combine_wire=None, max_sms=None,
-                 gradients=False, num_tags=0, score_gap=False, dispatch_wire=None):
+                 gradients=False, num_tags=0, score_gap=False, dispatch_wire=None, kernel_names="moecomm"):
         self.comm, self._backend, self.masked, self.expert_map = comm, None, (), None
         error = None
         try:  # checked on every rank, then compared: a bad argument on one rank raises on all of them
@@ -286,7 +291,7 @@ class AllToAll:
                 hidden_dim_scale, in_dtype, out_dtype, scale_dtype, dp_size, slots_per_rank=slots_per_rank,
                 capacity=capacity, overflow=overflow, layout=layout, scale_layout=scale_layout,
                 combine_wire=combine_wire, max_sms=max_sms, gradients=gradients, num_tags=num_tags,
-                score_gap=score_gap, dispatch_wire=dispatch_wire)
+                score_gap=score_gap, dispatch_wire=dispatch_wire, kernel_names=kernel_names)
             window = positive_int("telemetry_window", telemetry_window, minimum=0)
             self.timeout_s = comm.timeout_s if timeout is None else timeout_seconds(timeout)[0]
             mine = (None, dict(c.key(), telemetry_window=window, timing=bool(timing), timeout=self.timeout_s))

@@ -9,7 +9,7 @@ import re
 import sys
 import time
 
-from . import _jit
+from . import _abi, _jit
 from ._errors import CompileError
 
 
@@ -47,7 +47,8 @@ def main(argv=None):
         print(f"{variant}: {len(b.resources)} kernels for {b.arch}: cubin {len(b.cubin)} bytes, key {b.key}, "
               f"{'from cache' if b.cached else 'built'} in {time.time() - t0:.1f} s")
         print(f"  {'kernel':<30} {'regs':>5} {'stack':>6} {'smem':>6} {'spill st':>9} {'spill ld':>9}")
-        for name, r in sorted(b.resources.items()):
+        names = {k.symbol: k.cxx or k.name for k in _abi.KERNELS.values()}  # a C++ kernel by its C++ name
+        for name, r in sorted((names.get(sym, sym), r) for sym, r in b.resources.items()):
             print(f"  {name:<30} {r['registers']:>5} {r['stack']:>6} {r['smem']:>6} "
                   f"{r['spill_stores']:>9} {r['spill_loads']:>9}")
     return 0

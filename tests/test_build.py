@@ -25,15 +25,20 @@ def _cli(cache, *args):
 
 
 def _variant_kernels(stdout):
-    """{variant: [kernel, ...]} from the CLI's report."""
+    """{variant: [kernel, ...]} from the CLI's report (a C++ kernel by its C++ name)."""
     out, current = {}, None
     for line in stdout.splitlines():
         if not line.startswith(" "):
             current = line.split(":")[0]
             out[current] = []
-        elif line.split()[0].startswith("moecomm_"):
+        elif line.split()[0].startswith("moecomm"):
             out[current].append(line.split()[0])
     return out
+
+
+def _reported(names):
+    """The names the CLI reports for these moecomm._abi.KERNELS entries (several may launch one C++ kernel)."""
+    return {_abi.KERNELS[n].cxx or n for n in names}
 
 
 @pytest.fixture(scope="module")
@@ -49,12 +54,14 @@ def test_cli_builds_every_variant_then_hits_cache(built):
     assert first.stdout.count(" built in ") == len(_jit.VARIANTS)
     kernels = _variant_kernels(first.stdout)
     alltoall = set(gpu_plan.GRIDS) | {"moecomm_peer_check"}
-    assert set(kernels["nvshmem"]) == set(kernels["ipc"]) == alltoall, kernels
+    assert set(kernels["nvshmem"]) == set(kernels["ipc"]) == _reported(alltoall), kernels
     assert kernels["bench"] == ["moecomm_delay"]  # the benchmark's kernel is in no transport's module
-    sources = (ROOT / "cuda").glob("*.cu")
-    declared = {w.split("(")[0] for f in sources for w in f.read_text().split()
-                if w.startswith("moecomm_") and "(" in w}
-    assert alltoall | {"moecomm_delay"} == declared == set(_abi.KERNELS), declared
+    sources = " ".join(f.read_text() for f in (ROOT / "cuda").glob("*.cu"))
+    declared = {w.split("(")[0] for w in sources.split() if w.startswith("moecomm_") and "(" in w}
+    declared |= {k.cxx for k in _abi.KERNELS.values()  # C++ kernels: their namespace and name
+                 if k.cxx and f"namespace {k.cxx.rsplit('::', 1)[0]}" in sources and f" {k.cxx.split('::')[-1]}("
+                 in sources}
+    assert _reported(alltoall | {"moecomm_delay"}) == declared == _reported(_abi.KERNELS), declared
     second = _cli(cache, "--arch", "sm_90")
     assert second.stdout.count("from cache") == len(_jit.VARIANTS)
 
@@ -80,7 +87,7 @@ def test_every_launch_plan_names_kernels_its_module_has(built):
                                 p = gpu_plan.launch_plan(c, 132, variant, mapped)
                                 named = {*p.backward.values(), *(k for ks in p.halves.values() for k in ks),
                                          *(k for ks in p.whole.values() for k in ks)}
-                                assert named <= kernels[p.variant], (c, p)
+                                assert _reported(named) <= kernels[p.variant], (c, p)
                                 assert named == set(p.grids), p  # every launch has its grid
                                 assert all(0 < g <= C.BLOCKS_PER_SM * p.sms for g in p.grids.values()), p
                                 assert [k[0] for k in p.halves.values()] == list(gpu_plan.half_kernels(c))
@@ -211,8 +218,10 @@ def test_abi_header_states_every_struct_field():
         assert f"static_assert(sizeof({struct.__name__}) == {ctypes.sizeof(struct)}" in text
         for field, _ in struct.c_fields:
             assert f"decltype({struct.__name__}::{field})" in text
-    for name, k in _abi.KERNELS.items():
-        assert f'extern "C" __global__ void {name}(' in text
+    for name, k in _abi.KERNELS.items():  # extern "C", or a C++ kernel in its namespace
+        space, _, cxx = k.cxx.rpartition("::")
+        declared = f"namespace {space} {{ __global__ void {cxx}(" if k.cxx else f'extern "C" __global__ void {name}('
+        assert declared in text
 
 
 def test_the_call_record_fits_128_bytes():
@@ -244,9 +253,13 @@ def test_dependent_kernels_wait_for_the_kernel_before_them_first():
     for f in (ROOT / "cuda").glob("*.cu"):
         for m in re.finditer(r'extern "C" __global__ void[^{]*?(moecomm_\w+)\([^)]*\) \{\s*([^;]*;)', f.read_text()):
             bodies[m.group(1)] = m.group(2)
-    assert set(bodies) == set(_abi.KERNELS)
+        space = re.search(r"^namespace ([\w:]+) \{", f.read_text(), re.M)  # C++ kernels: by namespace::name
+        for m in re.finditer(r"^__global__ void[^{]*?(\w+)\([^)]*\) \{\s*([^;]*;)", f.read_text(), re.M):
+            bodies[f"{space[1]}::{m.group(1)}"] = m.group(2)
+    assert set(bodies) == _reported(_abi.KERNELS)
     for name, k in _abi.KERNELS.items():
-        assert (bodies[name] == "after_previous_kernel();") == k.dependent, (name, bodies[name])
+        body = bodies[k.cxx or name]
+        assert (body == "after_previous_kernel();") == k.dependent, (name, body)
     assert {n for n, k in _abi.KERNELS.items() if not k.dependent} == {"moecomm_delay", "moecomm_peer_check"}
 
 
@@ -259,3 +272,24 @@ def test_gpu_check_says_what_it_does_and_needs():
         p = subprocess.run(["bash", "tools/gpu_check.sh", "quick"], capture_output=True, text=True, cwd=ROOT,
                            timeout=30)
         assert p.returncode == 2 and "no GPU visible" in p.stderr, p.stdout + p.stderr
+
+
+def test_deep_ep_names_run_the_halves_with_the_same_grids(built):
+    """kernel_names="deep_ep": each half runs the C++ kernel of its phase (moecomm::deep_ep::dispatch /
+    combine, one name per phase as DeepEP's profiler-based timing wants) with its own half's grid; on an FP8
+    combine wire the combine keeps its own kernels; the whole phases are unchanged; the module has them."""
+    from moecomm._config import AllToAllConfig
+    kernels = {v: set(k) for v, k in _variant_kernels(built[1].stdout).items()}
+    for wire in (None, "e4m3"):
+        for world in (1, 2):
+            args = (world, 0, 128, 32 * world, 8, 7168, 56, "float8_e4m3fn", "bfloat16", None, 1)
+            ours, theirs = (gpu_plan.launch_plan(AllToAllConfig.create(*args, combine_wire=wire, kernel_names=n),
+                                                 132, "ipc") for n in ("moecomm", "deep_ep"))
+            assert theirs.whole == ours.whole
+            for half, (mine,) in ours.halves.items():
+                (name,) = theirs.halves[half]
+                renamed = wire is None or half.startswith("dispatch")
+                assert name == (f"moecomm_deep_ep_{half}" if renamed else mine)
+                assert theirs.grids[name] == ours.grids[mine]
+                assert _abi.KERNELS[name].cxx == (f"moecomm::deep_ep::{half.split('_')[0]}" if renamed else "")
+            assert _reported(theirs.grids) <= kernels["ipc"]

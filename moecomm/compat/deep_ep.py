@@ -13,8 +13,10 @@ at its first call (collective, as DeepEP's calls are), in the padded layout Deep
 expert. ``use_fp8`` quantises inside dispatch (``dispatch_wire``: e4m3 with a float32 scale per 128 values,
 ``round_scale`` powers of two, ``use_ue8m0`` four UE8M0 scales per int32), the scales' last two dimensions
 column-major as DeepEP returns them. ``return_recv_hook`` issues the send half; the hook runs the receive
-half (moecomm holds no SMs between them). ``async_finish``: every call runs on the current stream, so the
-returned event is complete when the current stream reaches it. The handle is DeepEP's five-tuple: each slot's
+half (moecomm holds no SMs between them); without it each call is one launch. The kernels run under DeepEP's
+profiler names (``AllToAll(kernel_names="deep_ep")``), so DeepEP's tests' ``bench_kineto`` times them.
+``async_finish``: every call runs on the current stream, so the returned event is complete when the current
+stream reaches it. The handle is DeepEP's five-tuple: each slot's
 source token ``[L, T * R]`` int32 and per local expert and source rank ``(first slot << 32) | count`` int64
 (moecomm fills an expert's slots in arrival order, so one source's slots need not be contiguous; the count
 is exact and ``first slot`` is the first of them), then num_max_dispatch_tokens_per_rank, hidden and
@@ -128,7 +130,7 @@ class Buffer:
         if key not in self._layers:
             a2a = moecomm.AllToAll(self.comm, tokens, num_experts, topk, hidden, None, "bfloat16", "bfloat16",
                                    scale_dtype=scale_dtype, scale_layout="column" if use_fp8 else "row",
-                                   dispatch_wire=wire, gradients=True)
+                                   dispatch_wire=wire, gradients=True, kernel_names="deep_ep")
             if self._masked:
                 a2a.mask_ranks(self._masked)
             self._layers[key] = _Layer(a2a)
@@ -159,17 +161,20 @@ class Buffer:
         layout_range = torch.empty((c.num_local_experts, self.group_size), dtype=torch.int64, device=x.device)
         args = (arg(count), arg(recv_x), arg(scales), arg(x), None, arg(topk_idx), arg(bound_m))
 
-        def receive():
-            a2a.dispatch(*args, do_send=False)
+        def after_receive():  # the plan, and the handle's arrays from it
             a2a.plan(RoutingPlan(*map(arg, plan)))
             src_info.copy_(plan.origin[..., 1])  # origin [L, T * R, 3]: (source rank, token, k), -1 where empty
             layout_range.copy_(_layout_range(plan.origin[..., 0], self.group_size))
             if cumulative_local_expert_recv_stats is not None:
                 cumulative_local_expert_recv_stats.add_(count)
 
-        a2a.dispatch(*args, do_recv=False)
+        def receive():
+            a2a.dispatch(*args, do_send=False)
+            after_receive()
+
+        a2a.dispatch(*args, do_recv=not return_recv_hook)  # one launch without the hook, as DeepEP's
         if not return_recv_hook:
-            receive()
+            after_receive()
         handle = self._open = self._last = _Handle(
             (src_info, layout_range, num_max_dispatch_tokens_per_rank, x.size(1), num_experts), layer, bound_m, x,
             plan.origin)
@@ -201,10 +206,8 @@ class Buffer:
         combined = out if out is not None else torch.empty((topk_idx.size(0), a2a.cfg.hidden_dim),
                                                            dtype=torch.bfloat16, device=topk_idx.device)
         args = (arg(combined), arg(topk_idx), arg(topk_weights), arg(y), arg(handle.bound_m))
-        a2a.combine(*args, do_recv=False)
+        a2a.combine(*args, do_recv=not return_recv_hook)  # one launch without the hook, as DeepEP's
         hook = lambda: a2a.combine(*args, do_send=False)  # noqa: E731
-        if not return_recv_hook:
-            hook()
         return combined, _event(combined), hook if return_recv_hook else None
 
     def _dispatch_again(self, handle, topk_idx):

@@ -171,12 +171,16 @@ class GpuAllToAll(AllToAllBackend):
             grad_row_bytes=_abi.grad_row_bytes(cfg))
         self._calls = {phase: _abi.Call() for phase in C.CALL_PHASES}  # the call records (records())
         self._skipped = _abi.Call(skip=1)  # the call record of a half issued with no data
-        launch = {n: transport.launch(n, g, self.fixed, self._calls[phase_of(n)], module=self.module)
+        def records(n, call):  # Fixed, the call record, and the half of a kernel of both (deep_ep.cu)
+            k = _abi.KERNELS[n]
+            return (self.fixed, call) + ((_abi.Half(recv=k.half),) if _abi.Half in k.params else ())
+
+        launch = {n: transport.launch(n, g, *records(n, self._calls[phase_of(n)]), module=self.module)
                   for n, g in plan.grids.items() if n not in plan.backward.values()}  # each its phase's call record
         halves = {half: tuple(launch[n] for n in kernels) for half, kernels in plan.halves.items()}
         self._halves = {phase: (halves[phase + "_send"], halves[phase + "_recv"]) for phase in plan.whole}
         self._whole = {phase: tuple(launch[n] for n in kernels) for phase, kernels in plan.whole.items()}
-        self._skip = {half: transport.launch(kernels[0], plan.grids[kernels[0]], self.fixed, self._skipped,
+        self._skip = {half: transport.launch(kernels[0], plan.grids[kernels[0]], *records(kernels[0], self._skipped),
                                              module=self.module) for half, kernels in plan.halves.items()}
         if cfg.gradients:
             slots = int(np.prod(cfg.expert_x_shape()[:-1]))

@@ -31,6 +31,7 @@ from .. import _jit
 
 # Kernel names (declared in moecomm._abi.KERNELS, defined in cuda/*.cu) -----------------------------------
 HALF_KERNELS = tuple(f"moecomm_{half}" for half in C.HALVES)  # the four halves' kernels, in HALVES' order
+DEEP_EP_HALVES = tuple(f"moecomm_deep_ep_{half}" for half in C.HALVES)  # kernel_names="deep_ep" (deep_ep.cu)
 WHOLE_KERNELS = {"dispatch": "moecomm_dispatch", "combine": "moecomm_combine"}  # a phase's halves in one launch
 STREAMED_DISPATCH = "moecomm_dispatch_streamed"  # the one-launch dispatch of streamed batches (cuda/dispatch.cu)
 LOCAL_KERNELS = {"dispatch": "moecomm_dispatch_local", "combine": "moecomm_combine_local"}  # local() (cuda/local.cu)
@@ -118,6 +119,10 @@ GRIDS = {  # every dispatch/combine kernel's grid rule
     "moecomm_combine_send_wire": _per_source_blocks,
     "moecomm_combine_recv_wire": _token_blocks,
     "moecomm_combine_wire": _per_source_blocks,
+    "moecomm_deep_ep_dispatch_send": _send_blocks,
+    "moecomm_deep_ep_dispatch_recv": _per_source_blocks,
+    "moecomm_deep_ep_combine_send": _per_source_blocks,
+    "moecomm_deep_ep_combine_recv": _token_blocks,
     "moecomm_dispatch_local": _send_blocks,
     "moecomm_dispatch_tokens": _token_part_blocks,
     "moecomm_combine_local": _sum_blocks,
@@ -168,7 +173,7 @@ def dispatch_senders(cfg, sms):
 
 def phase_of(name):
     """The phase ("dispatch" or "combine") of an AllToAll kernel: whose call record it reads."""
-    return "combine" if name.startswith("moecomm_combine") else "dispatch"
+    return "combine" if name.startswith(("moecomm_combine", "moecomm_deep_ep_combine")) else "dispatch"
 
 
 def _on_wire(cfg, name):
@@ -177,8 +182,11 @@ def _on_wire(cfg, name):
 
 def half_kernels(cfg):
     """The four halves' kernels for this configuration, in HALVES' order: on an FP8 combine wire the combine's
-    own."""
-    return tuple(_on_wire(cfg, n) for n in HALF_KERNELS)
+    own; with kernel_names="deep_ep" DeepEP's profiler names (one kernel per phase: DEEP_EP_HALVES), but for
+    the combine on a wire."""
+    names = HALF_KERNELS if cfg.kernel_names == "moecomm" else DEEP_EP_HALVES
+    return tuple(n if cfg.combine_wire is None or phase_of(n) == "dispatch" else _on_wire(cfg, h)
+                 for n, h in zip(names, HALF_KERNELS))
 
 
 def local(cfg):
