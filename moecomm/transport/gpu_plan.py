@@ -119,10 +119,6 @@ GRIDS = {  # every dispatch/combine kernel's grid rule
     "moecomm_combine_send_wire": _per_source_blocks,
     "moecomm_combine_recv_wire": _token_blocks,
     "moecomm_combine_wire": _per_source_blocks,
-    "moecomm_deep_ep_dispatch_send": _send_blocks,
-    "moecomm_deep_ep_dispatch_recv": _per_source_blocks,
-    "moecomm_deep_ep_combine_send": _per_source_blocks,
-    "moecomm_deep_ep_combine_recv": _token_blocks,
     "moecomm_dispatch_local": _send_blocks,
     "moecomm_dispatch_tokens": _token_part_blocks,
     "moecomm_combine_local": _sum_blocks,
@@ -132,6 +128,7 @@ GRIDS = {  # every dispatch/combine kernel's grid rule
     "moecomm_dispatch_backward_local": _sum_blocks,
     "moecomm_combine_backward_local": _pair_blocks,
 }
+GRIDS.update({d: GRIDS[h] for d, h in zip(DEEP_EP_HALVES, HALF_KERNELS)})  # DeepEP's names: their halves' grids
 
 
 def resident(blocks, num_sms):
