@@ -152,7 +152,7 @@ class Buffer:
         layer = self._layer(num_max_dispatch_tokens_per_rank, x.size(1), num_experts, topk_idx.size(1), use_fp8,
                             round_scale, use_ue8m0)
         a2a, c, arg = layer.a2a, layer.a2a.cfg, layer._arg
-        bound_m = torch.tensor([x.size(0)], dtype=torch.int32, device=x.device)
+        bound_m = torch.full((1,), x.size(0), dtype=torch.int32, device=x.device)  # a fill: no host copy, no sync
         count = layer._new((c.num_local_experts,), np.int32, x, False)
         recv_x = layer._new(c.expert_x_shape(), c.expert_dtype, x, False)
         scales = layer._new(c.expert_x_scale_shape(), c.scale_dtype, x, False) if use_fp8 else None
