@@ -59,6 +59,10 @@
 #                                    steps; a silent rank at 2) at 1 and 2 ranks, then tools/jax_step.py
 #                                    (jitted 8-layer steps against the same calls in a CUDA graph;
 #                                    $OUT/jax-step.json)
+#   bash tools/gpu_check.sh deep-ep  moecomm.compat.deep_ep: tests/mpi_deep_ep.py at 1 rank on both transports and
+#                                    2 ranks over ipc; with $DEEPEP_TESTS (DeepEP's tests/ folder, fetched, never
+#                                    committed) its own test_low_latency.py unchanged at one rank, bench_kineto
+#                                    included, `import deep_ep` answered by moecomm.compat.deep_ep
 #   bash tools/gpu_check.sh --help   this text
 #   bash tools/gpu_check.sh latency  the checks a kernel change needs (quick sweeps on both transports, the
 #                                    put-only path, world size 1, the model-sized and streamed cases (--full),
@@ -119,6 +123,18 @@ if [ "${1:-}" = jax ]; then  # moecomm.jax: correct first, then timed
   done
   expect ": 0 failures" "${MPIRUN[@]}" -np 2 python3 tests/mpi_jax_errors.py --silent
   step "${MPIRUN[@]}" -np 1 python3 tools/jax_step.py --json "$out/jax-step.json"
+  exit $status
+fi
+if [ "${1:-}" = deep-ep ]; then  # DeepEP's low-latency API: our checks, then DeepEP's own test
+  for t in ipc nvshmem; do expect ": 0 failures" "${MPIRUN[@]}" -np 1 python3 tests/mpi_deep_ep.py --transport $t; done
+  ( export MOECOMM_TRANSPORT=ipc CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0}
+    expect ": 0 failures" "${MPIRUN[@]}" -np 2 python3 tests/mpi_deep_ep.py --transport ipc; [ $status = 0 ] ) || status=1
+  if [ -n "${DEEPEP_TESTS:-}" ]; then
+    shim=$(mktemp -d); mkdir "$shim/deep_ep"
+    echo "from moecomm.compat.deep_ep import *  # noqa: F401,F403" > "$shim/deep_ep/__init__.py"
+    ( export MOECOMM_TRANSPORT=ipc PYTHONPATH=$shim:$PYTHONPATH; cd "$DEEPEP_TESTS"
+      expect "Dispatch send/recv time" python3 test_low_latency.py --num-processes 1; [ $status = 0 ] ) || status=1
+  fi
   exit $status
 fi
 if [ "${1:-}" = recovery ]; then  # never silent, always collective
