@@ -239,11 +239,13 @@ struct RowCopy {
   __device__ explicit RowCopy(bool quantise = false) : quant(quantise) {}
   __device__ __forceinline__ void load(const Fixed& f, const uint8_t* x, const uint8_t* scales,
                                        int tid = threadIdx.x, int nthreads = THREADS) {
-    const int chunks = (quant ? f.src_row_bytes : f.x_bytes) / 16;
     first = !quant && tid < f.scale_bytes / 4 ? ((const int*)scales)[tid] : 0;
+    const int chunks = (quant ? f.src_row_bytes : f.x_bytes) / 16;
 #pragma unroll
-    for (int u = 0; u < INFLIGHT; ++u)
-      if (tid + u * nthreads < chunks) v[u] = ((const int4*)x)[tid + u * nthreads];
+    for (int u = 0; u < INFLIGHT; ++u) {  // quant: a thread's source chunks in adjacent pairs (store_quantised)
+      const int c = quant ? 2 * (tid + u / 2 * nthreads) + u % 2 : tid + u * nthreads;
+      if (c < chunks) v[u] = ((const int4*)x)[c];
+    }
   }
   // x, scales: as given to load() (passed again, not kept: registers are scarce in the one-launch kernels).
   // Destinations from `outputs` on are rows of c.out_x / c.out_scale (scale_row(): their scales in the
@@ -691,16 +693,20 @@ __device__ __forceinline__ void chunk_to_float(const Fixed& f, const int4& v, fl
   }
 }
 
-// 8 float values a (chunk c of a row) as e4m3 (q: 8 bytes) with the scale of their block of MOECOMM_COMBINE_BLOCK
-// values, absmax / E4M3_MAX (1 for zeros; `pow2`: rounded up to a power of two), which it returns: the 16 lanes of
-// a half-warp hold one block and call this together. moecomm.reference.quantize_e4m3, operation for operation.
-__device__ __forceinline__ float quantize8(const float* a, bool pow2, unsigned* q) {
+// V float values a (8: chunk c of a row; 16: chunks 2p, 2p + 1) as e4m3 (q: V bytes) with the scale of their block
+// of MOECOMM_COMBINE_BLOCK values, absmax / E4M3_MAX (1 for zeros; `pow2`: rounded up to a power of two), which it
+// returns: the MOECOMM_COMBINE_BLOCK / V lanes that hold one block (aligned in the warp) call this together.
+// moecomm.reference.quantize_e4m3, operation for operation.
+template <int V>
+__device__ __forceinline__ float quantize(const float* a, bool pow2, unsigned* q) {
+  constexpr int LANES = MOECOMM_COMBINE_BLOCK / V;
+  static_assert(LANES >= 2 && LANES <= 16 && V % 4 == 0, "a block's lanes in one warp");
   float amax = 0.0f;
 #pragma unroll
-  for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(a[i]));
-  const unsigned half = 0xffffu << (threadIdx.x & 16);
+  for (int i = 0; i < V; ++i) amax = fmaxf(amax, fabsf(a[i]));
+  const unsigned group = ((1u << LANES) - 1) << (threadIdx.x & (32 - LANES));
 #pragma unroll
-  for (int o = WIRE_CHUNKS / 2; o; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(half, amax, o));
+  for (int o = LANES / 2; o; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(group, amax, o));
   float scale = amax > 0.0f ? __fdiv_rn(amax, MOECOMM_E4M3_MAX) : 1.0f;
   if (pow2) {  // up to a power of two: 2^ceil(log2(scale))
     int e;
@@ -709,7 +715,7 @@ __device__ __forceinline__ float quantize8(const float* a, bool pow2, unsigned* 
   }
   const float inverse = __frcp_rn(scale);
 #pragma unroll
-  for (int i = 0; i < 2; ++i) {
+  for (int i = 0; i < V / 4; ++i) {
     const unsigned lo = __nv_cvt_float2_to_fp8x2(
         make_float2(__fmul_rn(a[4 * i], inverse), __fmul_rn(a[4 * i + 1], inverse)), __NV_SATFINITE, __NV_E4M3);
     const unsigned hi = __nv_cvt_float2_to_fp8x2(
@@ -723,7 +729,7 @@ __device__ __forceinline__ float quantize8(const float* a, bool pow2, unsigned* 
 __device__ __forceinline__ uint8_t ue8m0_of(float scale) { return (uint8_t)(__float_as_uint(scale) >> 23); }
 
 // 8 float values into chunk c of the nd rows dsts: dtype `code` (BF16 / FP16), or e4m3 with the scale of their block of
-// MOECOMM_COMBINE_BLOCK values (quantize8: the 16 lanes of a half-warp hold one block, they all call this
+// MOECOMM_COMBINE_BLOCK values (quantize<8>: the 16 lanes of a half-warp hold one block, they all call this
 // together), written by the block's first lane.
 template <bool Wire>
 __device__ __forceinline__ void store_chunk(const Fixed& f, const float* a, int c, uint8_t* const* dsts, int nd,
@@ -734,7 +740,7 @@ __device__ __forceinline__ void store_chunk(const Fixed& f, const float* a, int 
     return;
   }
   unsigned q[2];
-  const float scale = quantize8(a, f.wire == MOECOMM_WIRE_E4M3_UE8M0, q);
+  const float scale = quantize<8>(a, f.wire == MOECOMM_WIRE_E4M3_UE8M0, q);
   const bool first = c % WIRE_CHUNKS == 0;
   for (int d = 0; d < nd; ++d) {
     ((int2*)dsts[d])[c] = make_int2((int)q[0], (int)q[1]);
@@ -758,37 +764,35 @@ __device__ __forceinline__ void store_quant_scale(const Fixed& f, uint8_t* row, 
 }
 
 // RowCopy::store of a quantising dispatch's send side: the source row x (f.src_row_bytes of bf16 / fp16, its first
-// INFLIGHT chunks per thread in v) into the n destinations as e4m3 (f.x_bytes) with a scale per
-// MOECOMM_COMBINE_BLOCK values (quantize8; f.quant: rounded up to a power of two unless FLOAT). A 16-byte source
-// chunk (8 values) becomes 8 bytes, which an even lane stores with its odd neighbour's as one 16-byte chunk; a
-// half-warp holds a scale block's 16 chunks (nthreads is a multiple of 16 and hidden of COMBINE_BLOCK), whose
-// first lane stores the scale.
+// INFLIGHT chunks per thread in v, in adjacent pairs) into the n destinations as e4m3 (f.x_bytes) with a scale per
+// MOECOMM_COMBINE_BLOCK values (quantize<16>; f.quant: rounded up to a power of two unless FLOAT). A thread takes
+// two adjacent 16-byte source chunks (16 values) at a time and stores their 16 e4m3 bytes as one chunk; 8 lanes
+// hold a scale block (nthreads is a multiple of 8, tid % 8 == lane % 8, and hidden a multiple of COMBINE_BLOCK),
+// whose first lane stores the scale.
 __device__ __forceinline__ void store_quantised(const Fixed& f, const int4* v, uint8_t* const* xd, uint8_t* const* sd,
                                                 int n, int outputs, const uint8_t* x, int tid, int nthreads) {
-  const int chunks = f.src_row_bytes / 16;
+  constexpr int PAIRS = MOECOMM_COMBINE_BLOCK / 16;  // chunk pairs per scale
+  const int pairs = f.src_row_bytes / 32;
   const bool pow2 = f.quant != MOECOMM_QUANT_FLOAT;
-  for (int base = 0; base < chunks; base += INFLIGHT * nthreads) {
+  for (int base = 0; base < pairs; base += INFLIGHT / 2 * nthreads) {
     int4 w[INFLIGHT];
 #pragma unroll
     for (int u = 0; u < INFLIGHT; ++u) {
-      const int c = base + tid + u * nthreads;
-      if (c < chunks) w[u] = base ? ((const int4*)x)[c] : v[u];
+      const int p = base + tid + u / 2 * nthreads;
+      if (p < pairs) w[u] = base ? ((const int4*)x)[2 * p + u % 2] : v[u];
     }
 #pragma unroll
-    for (int u = 0; u < INFLIGHT; ++u) {
-      const int c = base + tid + u * nthreads;
-      if (c >= chunks) continue;  // the same in a half-warp
-      float a[8];
-      to_float8(w[u], f.src_code, a);
-      unsigned q[2];
-      const float scale = quantize8(a, pow2, q);
-      // the odd lane's 8 bytes to its even neighbour, which stores both as one 16-byte chunk: half the stores
-      const unsigned half = 0xffffu << (threadIdx.x & 16);
-      const unsigned n0 = __shfl_down_sync(half, q[0], 1), n1 = __shfl_down_sync(half, q[1], 1);
-      if (c % 2 == 0)
-        for (int j = 0; j < n; ++j) ((int4*)xd[j])[c / 2] = make_int4((int)q[0], (int)q[1], (int)n0, (int)n1);
-      if (c % WIRE_CHUNKS == 0)
-        for (int j = 0; j < n; ++j) store_quant_scale(f, sd[j], c / WIRE_CHUNKS, scale, j >= outputs);
+    for (int k = 0; k < INFLIGHT / 2; ++k) {
+      const int p = base + tid + k * nthreads;
+      if (p >= pairs) continue;  // the same in a scale block's 8 lanes
+      float a[16];
+      to_float8(w[2 * k], f.src_code, a);
+      to_float8(w[2 * k + 1], f.src_code, a + 8);
+      unsigned q[4];
+      const float scale = quantize<16>(a, pow2, q);
+      for (int j = 0; j < n; ++j) ((int4*)xd[j])[p] = make_int4((int)q[0], (int)q[1], (int)q[2], (int)q[3]);
+      if (p % PAIRS == 0)
+        for (int j = 0; j < n; ++j) store_quant_scale(f, sd[j], p / PAIRS, scale, j >= outputs);
     }
   }
 }

@@ -24,20 +24,21 @@ from report import finish
 A = Host  # the arrays of the transport under test (main)
 
 E_PER_RANK, K, M, H = 3, 2, 12, 512
+WIDE_H = 9216  # a bf16 row of 1152 16-byte chunks: more than the 1024 a block's 256 threads load in one round
 SCALES = (  # (scale_dtype, scales per token): blocks of 128 in float32, of 32 in UE8M0, UE8M0 packed by four
     ("float32", H // 128), ("ue8m0", H // 32), ("ue8m0x4", H // 32 // 4))
 NVFP4_BYTES = H // 2 + H // 16 + 4  # 4-bit values, an e4m3 scale per 16 values, a float32 global scale
 NVFP4_ROW = -(-NVFP4_BYTES // 16) * 16
 
 
-def draw(W, seed, row_bytes=None):
-    """Per rank: tokens (bf16, or opaque rows of ``row_bytes``), ids (some -1), weights."""
+def draw(W, seed, row_bytes=None, hidden=H):
+    """Per rank: tokens (bf16 [M, hidden], or opaque rows of ``row_bytes``), ids (some -1), weights."""
     E = E_PER_RANK * W
     out = []
     for q in range(W):
         rng = np.random.default_rng([seed, q])
         x = (rng.integers(0, 256, (M, row_bytes), np.uint8) if row_bytes else
-             rng.standard_normal((M, H)).astype(np.float32).astype(moecomm.bfloat16))
+             rng.standard_normal((M, hidden)).astype(np.float32).astype(moecomm.bfloat16))
         ids = np.argsort(rng.random((M, E)), axis=1)[:, :K].astype(np.int32)
         ids[rng.random((M, K)) < 0.1] = -1
         out.append((x, ids, rng.random((M, K), np.float32)))
@@ -201,32 +202,36 @@ def check_fp8_combine(comm, fails):
 def check_quantising_dispatch(comm, fails):
     """dispatch_wire: bf16 / fp16 tokens quantised by the sender, bit-exactly the reference's values and scales in
     every scale format and layout; values across many binades, a block of zeros and one below e4m3's normal range
-    in every token."""
+    in every token. Rows of H values, and one case of WIDE_H: more source chunks than a block's threads hold in
+    their first round of loads."""
     W, r, checks = comm.world_size, comm.rank, 0
     E = E_PER_RANK * W
     cases = [("e4m3", "float32")] + [("e4m3_ue8m0", d) for d in ("float32", "ue8m0", "ue8m0x4")]
-    for (wire, scale_dtype), in_dtype in [(case, dt) for case in cases for dt in ("bf16", "fp16")]:
-        for scale_layout, layout in (("row", "padded"), ("column", "padded"), ("row", "packed")):
-            label = f"dispatch_wire {wire} {in_dtype} scales {scale_dtype} {scale_layout}-major, {layout}"
-            a2a = moecomm.AllToAll(comm, M, E, K, H, None, in_dtype, "bf16", scale_dtype=scale_dtype,
-                                   layout=layout, scale_layout=scale_layout, dispatch_wire=wire)
-            c = a2a.cfg
-            drawn = draw(W, 40 + checks)
-            span = np.exp(np.linspace(-6, 6, H, dtype=np.float32))  # values across many binades
-            tokens = []
-            for x, _, _ in drawn:
-                v = x.astype(np.float32) * span
-                v[:, :128] = 0  # a block of zeros: scale 1
-                v[:, 128:256] *= 2.0 ** -20  # a block far below e4m3's normal range after scaling by 448 / absmax
-                tokens.append(v.astype(c.in_dtype))
-            _, ids, w = drawn[r]
-            *got, _ = dispatch(a2a, tokens[r], None, ids, w)
-            combine(a2a, ids, None, A.put(np.zeros(c.expert_x_shape(), c.out_dtype)))
-            q = [reference.quantize_tokens(t, wire, c.scale_dtype) for t in tokens]
-            ref = reference.dispatch([a for a, _ in q], [b for _, b in q], [d[1] for d in drawn], E, W, M)[r]
-            against_reference(fails, label, got, ref, scale_layout, W)
-            a2a.destroy()
-            checks += 1
+    layouts = (("row", "padded"), ("column", "padded"), ("row", "packed"))
+    runs = [(case, dt, sl, lay, H) for case in cases for dt in ("bf16", "fp16") for sl, lay in layouts]
+    runs.append((cases[0], "bf16", "row", "padded", WIDE_H))
+    for (wire, scale_dtype), in_dtype, scale_layout, layout, hidden in runs:
+        label = (f"dispatch_wire {wire} {in_dtype} scales {scale_dtype} {scale_layout}-major, {layout}, "
+                 f"hidden {hidden}")
+        a2a = moecomm.AllToAll(comm, M, E, K, hidden, None, in_dtype, "bf16", scale_dtype=scale_dtype,
+                               layout=layout, scale_layout=scale_layout, dispatch_wire=wire)
+        c = a2a.cfg
+        drawn = draw(W, 40 + checks, hidden=hidden)
+        span = np.exp(np.linspace(-6, 6, hidden, dtype=np.float32))  # values across many binades
+        tokens = []
+        for x, _, _ in drawn:
+            v = x.astype(np.float32) * span
+            v[:, :128] = 0  # a block of zeros: scale 1
+            v[:, 128:256] *= 2.0 ** -20  # a block far below e4m3's normal range after scaling by 448 / absmax
+            tokens.append(v.astype(c.in_dtype))
+        _, ids, w = drawn[r]
+        *got, _ = dispatch(a2a, tokens[r], None, ids, w)
+        combine(a2a, ids, None, A.put(np.zeros(c.expert_x_shape(), c.out_dtype)))
+        q = [reference.quantize_tokens(t, wire, c.scale_dtype) for t in tokens]
+        ref = reference.dispatch([a for a, _ in q], [b for _, b in q], [d[1] for d in drawn], E, W, M)[r]
+        against_reference(fails, label, got, ref, scale_layout, W)
+        a2a.destroy()
+        checks += 1
     return checks
 
 
