@@ -62,6 +62,12 @@ __device__ __forceinline__ uint64_t load_acquire(const uint64_t* p) {
   return v;
 }
 
+__device__ __forceinline__ unsigned load_acquire(const unsigned* p) {  // a word only this GPU writes
+  unsigned v;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
 // A store other threads of the system may poll (ordered after earlier writes by a fence before it).
 __device__ __forceinline__ void store_relaxed(uint64_t* p, uint64_t v) {
   asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");

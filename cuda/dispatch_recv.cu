@@ -4,6 +4,8 @@
 
 using namespace moecomm;
 
+static __device__ void place_rows(const Fixed& f, const Call& c, unsigned epoch);
+
 // One thread: wait for source s's signal; returns its record count (0 when it sent nothing usable), kept in
 // state[s_recv + s] for combine_send when `keep`.
 static __device__ __forceinline__ unsigned receive(const Fixed& f, const Call& c, int s, unsigned epoch, bool keep) {
@@ -66,9 +68,11 @@ static __device__ bool arrived(const Fixed& f, int src, int j, unsigned epoch, u
 // Capacity: a pair past its expert's f.cap slots is not stored. f.drop: it is dropped and flagged to the
 // token's rank in its f.drop_buf[me][token]; else the last block records ERR_CAPACITY with the expert's
 // demand and state[BAD_RECV] makes combine_send flag the call to every peer.
-// Packed layout (f.packed): records of every source, this rank's own included, get a slot within each
-// local expert (slot_of) while the rank's rows last (f.cap, the same policies); nothing is copied here. The
-// last block writes c.out_offsets (the experts' first rows) and dispatch_pack places the rows.
+// Rows placed once every count is known (f.packed, gpu_plan.pack): records of every source, this rank's own
+// included, get a place among their source's rows of each local expert (slot_of) while the rank's rows last
+// (packed layout) or the expert's slots (padded, grouped by source), the same policies; the last block writes
+// each (source, expert)'s first row within its expert (sources in rank order) and, in the packed layout,
+// c.out_offsets (the experts' first rows); then every block places its share of the rows (place_rows).
 // Telemetry (last block): the call's demand per local expert into f.ring, tokens received and pairs
 // dropped per expert; bytes received per source.
 __device__ void moecomm::dispatch_recv(const Fixed& f, const Call& c) {
@@ -126,16 +130,14 @@ __device__ void moecomm::dispatch_recv(const Fixed& f, const Call& c) {
       const int le = id - lo;
       if (id >= 0 && le >= 0 && le < f.local_experts) {
         const unsigned slot = atomicAdd(&f.state[f.s_expert + le], 1u);  // the expert's demand
-        if (f.packed) {
-          if (atomicAdd(&f.state[MOECOMM_S_ROWS], 1u) < (unsigned)f.cap)
-            where = (int)atomicAdd(&f.state[f.s_kept + le], 1u);  // the row: dispatch_pack adds the offset
-          else
-            dropped = f.drop;
-        } else if (slot < (unsigned)f.cap) {
-          where = le * f.cap + slot;
-        } else {
+        const bool room = f.packed == MOECOMM_PACK_LAYOUT  // a row of the rank's, or a slot of the expert's
+            ? atomicAdd(&f.state[MOECOMM_S_ROWS], 1u) < (unsigned)f.cap : slot < (unsigned)f.cap;
+        if (!room)
           dropped = f.drop;
-        }
+        else if (f.packed)  // its place among the source's rows of the expert: place_rows adds their first row
+          where = (int)atomicAdd(&f.state[f.s_kept + src * f.local_experts + le], 1u);
+        else
+          where = le * f.cap + slot;
         if (where >= 0) count_tag(f, tag, le, call_row(f));
       }
       f.slot_of[((size_t)src * f.max_tokens + j) * f.topk + lane] = where;
@@ -146,7 +148,7 @@ __device__ void moecomm::dispatch_recv(const Fixed& f, const Call& c) {
       signal_set(f.peers, &f.drop_buf[(size_t)f.rank * f.max_tokens + t], epoch_signal(epoch, drops), src);
       flagged = true;
     }
-    if (!f.packed) list_rows(f, c, where, xdst[b], sdst[b], &n[b]);  // packed: dispatch_pack places the rows
+    if (!f.packed) list_rows(f, c, where, xdst[b], sdst[b], &n[b]);  // packed: place_rows places the rows
   };
   if (!streamed) {  // a record at a time: its row in flight while warp 0 takes its slots
     for (bool first = true;; first = false) {
@@ -199,17 +201,75 @@ __device__ void moecomm::dispatch_recv(const Fixed& f, const Call& c) {
     dispatch_counts(f, c, epoch);
     TRACE_LAST(MOECOMM_TRACE_DISPATCH_RECV);
   }
+  if (f.packed) place_rows(f, c, epoch);
+}
+
+// The rows' places once every count is known (f.packed), the receive half's last stage in every block of its
+// grid, which is resident (gpu_plan's rule for the grids that run dispatch_recv): wait for the last block's
+// dispatch_counts (state[EPOCH_DR] = the call; bounded like every wait), then block b takes the records of source
+// b % world, b / world + i * parts: each kept (record, k) pair's row (its expert's first, c.out_offsets[expert] or
+// expert * cap in the padded layout, plus its source's first row in the expert, source_first, plus its place
+// among them) of c.out_x ([cap, hidden], padded [L, cap, hidden]) and c.out_scale (scale_row(); or null) gets
+// the record's row and scales, and that row goes back into f.slot_of (combine_send reads expert_y there).
+static __device__ void place_rows(const Fixed& f, const Call& c, unsigned epoch) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  __shared__ bool counted;
+  if (threadIdx.x == 0) {
+    const uint64_t deadline = now_ns() + f.timeout_ns;
+    bool ready;
+    for (unsigned spin = 1; !(ready = load_acquire(&f.state[MOECOMM_S_EPOCH_DR]) == epoch); ++spin)
+      if (give_up(spin, deadline, f.err, f.gone, f.rank, MOECOMM_PHASE_DISPATCH, (int)epoch)) break;
+    counted = ready;
+  }
+  __syncthreads();
+  if (!counted || c.skip) return;
+  const int src = blockIdx.x % f.world, parts = gridDim.x / f.world;
+  const int lo = f.rank * f.local_experts;
+  const int records = (int)f.state[f.s_recv + src];
+  __shared__ int n;
+  __shared__ uint8_t* xdst[MOECOMM_MAX_TOPK];
+  __shared__ uint8_t* sdst[MOECOMM_MAX_TOPK];
+  for (int j = blockIdx.x / f.world; j < records; j += parts) {
+    const uint8_t* rec = f.recv_buf + ((size_t)src * f.max_tokens + j) * f.rec_bytes;
+    RowCopy copy;
+    copy.load(f, rec, rec + f.x_bytes);  // in flight while warp 0 finds the rows
+    if (warp == 0) {
+      int row = -1;
+      if (lane < f.topk) {
+        int* slot = &f.slot_of[((size_t)src * f.max_tokens + j) * f.topk + lane];
+        if (*slot >= 0) {
+          const int le = meta_of(rec, f)[1 + lane] - lo;
+          const int first = f.packed == MOECOMM_PACK_LAYOUT ? c.out_offsets[le] : le * f.cap;
+          row = first + (int)source_first(f)[src * f.local_experts + le] + *slot;
+          *slot = row;
+        }
+      }
+      list_rows(f, c, row, xdst, sdst, &n);
+    }
+    __syncthreads();
+    copy.store(f, xdst, sdst, n, 0, rec, rec + f.x_bytes);
+    __syncthreads();
+  }
 }
 
 // The receive half's end, by the block that finishes it (every thread): each local expert's count into c.out_num
-// (with c.out_offsets in the packed layout), the capacity policy's verdict (counters, or ERR_CAPACITY and
+// (with each source's first row in it where f.packed, and c.out_offsets in the packed layout), the capacity policy's verdict (counters, or ERR_CAPACITY and
 // state[BAD_RECV]), telemetry, and the per-call state reset for the next call, whose number `epoch` then is.
 __device__ void moecomm::dispatch_counts(const Fixed& f, const Call& c, unsigned epoch) {
   const int lo = f.rank * f.local_experts;
   const size_t row = f.window ? (size_t)(f.counters[MOECOMM_C_CALLS] % f.window) * f.local_experts : 0;
+  const bool per_rank = f.packed == MOECOMM_PACK_LAYOUT;  // the capacity holds rows of the rank
   for (int le = threadIdx.x; le < f.local_experts; le += blockDim.x) {
     const unsigned demand = atomicExch(&f.state[f.s_expert + le], 0u);
-    const unsigned kept = f.packed ? atomicExch(&f.state[f.s_kept + le], 0u) : min(demand, (unsigned)f.cap);
+    unsigned kept = min(demand, (unsigned)f.cap);
+    if (f.packed) {  // each source's first row in the expert, sources in rank order (place_rows)
+      kept = 0;
+      for (int s = 0; s < f.world; ++s) {
+        const int i = s * f.local_experts + le;
+        source_first(f)[i] = kept;
+        kept += atomicExch(&f.state[f.s_kept + i], 0u);
+      }
+    }
     const unsigned over = demand - kept;
     if (c.skip) continue;
     c.out_num[le] = kept;
@@ -223,13 +283,13 @@ __device__ void moecomm::dispatch_counts(const Fixed& f, const Call& c, unsigned
     } else if (over) {
       tally(f, MOECOMM_C_OVERFLOW_PAIRS, over);
     }
-    if (over && !f.drop && !f.packed && atomicCAS(&f.state[MOECOMM_S_BAD_RECV], 0u,
+    if (over && !f.drop && !per_rank && atomicCAS(&f.state[MOECOMM_S_BAD_RECV], 0u,
                                  MOECOMM_ERR_CAPACITY | (lo + le + 1) << MOECOMM_REASON_ARG_SHIFT) == 0u) {
       f.state[MOECOMM_S_WHY] = demand;
       record_error(f.err, MOECOMM_ERR_CAPACITY, f.rank, MOECOMM_PHASE_DISPATCH, lo + le, (int)epoch, (int)demand);
     }
   }
-  if (threadIdx.x == 0 && f.packed) {  // the rank's rows against its capacity ("error"; "drop" counted above)
+  if (threadIdx.x == 0 && per_rank) {  // the rank's rows against its capacity ("error"; "drop" counted above)
     const unsigned rows = atomicExch(&f.state[MOECOMM_S_ROWS], 0u);
     if (!c.skip && !f.drop && rows > (unsigned)f.cap &&
         atomicCAS(&f.state[MOECOMM_S_BAD_RECV], 0u, MOECOMM_ERR_CAPACITY) == 0u) {
@@ -240,7 +300,7 @@ __device__ void moecomm::dispatch_counts(const Fixed& f, const Call& c, unsigned
   for (int s = threadIdx.x; s < f.world; s += blockDim.x) f.state[f.s_claim + s] = 0;
   __syncthreads();
   if (threadIdx.x == 0) {
-    if (f.packed && !c.skip) {  // each expert's first row, from the kept counts the loop above wrote
+    if (per_rank && !c.skip) {  // each expert's first row, from the kept counts the loop above wrote
       int first = 0;
       for (int le = 0; le < f.local_experts; ++le) {
         c.out_offsets[le] = first;
@@ -250,6 +310,7 @@ __device__ void moecomm::dispatch_counts(const Fixed& f, const Call& c, unsigned
     }
     if (!c.skip) tally(f, MOECOMM_C_CALLS, 1);  // an atomic, not waited for (a plain ++ waits for the load)
     f.state[MOECOMM_S_DONE_DR] = 0;
+    if (f.packed) __threadfence();  // the block's counts and first rows before the word place_rows waits for
     f.state[MOECOMM_S_EPOCH_DR] = epoch;
   }
 }

@@ -21,7 +21,7 @@ using namespace moecomm;
 // destination rank as a record (the receiver fans it out to its experts); tokens for this rank's own
 // experts go straight into their expert slots, and only the record's metadata (for combine) is kept.
 // The token row is read once and stored into every destination (with f.packed, this rank's own record
-// takes the row like a peer's: rows are placed by dispatch_recv and dispatch_pack). Expert id -1 sends
+// takes the row like a peer's: rows are placed by dispatch_recv's place_rows). Expert id -1 sends
 // nothing, nor does an expert of a masked rank (f.mask; counted in f.counters). With an expert map (f.map) ids
 // are logical and each pair goes to one replica (physical(), passing over masked ranks); records carry
 // physical ids. With tags (f.num_tags) a record's metadata also carries its token's tag, and the pairs this

@@ -93,12 +93,13 @@ FIXED_FIELDS = (
     ("comb_row_bytes", "int"),      # bytes of one combine row on the wire (combine_row_bytes)
     ("cap", "int"),                 # slots per local expert (packed layout: rows of the rank)
     ("drop", "int"),                # 1: overflow="drop", 0: "error"
-    ("packed", "int"),              # 1: packed layout: cap rows per rank, back to back by expert
+    ("packed", "int"),              # MOECOMM_PACK_*: rows placed once counted, grouped by source (gpu_plan.pack)
     ("window", "int"),              # rows of ring
     ("c_received", "int"), ("c_dropped", "int"), ("c_bytes", "int"),  # counters[] offsets of the arrays
     ("stage_slots", "int"), ("stage_bytes", "int"),  # staging rows per block and their size
     ("s_expert", "int"), ("s_recv", "int"),          # state[] offsets of per-expert and per-source counters
-    ("s_kept", "int"),              # state[] offset of per-expert kept pairs (packed layout)
+    ("s_kept", "int"),              # state[] offset of kept pairs per (source, local expert), then each one's
+                                    # first row in its expert (packed)
     ("s_claim", "int"),             # state[] offset of per-source claimed records (dispatch_recv)
     ("s_combined", "int"),          # state[] offset of the call each combine_local block last combined
     ("senders", "int"),             # blocks of the one-launch dispatch that send (dispatch_senders)
@@ -192,11 +193,12 @@ class Layout(dict):
 def state_layout(cfg, combine_local_blocks):
     """The arrays after the STATE_FIELDS words of an AllToAll's uint32 device state (Fixed.s_<name>):
     records sent per destination rank, pairs per local expert (its demand), records received per source,
-    pairs kept per local expert (packed layout), records claimed per source (streamed dispatch_recv), the call
+    pairs kept per (source, local expert) and then the first row of each in its expert (rows placed by
+    the receive half's place_rows: gpu_plan.pack), records claimed per source (streamed dispatch_recv), the call
     each block of moecomm_combine_local last combined (its grid: ``combine_local_blocks``, 0 where the
     AllToAll does not launch it)."""
     W, L = cfg.world_size, cfg.num_local_experts
-    return Layout(C.STATE_FIXED, (("send", W), ("expert", L), ("recv", W), ("kept", L), ("claim", W),
+    return Layout(C.STATE_FIXED, (("send", W), ("expert", L), ("recv", W), ("kept", 2 * W * L), ("claim", W),
                                   ("combined", combine_local_blocks)))
 
 
@@ -279,7 +281,7 @@ class Kernel:
 
 KERNELS = {k.name: k for k in (
     *(Kernel(name, (Fixed, Call)) for name in (
-        "moecomm_dispatch_send", "moecomm_dispatch_recv", "moecomm_dispatch_pack", "moecomm_combine_send",
+        "moecomm_dispatch_send", "moecomm_dispatch_recv", "moecomm_combine_send",
         "moecomm_combine_recv", "moecomm_dispatch", "moecomm_dispatch_streamed", "moecomm_combine",
         "moecomm_combine_send_wire", "moecomm_combine_recv_wire", "moecomm_combine_wire", "moecomm_dispatch_local",
         "moecomm_dispatch_tokens", "moecomm_combine_local")),

@@ -86,6 +86,8 @@ class AllToAllConfig:
             and smallest router weight (GAP_EDGES; stats()["score_gap"]), when weights are given.
         kernel_names: "moecomm" (each half its own kernel) or "deep_ep": the split halves run under DeepEP's
             profiler names, one kernel per phase (cuda/deep_ep.cu; moecomm.compat.deep_ep); GPU transports.
+        group_by_source: padded layout: each expert's rows grouped by source rank, in rank order (DeepEP's
+            low-latency layout); the packed layout always groups them so.
     """
     world_size: int
     rank: int
@@ -110,12 +112,14 @@ class AllToAllConfig:
     score_gap: bool = False
     dispatch_wire: object = None
     kernel_names: str = "moecomm"
+    group_by_source: bool = False
 
     @classmethod
     def create(cls, world_size, rank, max_num_tokens, num_experts, experts_per_token, hidden_dim,
                hidden_dim_scale, in_dtype, out_dtype, scale_dtype, dp_size, slots_per_rank=None, capacity=None,
                overflow="error", layout="padded", scale_layout="row", combine_wire=None, max_sms=None, gradients=False,
-               num_tags=0, score_gap=False, dispatch_wire=None, kernel_names="moecomm"):
+               num_tags=0, score_gap=False, dispatch_wire=None, kernel_names="moecomm",
+               group_by_source=False):
         """Validate the arguments of :class:`moecomm.AllToAll`; raise InvalidArgument on the first bad one."""
         max_num_tokens = positive_int("max_num_tokens", max_num_tokens)
         if max_num_tokens >= 1 << C.SIG_COUNT_BITS:
@@ -196,7 +200,7 @@ class AllToAllConfig:
         return cls(world_size, rank, max_num_tokens, num_experts, k, hidden_dim, hidden_dim_scale,
                    in_dtype, out_dtype, scale_dtype, dp_size, slots_per_rank, capacity, overflow, layout,
                    scale_layout, combine_wire, max_sms, bool(gradients), num_tags, bool(score_gap), dispatch_wire,
-                   kernel_names)
+                   kernel_names, bool(group_by_source))
 
     # Derived layout -------------------------------------------------------------------------
     @property

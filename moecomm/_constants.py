@@ -153,6 +153,11 @@ WIRE_CODES = {None: WIRE_NONE, "e4m3": WIRE_E4M3, "e4m3_ue8m0": WIRE_E4M3_UE8M0}
 # A quantising dispatch (dispatch_wire) as the kernels know it (Fixed.quant): none, e4m3 with float32 scales,
 # with power-of-two float32 scales, with UE8M0 bytes (float8_e8m0fnu, or four per int32).
 QUANT_NONE, QUANT_FLOAT, QUANT_POW2, QUANT_UE8M0 = 0, 1, 2, 3
+# Where the dispatch receive half's rows go (Fixed.packed): in place as each record lands (the padded layout);
+# or placed once every count is known (the receive half's last stage, cuda/dispatch_recv.cu's place_rows), each
+# expert's rows grouped by source rank in rank order: back to back for the rank (the packed layout), or from each
+# expert's first slot (the padded layout with group_by_source at world size > 1).
+PACK_NONE, PACK_LAYOUT, PACK_BY_SOURCE = 0, 1, 2
 
 
 def timeout_seconds(value=None):
@@ -189,7 +194,7 @@ TRACE_SPAN = 8
 
 
 # Exported to device code as MOECOMM_<name> (moecomm/_abi.py writes them into the generated moecomm_abi.h):
-# every ERR_*, PHASE_*, DT_*, WIRE_* and QUANT_* constant above, these scalars, these literals (with their C
+# every ERR_*, PHASE_*, DT_*, WIRE_*, QUANT_* and PACK_* constant above, these scalars, these literals (with their C
 # suffixes), the build options and the indices of the field tables (S_*, C_*, B_*, TRACE_<half>).
 _DEVICE_SCALARS = ("TIMEOUT_LEFT", "REASON_IDS_DIFFER", "REASON_BAD_TAG", "GAP_BINS", "ERROR_WORDS",
                    "REASON_ARG_SHIFT", "SIG_COUNT_BITS",
@@ -203,7 +208,7 @@ def device_constants():
     """The constants above (and the build options from the environment) by device name (MOECOMM_<name>)."""
     names = globals()
     values = {n: v for n, v in names.items()
-              if n.startswith(("ERR_", "PHASE_", "DT_", "WIRE_", "QUANT_")) and isinstance(v, int)}
+              if n.startswith(("ERR_", "PHASE_", "DT_", "WIRE_", "QUANT_", "PACK_")) and isinstance(v, int)}
     values.update({n: names[n] for n in _DEVICE_SCALARS})
     values.update({n: f"{names[n]}{suffix}" for n, suffix in _DEVICE_LITERALS.items()})
     values.update(GAP_EDGES="{" + ", ".join(f"{e!r}f" for e in GAP_EDGES) + "}")  # an initializer list

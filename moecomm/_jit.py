@@ -57,7 +57,7 @@ class Variant:
     streams_combine: bool = False
 
 
-_KERNELS = ("dispatch_send.cu", "dispatch_recv.cu", "dispatch_pack.cu", "dispatch.cu", "combine_send.cu",
+_KERNELS = ("dispatch_send.cu", "dispatch_recv.cu", "dispatch.cu", "combine_send.cu",
             "combine_recv.cu", "combine.cu", "local.cu", "backward.cu", "deep_ep.cu", "peer_check.cu", "trace.cu")
 VARIANTS = {
     "nvshmem": Variant(_KERNELS, "transport_nvshmem.cuh", puts=True, nvshmem=True),

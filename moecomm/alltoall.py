@@ -276,13 +276,20 @@ class AllToAll:
             (``moecomm::deep_ep::dispatch``, ``moecomm::deep_ep::combine``), so that tools that time DeepEP's
             kernels by name (its tests' ``bench_kineto``) find ours; the same code. On an FP8 combine wire the
             combine keeps its own names. GPU transports; the same on every rank.
+        group_by_source: False (default: in the padded layout each expert's slots go to pairs as they arrive,
+            sources interleaved) or True: each expert's slots hold its pairs grouped by source rank, in rank
+            order, each source's pairs in consecutive slots (DeepEP's low-latency layout, whose
+            ``recv_layout_range`` names each source's range; ``plan.origin`` gives it here). At world size > 1
+            the rows are then placed once every count is known (the packed layout's third dispatch kernel):
+            one more pass over the received rows. The packed layout always groups its rows so.
     """
 
     def __init__(self, comm, max_num_tokens, num_experts, experts_per_token, hidden_dim,
                  hidden_dim_scale=None, in_dtype="bfloat16", out_dtype="bfloat16", scale_dtype=None,
                  dp_size=1, timeout=None, slots_per_rank=None, capacity=None, overflow="error", layout="padded",
                  telemetry_window=64, timing=False, scale_layout="row", combine_wire=None, max_sms=None,
-                 gradients=False, num_tags=0, score_gap=False, dispatch_wire=None, kernel_names="moecomm"):
+                 gradients=False, num_tags=0, score_gap=False, dispatch_wire=None, kernel_names="moecomm",
+                 group_by_source=False):
         self.comm, self._backend, self.masked, self.expert_map = comm, None, (), None
         error = None
         try:  # checked on every rank, then compared: a bad argument on one rank raises on all of them
@@ -291,7 +298,8 @@ class AllToAll:
                 hidden_dim_scale, in_dtype, out_dtype, scale_dtype, dp_size, slots_per_rank=slots_per_rank,
                 capacity=capacity, overflow=overflow, layout=layout, scale_layout=scale_layout,
                 combine_wire=combine_wire, max_sms=max_sms, gradients=gradients, num_tags=num_tags,
-                score_gap=score_gap, dispatch_wire=dispatch_wire, kernel_names=kernel_names)
+                score_gap=score_gap, dispatch_wire=dispatch_wire, kernel_names=kernel_names,
+                group_by_source=group_by_source)
             window = positive_int("telemetry_window", telemetry_window, minimum=0)
             self.timeout_s = comm.timeout_s if timeout is None else timeout_seconds(timeout)[0]
             mine = (None, dict(c.key(), telemetry_window=window, timing=bool(timing), timeout=self.timeout_s))

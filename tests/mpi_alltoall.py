@@ -175,7 +175,9 @@ def run_case(comm, A, c, seed, tol):
     in_dt, out_dt = as_dtype(c["in_dtype"], IN_DTYPES, "in"), as_dtype(c["out_dtype"], OUT_DTYPES, "out")
     E, K, H, S, M = c["num_experts"], c["topk"], c["hidden"], c["scale"], c["max_m"]
     L = E // W
-    a2a = moecomm.AllToAll(comm, M, E, K, H, S, in_dt, out_dt, dp_size=dp, max_sms=c["max_sms"])
+    by_source = c.get("group_by_source", False)
+    a2a = moecomm.AllToAll(comm, M, E, K, H, S, in_dt, out_dt, dp_size=dp, max_sms=c["max_sms"],
+                           group_by_source=by_source)
     fails = []
     try:
         for it in range(c["iters"]):
@@ -217,14 +219,20 @@ def run_case(comm, A, c, seed, tol):
             if not np.array_equal(got_n, r["expert_num_tokens"]):
                 fails.append(f"iter {it}: counts {got_n.tolist()} != {r['expert_num_tokens'].tolist()}")
                 continue
+            want_s = None if got_s is None else r["expert_x_scale"]
             for le in range(L):
                 n = int(got_n[le])
-                if not np.array_equal(
-                        reference.canonical_rows(n, got_x[le], None if got_s is None else got_s[le]),
-                        reference.canonical_rows(n, r["expert_x"][le],
-                                                 None if got_s is None else r["expert_x_scale"][le])):
-                    fails.append(f"iter {it}: expert {le} tokens differ from the reference")
-                    break
+                # group_by_source: each DP group's rows (its ranks' in rank order) where the reference has them
+                origin = r["origin"][le, :n, 0]
+                ranges = (zip(*[np.searchsorted(origin, np.unique(origin), side) for side in ("left", "right")])
+                          if by_source else [(0, n)])
+                for a, b in ranges:
+                    part = lambda x, xs: [x[le, a:b], None if xs is None else xs[le, a:b]]
+                    if not np.array_equal(reference.canonical_rows(b - a, *part(got_x, got_s)),
+                                          reference.canonical_rows(b - a, *part(r["expert_x"], want_s))):
+                        fails.append(f"iter {it}: expert {le} tokens differ from the reference"
+                                     + (f" (rows {a}..{b - 1}: source group {origin[a]}'s)" if by_source else ""))
+                        break
             # combine: expert outputs computed from what arrived, by the same row-wise function
             y = expert_outputs(got_x, got_n, rank * L, out_dt)
             ref_y = [expert_outputs(ref[q]["expert_x"], ref[q]["expert_num_tokens"], q * L, out_dt)
@@ -397,12 +405,15 @@ def cases(world, quick):
     out.append(dict(base, split="alternate", iters=4, weights_at="combine", routing="holes"))
     out.append(dict(base, zero_tail=True, iters=4))
     out.append(dict(base, zero_tail=True, split=True, weights_at="combine", iters=4))
+    out.append(dict(base, group_by_source=True, routing="holes", iters=4))  # DeepEP's layout
+    out.append(dict(base, group_by_source=True, split="alternate", in_dtype="float8_e4m3fn", scale=2, iters=4))
     # grids capped at the fewest SMs the world size allows (max_sms: 2 blocks per SM, a block per rank; the host
     # transport has no grids) and one more: a block takes many tokens, so at 512 tokens records stream and the
     # one-launch phases run on a few blocks
     fewest = -(-world // 2)
     out.append(dict(base, max_sms=fewest, split=True))
     out.append(dict(base, max_sms=fewest + 1, max_m=512, m=512, iters=2))
+    out.append(dict(base, max_sms=fewest + 1, max_m=512, m=512, iters=2, group_by_source=True))
     out.append(dict(base, split=True, weights_at="combine", in_dtype="float8_e4m3fn", scale=7))
     out.append(dict(base, hidden=2048, scale=16, in_dtype="float8_e4m3fn", topk=8, num_experts=8 * world))
     for dp in range(2, world + 1):
@@ -430,7 +441,9 @@ def gpu_cases(world, quick):
            dict(base, hidden=512, scale=4, max_m=2048, m=2048, iters=1), dict(base, hidden=512, scale=4, max_m=2048),
            dict(base, hidden=512, scale=4, max_m=2048, m=2048, routing="other_rank", iters=1),
            dict(base, hidden=512, scale=4, max_m=2048, m=2048, weights_at="combine", iters=1),
-           dict(base, zero_tail=True, iters=4), dict(base, hidden=512, scale=4, max_m=2048, zero_tail=True)]
+           dict(base, zero_tail=True, iters=4), dict(base, hidden=512, scale=4, max_m=2048, zero_tail=True),
+           dict(base, group_by_source=True, split=True),
+           dict(base, hidden=512, scale=4, max_m=2048, m=2048, iters=1, group_by_source=True)]
     if world % 2 == 0:  # the same in DP groups of two (2048 tokens per rank)
         out.append(dict(base, hidden=256, scale=2, max_m=4096, m=4096, dp_size=2, iters=1))
     if quick:

@@ -1,8 +1,9 @@
-"""The packed layout on either transport: each rank's rows back to back, expert by expert, equal to the
-padded layout's (the reference's) rows, for every input dtype, with and without scales; combine through the
-packed expert_y equals the reference; a per-rank capacity with "drop" drops the demand past it (exactly the
-reference's pairs on the host transport) and combine equals the reference without them; "error" raises
-CapacityExceeded on every rank and the next call is right.
+"""The layouts whose rows are placed grouped by source, on either transport: the packed layout (each rank's rows
+back to back, expert by expert) and the padded one with group_by_source, each expert's rows from each source
+rank equal to the reference's for every input dtype, with and without scales, sources in rank order; combine
+through their expert_y equals the reference; a capacity (per rank packed, per expert padded) with "drop" drops
+the demand past it (exactly the reference's pairs on the host transport) and combine equals the reference
+without them; "error" raises CapacityExceeded on every rank and the next call is right.
 
     mpiexec -n 3 python tests/mpi_packed.py                       # host transport (numpy)
     mpirun -n 2 python tests/mpi_packed.py --transport nvshmem    # GPUs (CuPy arrays)
@@ -45,14 +46,24 @@ def get(a, dtype):
     return (a.get() if hasattr(a, "get") else a).view(dtype)
 
 
+def _row_bytes(x, scales):
+    """[rows, bytes]: each row's bytes, then its scales' (None: none)."""
+    return np.concatenate([np.ascontiguousarray(a).view(np.uint8).reshape(len(a), a[0:1].nbytes)
+                           for a in (x, scales) if a is not None], axis=1)
+
+
 def check(xp, a2a, comm, drawn, capacity, fails, label):
-    """One packed dispatch + combine. Rows within an expert come in order of arrival on GPUs, so each expert's
-    rows (with their scales) are compared as a set with the reference's; which pairs a per-rank capacity drops
-    is the reference's on the host transport, on GPUs checked by count per rank."""
+    """One dispatch + combine with the rows placed grouped by source: the packed layout, or the padded one with
+    group_by_source. Within one source's rows of an expert the order is arrival's on GPUs, so each expert's rows
+    from each source (with their scales) are compared as a set with the reference's (whose rows go by source,
+    then token); which pairs a capacity (rows per rank packed, slots per expert padded) drops is the
+    reference's on the host transport, on GPUs checked by count."""
     W, r, E = comm.world_size, comm.rank, E_PER_RANK * comm.world_size
     c = a2a.cfg
+    packed = c.layout == "packed"
     x, xs, w, ids = drawn[r]
-    n, off = xp.full(E_PER_RANK, -1, np.int32), xp.full(E_PER_RANK + 1, -1, np.int32)
+    n = xp.full(E_PER_RANK, -1, np.int32)
+    off = xp.full(E_PER_RANK + 1, -1, np.int32) if packed else None
     ex = put(xp, np.zeros(c.expert_x_shape(), c.in_dtype))
     es = None if xs is None else xp.zeros(c.expert_x_scale_shape(), np.float32)
     m, d_ids = xp.array([M], np.int32), xp.asarray(ids)
@@ -62,39 +73,49 @@ def check(xp, a2a, comm, drawn, capacity, fails, label):
     out, dropped = xp.zeros((M, H), np.float16), xp.zeros((M, K), np.uint8)
     a2a.combine(out, d_ids, None, y, m, out_dropped=dropped)
     a2a.synchronize()
-    n, off, out, dropped = get(n, np.int32), get(off, np.int32), get(out, np.float16), get(dropped, np.uint8)
+    n, out, dropped = get(n, np.int32), get(out, np.float16), get(dropped, np.uint8)
     all_ids = [d[3] for d in drawn]
     flags = [f.astype(bool) for f in comm.allgather(dropped)]
     if capacity:
-        demand = [sum(int(((i // E_PER_RANK) == q).sum()) for i in all_ids) for q in range(W)]
-        per_rank = [sum(int(((i[f] // E_PER_RANK) == q).sum()) for i, f in zip(all_ids, flags)) for q in range(W)]
-        if per_rank != [max(0, d - capacity) for d in demand]:
-            fails.append(f"{label}: pairs dropped per rank {per_rank}, demand past capacity "
-                         f"{[max(0, d - capacity) for d in demand]}")
+        key, keys = (E_PER_RANK, W) if packed else (1, E)  # a capacity per rank, or per expert
+        demand = [sum(int(((i // key) == q).sum()) for i in all_ids) for q in range(keys)]
+        over = [sum(int(((i[f] // key) == q).sum()) for i, f in zip(all_ids, flags)) for q in range(keys)]
+        if over != [max(0, d - capacity) for d in demand]:
+            fails.append(f"{label}: pairs dropped per {'rank' if packed else 'expert'} {over}, demand past "
+                         f"capacity {[max(0, d - capacity) for d in demand]}")
         if comm.transport.memory == "host" and not np.array_equal(
-                flags[r], reference.dropped(all_ids, E, W, capacity, per_rank=True)[r]):
+                flags[r], reference.dropped(all_ids, E, W, capacity, per_rank=packed)[r]):
             fails.append(f"{label}: out_dropped differs from the reference's dropped pairs")
     elif any(f.any() for f in flags):
         fails.append(f"{label}: pairs dropped without a capacity")
     kept = [np.where(f, -1, i) for f, i in zip(flags, all_ids)]
-    ref = reference.dispatch([d[0] for d in drawn], None if xs is None else [d[1] for d in drawn], kept, E, W, M)
-    rows, offsets, scale_rows = reference.packed(ref[r])
-    if not (np.array_equal(n, ref[r]["expert_num_tokens"]) and np.array_equal(off, offsets)):
-        fails.append(f"{label}: counts {n.tolist()} / offsets {off.tolist()} != {offsets.tolist()}")
+    refs = reference.dispatch([d[0] for d in drawn], None if xs is None else [d[1] for d in drawn], kept, E, W, M)
+    ref = refs[r]
+    counts = ref["expert_num_tokens"]
+    first = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    if packed and not np.array_equal(get(off, np.int32), first):
+        fails.append(f"{label}: offsets {get(off, np.int32).tolist()} != {first.tolist()}")
         return
-    got = ex_h[:offsets[-1]].view(np.uint8).reshape(offsets[-1], -1)
-    want = rows.view(np.uint8).reshape(offsets[-1], -1)
-    if scale_rows is not None:
-        got = np.concatenate([got, get(es, np.float32)[:offsets[-1]].view(np.uint8)], axis=1)
-        want = np.concatenate([want, scale_rows.view(np.uint8)], axis=1)
-    for e in range(E_PER_RANK):  # each expert's rows, as sets (sorted)
-        a, b = got[offsets[e]:offsets[e + 1]], want[offsets[e]:offsets[e + 1]]
-        if not np.array_equal(a[np.lexsort(a.T[::-1])], b[np.lexsort(b.T[::-1])]):
-            fails.append(f"{label}: expert {e}'s packed rows (and scales) differ from the padded layout's")
-    ref_y = [q["expert_x"].astype(np.float32).astype(np.float16) for q in ref]
-    want_out = reference.combine(kept, [d[2] for d in drawn], ref_y, [q["origin"] for q in ref], E, W, np.float16)[r]
+    if not np.array_equal(n, counts):
+        fails.append(f"{label}: counts {n.tolist()} != {counts.tolist()}")
+        return
+    es_h = None if es is None else get(es, np.float32)
+    for e in range(E_PER_RANK):  # each expert's rows from each source, as sets (sorted)
+        rows = slice(first[e], first[e + 1]) if packed else (e, slice(0, counts[e]))
+        got = _row_bytes(ex_h[rows], None if es_h is None else es_h[rows])
+        want = _row_bytes(ref["expert_x"][e, :counts[e]],
+                          None if es_h is None else ref["expert_x_scale"][e, :counts[e]])
+        sources = ref["origin"][e, :counts[e], 0]
+        for s in np.unique(sources):
+            a, b = np.searchsorted(sources, s), np.searchsorted(sources, s, "right")
+            g, h = got[a:b], want[a:b]
+            if not np.array_equal(g[np.lexsort(g.T[::-1])], h[np.lexsort(h.T[::-1])]):
+                fails.append(f"{label}: expert {e}'s rows {a}..{b - 1} (and scales) are not source {s}'s")
+                break
+    ref_y = [q["expert_x"].astype(np.float32).astype(np.float16) for q in refs]
+    want_out = reference.combine(kept, [d[2] for d in drawn], ref_y, [q["origin"] for q in refs], E, W, np.float16)[r]
     if not np.allclose(out.astype(np.float32), want_out.astype(np.float32), rtol=2 ** -8, atol=1e-2):
-        fails.append(f"{label}: combine through the packed expert_y differs from the reference")
+        fails.append(f"{label}: combine through the expert_y differs from the reference")
 
 
 def main():
@@ -108,12 +129,38 @@ def main():
     W = comm.world_size
     E = E_PER_RANK * W
     fails, checks = [], 0
+    grouped = dict(layout="padded", group_by_source=True)
     for dt, scales in DTYPES:
-        a2a = moecomm.AllToAll(comm, M, E, K, H, scales, dt, "fp16", layout="packed")
-        for seed in range(3):
-            check(xp, a2a, comm, draw(W, seed, dt, scales), None, fails, f"{np.dtype(dt).name} seed {seed}")
-            checks += 1
-        a2a.destroy()
+        for name, layout in (("packed", dict(layout="packed")), ("padded by source", grouped)):
+            a2a = moecomm.AllToAll(comm, M, E, K, H, scales, dt, "fp16", **layout)
+            for seed in range(3):
+                check(xp, a2a, comm, draw(W, seed, dt, scales), None, fails,
+                      f"{name} {np.dtype(dt).name} seed {seed}")
+                checks += 1
+            a2a.destroy()
+    cap = M * K // (2 * E_PER_RANK)  # slots per expert: about half the mean demand
+    a2a = moecomm.AllToAll(comm, M, E, K, H, 4, moecomm.float8_e4m3fn, "fp16", capacity=cap, overflow="drop",
+                           **grouped)
+    for seed in range(3):
+        check(xp, a2a, comm, draw(W, 30 + seed, moecomm.float8_e4m3fn, 4), cap, fails,
+              f"padded by source, capacity {cap} seed {seed}")
+        checks += 1
+    a2a.destroy()
+    a2a = moecomm.AllToAll(comm, M, E, K, H, None, "bf16", "fp16", capacity=cap, overflow="error", **grouped)
+    try:
+        check(xp, a2a, comm, draw(W, 40, moecomm.bfloat16, None), cap, fails, "padded by source 'error'")
+        fails.append("padded by source 'error': a capacity below the demand raised nothing")
+    except moecomm.CapacityExceeded as e:
+        if not (0 <= e.expert < E and e.demand > cap and e.capacity == cap):
+            fails.append(f"padded by source 'error': CapacityExceeded names expert {e.expert} demand {e.demand} "
+                         f"capacity {e.capacity}, expected an expert, > {cap}, {cap}")
+    drawn = draw(W, 41, moecomm.bfloat16, None)
+    for d in drawn:  # one token per rank: at most W <= cap pairs per expert where W <= cap
+        d[3][1:] = -1
+    if W <= cap:
+        check(xp, a2a, comm, drawn, cap, fails, "padded by source 'error', the next call")
+    checks += 2
+    a2a.destroy()
     cap = M * K * W // (2 * W)  # rows per rank: about half the mean demand
     a2a = moecomm.AllToAll(comm, M, E, K, H, None, "bf16", "fp16", layout="packed", capacity=cap, overflow="drop")
     for seed in range(3):

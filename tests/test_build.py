@@ -93,8 +93,7 @@ def test_every_launch_plan_names_kernels_its_module_has(built):
                                 assert [k[0] for k in p.halves.values()] == list(gpu_plan.half_kernels(c))
                                 for phase, ks in p.whole.items():
                                     assert gpu_plan.resident(p.grids[ks[0]], 132) and not p.fallback
-                                    assert ks[1:] == (("moecomm_dispatch_pack",) if layout == "packed"
-                                                      and phase == "dispatch" else ())
+                                    assert len(ks) == 1
                                 assert bool(p.backward) == grads
                                 if grads:  # the local path's backward where its forward takes it
                                     assert (p.backward["combine_backward"].endswith("_local")

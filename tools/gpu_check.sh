@@ -61,8 +61,9 @@
 #                                    $OUT/jax-step.json)
 #   bash tools/gpu_check.sh deep-ep  moecomm.compat.deep_ep: tests/mpi_deep_ep.py at 1 rank on both transports and
 #                                    2 ranks over ipc; with $DEEPEP_TESTS (DeepEP's tests/ folder, fetched, never
-#                                    committed) its own test_low_latency.py unchanged at one rank, bench_kineto
-#                                    included, `import deep_ep` answered by moecomm.compat.deep_ep
+#                                    committed) its own test_low_latency.py unchanged at ${DEEPEP_RANKS:-1 2 4}
+#                                    ranks, bench_kineto included, `import deep_ep` answered by
+#                                    moecomm.compat.deep_ep (ranks sharing a GPU: tests/deep_ep_shared_gpu.py)
 #   bash tools/gpu_check.sh --help   this text
 #   bash tools/gpu_check.sh latency  the checks a kernel change needs (quick sweeps on both transports, the
 #                                    put-only path, world size 1, the model-sized and streamed cases (--full),
@@ -131,9 +132,13 @@ if [ "${1:-}" = deep-ep ]; then  # DeepEP's low-latency API: our checks, then De
     expect ": 0 failures" "${MPIRUN[@]}" -np 2 python3 tests/mpi_deep_ep.py --transport ipc; [ $status = 0 ] ) || status=1
   if [ -n "${DEEPEP_TESTS:-}" ]; then
     shim=$(mktemp -d); mkdir "$shim/deep_ep"
-    echo "from moecomm.compat.deep_ep import *  # noqa: F401,F403" > "$shim/deep_ep/__init__.py"
-    ( export MOECOMM_TRANSPORT=ipc PYTHONPATH=$shim:$PYTHONPATH; cd "$DEEPEP_TESTS"
-      expect "Dispatch send/recv time" python3 test_low_latency.py --num-processes 1; [ $status = 0 ] ) || status=1
+    printf '%s\n' "from moecomm.compat.deep_ep import *  # noqa: F401,F403" \
+      "import deep_ep_shared_gpu  # noqa: F401,E402 (tests/: several ranks on one GPU)" > "$shim/deep_ep/__init__.py"
+    for n in ${DEEPEP_RANKS:-1 2 4}; do
+      ( export MOECOMM_TRANSPORT=ipc PYTHONPATH=$shim:$PWD/tests:$PYTHONPATH STEP_TIMEOUT=${STEP_TIMEOUT:-400}
+        cd "$DEEPEP_TESTS"
+        expect "Dispatch send/recv time" python3 test_low_latency.py --num-processes $n; [ $status = 0 ] ) || status=1
+    done
   fi
   exit $status
 fi

@@ -10,16 +10,16 @@ runs with its import changed to ``from moecomm.compat import deep_ep``.
 Each (num_max_dispatch_tokens_per_rank, hidden, num_experts, top-k, FP8 format) gets a :class:`moecomm.AllToAll`
 at its first call (collective, as DeepEP's calls are), in the padded layout DeepEP's low-latency kernels use:
 ``recv_x [num_local_experts, num_max_dispatch_tokens_per_rank * num_ranks, hidden]`` with counts per local
-expert. ``use_fp8`` quantises inside dispatch (``dispatch_wire``: e4m3 with a float32 scale per 128 values,
-``round_scale`` powers of two, ``use_ue8m0`` four UE8M0 scales per int32), the scales' last two dimensions
-column-major as DeepEP returns them. ``return_recv_hook`` issues the send half; the hook runs the receive
-half (moecomm holds no SMs between them); without it each call is one launch. The kernels run under DeepEP's
-profiler names (``AllToAll(kernel_names="deep_ep")``), so DeepEP's tests' ``bench_kineto`` times them.
+expert, each expert's rows grouped by source rank (``group_by_source``). ``use_fp8`` quantises inside
+dispatch (``dispatch_wire``: e4m3 with a float32 scale per 128 values, ``round_scale`` powers of two,
+``use_ue8m0`` four UE8M0 scales per int32), the scales' last two dimensions column-major as DeepEP returns them.
+``return_recv_hook`` issues the send half; the hook runs the receive half (moecomm holds no SMs between them);
+without it each call is one launch. The kernels run under DeepEP's profiler names
+(``AllToAll(kernel_names="deep_ep")``), so DeepEP's tests' ``bench_kineto`` times them.
 ``async_finish``: every call runs on the current stream, so the returned event is complete when the current
 stream reaches it. The handle is DeepEP's five-tuple: each slot's
 source token ``[L, T * R]`` int32 and per local expert and source rank ``(first slot << 32) | count`` int64
-(moecomm fills an expert's slots in arrival order, so one source's slots need not be contiguous; the count
-is exact and ``first slot`` is the first of them), then num_max_dispatch_tokens_per_rank, hidden and
+(the source's slots are consecutive, sources in rank order), then num_max_dispatch_tokens_per_rank, hidden and
 num_experts. A dispatch left uncombined ends (``a2a.abort()``) when the next one begins; the last handle may be
 combined again, as DeepEP allows (moecomm combines each dispatch once: the tokens are dispatched again and the
 expert outputs moved to the new slots of their pairs, a dispatch's cost). Refused with a moecomm
@@ -130,7 +130,7 @@ class Buffer:
         if key not in self._layers:
             a2a = moecomm.AllToAll(self.comm, tokens, num_experts, topk, hidden, None, "bfloat16", "bfloat16",
                                    scale_dtype=scale_dtype, scale_layout="column" if use_fp8 else "row",
-                                   dispatch_wire=wire, gradients=True, kernel_names="deep_ep")
+                                   dispatch_wire=wire, gradients=True, kernel_names="deep_ep", group_by_source=True)
             if self._masked:
                 a2a.mask_ranks(self._masked)
             self._layers[key] = _Layer(a2a)

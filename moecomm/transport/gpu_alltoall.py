@@ -35,7 +35,7 @@ from .. import _constants as C
 from .._dtypes import bfloat16, float16
 from .._errors import InvalidArgument
 from .base import AllToAllBackend, snapshot
-from .gpu_plan import launch_plan, phase_of
+from .gpu_plan import launch_plan, pack, phase_of
 
 
 def record_bytes(cfg):
@@ -160,7 +160,7 @@ class GpuAllToAll(AllToAllBackend):
             src_code=_DT_CODES.get(np.dtype(cfg.in_dtype), 0), src_row_bytes=cfg.hidden_dim * cfg.in_dtype.itemsize,
             out_row_bytes=cfg.hidden_dim * cfg.out_dtype.itemsize, wire=C.WIRE_CODES[cfg.combine_wire],
             comb_row_bytes=_abi.combine_row_bytes(cfg), cap=cfg.expert_capacity, drop=int(cfg.drops),
-            packed=int(cfg.layout == "packed"), window=window, stage_slots=C.STAGE_SLOTS,
+            packed=pack(cfg), window=window, stage_slots=C.STAGE_SLOTS,
             stage_bytes=sizes["stage_row"],
             c_received=counters["received"], c_dropped=counters["dropped"], c_bytes=counters["bytes"],
             s_expert=state["expert"], s_recv=state["recv"], s_kept=state["kept"], s_claim=state["claim"],

@@ -36,7 +36,6 @@ WHOLE_KERNELS = {"dispatch": "moecomm_dispatch", "combine": "moecomm_combine"}  
 STREAMED_DISPATCH = "moecomm_dispatch_streamed"  # the one-launch dispatch of streamed batches (cuda/dispatch.cu)
 LOCAL_KERNELS = {"dispatch": "moecomm_dispatch_local", "combine": "moecomm_combine_local"}  # local() (cuda/local.cu)
 LOCAL_TOKENS = "moecomm_dispatch_tokens"  # the local path's dispatch where every token has a block (local.cu)
-PACK_KERNEL = "moecomm_dispatch_pack"  # the packed layout's third dispatch kernel (after the receive half)
 WIRE = "_wire"  # the combine kernels of an FP8 combine wire: their names end so (cuda/combine*.cu)
 WIRE_KERNELS = ("moecomm_combine_send_wire", "moecomm_combine_recv_wire", "moecomm_combine_wire")
 GRAD_KERNELS = {"plan": "moecomm_plan", "dispatch_backward": "moecomm_dispatch_backward",
@@ -110,7 +109,6 @@ def _resident_blocks(cfg, sms):
 GRIDS = {  # every dispatch/combine kernel's grid rule
     "moecomm_dispatch_send": _send_blocks,
     "moecomm_dispatch_recv": _per_source_blocks,
-    "moecomm_dispatch_pack": _per_source_blocks,
     "moecomm_combine_send": _per_source_blocks,
     "moecomm_combine_recv": _token_blocks,
     "moecomm_dispatch": _per_source_blocks,
@@ -155,10 +153,10 @@ def streamed(cfg, sms):
 def combine_streams(cfg, sms, variant):
     """Whether the one-launch combine (with partial sums) streams: this rank's own partial sums are never
     formed, and the token side adds each token's own expert rows to the peers' partial sums as these land
-    (arrival words; cuda/combine.cu). Prefill-sized batches (streamed), DP size 1, the padded layout, and a
+    (arrival words; cuda/combine.cu). Prefill-sized batches (streamed), DP size 1, rows stored in place (pack()), and a
     module whose kernels carry it (moecomm._jit.Variant.streams_combine of ``variant``). Not on an FP8 combine
     wire: the token side would add rows of two formats."""
-    return (streamed(cfg, sms) and cfg.dp_size == 1 and cfg.layout == "padded" and cfg.combine_wire is None
+    return (streamed(cfg, sms) and cfg.dp_size == 1 and not pack(cfg) and cfg.combine_wire is None
             and _jit.VARIANTS[variant].streams_combine)
 
 
@@ -192,6 +190,17 @@ def local(cfg):
     straight from its expert rows, and no block waits for another. On an FP8 combine wire only the dispatch
     does (whole_kernels): the wire's combine keeps its own kernel."""
     return cfg.world_size == 1 and cfg.layout == "padded"
+
+
+def pack(cfg):
+    """Where the dispatch receive half's rows go (Fixed.packed, moecomm._constants.PACK_*): placed once every count
+    is known, by every block of the half's grid (resident: _per_source_blocks), grouped by source, in the packed
+    layout (PACK_LAYOUT) and in the padded one with group_by_source at world size > 1 (PACK_BY_SOURCE: at world
+    size 1 every row is the rank's own, grouped already, and the local path stores them); else in place as
+    records land (PACK_NONE)."""
+    if cfg.layout == "packed":
+        return C.PACK_LAYOUT
+    return C.PACK_BY_SOURCE if cfg.group_by_source and cfg.world_size > 1 else C.PACK_NONE
 
 
 def backward_kernels(cfg):
@@ -232,8 +241,7 @@ class LaunchPlan:
         variant: the module the kernels come from (a key of moecomm._jit.VARIANTS).
         sms: the SM budget the grids are sized for.
         grids: {kernel: blocks} of every kernel below.
-        halves: {half (moecomm._constants.HALVES): its kernels, in launch order}: a half requested alone (the
-            packed layout's dispatch receive half ends with PACK_KERNEL).
+        halves: {half (moecomm._constants.HALVES): its kernels, in launch order}: a half requested alone.
         whole: {phase: its kernels}: a phase whose two halves are requested together.
         fallback: {phase: why} where ``whole`` runs the halves' kernels because the one-launch kernel's grid
             is not resident at once; empty in the common case.
@@ -270,15 +278,13 @@ def launch_plan(cfg, num_sms, variant, all_mapped=True):
     rank plans alike)."""
     sms = sm_budget(cfg, num_sms)
     halves = dict(zip(C.HALVES, ((n,) for n in half_kernels(cfg))))
-    if cfg.layout == "packed":
-        halves["dispatch_recv"] += (PACK_KERNEL,)
     grids = {n: GRIDS[n](cfg, sms) for kernels in halves.values() for n in kernels}
     whole, fallback = {}, {}
     for phase, name in whole_kernels(cfg, sms).items():
         blocks = GRIDS[name](cfg, sms)
         split = halves[f"{phase}_send"] + halves[f"{phase}_recv"]
         if resident(blocks, num_sms):
-            grids[name], whole[phase] = blocks, (name,) + split[2:]  # the packed layout's pack kernel after it
+            grids[name], whole[phase] = blocks, (name,)
         else:
             whole[phase] = split
             fallback[phase] = (f"{name}'s {blocks} blocks are not resident at once on {num_sms} SMs "
