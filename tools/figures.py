@@ -11,6 +11,7 @@ is written by hand.
 import argparse
 import json
 import re
+import statistics
 import sys
 from pathlib import Path
 
@@ -25,6 +26,8 @@ ROWS = (("R1-decode: 128 tokens/rank, 7168 fp8 + 56 scales, 256 experts, top-8",
         ("1 token/rank (R1 shapes)", "sweep", 1),
         ("16 tokens/rank", "sweep", 16),
         ("1024 tokens/rank", "sweep", 1024))
+WIRES = {None: "FP8 given (e4m3, float32 scales)", "e4m3": "bf16, quantised by dispatch to e4m3 (float32 scales)",
+         "e4m3_ue8m0": "bf16, quantised to e4m3 (power-of-two scales)"}
 GRAD_ROWS = {"r1-decode": "decode (128 tokens), worst-case capacity", "r1-decode-cap32": "decode, `capacity=32`",
              "r1-prefill-cap256": "prefill (4096 tokens), `capacity=256`"}
 
@@ -132,7 +135,21 @@ def grads():
          "memory patterns alone: forward / backward", "backward's patterns / forward"], rows)
 
 
-TABLES = {f.__name__: f for f in (ep2, ws1, host, jax, grads)}
+def dispatch_wire():
+    """The quantising dispatch against FP8 tokens given, R1-decode at world size 1, rounds interleaved
+    (ws1-dispatch-wire.json)."""
+    res = _load("ws1-dispatch-wire.json")["results"]
+    graph = {w: [r["graph"]["total"]["median_us"] for r in res if r["dispatch_wire"] == w] for w in WIRES}
+    alone = {w: [r["graph"]["dispatch_send"]["median_us"] for r in res if r["dispatch_wire"] == w] for w in WIRES}
+    given = statistics.median(graph[None])
+    rows = [[label, " / ".join(_us(v) for v in graph[w]), " / ".join(_us(v) for v in alone[w]),
+             "" if w is None else f"+{statistics.median(graph[w]) - given:.2f}"] for w, label in WIRES.items()]
+    return _caption("ws1-dispatch-wire.json") + _table(
+        ["R1-decode tokens", "CUDA graph, dispatch + combine (each round)", "dispatch alone (each round)",
+         "over FP8 given (medians of the rounds)"], rows)
+
+
+TABLES = {f.__name__: f for f in (ep2, ws1, host, jax, grads, dispatch_wire)}
 
 
 def render(text):
