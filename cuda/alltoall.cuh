@@ -197,8 +197,9 @@ __device__ __forceinline__ void fanout16(uint8_t* const* dsts, int n, const uint
   }
 }
 
-// Where rows are placed once counted (f.packed: dispatch_recv.cu's place_rows): [world, local_experts] each source's first row within a local
-// expert, sources in rank order (dispatch_counts writes it, after the kept counts in state).
+// Where rows are placed once counted (f.packed: dispatch_recv.cu's place_rows): [world, local_experts] each
+// source's first row within a local expert, sources in rank order (dispatch_counts writes it; it follows the kept
+// counts in state).
 __device__ __forceinline__ unsigned* source_first(const Fixed& f) {
   return &f.state[f.s_kept + f.world * f.local_experts];
 }

@@ -253,8 +253,9 @@ static __device__ void place_rows(const Fixed& f, const Call& c, unsigned epoch)
 }
 
 // The receive half's end, by the block that finishes it (every thread): each local expert's count into c.out_num
-// (with each source's first row in it where f.packed, and c.out_offsets in the packed layout), the capacity policy's verdict (counters, or ERR_CAPACITY and
-// state[BAD_RECV]), telemetry, and the per-call state reset for the next call, whose number `epoch` then is.
+// (with each source's first row in it where f.packed, and c.out_offsets in the packed layout), the capacity
+// policy's verdict (counters, or ERR_CAPACITY and state[BAD_RECV]), telemetry, and the per-call state reset for
+// the next call, whose number `epoch` then is.
 __device__ void moecomm::dispatch_counts(const Fixed& f, const Call& c, unsigned epoch) {
   const int lo = f.rank * f.local_experts;
   const size_t row = f.window ? (size_t)(f.counters[MOECOMM_C_CALLS] % f.window) * f.local_experts : 0;
