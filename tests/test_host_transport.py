@@ -116,9 +116,10 @@ def test_replicated_experts_through_an_expert_map(ranks):
 
 
 @pytest.mark.parametrize("ranks", [2, 3], ids=lambda n: f"ranks{n}")
-def test_packed_layout(ranks):
-    """tests/mpi_packed.py: packed rows equal the padded layout's for every dtype, combine through them is
-    right, a per-rank capacity drops the reference's pairs."""
+def test_rows_grouped_by_source(ranks):
+    """tests/mpi_packed.py: the packed layout's rows and the padded layout's with group_by_source hold each
+    source's rows of an expert where the reference has them, for every dtype; combine through them is right; a
+    capacity (per rank, per expert) drops the reference's pairs, or raises on every rank."""
     p = run_mpi(ranks, "tests/mpi_packed.py", timeout=120)
     assert p.returncode == 0 and ": 0 failures" in p.stdout, p.stdout[-3000:] + p.stderr[-3000:]
 
