@@ -77,11 +77,17 @@ def check(comm, fails, device):
                 # the source rank from the values: not with power-of-two scales, which round r - 128 alike for
                 # neighbouring ranks (as DeepEP's test, which skips it there); the layout range's counts always
                 src_rank = (v[:, 0] + OFFSET).round().long()
+                first = 0  # each source's tokens in consecutive slots, sources in rank order (DeepEP's layout)
                 for j in range(W):
                     routed = int((all_idx[j] == expert).sum())
-                    if (not round_scale and int((src_rank == j).sum()) != routed) or \
-                            int(layout_range[i, j] & 0xFFFFFFFF) != routed:
+                    begin, got = int(layout_range[i, j] >> 32), int(layout_range[i, j] & 0xFFFFFFFF)
+                    if (not round_scale and int((src_rank == j).sum()) != routed) or got != routed:
                         fails.append(f"{label}: expert {expert}: source {j}'s token count differs")
+                    elif routed and (begin != first or
+                                     (not round_scale and not bool((src_rank[begin:begin + got] == j).all()))):
+                        fails.append(f"{label}: expert {expert}: source {j}'s range {begin}..{begin + got - 1} "
+                                     f"is not its tokens' (from slot {first})")
+                    first += routed
                 tol = 0.07 if round_scale else 0.04  # e4m3: 2^-4 of the value (power-of-two scales: one more bit)
                 if not torch.allclose(v[:, -1], src_info[i, :n].float(), rtol=tol, atol=0):
                     fails.append(f"{label}: expert {expert}: slots' token markers {v[:, -1].tolist()} != "
