@@ -46,12 +46,6 @@ def get(a, dtype):
     return (a.get() if hasattr(a, "get") else a).view(dtype)
 
 
-def _row_bytes(x, scales):
-    """[rows, bytes]: each row's bytes, then its scales' (None: none)."""
-    return np.concatenate([np.ascontiguousarray(a).view(np.uint8).reshape(len(a), a[0:1].nbytes)
-                           for a in (x, scales) if a is not None], axis=1)
-
-
 def check(xp, a2a, comm, drawn, capacity, fails, label):
     """One dispatch + combine with the rows placed grouped by source: the packed layout, or the padded one with
     group_by_source. Within one source's rows of an expert the order is arrival's on GPUs, so each expert's rows
@@ -102,14 +96,14 @@ def check(xp, a2a, comm, drawn, capacity, fails, label):
     es_h = None if es is None else get(es, np.float32)
     for e in range(E_PER_RANK):  # each expert's rows from each source, as sets (sorted)
         rows = slice(first[e], first[e + 1]) if packed else (e, slice(0, counts[e]))
-        got = _row_bytes(ex_h[rows], None if es_h is None else es_h[rows])
-        want = _row_bytes(ref["expert_x"][e, :counts[e]],
-                          None if es_h is None else ref["expert_x_scale"][e, :counts[e]])
+        got = [ex_h[rows], None if es_h is None else es_h[rows]]
+        want = [ref["expert_x"][e, :counts[e]], None if es_h is None else ref["expert_x_scale"][e, :counts[e]]]
         sources = ref["origin"][e, :counts[e], 0]
         for s in np.unique(sources):
             a, b = np.searchsorted(sources, s), np.searchsorted(sources, s, "right")
-            g, h = got[a:b], want[a:b]
-            if not np.array_equal(g[np.lexsort(g.T[::-1])], h[np.lexsort(h.T[::-1])]):
+            part = lambda arrays: [None if v is None else v[a:b] for v in arrays]
+            if not np.array_equal(reference.canonical_rows(b - a, *part(got)),
+                                  reference.canonical_rows(b - a, *part(want))):
                 fails.append(f"{label}: expert {e}'s rows {a}..{b - 1} (and scales) are not source {s}'s")
                 break
     ref_y = [q["expert_x"].astype(np.float32).astype(np.float16) for q in refs]
