@@ -373,17 +373,22 @@ __device__ __forceinline__ bool m_in_range(int m, int rows, int max_tokens) {
   return m >= 0 && m <= rows && m <= max_tokens;
 }
 
-// With c.zero_tail (moecomm.jax: XLA's result buffers start uninitialised), every thread of the grid, strided:
-// rows m..c.rows-1 of c.out_tokens become zeros (all rows where the call failed: m 0). Nothing when m is c.rows
-// or the record has no out_tokens (a skipped call). Rows are whole 16-byte words (MOECOMM_ROW_ALIGN).
-static_assert(MOECOMM_ROW_ALIGN % 16 == 0, "zero_tail stores 16-byte words");
-__device__ __forceinline__ void zero_tail(const Fixed& f, const Call& c, int m) {
-  if (!c.zero_tail || !c.out_tokens || m >= c.rows) return;
+// The rows a combine writes besides its tokens' sums, every thread of the grid, strided. Where the call failed
+// (`failed`: on this rank or, seen by this block, on a peer) and c.nan_failed, every row of c.out_tokens becomes
+// NaN (moecomm.jax: a failed call in a replayed step never returns plausible data); otherwise, with c.zero_tail
+// (XLA's result buffers start uninitialised), rows m..c.rows-1 become zeros. `m` is 0 where the call failed.
+// Nothing for a record without out_tokens (a skipped call). Rows are whole 16-byte words (MOECOMM_ROW_ALIGN).
+static_assert(MOECOMM_ROW_ALIGN % 16 == 0, "fill_rows stores 16-byte words");
+__device__ __forceinline__ void fill_rows(const Fixed& f, const Call& c, int m, bool failed) {
+  const bool nan = failed && c.nan_failed;
+  if (!c.out_tokens || (!nan && (!c.zero_tail || m >= c.rows))) return;
+  const unsigned half = f.out_code == MOECOMM_DT_BF16 ? 0x7fc0u : 0x7e00u;  // a quiet NaN of out_dtype
+  const unsigned v = nan ? half << 16 | half : 0u;
   uint4* const out = reinterpret_cast<uint4*>(c.out_tokens);
   const size_t end = (size_t)c.rows * f.out_row_bytes / 16, stride = (size_t)gridDim.x * blockDim.x;
   for (size_t i = (size_t)m * f.out_row_bytes / 16 + (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < end;
        i += stride)
-    out[i] = make_uint4(0u, 0u, 0u, 0u);
+    out[i] = make_uint4(v, v, v, v);
 }
 
 // A combine call's checks, by every thread of its grid. `reason` (0: none) is what the call's signals carry
@@ -398,6 +403,7 @@ __device__ __forceinline__ void zero_tail(const Fixed& f, const Call& c, int m) 
 struct CombineCheck {
   int m;
   unsigned reason, bad_recv;
+  bool failed;  // this rank's part of the call failed (a reason, or its dispatch failed): m is 0
 };
 __device__ __forceinline__ CombineCheck combine_check(const Fixed& f, const Call& c, unsigned epoch,
                                                       bool again = false) {
@@ -419,7 +425,8 @@ __device__ __forceinline__ CombineCheck combine_check(const Fixed& f, const Call
     if (short_rows)
       record_error(f.err, MOECOMM_ERR_BAD_M, f.rank, MOECOMM_PHASE_COMBINE, m, (int)epoch, min(c.rows, f.max_tokens));
   }
-  return {reason || dispatched == M_INVALID ? 0 : m, reason, bad_recv};
+  const bool failed = !c.skip && (reason || dispatched == M_INVALID);
+  return {failed ? 0 : m, reason, bad_recv, failed};
 }
 
 // Combine's expert ids of this rank's share of the tokens t < m against those its dispatch read (f.ids_of), a

@@ -74,10 +74,11 @@ static __device__ __forceinline__ void token_rows(const Fixed& f, const Call& c,
 // float32 (read when c.partials == 0), c.bound_m, c.rows; writes rows 0..m-1 of c.out_tokens
 // [rows, hidden] out_dtype (a token whose ids are all -1 gets zeros) and, when given, of c.out_dropped
 // [rows, topk] uint8 (1: the pair was dropped for capacity, from f.drop_buf; it adds nothing), and with
-// c.zero_tail zeros in the rest of c.out_tokens' rows (zero_tail). Experts of
+// c.zero_tail zeros in the rest of c.out_tokens' rows (fill_rows). Experts of
 // masked ranks add nothing and masked ranks are not waited for. With c.skip, a bound_m other than the
-// dispatched m or above c.rows (both reported by combine_send) or a dispatch whose send half failed, nothing
-// is written.
+// dispatched m or above c.rows (both reported by combine_send) or a dispatch whose send half failed, no sum
+// is written; there, and where an expert rank flagged its part failed or was not heard from (not streamed:
+// the streamed form has summed its tokens by then), every row is NaN with c.nan_failed (fill_rows).
 // Telemetry: bytes received per peer.
 template <bool Wire>
 __device__ void moecomm::combine_recv(const Fixed& f, const Call& c, unsigned epoch, bool stream) {
@@ -85,10 +86,11 @@ __device__ void moecomm::combine_recv(const Fixed& f, const Call& c, unsigned ep
   TRACE(MOECOMM_TRACE_COMBINE_RECV, 0);
   const uint64_t deadline = now_ns() + f.timeout_ns;
   int m = c.skip ? 0 : *c.bound_m;
-  if (m != (int)f.state[MOECOMM_S_M] || f.state[MOECOMM_S_M] == M_INVALID || !m_in_range(m, c.rows, f.max_tokens)
-      || f.state[MOECOMM_S_EPOCH_DS] != epoch)  // a combine with no dispatch of its own (ERR_ORDER): nothing
-    m = 0;  // dispatch_send or combine_send reported it (to every rank)
-  zero_tail(f, c, m);
+  const bool own_failed = !c.skip && (m != (int)f.state[MOECOMM_S_M] || f.state[MOECOMM_S_M] == M_INVALID
+      || !m_in_range(m, c.rows, f.max_tokens)
+      || f.state[MOECOMM_S_EPOCH_DS] != epoch);  // a combine with no dispatch of its own (ERR_ORDER): nothing
+  if (own_failed) m = 0;  // dispatch_send or combine_send reported it (to every rank)
+  if (stream) fill_rows(f, c, m, own_failed);  // the sums stream: the other rows first
   __shared__ const uint8_t* srcs[2][MOECOMM_MAX_TOPK];  // two lists of rows to add (comb_buf, or expert_y)
   __shared__ float wts[2][MOECOMM_MAX_TOPK];
   __shared__ int n[2], cur[2];
@@ -113,21 +115,27 @@ __device__ void moecomm::combine_recv(const Fixed& f, const Call& c, unsigned ep
     token_rows(f, c, t, epoch, rank, use, own, stream, srcs[b], wts[b], &n[b], &dst[b]);
   };
   auto signals = [&]() {  // every expert rank's signal (a thread per rank); a failed peer is reported, and one
-                         // whose combine disagrees on the router weights (its rows are not what this rank sums)
+                         // whose combine disagrees on the router weights (its rows are not what this rank sums).
+                         // True where one of the thread's ranks flagged its part failed or was not heard from
+    bool bad = false;
     for (int q = threadIdx.x; q < f.world; q += blockDim.x) {
       if (f.mask[q]) continue;
       const uint64_t v = wait_epoch(f, &f.comb_sig[q], epoch, deadline, q, MOECOMM_PHASE_COMBINE);
+      bad |= !v || (v & SIG_BAD);
       peer_failed(f, c, v, q, MOECOMM_PHASE_COMBINE, epoch);
       const unsigned theirs = (unsigned)(v >> 1) & 1u;
       if (v && !(v & SIG_BAD) && !c.skip && theirs != (unsigned)c.partials)
         record_error(f.err, MOECOMM_ERR_WEIGHTS_DIFFER, q, MOECOMM_PHASE_COMBINE, (int)!theirs, (int)epoch);
     }
+    return bad;
   };
   int t = warp == 0 ? claim(0) : 0;
   if (warp == 0 && t < m) rank = token_ranks(f, c, t, stream, use, own);  // before the wait: ids do not depend on it
-  if (!stream) {  // every block waits for every expert rank, even with no token of its own
-    signals();
-    if (f.drop_buf) __syncthreads();  // warp 0 reads drop words of ranks other warps waited for
+  if (!stream) {  // every block waits for every expert rank, even with no token of its own (and so every block
+                  // sees a failed rank's flag: the call's rows are all NaN or none are, c.nan_failed)
+    const bool failed = __syncthreads_or(signals()) || own_failed;  // warp 0 reads drop words others waited for
+    if (failed) m = 0;
+    fill_rows(f, c, m, failed);
     TRACE(MOECOMM_TRACE_COMBINE_RECV, 1);
   }
   if (warp == 0 && t < m) list(t, 0);

@@ -139,7 +139,7 @@ extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, MOECOMM_BLOC
 // add; each warp lists the token's rows itself (no block barrier). Writes rows 0..m-1 of c.out_tokens
 // [rows, hidden] out_dtype (a token with no row gets zeros) and, when given, c.out_dropped [rows, topk] uint8
 // (from f.drop_buf, which dispatch_send wrote), and with c.zero_tail zeros in the rest of c.out_tokens' rows
-// (zero_tail); nothing else where combine_check leaves no rows. Expert ids other
+// (fill_rows: NaN in every row where combine_check finds the call failed, with c.nan_failed). Expert ids other
 // than the dispatch's (IdsCheck) are recorded as this rank's error. The call number is
 // the dispatch's: every block stores it as the combine's (no block of this call reads it) and in its own word of
 // state[s_combined] (a combine replayed twice after one dispatch finds it there: ERR_ORDER); state[BAD_RECV] is
@@ -172,8 +172,9 @@ extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, MOECOMM_BLOC
   };
   load_pairs(blockIdx.x);
   IdsCheck ids(f, c);
-  const int m = combine_check(f, c, epoch, again).m;
-  zero_tail(f, c, m);
+  const CombineCheck check = combine_check(f, c, epoch, again);
+  const int m = check.m;
+  fill_rows(f, c, m, check.failed);
   for (int i = blockIdx.x; i < m * slices; i += gridDim.x) {
     const int t = i / slices, s = i % slices;
     const size_t pair = (size_t)t * f.topk + lane;

@@ -132,6 +132,7 @@ CALL_FIELDS = (
     ("partials", "unsigned char"),  # combine: weights came with dispatch (sum on the expert side)
     ("skip", "unsigned char"),      # 1: this rank takes part with no data (its call was refused); arrays 0
     ("zero_tail", "unsigned char"),  # combine: rows m..rows-1 of out_tokens get zeros too (all rows when m fails)
+    ("nan_failed", "unsigned char"),  # combine: every row of out_tokens is NaN where the call failed (fill_rows)
 )
 # The arrays of one backward call or plan (cuda/backward.cu): device addresses, 0 for None.
 GRAD_FIELDS = (

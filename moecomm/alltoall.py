@@ -64,7 +64,11 @@ class CombineArgs(NamedTuple):
     ``promised`` as in :class:`DispatchArgs` (:meth:`AllToAll.prepare_combine`); ``zero_tail``: rows m..rows-1
     of out_tokens (rows: the fewest of the per-token arrays) are written too, as zeros, and on GPUs all of its
     rows where the kernels find the call failed, for a framework whose output buffers start uninitialised
-    (``moecomm.jax``, ``moecomm.torch``); combine() leaves them as they were."""
+    (``moecomm.jax``, ``moecomm.torch``); combine() leaves them as they were. ``nan_failed`` (GPUs): where the
+    kernels find the call failed, on this rank or on a rank it combines from, every row of out_tokens is NaN
+    instead, so that a call replayed from a graph, which raises nothing itself, never returns plausible rows
+    (the streamed combine of prefill-sized batches sums its tokens before it hears from every rank: there a
+    peer's failure leaves its rows as summed). The host transport raises in the call instead."""
     out_tokens: object
     indices: object
     weights: object
@@ -74,6 +78,7 @@ class CombineArgs(NamedTuple):
     stream: object = None
     promised: bool = False
     zero_tail: bool = False
+    nan_failed: bool = False
     phase = "combine"
     arrays = 6
 
@@ -425,7 +430,7 @@ class AllToAll:
         dispatch to combine is refused.
         """
         self.run(_new_tuple(CombineArgs, (out_tokens, indices, weights, expert_y, bound_m, out_dropped, stream,
-                                          False, False)), do_send, do_recv)
+                                          False, False, False)), do_send, do_recv)
 
     def prepare_dispatch(self, out_expert_num_tokens, out_expert_x, out_expert_x_scale, dp_x, dp_x_scale, indices,
                          bound_m, weights=None, stream=None, out_expert_offsets=None, tags=None, call_id=None):
@@ -508,7 +513,8 @@ class AllToAll:
                 raise InvalidArgument("dispatch: the receive half got other output arrays than the send half "
                                       "(out_expert_num_tokens, out_expert_x, out_expert_x_scale must be the same)")
             return weights, outputs
-        self._records["combine"].zero_tail = args.zero_tail  # not an array: set whether or not they were read
+        record = self._records["combine"]  # not arrays: set whether or not they were read
+        record.zero_tail, record.nan_failed = args.zero_tail, args.nan_failed
         if not weights and self._order.open and not self._order.dispatch_weights:
             raise InvalidArgument("combine: weights=None needs the router weights to have been passed to "
                                   "dispatch(weights=...)")

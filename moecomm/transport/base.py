@@ -11,7 +11,8 @@ once by ``backend.records()`` and kept by the backend), which AllToAll fills bef
 ``x``, ``x_scale``, ``indices``, ``weights``, ``bound_m``, ``out_num``, ``out_x``, ``out_scale``,
 ``out_offsets`` (dispatch), ``indices``, ``weights``, ``bound_m``, ``y``, ``out_tokens``, ``out_dropped``
 (combine), and the ints ``rows`` (the fewest rows of the call's per-token arrays), ``idx64``, ``partials``,
-``zero_tail`` (combine: rows m..rows-1 of ``out_tokens`` are written as zeros too).
+``zero_tail`` (combine: rows m..rows-1 of ``out_tokens`` are written as zeros too), ``nan_failed`` (combine,
+GPUs: every row of ``out_tokens`` is NaN where the call failed).
 A transport with ``memory == "host"`` gets numpy arrays (None where absent); one with ``memory == "device"``
 gets device addresses (0 where absent) in a :class:`moecomm._abi.Call` structure that it hands to its
 kernels as is.
