@@ -2,8 +2,8 @@
 functions as XLA FFI handlers, with no compiler involved.
 
 A handler gets a call frame: the stage, the arguments and results (device or host buffers), the attributes
-(here int64 scalars), and an API table to ask for the CUDA stream and to make errors. XLA first calls every
-handler with a metadata extension to learn its API version and traits; a handler marked command-buffer
+(here one int64 scalar, found by name), and an API table to ask for the CUDA stream and to make errors. XLA
+first calls every handler with a metadata extension to learn its API version and traits; a handler marked command-buffer
 compatible is traced into XLA's command buffers (CUDA graphs): it runs under stream capture when XLA records
 the graph, and XLA replays what it captured, with no Python, until the buffers' addresses change. The same
 layout serves JAX's CPU backend (buffers in host memory, no stream).
@@ -58,9 +58,14 @@ class _Scalar(ctypes.Structure):
     _fields_ = [("dtype", ctypes.c_int), ("value", _P)]
 
 
+class _ByteSpan(ctypes.Structure):  # XLA_FFI_ByteSpan: an attribute's name
+    _fields_ = [("ptr", _P), ("len", _SIZE)]
+
+
 class _Attrs(ctypes.Structure):
     _fields_ = [("struct_size", _SIZE), ("extension_start", _P), ("size", ctypes.c_int64),
-                ("types", ctypes.POINTER(ctypes.c_int)), ("names", _P), ("attrs", ctypes.POINTER(_P))]
+                ("types", ctypes.POINTER(ctypes.c_int)), ("names", ctypes.POINTER(ctypes.POINTER(_ByteSpan))),
+                ("attrs", ctypes.POINTER(_P))]
 
 
 class _ErrorCreateArgs(ctypes.Structure):
@@ -142,7 +147,19 @@ def buffers(items):
     return out
 
 
-def int_attr(frame, i):
-    """The value of the frame's i-th attribute, an int64 scalar."""
-    scalar = ctypes.cast(frame.attrs.attrs[i], ctypes.POINTER(_Scalar)).contents
-    return ctypes.cast(scalar.value, ctypes.POINTER(ctypes.c_int64)).contents.value
+_SCALAR = 3  # XLA_FFI_AttrType_SCALAR
+_S64 = 5     # XLA_FFI_DataType_S64
+
+
+def int_attr(frame, name):
+    """The value of the frame's attribute ``name`` (str), an int64 scalar; KeyError where it has none."""
+    key = name.encode()
+    for i in range(frame.attrs.size):
+        span = frame.attrs.names[i].contents
+        if ctypes.string_at(span.ptr, span.len) != key:
+            continue
+        scalar = ctypes.cast(frame.attrs.attrs[i], ctypes.POINTER(_Scalar)).contents
+        if frame.attrs.types[i] != _SCALAR or scalar.dtype != _S64:
+            raise TypeError(f"XLA FFI attribute {name!r}: not an int64 scalar")
+        return ctypes.cast(scalar.value, ctypes.POINTER(ctypes.c_int64)).contents.value
+    raise KeyError(f"XLA FFI call frame: no attribute {name!r}")

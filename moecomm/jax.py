@@ -27,7 +27,11 @@ XLA runs a jitted function's first executions, and a sequence of fewer commands 
 then, as in an eager call (``XLA_FLAGS=--xla_gpu_graph_min_graph_size=1`` captures a small step too;
 benchmarks/NOTES.md has the measurement). After ``UNCAPTURED_WARNING`` such runs of one AllToAll's calls in a
 row (none recorded between: a big step's first executions are followed by its recording) a RuntimeWarning says
-so, once.
+so, once. :attr:`AllToAll.handler_runs` counts the handlers' runs: in a step replayed from XLA's command buffers
+it does not move (``tools/jax_step.py`` reports it per row; the GPU suite fails where Python runs per call).
+A call that failed in a replayed step, which raises nothing itself, returns NaN in every row of combine's
+output on every rank (``failed="nan"``, the default; ``"zeros"`` keeps zeros), so that a loss or a logit shows
+it where nothing calls :meth:`AllToAll.check`.
 Shapes are static, as in :class:`moecomm.AllToAll` (worst-case expert slots; ``bound_m`` is a [1] int32 array).
 Split halves: :meth:`AllToAll.dispatch_send` returns a handle that :meth:`AllToAll.dispatch_recv` completes
 (other JAX work may sit between them), likewise ``combine_send`` / ``combine_recv``.
@@ -35,15 +39,17 @@ Split halves: :meth:`AllToAll.dispatch_send` returns a handle that :meth:`AllToA
 An AllToAll keeps state from one call to the next (its buffers, the call sequence every rank must follow),
 which XLA cannot see: to XLA a pure operation may be computed twice, dropped or merged with another. So every
 operation is marked for XLA as having a side effect (never dropped or merged; to JAX it is pure, which keeps
-jitted steps on JAX's C++ dispatch: see ``_effect_for_xla_only``) and sits between optimization barriers:
+jitted steps on JAX's C++ dispatch; never recomputed by ``jax.checkpoint``: moecomm/_jax_internals.py, the JAX
+internals this takes, behind a version gate) and sits between optimization barriers:
 XLA's GPU compiler otherwise fuses a scan's per-layer slicing of an operand or a result into a copy of the call
 (a "dynamic-slice fusion") and keeps the original too (seen on one H200 with jax 0.11.2: a dispatch run twice
 in a row; a scan whose per-layer outputs were returned ran its combine twice, the second time with no
-dispatch to combine). Where JAX saves an operation's raw outputs for the backward pass (a ``jax.checkpoint``
-policy that saves them; every checkpoint where the calls carry JAX's effect), past any barrier, a scan stacks
-them: so the forward of a differentiated dispatch or combine hands its outputs to ``moecomm_keep``, an
-effectful call that only copies its operands to its results where XLA gave them other buffers (none, unless
-XLA fused a copy of it), which XLA may fuse or copy freely. So each operation runs exactly once per execution.
+dispatch to combine). Where JAX saves an operation's raw outputs for the backward pass (under
+``jax.checkpoint`` always: a recomputed call would exchange again, with nothing to order it after the forward's
+calls), past any barrier, a scan stacks them: so the forward of a differentiated dispatch or combine hands its
+outputs to ``moecomm_keep``, an effectful call that only copies its operands to its results where XLA gave
+them other buffers (none, unless XLA fused a copy of it), which XLA may fuse or copy freely. So each operation
+runs exactly once per execution.
 Data dependencies alone order the calls of one AllToAll (dispatch -> experts -> combine, a send half's handle
 -> its receive half): a combine must read something its dispatch wrote (XLA removes optimization barriers
 before it schedules, so a barrier is no dependency).
@@ -79,7 +85,7 @@ from typing import NamedTuple
 import jax
 import numpy as np
 
-from . import _cuda, _xla_ffi
+from . import _cuda, _jax_internals, _xla_ffi
 from ._arrays import DeviceBuffer, host_array
 from ._errors import InvalidArgument
 from .alltoall import CombineArgs, DispatchArgs, RoutingPlan, no_gradients
@@ -97,7 +103,7 @@ _numbers = itertools.count(1)
 def _handle(kind, frame):
     """The FFI handler of every moecomm operation: the layer and flags from the frame's attribute, then the
     layer's method for ``kind`` with the frame's buffers."""
-    op = _xla_ffi.int_attr(frame, 0)
+    op = _xla_ffi.int_attr(frame, "op")
     getattr(_layers[op >> 8], "_" + kind)(op & 0xFF, _xla_ffi.buffers(frame.args), _xla_ffi.buffers(frame.rets),
                                           frame)
 
@@ -115,56 +121,8 @@ def _register():
     return handlers
 
 
-def _effect_for_xla_only():
-    """Make moecomm's FFI calls effectful for XLA and pure for JAX; returns whether that was done.
-
-    XLA must never drop, merge or duplicate a call (the HLO custom call's side-effect flag). JAX must not see an
-    effect: a jitted function with one leaves JAX's C++ dispatch for its Python dispatch and runtime tokens on
-    every call (jax 0.10-0.11: ``_get_fastpath_data`` refuses executables with effects), which cost 0.4-0.5 ms
-    per step of 8 layers on one H200, against ~0.14 ms of kernels (jax.profiler, jax 0.11.2). So moecomm's
-    calls are ``ffi_call``s without a side effect, lowered with one (their targets are named ``moecomm_*``),
-    and JAX's dead-code elimination keeps them. Being pure to JAX, ``jax.checkpoint`` recomputes them in the
-    backward pass like JAX's own collectives: every rank runs the same program, so every rank recomputes the
-    same calls in the same order. Where JAX's internals differ (the rules are internal), the calls carry
-    JAX's effect instead: right, and slower per step."""
-    try:
-        from jax._src import ffi as jax_ffi
-        from jax._src.interpreters import partial_eval as pe
-        from jax.interpreters import mlir
-        lower, keep_default = jax_ffi.ffi_call_lowering, pe.dce_rules.get(jax_ffi.ffi_call_p, pe._default_dce_rule)
-    except (ImportError, AttributeError):
-        return False
-
-    def lowering(ctx, *operands, target_name, has_side_effect, **params):
-        return lower(ctx, *operands, target_name=target_name,
-                     has_side_effect=has_side_effect or target_name.startswith("moecomm_"), **params)
-
-    def dce(used_outputs, eqn):
-        if eqn.params["target_name"].startswith("moecomm_"):
-            return [True] * len(eqn.invars), eqn
-        return keep_default(used_outputs, eqn)
-    mlir.register_lowering(jax_ffi.ffi_call_p, lowering)
-    pe.dce_rules[jax_ffi.ffi_call_p] = dce
-    return True
-
-
-def _allow_in_checkpoint():
-    """Where moecomm's calls carry JAX's effect: let ``jax.checkpoint`` take them. JAX refuses effects it does
-    not list as allowed in remat ("Effects not supported in partial-eval of checkpoint/remat"), and FFI calls
-    with a side effect are not listed (jax 0.10-0.11; the list is internal): added where JAX has it. JAX then
-    keeps the calls' outputs as residuals."""
-    try:
-        from jax._src import effects
-        from jax._src.ffi import FfiEffect
-    except ImportError:  # another layout of JAX's internals: jax.checkpoint under jax.grad then raises JAX's error
-        return
-    effects.remat_allowed_effects.add_type(FfiEffect)
-
-
 _HANDLERS = _register()  # kept alive: XLA holds their addresses
-_JAX_EFFECT = not _effect_for_xla_only()  # whether moecomm's calls carry JAX's effect (the slower fallback)
-if _JAX_EFFECT:
-    _allow_in_checkpoint()
+_jax_internals.install()
 
 
 def _typed(structs, like):
@@ -188,15 +146,9 @@ def _fenced(op, *args):
     return jax.lax.optimization_barrier(op(*jax.lax.optimization_barrier(args)))
 
 
-try:  # JAX's internal name of vmap's tracer (jax 0.5-0.11); without it JAX's own vmap error stands
-    from jax._src.interpreters.batching import BatchTracer as _BatchTracer
-except ImportError:
-    _BatchTracer = ()
-
-
 def _unbatched(*arrays):
     """Refuse ``jax.vmap`` over an operation: a call is collective over the ranks, not over a batch."""
-    if any(isinstance(a, _BatchTracer) for a in arrays):
+    if any(isinstance(a, _jax_internals.BatchTracer) for a in arrays):
         raise InvalidArgument("moecomm.jax: jax.vmap over dispatch or combine is not supported (each call is one "
                               "collective exchange of all the ranks): fold the batch into the token dimension, or "
                               "map over layers with lax.scan")
@@ -237,11 +189,19 @@ class AllToAll:
             unspecified (uninitialised memory, possibly NaN): set it when the experts' weights are
             differentiated with every slot read and dispatch's inputs are not (a first layer's tokens, with
             router weights given at combine), or mask the slots past the count.
+        failed: what combine returns on GPUs, on every rank, for a call that failed (an error
+            :meth:`check` raises: bad routing, a bound_m out of range, a capacity exceeded, a rank that failed or
+            was not heard from): ``"nan"``, every row NaN, so that a loss or a logit shows it even where nothing
+            calls :meth:`check`; or ``"zeros"``. The next call is right either way. (On the host transport the
+            jitted call raises instead.)
     """
 
-    def __init__(self, a2a, zero_slots=False):
+    def __init__(self, a2a, zero_slots=False, failed="nan"):
         self.a2a, c = a2a, a2a.cfg
         self._zero = bool(zero_slots)
+        if failed not in ("nan", "zeros"):
+            raise InvalidArgument(f"moecomm.jax.AllToAll: failed must be 'nan' or 'zeros', got {failed!r}")
+        self._nan_failed = failed == "nan"
         if c.layout != "padded":
             raise ValueError("moecomm.jax takes AllToAlls of the padded layout")
         self._host = a2a.comm.transport.memory == "host"
@@ -255,7 +215,16 @@ class AllToAll:
         self._weights_sent = False  # whether the last dispatch traced here was given router weights
         self._number = next(_numbers)  # its operations' attribute names it to the handlers
         self._uncaptured = 0  # handler runs on GPUs outside XLA's command buffers since its last recording
+        self._runs = 0  # handler runs of this layer's operations, counted from its creation
         _layers[self._number] = self
+
+    @property
+    def handler_runs(self):
+        """How often the handlers of this layer's operations have run (Python per call): XLA runs a handler
+        when it records the call into a command buffer (its first executions, and where the buffers' addresses
+        changed) and wherever it runs the call outside one (the host transport, a step XLA runs op by op). In
+        a jitted step replayed from XLA's command buffers it stays the same from one step to the next."""
+        return self._runs
 
     def check(self):
         """Raise the error the GPU recorded in this AllToAll's calls that nothing has raised yet (calls replayed
@@ -269,7 +238,7 @@ class AllToAll:
         flags say which), returning a tuple of ``results`` (ShapeDtypeStructs), typed as varying where ``like``
         (the call's per-rank data: tokens, expert outputs, gradients) varies (:func:`_typed`); ``aliases``:
         operand -> result."""
-        call = jax.ffi.ffi_call(f"moecomm_{kind}", _typed(results, like), has_side_effect=_JAX_EFFECT,
+        call = jax.ffi.ffi_call(f"moecomm_{kind}", _typed(results, like), has_side_effect=False,
                                 input_output_aliases=aliases)
         op = np.int64(self._number << 8 | flags)
         if flags & _PLAN:  # a differentiated forward: its outputs reach the backward pass through moecomm_keep
@@ -280,7 +249,7 @@ class AllToAll:
         """``arrays`` (a forward's outputs) through ``moecomm_keep``: its results alias its operands, and it
         copies an operand to its result where XLA gave them different buffers (see the module doc)."""
         types = [_typed([jax.ShapeDtypeStruct(a.shape, a.dtype)], a)[0] for a in arrays]
-        call = jax.ffi.ffi_call("moecomm_keep", types, has_side_effect=_JAX_EFFECT,
+        call = jax.ffi.ffi_call("moecomm_keep", types, has_side_effect=False,
                                 input_output_aliases={i: i for i in range(len(arrays))})
         return call(*arrays, op=np.int64(self._number << 8))
 
@@ -351,6 +320,7 @@ class AllToAll:
         moecomm.AllToAll.captured(), recording where XLA is recording a command buffer. XLA may record one
         half of a call and run the other directly, so no call keeps its order on the host; XLA's data
         dependencies order them, the kernels pair them."""
+        self._runs += 1
         if self._host:
             return None, contextlib.nullcontext()
         stream = _xla_ffi.stream(frame)
@@ -395,10 +365,11 @@ class AllToAll:
         with scope:
             if rest:
                 self.a2a.plan(RoutingPlan(*rest), stream)
-            self.a2a.run(CombineArgs(out, idx, w, y, m, None, stream, zero_tail=True),
+            self.a2a.run(CombineArgs(out, idx, w, y, m, None, stream, zero_tail=True, nan_failed=self._nan_failed),
                          flags & _SEND, flags & _RECV)
 
     def _keep(self, flags, ins, outs, frame):
+        self._runs += 1
         for (src, shape, dtype), (dst, _, _) in zip(ins, outs):
             if src != dst:  # XLA gave the result a buffer of its own (a fused copy of this call)
                 nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize

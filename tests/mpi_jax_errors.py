@@ -11,9 +11,11 @@ warm-up steps first, so that the faulty steps are replayed from XLA's command bu
 a bound_m above the rows, and (an AllToAll with capacity=2, overflow="error") all of its max_num_tokens tokens
 routed to the same two experts. After each, every rank must have met a moecomm error for that step, raised by
 the jitted call itself (where the handlers run: the host transport, XLA running the step op by op) or by
-``layer.check()`` once the outputs are ready, and the next step (fresh tokens, another m) must equal numpy's on
-every rank, rows >= m zero. With ``--silent`` the last rank then skips a step (sleeping past the timeout) while
-the others run it: they must raise CommTimeout naming it. Prints "<n> checks on <w> ranks: <f> failures".
+``layer.check()`` once the outputs are ready; a step that returned (replayed, nothing raised yet) must have
+returned NaN in every value on every rank (``failed="nan"``), read before ``layer.check()``; and the next step
+(fresh tokens, another m) must equal numpy's on every rank, rows >= m zero. With ``--silent`` the last rank then
+skips a step (sleeping past the timeout) while the others run it: they must raise CommTimeout naming it.
+Prints "<n> checks on <w> ranks: <f> failures".
 """
 import argparse
 import os
@@ -82,17 +84,19 @@ def main():
         return m, x, ids, wts, bound
 
     def run(layer, inputs):
-        """The step's output (numpy) and the error text it met (None: none), checked with layer.check()."""
+        """The step's output (numpy, read before layer.check(); None where the step itself raised) and the error
+        text it met (None: none): the step's own, or layer.check()'s once the output is ready."""
         m, x, ids, wts, bound = inputs
+        out = None
         try:
             out = steps[layer](put(jnp.asarray(x)), put(jnp.asarray([bound], jnp.int32)), put(jnp.asarray(ids)),
-                                   put(jnp.asarray(wts)))
+                               put(jnp.asarray(wts)))
             out = np.asarray(jax.block_until_ready(out))
             layer.check()
             return out, None
         except Exception as e:  # noqa: BLE001 - JAX wraps a handler's error in its own
             text = f"{type(e).__name__}: {e}".splitlines()[0][:300]
-            return None, text
+            return out if isinstance(out, np.ndarray) else None, text
 
     def right(name, layer, inputs):
         """One good step: equal to numpy's (the kernels' rounding: float32 sums, bfloat16 results)."""
@@ -119,11 +123,14 @@ def main():
                 right("warm-up", layer, draw(layer))
         for fault, layer in (("expert id out of range", plain), ("bound_m above the rows", plain),
                              ("capacity overflow", capped)):
-            checks += 1
-            _, error = run(layer, draw(layer, fault))
+            checks += 2
+            out, error = run(layer, draw(layer, fault))
             met[fault] = next((n for n in ERRORS if error and n in error), None)
             if met[fault] is None:
                 fails.append(f"rank {r}: {fault}: no moecomm error ({error})")
+            if out is not None and not np.isnan(out.astype(np.float32)).all():  # returned, not raised: all NaN
+                fails.append(f"rank {r}: {fault}: the failed step returned {np.isnan(out.astype(np.float32)).sum()}"
+                             f" NaN of {out.size} values (moecomm.jax failed='nan': every row NaN)")
             right(f"the step after '{fault}'", layer, draw(layer))
         if args.silent:  # last: the communicator is broken afterwards
             checks += 1
