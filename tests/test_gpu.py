@@ -179,6 +179,19 @@ def test_jax_example_jitted(order):
     assert "all ranks match" in p.stdout
 
 
+@pytest.mark.skipif(GPUS < 1 or not _has("jax"), reason=f"needs a GPU and jax; {NEEDS_GPU}")
+@pytest.mark.parametrize("preallocate", ["false", "true"])
+def test_jitted_jax_steps_replay_with_no_python_per_call(preallocate):
+    """tools/jax_step.py --small --require-captured at world size 1 over ipc: every layer (the exchange, x 2 in
+    XLA between the halves, the whole MoE layer in bf16 and FP8, its training step under jax.checkpoint),
+    unrolled and scanned, checked first, then no handler run (Python) in the timed steps; with JAX's memory
+    preallocated and not."""
+    p = run_mpi(1, "tools/jax_step.py", "--small", "--require-captured", "--steps", "20", "--rounds", "1",
+                "--json", "/dev/null", timeout=900,
+                env={"MOECOMM_TRANSPORT": "ipc", "XLA_PYTHON_CLIENT_PREALLOCATE": preallocate})
+    assert p.returncode == 0 and "train " in p.stdout, p.stdout[-4000:] + p.stderr[-4000:]
+
+
 @needs_torch
 def test_started_from_torch_distributed():
     import os

@@ -258,3 +258,28 @@ def test_calls_run_outside_command_buffers_are_named_once(layer):
             layer._count_run(False)
     assert len(seen) == 1 and seen[0].category is RuntimeWarning
     assert "xla_gpu_graph_min_graph_size=1" in str(seen[0].message)
+
+
+def test_jax_versions_outside_the_tested_range_are_refused(monkeypatch):
+    """moecomm/_jax_internals.py: the version gate (setup.cfg's range), with MOECOMM_UNTESTED_JAX=1 to try."""
+    from moecomm import _jax_internals as ji
+    assert ji._version("0.11.2") == (0, 11, 2) and ji._version("0.10.0.dev20260101") == (0, 10, 0)
+    for version, refused in (("0.8.2", True), (".".join(map(str, ji.MIN_VERSION)), False),
+                             (".".join(map(str, ji.NEXT_VERSION)), True)):
+        monkeypatch.setattr(jax, "__version__", version)
+        monkeypatch.delenv("MOECOMM_UNTESTED_JAX", raising=False)
+        if refused:
+            with pytest.raises(ji.UnsupportedJax, match="MOECOMM_UNTESTED_JAX"):
+                ji._check_version()
+            monkeypatch.setenv("MOECOMM_UNTESTED_JAX", "1")
+        ji._check_version()
+
+
+def test_moe_layers_of_the_jax_step_tool_on_the_cpu():
+    """tools/jax_step.py --small on one host rank: the exchange, the simple form (x 2 between the halves), the
+    whole layer (router, experts over capacity slots, residual; bfloat16 and FP8 quantised in the step) and its
+    training step (value_and_grad, jax.checkpoint per layer, unrolled and scanned) checked against numpy and
+    against XLA alone; the handler runs (every call on the CPU backend) counted."""
+    p = run_mpi(1, "tools/jax_step.py", "--small", "--steps", "2", "--rounds", "1", "--json", "/dev/null",
+                timeout=600)
+    assert p.returncode == 0 and "train    bfloat16      scan" in p.stdout, p.stdout[-4000:] + p.stderr[-4000:]

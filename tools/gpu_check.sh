@@ -56,9 +56,10 @@
 #                                    ranks ($SOAK_MINUTES, default 5)
 #   bash tools/gpu_check.sh jax      moecomm.jax on one GPU over ipc: tests/mpi_jax.py, mpi_jax_grad.py,
 #                                    mpi_jax_spmd.py (the SPMD form) and mpi_jax_errors.py (faults in replayed
-#                                    steps; a silent rank at 2) at 1 and 2 ranks, then tools/jax_step.py
-#                                    (jitted 8-layer steps against the same calls in a CUDA graph;
-#                                    $OUT/jax-step.json)
+#                                    steps; a silent rank at 2) at 1 and 2 ranks, tools/jax_step.py --small
+#                                    --require-captured (every layer and form, no Python per call; preallocation
+#                                    off and on), then tools/jax_step.py (jitted 8-layer steps of every layer
+#                                    against the same calls in a CUDA graph and XLA alone; $OUT/jax-step.json)
 #   bash tools/gpu_check.sh deep-ep  moecomm.compat.deep_ep: tests/mpi_deep_ep.py at 1 rank on both transports and
 #                                    2 ranks over ipc; with $DEEPEP_TESTS (DeepEP's tests/ folder, fetched, never
 #                                    committed) its own test_low_latency.py unchanged at ${DEEPEP_RANKS:-1 2 4}
@@ -123,6 +124,10 @@ if [ "${1:-}" = jax ]; then  # moecomm.jax: correct first, then timed
     expect ": 0 failures" "${MPIRUN[@]}" -np $n python3 tests/mpi_jax_errors.py
   done
   expect ": 0 failures" "${MPIRUN[@]}" -np 2 python3 tests/mpi_jax_errors.py --silent
+  for pre in false true; do  # no Python per call in steady state, with JAX's memory settings either way
+    XLA_PYTHON_CLIENT_PREALLOCATE=$pre step "${MPIRUN[@]}" -np 1 python3 tools/jax_step.py --small --require-captured \
+      --steps 20 --rounds 1 --json "$out/jax-capture-$pre.json"
+  done
   step "${MPIRUN[@]}" -np 1 python3 tools/jax_step.py --json "$out/jax-step.json"
   exit $status
 fi
