@@ -663,24 +663,30 @@ def main():
                 rows += moe_rows(ctx, dtype, kind == "train")
             if comm.rank == 0:
                 print_rows(rows[-len(args.forms):])
+                write(args, comm, jax, shapes, rows)  # so far: a run cut short keeps what it measured
     if args.native:
         native = native_time(jax, jnp, put, dev, args, shapes)
         for row in rows:
             if row["layer"] == "exchange":
                 row.update(native)
+    if comm.rank == 0:
+        print_rows(rows, header=True)
+        write(args, comm, jax, shapes, rows)
+    uncaptured = [f"{r['layer']} {r['dtype']} {r['form']}: {r['handler_runs']}" for r in rows if r["handler_runs"]]
+    comm.finalize()
+    if args.require_captured and uncaptured:
+        raise SystemExit("jax_step.py: handler runs in the timed steps (Python per call): " + "; ".join(uncaptured))
+
+
+def write(args, comm, jax, shapes, rows):
+    """The JSON: command, machine and versions, shapes, rows."""
     argv = [a for i, a in enumerate(sys.argv[1:]) if a != "--json" and sys.argv[i] != "--json"]
     result = {"command": " ".join([f"mpirun -np {comm.world_size} python tools/jax_step.py", *argv]),
               "environment": dict(environment(), jax=jax.__version__, xla_flags=os.environ.get("XLA_FLAGS", ""),
                                   preallocate=os.environ.get("XLA_PYTHON_CLIENT_PREALLOCATE", "")),
               "shapes": shapes._asdict(), "results": rows}
-    if comm.rank == 0:
-        print_rows(rows, header=True)
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
-    uncaptured = [f"{r['layer']} {r['dtype']} {r['form']}: {r['handler_runs']}" for r in rows if r["handler_runs"]]
-    comm.finalize()
-    if args.require_captured and uncaptured:
-        raise SystemExit("jax_step.py: handler runs in the timed steps (Python per call): " + "; ".join(uncaptured))
+    with open(args.json, "w") as f:
+        json.dump(result, f, indent=1)
 
 
 def print_rows(rows, header=False):
