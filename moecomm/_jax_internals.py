@@ -64,9 +64,8 @@ except (ImportError, AttributeError) as e:  # inside the range these exist; unde
     raise UnsupportedJax(f"moecomm.jax: this jax ({jax.__version__}) lacks an internal it needs: {e}") from e
 
 
-def _ours(eqn_or_params):
-    params = getattr(eqn_or_params, "params", eqn_or_params)
-    return params["target_name"].startswith(PREFIX)
+def _ours(eqn):
+    return eqn.params["target_name"].startswith(PREFIX)
 
 
 def _lowering(ctx, *operands, target_name, has_side_effect, **params):

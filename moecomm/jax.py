@@ -116,8 +116,8 @@ def _register():
         for platform, graphs in (("cpu", False), ("CUDA", True)):
             h = _xla_ffi.handler(functools.partial(_handle, kind), graphs)
             handlers.append(h)
-            jax.ffi.register_ffi_target(f"moecomm_{kind}", jax.ffi.pycapsule(ctypes.cast(h, ctypes.c_void_p).value),
-                                        platform=platform)
+            capsule = jax.ffi.pycapsule(ctypes.cast(h, ctypes.c_void_p).value)
+            jax.ffi.register_ffi_target(_jax_internals.PREFIX + kind, capsule, platform=platform)
     return handlers
 
 
@@ -238,7 +238,7 @@ class AllToAll:
         flags say which), returning a tuple of ``results`` (ShapeDtypeStructs), typed as varying where ``like``
         (the call's per-rank data: tokens, expert outputs, gradients) varies (:func:`_typed`); ``aliases``:
         operand -> result."""
-        call = jax.ffi.ffi_call(f"moecomm_{kind}", _typed(results, like), has_side_effect=False,
+        call = jax.ffi.ffi_call(_jax_internals.PREFIX + kind, _typed(results, like), has_side_effect=False,
                                 input_output_aliases=aliases)
         op = np.int64(self._number << 8 | flags)
         if flags & _PLAN:  # a differentiated forward: its outputs reach the backward pass through moecomm_keep
@@ -249,7 +249,7 @@ class AllToAll:
         """``arrays`` (a forward's outputs) through ``moecomm_keep``: its results alias its operands, and it
         copies an operand to its result where XLA gave them different buffers (see the module doc)."""
         types = [_typed([jax.ShapeDtypeStruct(a.shape, a.dtype)], a)[0] for a in arrays]
-        call = jax.ffi.ffi_call("moecomm_keep", types, has_side_effect=False,
+        call = jax.ffi.ffi_call(_jax_internals.PREFIX + "keep", types, has_side_effect=False,
                                 input_output_aliases={i: i for i in range(len(arrays))})
         return call(*arrays, op=np.int64(self._number << 8))
 

@@ -25,6 +25,12 @@ def m_in_range(m, rows, max_tokens):
     return 0 <= m <= rows and m <= max_tokens
 
 
+def relative_error(got, want):
+    """L2 norm of got - want over that of want, in float32 (NaN compares as a failure: check ``not err < tol``)."""
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    return float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
+
+
 def tag_error(tags, num_tags, first=0, step=1):
     """A message naming the first tag of ``tags`` (of tokens first, first + step, ...) outside [0, num_tags), or
     None if all are in range."""

@@ -50,10 +50,13 @@ from typing import NamedTuple
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # CuPy and JAX share the GPU
 
+import jax  # noqa: E402  (imports no backend: moecomm.init() may come first or after)
+import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import moecomm  # noqa: E402
 from moecomm import reference  # noqa: E402
+from moecomm.reference import relative_error  # noqa: E402
 from moecomm.bench import Bench, environment, stats  # noqa: E402
 
 
@@ -78,23 +81,18 @@ E4M3_MAX = 448.0
 
 # the model: plain JAX, over an exchange (moecomm.jax's or XLA's own) ------------------------------------
 def rms_norm(x, g):
-    import jax
-    import jax.numpy as jnp
     xf = x.astype(jnp.float32)
     return (xf * jax.lax.rsqrt(jnp.mean(xf * xf, -1, keepdims=True) + 1e-6) * g).astype(jnp.bfloat16)
 
 
 def route(h, wr, k):
     """(ids [rows, k] int32, weights [rows, k] float32): the top-k logits' softmax."""
-    import jax
-    import jax.numpy as jnp
     logits, ids = jax.lax.top_k(jnp.einsum("th,he->te", h, wr, preferred_element_type=jnp.float32), k)
     return ids.astype(jnp.int32), jax.nn.softmax(logits, -1)
 
 
 def quantize(h):
     """bfloat16 [rows, H] -> (e4m3 [rows, H], float32 scales [rows, H / BLOCK]): amax / 448 per block."""
-    import jax.numpy as jnp
     b = h.astype(jnp.float32).reshape(h.shape[0], -1, BLOCK)
     s = jnp.maximum(jnp.abs(b).max(-1), 1e-12) / E4M3_MAX
     return (b / s[..., None]).astype(jnp.float8_e4m3fn).reshape(h.shape), s
@@ -102,15 +100,12 @@ def quantize(h):
 
 def dequantize(q, s):
     """e4m3 [..., H] with float32 scales [..., H / BLOCK] -> bfloat16."""
-    import jax.numpy as jnp
     b = q.astype(jnp.float32).reshape(*q.shape[:-1], -1, BLOCK) * s[..., None]
     return b.reshape(q.shape).astype(jnp.bfloat16)
 
 
 def experts(x, w1, w2):
     """Every local expert over its slots: x [L, C, H] bfloat16 -> silu(x @ w1) @ w2, [L, C, H] bfloat16."""
-    import jax
-    import jax.numpy as jnp
     a = jnp.einsum("lch,lhf->lcf", x, w1, preferred_element_type=jnp.float32)
     a = jax.nn.silu(a).astype(jnp.bfloat16)
     return jnp.einsum("lcf,lfh->lch", a, w2, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
@@ -139,7 +134,6 @@ class Local:
         self.experts, self.capacity = experts_, capacity
 
     def dispatch(self, x, xs, ids, m, w):
-        import jax.numpy as jnp
         rows, k = ids.shape
         flat = ids.reshape(-1)
         sent = jnp.repeat(jnp.arange(rows) < m[0], k)
@@ -152,7 +146,6 @@ class Local:
         return scatter(x), None if xs is None else scatter(xs), (e, s, keep)
 
     def combine(self, ctx, ids, w, y, m):
-        import jax.numpy as jnp
         e, s, keep = ctx
         rows, k = ids.shape
         got = y[jnp.minimum(e, self.experts - 1), s].astype(jnp.float32) * jnp.where(keep, w.reshape(-1), 0)[:, None]
@@ -187,7 +180,6 @@ def init_params(rng, shapes, layers, local):
 
 def stack_fns(block, layers):
     """(unrolled, scanned): ``block(p, x)`` over the layers' parameters (stacked; unrolled: a list)."""
-    import jax
 
     def unrolled(params, x):
         for p in params:
@@ -234,7 +226,7 @@ def numpy_block(x, h, ids, w, m, p, fp8, capacity, experts_):
     return f32((f32(x[:m]) + f32(acc.astype(bf))).astype(bf)), clean
 
 
-def check_moe(jax, jnp, block_for, params, shapes, fp8, capacity, put, rng, form, layers):
+def check_moe(block_for, params, shapes, fp8, capacity, put, rng, form, layers):
     """The moe stack layer by layer against numpy (world size 1) at a small m and at the full batch; raises
     SystemExit on a mismatch. Returns how many (layer, token) outputs were compared."""
     T, E, K, H, F = shapes
@@ -272,11 +264,6 @@ def check_moe(jax, jnp, block_for, params, shapes, fp8, capacity, put, rng, form
     return compared
 
 
-def relative_error(got, want):
-    got, want = f32(got), f32(want)
-    return float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
-
-
 # timing -----------------------------------------------------------------------------------------------
 def timed(run, args, layers):
     """(pipelined µs per layer, one step at a time µs) of ``run()`` (one step; returns what to wait for),
@@ -299,7 +286,6 @@ def timed(run, args, layers):
 
 
 def wait(out):
-    import jax
     jax.block_until_ready(out)
 
 
@@ -416,8 +402,6 @@ def reference_exchange(inputs, fp8, layers, rank, W, y_expert, shapes, scale):
 
 class Ctx(NamedTuple):
     comm: object
-    jax: object
-    jnp: object
     put: object
     bench: object
     args: object
@@ -426,7 +410,7 @@ class Ctx(NamedTuple):
 
 def exchange_rows(ctx, dtype, scale):
     """The exchange rows (``scale`` None) or the simple form's (bfloat16, x ``scale`` between the halves)."""
-    comm, jax, jnp, put, args, sh = ctx.comm, ctx.jax, ctx.jnp, ctx.put, ctx.args, ctx.shapes
+    comm, put, args, sh = ctx.comm, ctx.put, ctx.args, ctx.shapes
     import moecomm.jax as mj
     W, r = comm.world_size, comm.rank
     T, E, K, H, _ = sh
@@ -515,7 +499,7 @@ def exchange_rows(ctx, dtype, scale):
 
 def moe_rows(ctx, dtype, train):
     """The moe rows (a whole layer), or with ``train`` the training step's."""
-    comm, jax, jnp, put, args, sh = ctx.comm, ctx.jax, ctx.jnp, ctx.put, ctx.args, ctx.shapes
+    comm, put, args, sh = ctx.comm, ctx.put, ctx.args, ctx.shapes
     import moecomm.jax as mj
     W, r = comm.world_size, comm.rank
     if W != 1:
@@ -541,21 +525,20 @@ def moe_rows(ctx, dtype, train):
         row = dict(layer=kind, config="r1-decode", world=W, form=form, dtype=dtype, layers=args.layers, ffn=F,
                    capacity=capacity)
         if train:
-            step, xla, p_of = train_step(jax, jnp, ours, form, args.layers), train_step(jax, jnp, local, form,
-                                                                                       args.layers), None
-            row["checked"] = check_train(jax, jnp, ours, local, params, x0, put, capacity, sh, form, rng)
-            state = {"p": copy_params(jax, params, form, args.layers)}
+            step, xla = train_step(ours, form, args.layers), train_step(local, form, args.layers)
+            row["checked"] = check_train(ours, local, params, put, capacity, sh, form, rng)
+            state = {"p": copy_params(params, form, args.layers)}
 
             def run():
                 loss, state["p"] = step(state["p"], x0, m_dev)
                 return loss
-            xstate = {"p": copy_params(jax, params, form, args.layers)}
+            xstate = {"p": copy_params(params, form, args.layers)}
 
             def xrun():
                 loss, xstate["p"] = xla(xstate["p"], x0, m_dev)
                 return loss
         else:
-            row["checked_tokens"] = check_moe(jax, jnp, ours, params, sh, fp8, capacity, put, rng, form,
+            row["checked_tokens"] = check_moe(ours, params, sh, fp8, capacity, put, rng, form,
                                               args.layers)
             fns = stack_fns(lambda p, x: ours(p, x, m_dev), args.layers)
             xfns = stack_fns(lambda p, x: local(p, x, m_dev), args.layers)
@@ -577,14 +560,13 @@ def moe_rows(ctx, dtype, train):
     return rows
 
 
-def copy_params(jax, params, form, layers):
+def copy_params(params, form, layers):
     """A fresh copy of the parameters in the form's layout (the training step donates them)."""
-    import jax.numpy as jnp
     p = {k: jnp.array(v, copy=True) for k, v in params.items()}
     return per_layer(p, layers) if form == "unrolled" else p
 
 
-def loss_of(jax, jnp, block_for, form, layers):
+def loss_of(block_for, form, layers):
     """The training loss over a stack: mean square of the output rows below m, each layer checkpointed."""
     def loss(params, x, m):
         fns = stack_fns(jax.checkpoint(lambda p, c: block_for(p, c, m)), layers)
@@ -594,9 +576,9 @@ def loss_of(jax, jnp, block_for, form, layers):
     return loss
 
 
-def train_step(jax, jnp, block_for, form, layers, lr=1e-3):
+def train_step(block_for, form, layers, lr=1e-3):
     """One SGD step, the parameters donated: (loss, new parameters)."""
-    loss = loss_of(jax, jnp, block_for, form, layers)
+    loss = loss_of(block_for, form, layers)
 
     def step(params, x, m):
         value, grads = jax.value_and_grad(loss)(params, x, m)
@@ -606,7 +588,7 @@ def train_step(jax, jnp, block_for, form, layers, lr=1e-3):
     return jax.jit(step, donate_argnums=0)
 
 
-def check_train(jax, jnp, ours, local, params, x0, put, capacity, sh, form, rng):
+def check_train(ours, local, params, put, capacity, sh, form, rng):
     """The loss and every gradient of a one-layer stack, moecomm against XLA alone, at an m where no expert
     overflows (``capacity``); returns the number of arrays compared."""
     T, E, K, H, F = sh
@@ -614,8 +596,8 @@ def check_train(jax, jnp, ours, local, params, x0, put, capacity, sh, form, rng)
     one = {k: v[:1] for k, v in params.items()}
     p = per_layer(one, 1) if form == "unrolled" else one
     x = put(rng.standard_normal((T, H)).astype(moecomm.bfloat16))
-    got = jax.jit(jax.value_and_grad(loss_of(jax, jnp, ours, form, 1)))(p, x, m)
-    want = jax.jit(jax.value_and_grad(loss_of(jax, jnp, local, form, 1)))(p, x, m)
+    got = jax.jit(jax.value_and_grad(loss_of(ours, form, 1)))(p, x, m)
+    want = jax.jit(jax.value_and_grad(loss_of(local, form, 1)))(p, x, m)
     leaves = list(zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)))
     for n, (a, b) in enumerate(leaves):
         err = relative_error(a, b)
@@ -643,15 +625,13 @@ def main():
     args.forms = args.forms.split(",")
     shapes = SMALL if args.small else R1_DECODE._replace(ffn=args.ffn)
     comm = moecomm.init()
-    import jax
-    import jax.numpy as jnp
     if comm.transport.memory == "host":  # JAX's CPU backend: the checks and handler runs, no graphs
         jax.config.update("jax_platforms", "cpu")
     bench = None if comm.transport.memory == "host" else Bench(comm, SimpleNamespace(delay_us=20.0, warmup=20,
                                                                                      iters=300))
     dev = jax.devices()[min(max(comm.device, 0), len(jax.devices()) - 1)]
     put = lambda a: jax.device_put(a, dev)  # noqa: E731
-    ctx = Ctx(comm, jax, jnp, put, bench, args, shapes)
+    ctx = Ctx(comm, put, bench, args, shapes)
     rows = []
     for kind in args.layer.split(","):
         for dtype in args.dtypes.split(","):
@@ -663,22 +643,22 @@ def main():
                 rows += moe_rows(ctx, dtype, kind == "train")
             if comm.rank == 0:
                 print_rows(rows[-len(args.forms):])
-                write(args, comm, jax, shapes, rows)  # so far: a run cut short keeps what it measured
+                write(args, comm, shapes, rows)  # so far: a run cut short keeps what it measured
     if args.native:
-        native = native_time(jax, jnp, put, dev, args, shapes)
+        native = native_time(put, dev, args, shapes)
         for row in rows:
             if row["layer"] == "exchange":
                 row.update(native)
     if comm.rank == 0:
         print_rows(rows, header=True)
-        write(args, comm, jax, shapes, rows)
+        write(args, comm, shapes, rows)
     uncaptured = [f"{r['layer']} {r['dtype']} {r['form']}: {r['handler_runs']}" for r in rows if r["handler_runs"]]
     comm.finalize()
     if args.require_captured and uncaptured:
         raise SystemExit("jax_step.py: handler runs in the timed steps (Python per call): " + "; ".join(uncaptured))
 
 
-def write(args, comm, jax, shapes, rows):
+def write(args, comm, shapes, rows):
     """The JSON: command, machine and versions, shapes, rows."""
     argv = [a for i, a in enumerate(sys.argv[1:]) if a != "--json" and sys.argv[i] != "--json"]
     result = {"command": " ".join([f"mpirun -np {comm.world_size} python tools/jax_step.py", *argv]),
@@ -699,15 +679,15 @@ def print_rows(rows, header=False):
               + f"  {row['handler_runs']} / {row['timed_steps']}", flush=True)
 
 
-def native_time(jax, jnp, put, dev, args, shapes):
+def native_time(put, dev, args, shapes):
     """Median µs per layer of the exchange the JAX-native way (one device; sort the pairs by expert,
     ``lax.ragged_all_to_all`` there and back, a weighted scatter-add), its output checked against numpy, and
     of the same layer without its two exchanges."""
-    return dict(native_per_layer_us=native_layer_time(jax, jnp, put, dev, args, shapes, True),
-                native_without_exchange_us=native_layer_time(jax, jnp, put, dev, args, shapes, False))
+    return dict(native_per_layer_us=native_layer_time(put, dev, args, shapes, True),
+                native_without_exchange_us=native_layer_time(put, dev, args, shapes, False))
 
 
-def native_layer_time(jax, jnp, put, dev, args, shapes, exchange):
+def native_layer_time(put, dev, args, shapes, exchange):
     from jax.sharding import Mesh, PartitionSpec as P
     try:
         from jax import shard_map
