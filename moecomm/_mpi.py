@@ -14,6 +14,8 @@ TAG_EXCHANGE, PHASES, GENERATIONS = 0x4000, 6, 512  # host transport's exchanges
                                                      # generation, below TAG_CONTROL
 POLL_S = 50e-6
 DEPARTURE_POLL_S = 2e-3  # how often a wait looks for departure notices of the ranks it waits for
+STALL_S, STALL_FRACTION = 0.2, 0.25  # a wait's loop that did not run for max(STALL_S, STALL_FRACTION * timeout)
+                                     # says that this rank was stopped or starved (Clock)
 
 
 class Departures:
@@ -72,22 +74,55 @@ def exchange_tag(phase, generation):
 
 def wait_all(requests, peers, deadline, timeout_s, what, departures=None):
     """Wait for MPI ``requests`` (``peers[i]`` is the rank behind request i) until ``deadline``
-    (time.monotonic()); on expiry raise CommTimeout naming the first silent rank. With ``departures`` (a
-    :class:`Departures`), a silent rank that has left is named at once (PeerExited)."""
+    (time.monotonic()); on expiry, once the requests have been tested again (a rank resumed from a stall finds
+    its messages waiting), raise CommTimeout naming the first silent rank, never this one. With ``departures``
+    (a :class:`Departures`, which also says which rank this is), a silent rank that has left is named at once
+    (PeerExited)."""
     from mpi4py import MPI
+    me = departures.rank if departures is not None else -1
+    clock = Clock(timeout_s, deadline)
 
-    def silent():  # the ranks behind the requests not complete yet
-        return sorted({p for p, r in zip(peers, requests) if not r.Test()})
+    def silent():  # the other ranks behind the requests not complete yet
+        return sorted({p for p, r in zip(peers, requests) if not r.Test() and p != me})
 
     while not MPI.Request.Testall(requests):
         if departures is not None:
             departures.check(silent(), what, silent)
-        if time.monotonic() > deadline:
+        if clock.tick() > deadline:
             ranks = silent()
-            raise CommTimeout(f"{what}: no message from rank(s) {ranks} within {timeout_s:g} s "
-                              f"(a rank may have died, stalled or skipped the call)",
+            if MPI.Request.Testall(requests):
+                return
+            raise CommTimeout(f"{what}: no message from rank(s) {ranks} within {timeout_s:g} s (a rank may have "
+                              f"died, stalled or skipped the call){clock.late()}",
                               peer=ranks[0] if ranks else -1, phase=what)
         time.sleep(POLL_S)
+
+
+class Clock:
+    """The time of a bounded wait's loop, and the longest this rank went between two of its looks: a rank
+    stopped (SIGSTOP, a debugger) or starved of CPU past the deadline says so when it times out, since its
+    peers may have waited for it rather than it for them."""
+
+    def __init__(self, timeout_s, deadline):
+        self.last, self.gap, self.stalled_s = time.monotonic(), 0.0, max(STALL_S, STALL_FRACTION * timeout_s)
+        self.after = self.last - deadline  # > 0: the wait began past its deadline (the call's halves were apart)
+
+    def tick(self):
+        """time.monotonic(), noting the gap since the last tick."""
+        now = time.monotonic()
+        self.gap, self.last = max(self.gap, now - self.last), now
+        return now
+
+    def late(self):
+        """"" or the clause saying that this rank was itself late: not running for a while of the wait, or
+        reaching it past its deadline."""
+        if self.after > 0:
+            return (f"; this rank began waiting {self.after:.3g} s after the deadline (its call's halves were that far "
+                    f"apart, or it was stopped): it may be the late one")
+        if self.gap >= self.stalled_s:
+            return (f"; this rank itself did not run for {self.gap:.3g} s of the wait (stopped or starved of CPU): "
+                    f"it may be the late one")
+        return ""
 
 
 class Control:
@@ -113,6 +148,7 @@ class Control:
         step_now = self._step if tag == TAG_CONTROL else 0
         mine = (step_now, what, bytes(data))
         deadline = time.monotonic() + timeout_s
+        clock = Clock(timeout_s, deadline)
         others = [q for q in ranks if q != self.rank]
         sends = [self.mpi.isend(mine, dest=d, tag=tag) for d in others]
         got, missing = {self.rank: bytes(data)}, list(others)
@@ -132,9 +168,10 @@ class Control:
 
         while receive():
             self.departures.check(missing, what, receive)
-            if missing and time.monotonic() > deadline:
+            if missing and clock.tick() > deadline and receive():
                 raise CommTimeout(f"{what}: no answer from rank(s) {missing} within {timeout_s:g} s (a rank may "
-                                  f"have died, stalled or skipped the call)", peer=missing[0], phase=what)
+                                  f"have died, stalled or skipped the call){clock.late()}", peer=missing[0],
+                                  phase=what)
             if missing:
                 time.sleep(POLL_S)
         wait_all(sends, others, deadline, timeout_s, what, self.departures)
