@@ -9,16 +9,18 @@ so needs an mpi4py communicator.
 import abc
 import atexit
 import contextlib
+import functools
 import importlib
 import logging
 import os
 import pickle
 import socket
 import sys
+import threading
 import time
 
 from ._constants import timeout_seconds
-from ._errors import CommBroken, CommTimeout, InvalidArgument, MoeCommError, OutOfStep, PeerExited
+from ._errors import CommBroken, CommTimeout, ConcurrentCall, InvalidArgument, MoeCommError, OutOfStep, PeerExited
 from .transport import GPU_TRANSPORTS
 
 log = logging.getLogger("moecomm")
@@ -71,16 +73,21 @@ class Bootstrap(abc.ABC):
         """{rank: reason} of the ``ranks`` that have said they are leaving (:meth:`leave`); never waits."""
         return {}
 
+    def close(self, collective: bool) -> None:
+        """Release what the bootstrap holds (finalize, after the transport; ``collective``: every rank takes
+        part, the communicator was not broken)."""
+
 
 class MpiBootstrap(Bootstrap):
-    """An mpi4py communicator (``mpi`` attribute: the communicator itself). Its control collectives are
-    point to point with deadlines (:class:`moecomm._mpi.Control`): a silent rank is named."""
+    """An mpi4py communicator (``mpi`` attribute: the communicator itself; init() gives it a duplicate of the
+    one passed, :func:`duplicate`). Its control collectives are point to point with deadlines
+    (:class:`moecomm._mpi.Control`): a silent rank is named."""
 
     announces = True
 
-    def __init__(self, mpi):
+    def __init__(self, mpi, owned=False):
         from ._mpi import Control
-        self.mpi, self._control = mpi, Control(mpi)
+        self.mpi, self._control, self.owned = mpi, Control(mpi), owned  # owned: a duplicate, freed by close()
         self.rank, self.world_size = mpi.Get_rank(), mpi.Get_size()
 
     def allgather(self, data, timeout_s, what):
@@ -99,6 +106,10 @@ class MpiBootstrap(Bootstrap):
 
     def departed(self, ranks):
         return self.departures.seen(ranks)
+
+    def close(self, collective):
+        if self.owned and collective:  # a broken one is left to MPI's end (a dead peer may hold its messages)
+            self.mpi.Free()
 
 
 class TorchBootstrap(Bootstrap):
@@ -121,20 +132,66 @@ class TorchBootstrap(Bootstrap):
         self._dist.barrier(group=self.group)
 
 
-def bootstrap_of(comm):
-    """The Bootstrap for ``comm``: None (MPI.COMM_WORLD), an mpi4py communicator, a torch.distributed
-    process group, or a Bootstrap."""
+def bootstrap_of(comm, timeout_s):
+    """The Bootstrap for ``comm``: None (MPI.COMM_WORLD), an mpi4py communicator (moecomm works on a
+    duplicate of it: :func:`duplicate`), a torch.distributed process group, or a Bootstrap. Collective for an
+    mpi4py communicator, bounded by ``timeout_s``."""
     if isinstance(comm, Bootstrap):
         return comm
     if comm is None:
-        return MpiBootstrap(_mpi().COMM_WORLD)
+        comm = _mpi().COMM_WORLD
     module = type(comm).__module__
     if module.startswith("mpi4py"):
-        return MpiBootstrap(comm)
+        return MpiBootstrap(duplicate(comm, timeout_s), owned=True)
     if module.startswith("torch"):
         return TorchBootstrap(comm)
     raise InvalidArgument(f"comm: expected an mpi4py communicator, a torch.distributed process group or a "
                           f"moecomm.Bootstrap, got {type(comm).__name__}")
+
+
+def duplicate(mpi, timeout_s):
+    """A duplicate of the mpi4py communicator ``mpi`` (MPI_Comm_idup, collective, bounded by ``timeout_s``):
+    moecomm's messages and departure notices travel on it, so that a communicator that broke and was
+    finalized leaves nothing on the program's (init() on the same one again starts clean), and the program's
+    own messages on it never meet moecomm's."""
+    dup, request = mpi.Idup()
+    deadline = time.monotonic() + timeout_s
+    while not request.Test():
+        if time.monotonic() > deadline:
+            raise CommTimeout(f"init: not every rank of the MPI communicator took part within {timeout_s:g} s "
+                              f"(duplicating it; a rank may have died or not called init)", phase="init")
+        time.sleep(_POLL_S)
+    return dup
+
+
+class OneCall:
+    """One call at a time on a communicator (its ``calls``): entered by every call that exchanges, launches or
+    changes a call's state (moecomm's own calls within one enter again); a thread that enters while another
+    thread is inside raises :class:`moecomm.ConcurrentCall` at once, before anything of its call is done."""
+
+    def __init__(self, rank):
+        self.rank, self._lock = rank, threading.RLock()
+
+    def __enter__(self):
+        if not self._lock.acquire(blocking=False):
+            raise ConcurrentCall(f"rank {self.rank}: another thread of this rank is inside a call on this "
+                                 f"communicator (moecomm takes one call at a time per communicator): this call was "
+                                 f"refused before it began, the other goes on; its peers wait for this rank's part "
+                                 f"as for a late rank (make it again, or make every call from one thread)")
+        return self
+
+    def __exit__(self, *exc):
+        self._lock.release()
+
+
+def one_call(method):
+    """Decorator of a method of an object with a ``comm`` (a Communicator): the method is a call, entered
+    through the communicator's :class:`OneCall`."""
+    @functools.wraps(method)
+    def call(self, *args, **kwargs):
+        with self.comm.calls:
+            return method(self, *args, **kwargs)
+    return call
 
 
 def _node_id():
@@ -167,7 +224,8 @@ class Communicator:
 
     Attributes:
         bootstrap: the :class:`Bootstrap` it was started from.
-        mpi: the mpi4py communicator, or None when started from another runtime.
+        mpi: the mpi4py communicator moecomm uses (a duplicate of the one given to init), or None when started
+            from another runtime.
         rank, world_size: this process's rank and the number of ranks.
         local_rank, local_size: rank and count among the ranks sharing this node.
         transport: the :class:`moecomm.transport.Transport` in use (``.name``: "host", "nvshmem" or "ipc").
@@ -184,6 +242,7 @@ class Communicator:
         self.breaks = 0  # times fail() was called (an AllToAll resynchronized since the last one may serve)
         self.mpi = getattr(bootstrap, "mpi", None)
         self.rank, self.world_size = bootstrap.rank, bootstrap.world_size
+        self.calls = OneCall(self.rank)  # one thread's call at a time
         nodes = self._allgather(_node_id(), "init")
         here = [r for r, n in enumerate(nodes) if n == nodes[self.rank]]
         self.local_rank, self.local_size = here.index(self.rank), len(here)
@@ -208,7 +267,7 @@ class Communicator:
         return self._allgather(obj, what)
 
     def _allgather(self, obj, what):
-        with self.breaking():
+        with self.calls, self.breaking():
             return [pickle.loads(b) for b in self.bootstrap.allgather(pickle.dumps(obj), self.timeout_s, what)]
 
     def gather_among(self, obj, ranks, what):
@@ -216,14 +275,14 @@ class Communicator:
         other ranks may be dead). For AllToAll.mask_ranks."""
         if self.transport is None:
             raise InvalidArgument("this Communicator was finalized")
-        with self.breaking():
+        with self.calls, self.breaking():
             data = self.bootstrap.subset_allgather(pickle.dumps(obj), ranks, self.timeout_s, what)
         return [pickle.loads(b) for b in data]
 
     def barrier(self):
         """Wait for every rank (collective, bounded by the timeout)."""
         self.check_live()
-        with self.breaking():
+        with self.calls, self.breaking():
             self.bootstrap.barrier(self.timeout_s, "barrier")
 
     def check_peers(self, nbytes=4096, timeout=None):
@@ -236,7 +295,7 @@ class Communicator:
         if int(nbytes) <= 0:
             raise InvalidArgument(f"nbytes must be > 0, got {nbytes}")
         t = self.timeout_s if timeout is None else timeout_seconds(timeout)[0]
-        with self.breaking():
+        with self.calls, self.breaking():
             self.transport.check_peers(int(nbytes), t)
 
     def symmetric(self, shape, dtype):
@@ -246,7 +305,8 @@ class Communicator:
         Contents are undefined. ``dtype`` must be one CuPy supports (uint8/uint16 for fp8/bf16 data).
         GPU transports only; free with :meth:`free` (collective) or at :meth:`finalize`.
         """
-        return self._gpu("symmetric").symmetric(shape, dtype)
+        with self.calls:
+            return self._gpu("symmetric").symmetric(shape, dtype)
 
     def peer_array(self, array, pe):
         """Rank ``pe``'s copy of a symmetric ``array``, mapped for loads/stores over NVLink, or None when
@@ -255,7 +315,8 @@ class Communicator:
 
     def free(self, array):
         """Free an array from :meth:`symmetric` (collective, same order on every rank). GPU transport only."""
-        self._gpu("free").free(array)
+        with self.calls:
+            self._gpu("free").free(array)
 
     def _gpu(self, what):
         self.check_live()
@@ -311,6 +372,10 @@ class Communicator:
         (PeerExited) after the local teardown. Safe to call twice."""
         if self.transport is None:
             return
+        with self.calls:
+            self._finalize()
+
+    def _finalize(self):
         try:
             # a peer whose kernels still wait for this rank (it is in a call) stops waiting at once
             self.transport.leave(drain=self.broken is None)
@@ -331,6 +396,7 @@ class Communicator:
             t, self.transport = self.transport, None
             with self.breaking():
                 t.finalize(collective=self.broken is None)
+            self.bootstrap.close(collective=self.broken is None)
 
     def _leave_together(self):
         """Tell every rank this one leaves, then wait (bounded) until every other rank has told this one (a
@@ -432,9 +498,10 @@ def init(comm=None, transport="auto", timeout=None, device=None):
     """Create a :class:`Communicator` (collective over ``comm``, bounded by the timeout).
 
     Args:
-        comm: the process group: an mpi4py communicator (default ``MPI.COMM_WORLD``), a
-            ``torch.distributed`` process group (e.g. ``torch.distributed.group.WORLD`` under torchrun),
-            or any :class:`Bootstrap`.
+        comm: the process group: an mpi4py communicator (default ``MPI.COMM_WORLD``; moecomm works on its
+            own duplicate, freed by finalize, so init() on the same communicator after finalize() starts
+            clean even after a break), a ``torch.distributed`` process group (e.g.
+            ``torch.distributed.group.WORLD`` under torchrun), or any :class:`Bootstrap`.
         transport: "nvshmem" (GPUs: binds GPU ``local_rank`` and starts NVSHMEM by a unique id gathered
             through ``comm``; any number of nodes), "ipc" (GPUs of one node: CUDA IPC, no NVSHMEM), "host"
             (CPU ranks, numpy arrays; needs an mpi4py communicator), or "auto": ``$MOECOMM_TRANSPORT`` when
@@ -451,7 +518,6 @@ def init(comm=None, transport="auto", timeout=None, device=None):
     if device is not None and (isinstance(device, bool) or not isinstance(device, int) or device < 0):
         raise InvalidArgument(f"device must be a CUDA device ordinal >= 0 or None, got {device!r}")
     timeout_s, source = timeout_seconds(timeout)
-    boot = bootstrap_of(comm)
     _exit_guard.install()
     gpus = gpu_count()
     if transport == "auto" and os.environ.get(TRANSPORT_ENV):
@@ -463,6 +529,7 @@ def init(comm=None, transport="auto", timeout=None, device=None):
     if transport in GPU_TRANSPORTS and gpus == 0:
         raise MoeCommError(f"transport {transport!r} needs a GPU and this process sees none")
     try:  # what every rank must choose alike
+        boot = bootstrap_of(comm, timeout_s)
         chosen = [pickle.loads(b) for b in boot.allgather(pickle.dumps((transport, timeout_s)), timeout_s, "init")]
     except (CommTimeout, OutOfStep):
         _exit_guard.broken = True

@@ -21,6 +21,10 @@ are also compared with moecomm.reference. The faults, all on the last rank:
   the others.
 * ``config``: AllToAll(timeout=...) that differs on the last rank: InvalidArgument on every rank (2 ranks or
   more).
+* ``restart``: the communicator breaks (OutOfStep: the last rank in another control operation; CommTimeout:
+  the last rank late past the timeout; PeerExited: the last rank finalizes while the others wait for it), then
+  every rank finalizes and calls ``moecomm.init()`` on MPI.COMM_WORLD again, and the new communicator's
+  first step is right (2 ranks or more).
 
 With one rank the faults are its own (no peer to tell): each raises there, and the next step is right.
 
@@ -225,6 +229,56 @@ def disagreements(comm, a2a, fails):
     return checks
 
 
+def restarts(comm, transport, fails):
+    """Break the communicator three ways, each time finalizing it and starting a new one on the same MPI
+    communicator (COMM_WORLD), whose first step must be right. Returns (the communicator in use, checks)."""
+    W, r, last = comm.world_size, comm.rank, comm.world_size - 1
+    if W == 1:
+        return comm, 0
+
+    def out_of_step():
+        if r == last:
+            comm.barrier()
+        else:
+            comm.allgather(r, "not the barrier")
+
+    def late():
+        if r != last:
+            comm.barrier()
+            return
+        time.sleep(TIMEOUT + 1)  # the others time out waiting for it and leave their broken communicator
+        try:  # their barrier messages came before they timed out: this one may complete, or learn they left
+            comm.barrier()
+        except moecomm.CommTimeout:
+            pass
+
+    def gone():
+        if r == last:
+            comm.finalize()  # while the others wait for it
+        else:
+            comm.barrier()
+
+    breaks = (("OutOfStep", out_of_step, moecomm.OutOfStep, None),
+              ("CommTimeout", late, None if r == last else moecomm.CommTimeout, last),
+              ("PeerExited", gone, None if r == last else moecomm.PeerExited, last))
+    for i, (name, fault, kind, peer) in enumerate(breaks):
+        label = f"restart after {name}"
+        if kind is None:
+            fault()
+        else:
+            expect(fails, label, fault, kind, peer, limit=TIMEOUT + 2)
+        comm.finalize()
+        try:
+            comm = moecomm.init(transport=transport, timeout=TIMEOUT)
+            a2a = moecomm.AllToAll(comm, M, E_PER_RANK * W, K, H, None, "float16", "float16")
+            run_step(a2a, Step(W, 300 + i), r, fails, f"{label}: the new communicator's first step")
+            a2a.destroy()
+        except moecomm.MoeCommError as e:
+            fails.append(f"{label}: the new communicator raised {type(e).__name__}: {e}")
+            raise
+    return comm, len(breaks)
+
+
 def exit_case(case, transport, result):
     """The cases that end the program; each rank records what it saw in result/rank<r>.json."""
     comm = moecomm.init(transport=transport, timeout=TIMEOUT)
@@ -273,8 +327,10 @@ def main():
     checks += serving(comm, a2a, fails, "next")
     checks += order_refusals(comm, a2a, fails)
     checks += disagreements(comm, a2a, fails)
-    everyone = comm.allgather(fails)
     a2a.destroy()
+    comm, n = restarts(comm, args.transport, fails)
+    checks += n
+    everyone = comm.allgather(fails)
     comm.finalize()
     return report(everyone, checks, comm.world_size, comm.rank)
 

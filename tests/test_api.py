@@ -386,10 +386,14 @@ def test_bootstrap_of_each_kind():
     from mpi4py import MPI
     from moecomm.comm import MpiBootstrap, bootstrap_of
     b = Loopback()
-    assert bootstrap_of(b) is b
-    assert isinstance(bootstrap_of(MPI.COMM_WORLD), MpiBootstrap) and isinstance(bootstrap_of(None), MpiBootstrap)
+    assert bootstrap_of(b, 5) is b
+    for comm in (MPI.COMM_WORLD, None):  # a duplicate of MPI's communicator: moecomm's messages stay on it
+        boot = bootstrap_of(comm, 5)
+        assert isinstance(boot, MpiBootstrap) and boot.owned
+        assert MPI.Comm.Compare(boot.mpi, MPI.COMM_WORLD) == MPI.CONGRUENT
+        boot.close(collective=True)
     with pytest.raises(moecomm.InvalidArgument, match="comm: expected an mpi4py communicator"):
-        bootstrap_of(object())
+        bootstrap_of(object(), 5)
 
 
 def test_host_transport_needs_mpi():
