@@ -7,14 +7,14 @@
 """
 from ._arrays import DeviceBuffer
 from ._dtypes import bfloat16, float8_e4m3fn, float16, float32
-from ._errors import (CapacityExceeded, CommBroken, CommTimeout, CompileError, ExpertMapMismatch, InvalidArgument,
-                      InvalidRouting, MoeCommError, OutOfStep, PeerError, PeerExited)
+from ._errors import (CapacityExceeded, CommBroken, CommTimeout, CompileError, ConcurrentCall, ExpertMapMismatch,
+                      InvalidArgument, InvalidRouting, MoeCommError, OutOfStep, PeerError, PeerExited)
 from .alltoall import AllToAll, CombineArgs, DispatchArgs, RoutingPlan
 from .comm import Bootstrap, Communicator, init
 
 __version__ = "0.2.0"
 
 __all__ = ["AllToAll", "Bootstrap", "CapacityExceeded", "CombineArgs", "CommBroken", "CommTimeout", "Communicator",
-           "CompileError", "DeviceBuffer", "DispatchArgs", "ExpertMapMismatch", "InvalidArgument", "InvalidRouting",
-           "MoeCommError", "OutOfStep", "PeerError", "PeerExited", "RoutingPlan", "bfloat16", "float16",
-           "float8_e4m3fn", "float32", "init"]
+           "CompileError", "ConcurrentCall", "DeviceBuffer", "DispatchArgs", "ExpertMapMismatch", "InvalidArgument",
+           "InvalidRouting", "MoeCommError", "OutOfStep", "PeerError", "PeerExited", "RoutingPlan", "bfloat16",
+           "float16", "float8_e4m3fn", "float32", "init"]

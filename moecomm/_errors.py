@@ -91,6 +91,15 @@ class OutOfStep(MoeCommError):
     number, another control operation): raised on every rank involved instead of exchanging data."""
 
 
+class ConcurrentCall(MoeCommError):
+    """A call began on this rank while another thread of it was inside a call on the same communicator
+    (moecomm takes one call at a time per communicator): refused at once, on this rank only. Nothing of it
+    ran, the other thread's call goes on unharmed, and the communicator stays usable. Its peers, which made
+    their part of the call, wait for this rank's as for any late rank: make the call again (after the other
+    thread's), or make every call from one thread. Threads that take turns are fine (every rank must make
+    its calls in the same order, as from one thread; ``call_id`` checks it)."""
+
+
 class CapacityExceeded(MoeCommError):
     """More (token, expert) pairs went to an expert than its capacity (``AllToAll(capacity=..., overflow=
     "error")``): raised on every rank, naming the expert and its demand; nothing was exchanged and the next

@@ -15,6 +15,7 @@ from ._constants import ARGUMENTS, HALVES, timeout_seconds
 from ._dtypes import bfloat16, float16, float32
 from ._errors import CommTimeout, InvalidArgument, MoeCommError, OutOfStep
 from .balance import ExpertMap
+from .comm import one_call
 from .reference import m_in_range
 
 # expert ids: uint32 is read as int32, as the kernels read it (0xffffffff is -1: no expert)
@@ -314,13 +315,13 @@ class AllToAll:
         _agree("AllToAll", error, mine[1], everyone, range(comm.world_size))
         transport = comm.transport
         self._context = transport.context
-        with self._context or nullcontext(), comm.breaking():
+        with comm.calls, self._context or nullcontext(), comm.breaking():
             self._ident = comm.register(self)
             self._backend = transport.new_alltoall(c, self.timeout_s, self._ident, window, bool(timing))
             self._arrays = transport.new_arrays(c.max_num_tokens)
         if c.slots_per_rank is not None:
             self.expert_map = ExpertMap.static(c.num_experts, c.world_size, c.slots_per_rank)
-            with self._context or nullcontext():
+            with comm.calls, self._context or nullcontext():
                 self._backend.set_expert_map(self.expert_map)
         self._records = self._backend.records()  # {phase: its call record}: each call fills its phase's
         self._absent = None if transport.memory == "host" else 0  # an absent array in the call record
@@ -447,6 +448,7 @@ class AllToAll:
         return PreparedCall(self, CombineArgs(out_tokens, indices, weights, expert_y, bound_m, out_dropped, stream,
                                               promised=True))
 
+    @one_call
     def run(self, args, do_send=True, do_recv=True):
         """Run the halves ``do_send`` / ``do_recv`` of the phase ``args`` describes (a :class:`DispatchArgs` or
         :class:`CombineArgs`): what :meth:`dispatch` and :meth:`combine` do, for framework layers
@@ -605,6 +607,7 @@ class AllToAll:
         self._backend.skip(halves, stream, Refusal(text, C.ERR_ENDED))
         self._order.skipped(halves)
 
+    @one_call
     def abort(self, stream=None):
         """End the call in progress on this rank, for a failure between its halves (the application's own,
         say): its remaining halves are issued with no data, so that every peer raises PeerError for this
@@ -624,6 +627,7 @@ class AllToAll:
                 self._order.end()
                 raise
 
+    @one_call
     def synchronize(self, stream=None):
         """Wait for this AllToAll's work on ``stream`` and raise any error its kernels recorded
         (CommTimeout naming the peer, InvalidRouting, ...). Dispatch and combine never synchronize; errors
@@ -688,6 +692,7 @@ class AllToAll:
         pairs = (c.max_num_tokens, c.experts_per_token)
         return RoutingPlan(pairs, slots + (3,), (2,), (1 + int(np.prod(slots)),), pairs)
 
+    @one_call
     def plan(self, out_plan, stream=None):
         """Write the placement of the last dispatch into ``out_plan`` (a :class:`RoutingPlan` of int32 arrays
         shaped as :meth:`plan_shapes` says), from the dispatch's receive half until the next dispatch (on
@@ -757,6 +762,7 @@ class AllToAll:
             weights=(weights, "weights", self._ids_shape, _FLOAT32),
             y=(expert_y, "expert_y", self._expert_shape, self._out)))
 
+    @one_call
     def _backward(self, phase, stream, first, read):
         """Run backward ``phase`` on ``stream`` (None: the current stream of ``first``'s framework) on the
         arguments ``read()`` returns; a refused argument takes part with no data first, so that the peers
@@ -819,6 +825,7 @@ class AllToAll:
         return _Backward(m=m, bound_m=m_value, rows=arrays.rows, **rp._asdict(), grad_dtype=dtypes["grad"],
                          out_dtype=written, **values)
 
+    @one_call
     def mask_ranks(self, ranks):
         """Stop exchanging with ``ranks`` (a dead rank, say), or with no rank (``[]``: unmask all). Collective
         among the ranks not in ``ranks``, bounded by the timeout; every one of them must pass the same set.
@@ -869,6 +876,7 @@ class AllToAll:
                                         f"serves only through masked AllToAlls"))
         self._serving_since = self.comm.breaks  # this AllToAll serves until the communicator breaks again
 
+    @one_call
     def set_expert_map(self, expert_map):
         """Switch to another :class:`moecomm.balance.ExpertMap` (collective: every rank passes an equal map,
         checked, bounded by the timeout). It takes effect at the next dispatch on every rank together; no
@@ -933,6 +941,7 @@ class AllToAll:
         out.update(rank=self.cfg.rank, generation=None if self.expert_map is None else self.expert_map.generation)
         return out
 
+    @one_call
     def destroy(self):
         """End a call in progress as :meth:`abort` does, then release the buffers (collective; local only when
         the communicator is broken or ranks are masked). Safe to call twice; later calls raise InvalidArgument."""

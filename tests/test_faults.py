@@ -129,9 +129,28 @@ def test_a_notice_that_overtakes_a_late_message_is_not_a_departure():
 def test_a_failed_call_fails_on_every_rank_and_no_step_gets_another_steps_data(ranks):
     """tests/mpi_recovery.py: an application error between the phases (reported by abort() or by the next
     dispatch), call-order refusals, router weights and ids that disagree, a timeout that differs; markers in
-    every token catch another step's data."""
+    every token catch another step's data; after OutOfStep, CommTimeout and PeerExited, init() on
+    MPI.COMM_WORLD again gives a communicator whose first step is right."""
     from conftest import run_mpi
     p = run_mpi(ranks, "tests/mpi_recovery.py", timeout=300)
+    assert p.returncode == 0 and " 0 failures" in p.stdout, p.stdout[-3000:] + p.stderr[-3000:]
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_calls_from_two_threads_are_refused_or_right_never_mixed(ranks):
+    """tests/mpi_threads.py: a call from a second thread while one is inside raises ConcurrentCall at once and
+    harms nothing; two threads taking turns return right steps or raise, and the next call is right or
+    CommBroken."""
+    from conftest import run_mpi
+    p = run_mpi(ranks, "tests/mpi_threads.py", timeout=300)
+    assert p.returncode == 0 and " 0 failures" in p.stdout, p.stdout[-3000:] + p.stderr[-3000:]
+
+
+def test_a_rank_stopped_past_the_timeout_names_the_right_rank():
+    """tests/mpi_stopped.py: a rank stopped (SIGSTOP) in a dispatch past the timeout, then resumed, never names
+    itself, and says that it was the late one."""
+    from conftest import run_mpi
+    p = run_mpi(2, "tests/mpi_stopped.py", timeout=120)
     assert p.returncode == 0 and " 0 failures" in p.stdout, p.stdout[-3000:] + p.stderr[-3000:]
 
 
