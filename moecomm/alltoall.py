@@ -65,11 +65,13 @@ class CombineArgs(NamedTuple):
     ``promised`` as in :class:`DispatchArgs` (:meth:`AllToAll.prepare_combine`); ``zero_tail``: rows m..rows-1
     of out_tokens (rows: the fewest of the per-token arrays) are written too, as zeros, and on GPUs all of its
     rows where the kernels find the call failed, for a framework whose output buffers start uninitialised
-    (``moecomm.jax``, ``moecomm.torch``); combine() leaves them as they were. ``nan_failed`` (GPUs): where the
-    kernels find the call failed, on this rank or on a rank it combines from, every row of out_tokens is NaN
-    instead, so that a call replayed from a graph, which raises nothing itself, never returns plausible rows
-    (the streamed combine of prefill-sized batches sums its tokens before it hears from every rank: there a
-    peer's failure leaves its rows as summed). The host transport raises in the call instead."""
+    (``moecomm.jax``, ``moecomm.torch``); combine() leaves them as they were. ``nan_failed`` (GPUs; the
+    default, as in combine()): where the kernels find the call failed, on this rank or on a rank it combines
+    from, every row of out_tokens is NaN instead, so that a call whose error is raised after its rows were read
+    (GPU calls raise once the call is over, at the next call or synchronize()) or never by the call itself (a
+    graph replayed) never returns plausible rows (the streamed combine of prefill-sized batches sums its
+    tokens before it hears from every rank: there a peer's failure leaves its rows as summed). False: zeros
+    with zero_tail, else the rows as they were. The host transport raises in the call instead."""
     out_tokens: object
     indices: object
     weights: object
@@ -79,7 +81,7 @@ class CombineArgs(NamedTuple):
     stream: object = None
     promised: bool = False
     zero_tail: bool = False
-    nan_failed: bool = False
+    nan_failed: bool = True
     phase = "combine"
     arrays = 6
 
@@ -431,7 +433,7 @@ class AllToAll:
         dispatch to combine is refused.
         """
         self.run(_new_tuple(CombineArgs, (out_tokens, indices, weights, expert_y, bound_m, out_dropped, stream,
-                                          False, False, False)), do_send, do_recv)
+                                          False, False, True)), do_send, do_recv)
 
     def prepare_dispatch(self, out_expert_num_tokens, out_expert_x, out_expert_x_scale, dp_x, dp_x_scale, indices,
                          bound_m, weights=None, stream=None, out_expert_offsets=None, tags=None, call_id=None):
