@@ -50,7 +50,8 @@
 #   bash tools/gpu_check.sh recovery a failed call on one rank fails on every rank and no step gets another's
 #                                    data (tests/mpi_recovery.py; mpi_control.py, with calls replayed from CUDA
 #                                    graphs out of order; mpi_call_ids.py, a rank skipping a numbered call,
-#                                    eager and under jitted lax.cond): 1 rank on both transports, 2 and 4 ranks
+#                                    eager and under jitted lax.cond; mpi_threads.py, two threads a rank):
+#                                    1 rank on both transports, 2 and 4 ranks
 #                                    ($RANKS; RANKS= leaves these out) time-sliced on GPU 0 over ipc with control
 #                                    and quick sweeps, the exit cases, then a soak with every fault kind at 2
 #                                    ranks ($SOAK_MINUTES, default 5)
@@ -163,6 +164,7 @@ if [ "${1:-}" = recovery ]; then  # never silent, always collective
     for again in dispatch combine; do
       expect ": 0 failures" "${MPIRUN[@]}" -np $n python3 tests/mpi_control.py --transport ipc --replay $again
     done
+    expect ": 0 failures" "${MPIRUN[@]}" -np $n python3 tests/mpi_threads.py --transport ipc  # two threads a rank
     for how in "" --jax; do  # a rank that skips a numbered call: OutOfStep everywhere, eager and under lax.cond
       expect ": 0 failures" "${MPIRUN[@]}" -np $n python3 tests/mpi_call_ids.py --transport ipc $how
     done
