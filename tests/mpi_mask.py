@@ -3,6 +3,7 @@ the same AllToAll without it, and take it back when it returns.
 
     mpiexec -n 3 python tests/mpi_mask.py                       # host transport (numpy)
     mpirun -n 2 python tests/mpi_mask.py --transport nvshmem    # GPUs (CuPy arrays)
+    mpiexec -disable-auto-cleanup -n 3 python -m moecomm.shield python tests/mpi_mask.py --kill   # SIGKILLed
 
 The last rank stalls (it waits for a plain MPI message, standing in for a rank that stopped answering).
 The survivors' next call raises CommTimeout naming it within the timeout + 1 s (by the end of the call or
@@ -13,8 +14,14 @@ next CALLS calls are checked against the full reference. A second AllToAll holds
 spare slots hold rank q+1's experts: ``slots_per_rank``, an expert map): masked the same way, its calls lose no
 pair (the replica rule passes over the masked rank) and equal the full reference. Prints "<n> checks on <w>
 ranks: <f> failures" on rank 0.
+
+With ``--kill`` the last rank is killed (SIGKILL) instead, under a launcher that lets the others live on
+(docs/operations.md: MPICH's mpiexec with -disable-auto-cleanup, each rank under moecomm.shield); the
+survivors name it, mask it, serve, and report among themselves (it never comes back).
 """
 import argparse
+import os
+import signal
 import sys
 import time
 
@@ -98,7 +105,9 @@ def call_replicated(xp, a2a, W, r, seed):
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--transport", default="host")
-    transport = p.parse_args().transport
+    p.add_argument("--kill", action="store_true", help="the last rank is SIGKILLed instead of stalling")
+    args = p.parse_args()
+    transport = args.transport
     from mpi4py import MPI
     comm = moecomm.init(transport=transport, timeout=TIMEOUT)
     xp = np
@@ -116,6 +125,8 @@ def main():
         fails.append("the first call (every rank alive) is wrong")
     checks += 1
 
+    if r == last and args.kill:
+        os.kill(os.getpid(), signal.SIGKILL)
     if r == last:  # stalled until the survivors call it back
         MPI.COMM_WORLD.recv(source=0, tag=TAG_RETURN)
     else:
@@ -148,6 +159,9 @@ def main():
         if twice.stats()["MASKED_PAIRS"]:
             fails.append(f"with replicas, {twice.stats()['MASKED_PAIRS']} pairs were not sent (expected none)")
         checks += 5
+        if args.kill:  # it never comes back: the survivors report among themselves (bounded) and exit
+            everyone = comm.gather_among(fails, list(range(last)), "report")
+            sys.exit(report(everyone, checks, W - 1, r))
         if r == 0:
             MPI.COMM_WORLD.send(None, dest=last, tag=TAG_RETURN)
 

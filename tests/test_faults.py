@@ -176,3 +176,20 @@ def test_every_process_exits_cleanly(tmp_path, case):
         assert len(records) == 2, log
     if case == "finalize":
         assert records[1]["raised"] == "PeerExited" and records[0]["raised"] is None, (records, log)
+
+
+def test_survivors_of_a_killed_rank_serve_on_under_mpiexec():
+    """The launcher pip installs (MPICH's mpiexec) ends every rank when one is SIGKILLed (its SIGUSR1 to the
+    others); with -disable-auto-cleanup and each rank under moecomm.shield the survivors live: they name the
+    dead rank, mask it, serve right steps and exit 0 (tests/mpi_mask.py --kill, 3 ranks)."""
+    cmd = mpi_launcher()
+    if "--oversubscribe" in cmd:
+        pytest.skip(MPICH_ONLY)
+    cmd += ["-disable-auto-cleanup", "-print-all-exitcodes", "-n", "3", sys.executable, "-m", "moecomm.shield",
+            sys.executable, str(ROOT / "tests/mpi_mask.py"), "--kill"]
+    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{ROOT / 'tests'}", PYTHONUNBUFFERED="1")
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
+    log = p.stdout[-3000:] + p.stderr[-3000:]
+    assert "checks on 2 ranks: 0 failures" in p.stdout, log
+    assert "Exit codes: [" in p.stdout and p.stdout.split("Exit codes: [")[1].split("] ")[1].split(",")[:2] == \
+        ["0", "0"], log  # the survivors' own statuses (the killed rank's wrapper says 137)
