@@ -18,7 +18,8 @@ static __device__ const float ONE = 1.0f;  // an expert row's weight when it tra
 // each.
 // Sets f.comb_sig[me] on every unmasked rank to combine_signal() when done (with c.partials), or to (epoch |
 // SIG_BAD | reason) when this rank's part failed: its expert ids differ from its dispatch's (IdsCheck; its
-// rows were sent; REASON_IDS_DIFFER, recorded here too), or it sends nothing: c.skip (a refused call; reason
+// rows were sent; REASON_IDS_DIFFER, recorded here too), its dispatch failed (ERR_ENDED: bad routing or m,
+// which dispatch reported to every rank), or it sends nothing: c.skip (a refused call; reason
 // c.reason), a bound_m that differs from
 // the dispatched m (ERR_M_DIFFERS, recorded here too) or exceeds c.rows, the fewest rows of the call's
 // per-token arrays (ERR_BAD_M, recorded here too: its token side would not have rows for the sums), or a
@@ -123,9 +124,13 @@ __device__ unsigned moecomm::combine_send(const Fixed& f, const Call& c, bool st
   TRACE(MOECOMM_TRACE_COMBINE_SEND, 4);
   if (is_last) {
     TRACE_LAST_START();
-    // other ids than the dispatch's: this rank's error, and its signals flag it (its rows were sent)
-    const unsigned flag = !reason && f.state[MOECOMM_S_IDS] ? (unsigned)MOECOMM_REASON_IDS_DIFFER : reason;
-    if (flag != reason && threadIdx.x == 0)
+    // other ids than the dispatch's: this rank's error, and its signals flag it (its rows were sent); so does a
+    // dispatch of this rank that failed (its routing or m, reported to every rank then: ERR_ENDED here), so that
+    // no peer's token side sums the call's rows as if it were right (they fill NaN with c.nan_failed)
+    const bool ids_differ = !reason && f.state[MOECOMM_S_IDS];
+    const unsigned flag = reason ? reason : ids_differ ? (unsigned)MOECOMM_REASON_IDS_DIFFER
+        : check.failed ? (unsigned)MOECOMM_ERR_ENDED : 0u;
+    if (ids_differ && threadIdx.x == 0)
       record_error(f.err, MOECOMM_ERR_IDS_DIFFER, f.rank, MOECOMM_PHASE_COMBINE, 0, (int)epoch);
     for (int q = threadIdx.x; q < f.world; q += blockDim.x) {
       if (f.mask[q]) continue;

@@ -34,9 +34,12 @@ checkpointed forward runs again, plus combine_backward + dispatch_backward, also
 ``graph_forward_us`` / ``graph_backward_us``); ``graph_step_us`` (``exchange``), the layers' calls in one
 CUDA graph launched one at a time; ``xla_only_per_layer_us`` / ``xla_only_step_us``, the same step with XLA
 alone: for ``exchange`` one fused op per layer, for the others the exchange replaced by a local scatter into
-the same padded slots and a gather back; ``between_us`` (``simple``), the op between the halves alone, per
-layer. ``handler_runs``: how often moecomm.jax's handlers ran (Python) in the timed steps (0: XLA replayed its
-command buffers); with ``--require-captured`` any other count fails the run. ``native_per_layer_us``: the
+the same padded slots and a gather back; ``between_us`` (``simple``), the op between the halves alone over the
+same slots, per layer, and ``between_bytes``, what it reads and writes (the floor under the simple form:
+combine takes the whole buffer, so XLA must write every slot). ``handler_runs``: how often moecomm.jax's
+handlers ran (Python) in the timed steps, after a warm-up round of the same pattern (``warmup_handler_runs``:
+XLA traces each call once per set of its buffers' addresses, up to its trace cache); 0: XLA replayed its
+command buffers. With ``--require-captured`` any other count fails the run. ``native_per_layer_us``: the
 exchange the JAX-native way (``lax.ragged_all_to_all``; ``--native``).
 Prints a table; writes the JSON (command, GPU, versions, rows).
 """
@@ -297,15 +300,14 @@ def counted(layers_, fn):
 
 
 def row_times(run, args, layers, watched):
-    """The timed figures of one row: warm-up (XLA's first executions run op by op), then handler runs counted
-    over the timed steps."""
-    for _ in range(20):
-        out = run()
-    wait(out)
+    """The timed figures of one row: a warm-up round of the timed pattern (XLA's first executions run op by op,
+    and XLA traces moecomm's calls once per set of buffer addresses, which steps queued back to back and steps
+    run one at a time place differently), then handler runs counted over the timed steps."""
+    _, warmup_runs = counted(watched, lambda: timed(run, argparse.Namespace(rounds=1, steps=args.steps), layers))
     (queued, single), runs = counted(watched, lambda: timed(run, args, layers))
     return dict(per_layer_us=float(np.median(queued)), per_layer_spread_us=[min(queued), max(queued)],
                 step_us=float(np.median(single)), step_p99_us=float(np.percentile(single, 99)),
-                handler_runs=runs, timed_steps=20 + args.rounds * (args.steps + 20))
+                handler_runs=runs, timed_steps=20 + args.rounds * (args.steps + 20), warmup_handler_runs=warmup_runs)
 
 
 def graph_times(bench, a2a, fp8, layers, backward=False, slots_y=None):
@@ -480,12 +482,14 @@ def exchange_rows(ctx, dtype, scale):
             if not relative_error(got, want) < TOL:
                 raise SystemExit(f"jax_step.py: the simple form with XLA alone: relative error "
                                  f"{relative_error(got, want):.3g}")
-            ops = stack_fns(lambda _, x: between(x), args.layers)
+            # the op alone over the same slots, one per layer (a barrier between layers: unrolled, XLA would fuse
+            # the layers' ops into one pass), and the bytes it moves (read bf16, write bf16)
+            ops = stack_fns(lambda _, x: jax.lax.optimization_barrier(between(x)), args.layers)
             ex0 = put(jnp.ones(a2a.cfg.expert_x_shape(), jnp.bfloat16))
             alone = jax.jit(ops[form])
             bq, _ = timed(lambda: alone(jnp.zeros(args.layers) if form == "scan" else [0] * args.layers, ex0),
                           args, args.layers)
-            row["between_us"] = float(np.median(bq))
+            row.update(between_us=float(np.median(bq)), between_bytes=2 * ex0.size * 2)
         q, s = timed(run, args, args.layers)
         row.update(xla_only_per_layer_us=float(np.median(q)), xla_only_step_us=float(np.median(s)))
         rows.append(row)
