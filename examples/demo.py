@@ -17,7 +17,7 @@ from moecomm import reference
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--transport", default="auto", choices=["auto", "host", "nvshmem", "ipc"])
     p.add_argument("--tokens", type=int, default=64, help="tokens per rank")
     p.add_argument("--hidden", type=int, default=512)

@@ -30,7 +30,7 @@ def dequantize(q, scale, block=128):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tokens", type=int, default=128, help="max tokens per rank")
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--experts-per-rank", type=int, default=4)

@@ -18,14 +18,15 @@ import moecomm
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tokens", type=int, default=32, help="tokens per rank")
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--experts-per-rank", type=int, default=2)
     p.add_argument("--topk", type=int, default=2)
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--lr", type=float, default=0.5)
-    p.add_argument("--transport", default="host", help="host (JAX's CPU backend), or a GPU transport")
+    p.add_argument("--transport", default="host", choices=["host", "ipc", "nvshmem"],
+                   help="host (JAX's CPU backend), or a GPU transport")
     args = p.parse_args()
 
     comm = moecomm.init(transport=args.transport)

@@ -219,3 +219,10 @@ def device_constants():
     values.update({f"B_{name.upper()}": i for i, name in enumerate(BYTE_FIELDS)})
     values.update({f"TRACE_{name.upper()}": i for i, name in enumerate(HALVES)})
     return values
+
+
+def m_in_range(m, rows, max_tokens):
+    """The bound_m rule: a call's m is in [0, rows] (the fewest rows of its per-token arrays) and at most
+    ``max_tokens`` (max_num_tokens). The kernels follow it too (cuda/alltoall.cuh, ``m_in_range``; a test
+    evaluates that one against this); moecomm.reference gives it too."""
+    return 0 <= m <= rows and m <= max_tokens

@@ -11,12 +11,10 @@ from . import _constants as C
 from ._arrays import Accepted, accepted
 from ._calls import CallOrder
 from ._config import AllToAllConfig, positive_int
-from ._constants import ARGUMENTS, HALVES, timeout_seconds
+from ._constants import ARGUMENTS, HALVES, m_in_range, timeout_seconds
 from ._dtypes import bfloat16, float16, float32
 from ._errors import CommTimeout, InvalidArgument, MoeCommError, OutOfStep
-from .balance import ExpertMap
 from .comm import one_call
-from .reference import m_in_range
 
 # expert ids: uint32 is read as int32, as the kernels read it (0xffffffff is -1: no expert)
 _INDICES = Accepted({np.dtype(np.int32): np.dtype(np.int32), np.dtype(np.uint32): np.dtype(np.int32),
@@ -322,6 +320,7 @@ class AllToAll:
             self._backend = transport.new_alltoall(c, self.timeout_s, self._ident, window, bool(timing))
             self._arrays = transport.new_arrays(c.max_num_tokens)
         if c.slots_per_rank is not None:
+            from .balance import ExpertMap  # not at import: python -m moecomm.balance would find it imported
             self.expert_map = ExpertMap.static(c.num_experts, c.world_size, c.slots_per_rank)
             with comm.calls, self._context or nullcontext():
                 self._backend.set_expert_map(self.expert_map)
@@ -893,6 +892,7 @@ class AllToAll:
                                   "slots_per_rank=...)")
         c, error = self.cfg, None
         try:
+            from .balance import ExpertMap
             if not isinstance(expert_map, ExpertMap):
                 raise InvalidArgument(f"set_expert_map: expected a moecomm.balance.ExpertMap, got "
                                       f"{type(expert_map).__name__}")

@@ -472,14 +472,20 @@ def table(results):
     return "\n".join(lines)
 
 
+def require_matplotlib(parser, path):
+    """Exit with the parser's usage error when a plot is asked for (``path``) and matplotlib is missing."""
+    if path:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            parser.error(f"--plot {path}: needs matplotlib (pip install 'moecomm[plot]')")
+
+
 def plot(results, path):
     """The token sweep: per transport moecomm eager and CUDA-graph medians; NCCL's from the first."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
     transports = list(dict.fromkeys(_variant(r) for r in results if r["config"] == "sweep"))
     if not transports:
         return False
@@ -521,16 +527,19 @@ def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m moecomm.bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--configs", default="r1-decode,r1-prefill",
                    help="comma list of r1-decode, r1-prefill, v2-lite, sweep (default: the first two)")
-    p.add_argument("--routing", default="uniform", choices=["uniform", "zipf", "hot"])
-    p.add_argument("--iters", type=int, default=1000)
-    p.add_argument("--warmup", type=int, default=50)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--no-graph", action="store_true")
+    p.add_argument("--routing", default="uniform", choices=["uniform", "zipf", "hot"],
+                   help="how tokens pick experts (default uniform)")
+    p.add_argument("--iters", type=int, default=1000, help="timed iterations per case (default 1000)")
+    p.add_argument("--warmup", type=int, default=50, help="untimed iterations first (default 50)")
+    p.add_argument("--seed", type=int, default=0, help="routing seed (default 0)")
+    p.add_argument("--no-graph", action="store_true", help="time eager calls only (no CUDA-graph replays)")
     p.add_argument("--delay-us", type=float, default=100.0,
                    help="device delay before each timed graph replay or NCCL call (default 100)")
-    p.add_argument("--sweep-tokens", default=",".join(map(str, SWEEP_TOKENS)))
+    p.add_argument("--sweep-tokens", default=",".join(map(str, SWEEP_TOKENS)),
+                   help="comma list of tokens per rank for the sweep config (default %(default)s)")
     p.add_argument("--json", default="bench.json", help="output JSON (rank 0)")
-    p.add_argument("--plot", default="bench.png", help="output PNG of the sweep (rank 0, needs matplotlib)")
+    p.add_argument("--plot", metavar="PNG", help="also draw the sweep here (rank 0; needs matplotlib: pip install "
+                   "'moecomm[plot]')")
     p.add_argument("--transport", default="nvshmem", choices=["nvshmem", "ipc"], help="GPU transport (default nvshmem)")
     p.add_argument("--telemetry-window", type=int, default=64, help="AllToAll(telemetry_window=...); 0: off")
     p.add_argument("--timing", action="store_true", help="AllToAll(timing=True): CUDA events per phase")
@@ -544,6 +553,7 @@ def main(argv=None):
     p.add_argument("--merge", nargs="+", metavar="JSON",
                    help="no measurement: join these result files (e.g. one per transport) into --json and --plot")
     args = p.parse_args(argv)
+    require_matplotlib(p, args.plot)
     if args.merge:
         return merge(args.merge, args.json, args.plot, p)
     jobs = []
@@ -592,10 +602,9 @@ def measure(args, jobs, argv):
             "results": results}
         with open(args.json, "w") as f:
             json.dump(doc, f, indent=1)
-        if plot(results, args.plot):
-            print(f"wrote {args.json} and {args.plot}")
-        else:
-            print(f"wrote {args.json} (no plot: needs the sweep and matplotlib)")
+        drawn = args.plot and plot(results, args.plot)
+        print(f"wrote {args.json}" + (f" and {args.plot}" if drawn else " (no plot: it draws the sweep config)"
+                                      if args.plot else ""))
     comm.finalize()
 
 
@@ -614,7 +623,9 @@ def merge(paths, out_json, out_plot, parser):
     with open(out_json, "w") as f:
         json.dump({"runs": runs, "results": results}, f, indent=1)
     print(table(results))
-    print(f"wrote {out_json}" + (f" and {out_plot}" if plot(results, out_plot) else " (no plot)"))
+    drawn = out_plot and plot(results, out_plot)
+    print(f"wrote {out_json}" + (f" and {out_plot}" if drawn else " (no plot: it draws the sweep config)"
+                                 if out_plot else ""))
     return 0
 
 

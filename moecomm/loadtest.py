@@ -55,6 +55,8 @@ from typing import NamedTuple
 import numpy as np
 
 from moecomm._mpi import wait_all
+from moecomm.bench import require_matplotlib
+from moecomm.comm import TRANSPORTS
 
 ROUTINGS = ("uniform", "zipf", "moving-hot", "mixture", "adversarial")
 MASKING = ("mask", "owners")  # each leaves the communicator serving only through masked AllToAlls: last, alone
@@ -536,13 +538,15 @@ def scenario_owners(comm, args):
 
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m moecomm.loadtest", description=__doc__.split("\n\n")[0])
-    p.add_argument("--scenarios", default="uniform,zipf,moving-hot,ramp")
-    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--scenarios", default="uniform,zipf,moving-hot,ramp",
+                   help=f"comma list of {', '.join(SCENARIOS)} (default: uniform,zipf,moving-hot,ramp)")
+    p.add_argument("--steps", type=int, default=60, help="steps per scenario (default 60)")
     p.add_argument("--tokens", type=int, default=128, help="most tokens per rank per step (default 128)")
-    p.add_argument("--lengths", choices=["fixed", "mixture"], default="fixed")
-    p.add_argument("--experts", type=int, default=64)
-    p.add_argument("--topk", type=int, default=8)
-    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--lengths", choices=["fixed", "mixture"], default="fixed",
+                   help="tokens per rank per step: always --tokens, or drawn from a mixture of lengths")
+    p.add_argument("--experts", type=int, default=64, help="experts in all (default 64)")
+    p.add_argument("--topk", type=int, default=8, help="experts per token (default 8)")
+    p.add_argument("--hidden", type=int, default=1024, help="hidden size (default 1024)")
     p.add_argument("--zipf", type=float, default=1.2, help="Zipf exponent (default 1.2)")
     p.add_argument("--period", type=int, default=20, help="steps a hot expert stays hot (moving-hot)")
     p.add_argument("--domains", type=int, default=4, help="popularity profiles mixed per step (mixture)")
@@ -558,12 +562,15 @@ def main(argv=None):
                    help="a progress bar on rank 0's stderr (default: only where it is a terminal; launchers pipe it)")
     p.add_argument("--no-gemm", dest="gemm", action="store_false",
                    help="skip the GEMM per local expert between dispatch and combine")
-    p.add_argument("--transport", default="auto")
+    p.add_argument("--transport", default="auto", choices=TRANSPORTS,
+                   help="moecomm.init(transport=...) (default auto)")
     p.add_argument("--timeout", type=float, default=None, help="seconds any wait may last (mask: time to detect)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", default="loadtest.json")
-    p.add_argument("--plot", default="loadtest.png")
+    p.add_argument("--seed", type=int, default=0, help="routing seed (default 0)")
+    p.add_argument("--json", default="loadtest.json", help="output JSON (rank 0; default loadtest.json)")
+    p.add_argument("--plot", metavar="PNG", help="also draw the scenarios here (rank 0; needs matplotlib: pip "
+                   "install 'moecomm[plot]')")
     args = p.parse_args(argv)
+    require_matplotlib(p, args.plot)
     names = [s for s in args.scenarios.split(",") if s]
     unknown = [s for s in names if s not in SCENARIOS]
     if unknown or not names:
@@ -668,7 +675,9 @@ def main(argv=None):
                "args": {k: v for k, v in vars(args).items() if k != "progress"}, "results": results}
         with open(args.json, "w") as f:
             json.dump(doc, f, indent=1)
-        print(f"wrote {args.json}" + (f" and {args.plot}" if plot(results, args.plot) else " (no plot: matplotlib)"))
+        if args.plot:
+            plot(results, args.plot)
+        print(f"wrote {args.json}" + (f" and {args.plot}" if args.plot else ""))
     if comm.broken is None:  # the masking scenarios leave it serving only through their AllToAlls
         for lay in layers.values():
             lay.close()
@@ -729,12 +738,9 @@ def plot(results, path):
     step-time CDF, the busiest rank's pairs per step and an expert's GEMM time against the tokens it received;
     time against tokens for ramp when it ran. With one rank per EP group the load panels are the experts' (the
     hottest expert against the mean, its pairs), a rank's being the whole load."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
     runs = [(x, "--" if x is not r else "-") for r in results if "per_step" in r for x in (r, r.get("replicas")) if x]
     ramp = next((r for r in results if r["scenario"] == "ramp"), None)
     n = 6

@@ -14,15 +14,8 @@ Conventions (the same as :class:`moecomm.AllToAll`):
 """
 import numpy as np
 
-from ._constants import COMBINE_BLOCK, E4M3_MAX, GAP_EDGES
+from ._constants import COMBINE_BLOCK, E4M3_MAX, GAP_EDGES, m_in_range  # noqa: F401 (the bound_m rule, here too)
 from ._dtypes import float8_e4m3fn, float8_e8m0fnu
-
-
-def m_in_range(m, rows, max_tokens):
-    """The bound_m rule: a call's m is in [0, rows] (the fewest rows of its per-token arrays) and at most
-    ``max_tokens`` (max_num_tokens). The kernels follow it too (cuda/alltoall.cuh, ``m_in_range``; a test
-    evaluates that one against this)."""
-    return 0 <= m <= rows and m <= max_tokens
 
 
 def relative_error(got, want):

@@ -6,6 +6,7 @@ rest of the matrix (every rank count, fault point and concurrency case), which C
 or case of the full matrix carries ``FULL`` (``pytest.param(..., marks=FULL)`` for one case)."""
 import importlib
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -28,6 +29,14 @@ def pytest_addoption(parser):
 
 def pytest_configure(config):
     config.addinivalue_line("markers", f"full: part of the full matrix, run by {FULL_RUN}")
+
+
+def pytest_make_parametrize_id(config, val, argname):
+    """A string parameter's test id without spaces or quotes, so that every printed id can be passed back to
+    pytest as it is (other values: pytest's own ids)."""
+    if isinstance(val, str):
+        return re.sub(r"[^\w.=+-]+", "_", val).strip("_")[:48]
+    return None
 
 
 def pytest_collection_modifyitems(config, items):

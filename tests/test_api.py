@@ -169,8 +169,8 @@ def test_load_tool_ends_on_one_process(tmp_path):
     import subprocess
     import sys
     p = subprocess.run([sys.executable, "-m", "moecomm.loadtest", "--scenarios", "mask", "--steps", "6", "--tokens",
-                        "8", "--experts", "8", "--topk", "2", "--hidden", "64", "--json", str(tmp_path / "l.json"),
-                        "--plot", str(tmp_path / "l.png")], capture_output=True, text=True, timeout=120)
+                        "8", "--experts", "8", "--topk", "2", "--hidden", "64", "--json", str(tmp_path / "l.json")],
+                       capture_output=True, text=True, timeout=120)
     assert p.returncode == 0 and "needs at least 2 ranks" in p.stdout, p.stdout + p.stderr
 
 

@@ -13,6 +13,7 @@ import moecomm
 from moecomm import _abi, _arrays
 from moecomm import _constants as C
 from moecomm._constants import ARGUMENTS, HALVES
+from moecomm.comm import OneCall
 from moecomm.transport.base import AllToAllBackend, Transport
 
 LAUNCH = 0x100  # the launch stream of these tests
@@ -264,7 +265,7 @@ class FakeTransport(Transport):
 @pytest.fixture
 def fake():
     comm = SimpleNamespace(world_size=1, rank=0, timeout_s=1.0, transport=FakeTransport(), broken=None, breaks=0,
-                           allgather=lambda obj, what: [obj], breaking=contextlib.nullcontext,
+                           allgather=lambda obj, what: [obj], breaking=contextlib.nullcontext, calls=OneCall(0),
                            register=lambda a: 1, unregister=lambda a: None, fail=lambda e: None)
     return moecomm.AllToAll(comm, M, E, K, H, S, "float8_e4m3fn", "bfloat16")
 

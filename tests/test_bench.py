@@ -88,13 +88,22 @@ def test_merge_joins_runs_of_two_transports(tmp_path):
         doc = {"command": f"bench --transport {name}", "transport": name, "results": [_result(128)]}
         (tmp_path / f"{name}.json").write_text(json.dumps(doc))
     p = _cli("--merge", str(tmp_path / "nvshmem.json"), str(tmp_path / "ipc.json"),
-             "--json", str(tmp_path / "both.json"),
-             "--plot", str(tmp_path / "both.png"))
+             "--json", str(tmp_path / "both.json"))
     assert p.returncode == 0, p.stderr
     both = json.loads((tmp_path / "both.json").read_text())
     assert [r["transport"] for r in both["results"]] == ["nvshmem", "ipc"]
     assert [r["transport"] for r in both["runs"]] == ["nvshmem", "ipc"]
     assert "ipc r1-decode" in p.stdout
+
+
+def test_a_plot_asked_for_without_matplotlib_is_refused_at_once(tmp_path):
+    """--plot needs matplotlib (the plot extra): without it the tool stops before measuring anything, saying so,
+    instead of exiting 0 with no plot written."""
+    import importlib.util
+    if importlib.util.find_spec("matplotlib"):
+        pytest.skip("matplotlib is installed here")
+    p = _cli("--merge", str(tmp_path / "a.json"), "--plot", str(tmp_path / "a.png"))
+    assert p.returncode == 2 and "needs matplotlib" in p.stderr, p.stdout + p.stderr
 
 
 def _trace_tool():

@@ -65,8 +65,7 @@ def test_load_tool_runs_every_scenario(tmp_path):
     p = run_mpi(2, "moecomm/loadtest.py", "--scenarios",
                 "uniform,zipf,moving-hot,mixture,adversarial,ramp,topk,capacity,tp,mask",
                 "--steps", "12", "--tokens", "16", "--experts", "16", "--topk", "4", "--hidden", "128", "--lengths",
-                "mixture", "--timeout", "1", "--spare-slots", "1", "--replan", "4", "--json", str(out), "--plot",
-                str(tmp_path / "load.png"), timeout=180)
+                "mixture", "--timeout", "1", "--spare-slots", "1", "--replan", "4", "--json", str(out), timeout=180)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     doc = json.loads(out.read_text())
     got = [r["scenario"] for r in doc["results"]]
@@ -97,7 +96,7 @@ def test_load_tool_stops_each_expert_owner_in_turn(tmp_path):
     import json
     out = tmp_path / "owners.json"
     p = run_mpi(3, "moecomm/loadtest.py", "--scenarios", "owners", "--steps", "6", "--tokens", "8", "--experts", "12",
-                "--topk", "3", "--hidden", "64", "--no-gemm", "--json", str(out), "--plot", str(tmp_path / "o.png"),
+                "--topk", "3", "--hidden", "64", "--no-gemm", "--json", str(out),
                 timeout=180)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     stops = json.loads(out.read_text())["results"][0]["stops"]

@@ -31,7 +31,7 @@ def test_a_rank_whose_cond_skips_a_numbered_layer_is_named():
 
 
 @pytest.mark.parametrize("how", [(2,), (2, "--silent"), pytest.param((3,), marks=FULL)],
-                         ids=lambda h: " ".join(map(str, h)))
+                         ids=lambda h: "-".join(str(v).strip("-") for v in h))
 def test_errors_in_jitted_scanned_steps_reach_every_rank(how):
     """tests/mpi_jax_errors.py: an expert id out of range, a bound_m above the rows and a capacity overflow on
     the last rank inside a jitted lax.scan: a moecomm error on every rank, the next step right; with --silent a

@@ -187,7 +187,7 @@ def check(comm, d, plan, T, K, H):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--transport", default=None)
+    p.add_argument("--transport", default=None, choices=["ipc", "nvshmem"], help="GPU transport (default: auto)")
     p.add_argument("--configs", nargs="+", default=["r1-decode", "r1-decode-cap32", "r1-prefill-cap256"],
                    choices=sorted(CONFIGS))
     p.add_argument("--iters", type=int, default=300)

@@ -613,18 +613,20 @@ def check_train(ours, local, params, put, capacity, sh, form, rng):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--layer", default="exchange,simple,moe,train", help="the layers to run (default: all)")
-    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--layer", default="exchange,simple,moe,train",
+                   help="comma list of exchange, simple, moe, train: the layers to run (default: all)")
+    p.add_argument("--layers", type=int, default=8, help="layers in a step (default 8)")
     p.add_argument("--steps", type=int, default=200, help="steps queued back to back per round (default 200)")
-    p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--dtypes", default="bfloat16,float8_e4m3fn")
-    p.add_argument("--forms", default="unrolled,scan")
+    p.add_argument("--rounds", type=int, default=5, help="timed rounds; medians over them (default 5)")
+    p.add_argument("--dtypes", default="bfloat16,float8_e4m3fn",
+                   help="comma list of bfloat16, float8_e4m3fn: the tokens' dtype (train: bfloat16 only)")
+    p.add_argument("--forms", default="unrolled,scan", help="comma list of unrolled, scan: the stack's form")
     p.add_argument("--ffn", type=int, default=R1_DECODE.ffn, help="an expert's inner width (moe, train)")
     p.add_argument("--small", action="store_true", help="small shapes (the capture test's)")
     p.add_argument("--require-captured", action="store_true",
                    help="fail unless handler_runs is 0 in every row (no Python per call in steady state)")
     p.add_argument("--native", action="store_true", help="also time the JAX-native exchange (ragged_all_to_all)")
-    p.add_argument("--json", default="jax-step.json")
+    p.add_argument("--json", default="jax-step.json", help="output JSON (default jax-step.json)")
     args = p.parse_args()
     args.forms = args.forms.split(",")
     shapes = SMALL if args.small else R1_DECODE._replace(ffn=args.ffn)

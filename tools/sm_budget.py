@@ -48,10 +48,11 @@ def check(a2a, d, ids, w, experts):
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--budgets", default="0,44", help="max_sms values to compare (0: no cap)")
-    p.add_argument("--configs", default="r1-decode,r1-prefill")
+    p.add_argument("--configs", default="r1-decode,r1-prefill",
+                   help=f"comma list of {', '.join(CONFIGS)} (moecomm.bench's shapes; default r1-decode,r1-prefill)")
     p.add_argument("--iters", type=int, default=300, help="graph replays / GEMMs timed alone")
-    p.add_argument("--json", default="sm-budget.json")
-    p.add_argument("--transport", default="ipc")
+    p.add_argument("--json", default="sm-budget.json", help="output JSON (default sm-budget.json)")
+    p.add_argument("--transport", default="ipc", choices=["ipc", "nvshmem"], help="GPU transport (default ipc)")
     args = p.parse_args()
     import cupy as cp
     comm = moecomm.init(transport=args.transport)
