@@ -38,7 +38,8 @@ def main():
         ex = xp.zeros((L, M * W, H), np.uint16 if xp is not np else moecomm.bfloat16)
         x = xp.zeros((M, H), ex.dtype)
         d_idx, m = xp.asarray(idx), xp.array([M], np.int32)
-        a2a.dispatch(n, ex, None, x, None, d_idx, m, weights=xp.ones((M, K), np.float32))
+        a2a.dispatch(n, ex, None, x, None, d_idx, m, weights=xp.ones((M, K), np.float32),
+                     call_id=xp.array([step], np.int32))  # a rank that skipped a step: OutOfStep, not wrong pairs
         a2a.combine(xp.zeros((M, H), ex.dtype), d_idx, None, ex, m)
     snapshots = comm.allgather(a2a.stats())  # the one synchronizing call
     if r == 0:

@@ -56,6 +56,7 @@ def main():
     # static buffers of the captured layer
     x = torch.zeros(M, H, dtype=torch.bfloat16, device=dev)
     bound_m = torch.zeros(1, dtype=torch.int32, device=dev)
+    call_id = torch.zeros(1, dtype=torch.int32, device=dev)  # the step's number: a rank out of step raises OutOfStep
     counts = torch.zeros(L, dtype=torch.int32, device=dev)
     expert_x = torch.zeros(L, M * W, H, dtype=torch.float8_e4m3fn, device=dev)
     expert_scale = torch.zeros(L, M * W, H // 128, dtype=torch.float32, device=dev)
@@ -69,7 +70,7 @@ def main():
     def layer():
         weights, ids = route(x, bound_m)
         q, scale = quantize(x)
-        a2a.dispatch(counts, expert_x, expert_scale, q, scale, ids, bound_m, weights=weights)
+        a2a.dispatch(counts, expert_x, expert_scale, q, scale, ids, bound_m, weights=weights, call_id=call_id)
         y = torch.bmm(dequantize(expert_x, expert_scale).to(torch.bfloat16), w_local)
         a2a.combine(out, ids, None, y, bound_m)
         return ids
@@ -98,6 +99,7 @@ def main():
         m = int(torch.randint(1, M + 1, (1,), generator=gen_step))
         x.copy_(torch.randn(M, H, generator=gen_step).to(dev, torch.bfloat16))
         bound_m.fill_(m)
+        call_id.fill_(step + 1)  # 0 was the warm-up's and the capture's
         out.fill_(float("nan"))
         graph.replay()
         a2a.synchronize()  # raises what the kernels recorded (a peer's timeout, bad ids)

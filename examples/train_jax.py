@@ -56,31 +56,34 @@ def main():
         wts, ids = jax.lax.top_k(jax.nn.softmax(h.astype(jnp.float32) @ w, -1), K)
         return ids, wts
 
-    def moe(h, w_router, w_local):
+    def moe(h, w_router, w_local, call_id):  # call_id [1] int32: step * LAYERS + layer, alike on every rank
         ids, wts = route(h, w_router)
-        _, ex, _ = layer.dispatch(h, None, ids, m, wts)
+        _, ex, _ = layer.dispatch(h, None, ids, m, wts, call_id=call_id)
         y = jnp.einsum("lch,lhd->lcd", ex, w_local.astype(jnp.bfloat16), preferred_element_type=jnp.float32)
         return h + layer.combine(ids, wts, y.astype(jnp.bfloat16), m)  # a residual stream
 
-    def moe_ref(h, w_router, w_all):  # every expert here
+    def moe_ref(h, w_router, w_all, _call_id):  # every expert here
         ids, wts = route(h, w_router)
         y = jnp.einsum("mh,ehd->emd", h, w_all.astype(jnp.bfloat16), preferred_element_type=jnp.float32)
         y = y.astype(jnp.bfloat16)[ids, jnp.arange(h.shape[0])[:, None]]
         return h + (wts[..., None] * y.astype(jnp.float32)).sum(1).astype(jnp.bfloat16)
 
-    def loss_of(stack, x, target, w_router, w_experts):
-        out = jax.lax.scan(lambda h, p: (stack(h, *p), None), x, (w_router, w_experts))[0]
+    def numbered(s):  # the call ids of step s's layers, [LAYERS, 1]: a rank out of step raises OutOfStep
+        return jnp.asarray(s * LAYERS + np.arange(LAYERS, dtype=np.int32)[:, None])
+
+    def loss_of(stack, x, target, w_router, w_experts, call_ids):
+        out = jax.lax.scan(lambda h, p: (stack(h, *p), None), x, (w_router, w_experts, call_ids))[0]
         return ((out.astype(jnp.float32) - target) ** 2).mean()
 
-    step = jax.jit(jax.value_and_grad(lambda w_r, w_e: loss_of(moe, x, target, w_r, w_e), (0, 1)))
+    step = jax.jit(jax.value_and_grad(lambda w_r, w_e, ids: loss_of(moe, x, target, w_r, w_e, ids), (0, 1)))
     losses, worst = [], 0.0
     for s in range(args.steps):
-        loss, (g_router, g_experts) = step(router, experts)
+        loss, (g_router, g_experts) = step(router, experts, numbered(s))
         g_router = sum(np.asarray(g) for g in comm.allgather(np.asarray(g_router)))  # replicated: summed
         losses.append(sum(comm.allgather(float(loss))) / W)
         if s == 0:  # the gradients of the mean over ranks of the loss, on one device, from every rank's data
             def total(w_r, w_e):
-                return sum(loss_of(moe_ref, *data(q), w_r, w_e) for q in range(W))
+                return sum(loss_of(moe_ref, *data(q), w_r, w_e, numbered(0)) for q in range(W))
             want_r, want_e = jax.grad(total, (0, 1))(router, experts_all)
             for got, want in ((g_router, want_r), (g_experts, want_e[:, r * L:(r + 1) * L])):
                 got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)

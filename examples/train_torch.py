@@ -53,33 +53,33 @@ def main():
         wts, ids = torch.topk(torch.softmax(h.float() @ w, -1), K)
         return ids, wts
 
-    def moe(h, w_router, w_local):
+    def moe(h, w_router, w_local, call_id):  # call_id [1] int32: step * LAYERS + layer, alike on every rank
         ids, wts = route(h, w_router)
-        _, ex, _ = layer.dispatch(h, None, ids, m, wts)
+        _, ex, _ = layer.dispatch(h, None, ids, m, wts, call_id=call_id)
         y = torch.einsum("lch,lhd->lcd", ex.float(), w_local.to(torch.bfloat16).float()).to(torch.bfloat16)
         return h + layer.combine(ids, wts, y, m)  # a residual stream
 
-    def moe_ref(h, w_router, w_all):  # every expert here
+    def moe_ref(h, w_router, w_all, _call_id):  # every expert here
         ids, wts = route(h, w_router)
         y = torch.einsum("mh,ehd->emd", h.float(), w_all.to(torch.bfloat16).float()).to(torch.bfloat16)
         y = y[ids, torch.arange(h.shape[0], device=h.device)[:, None]]
         return h + (wts[..., None] * y.float()).sum(1).to(torch.bfloat16)
 
-    def loss_of(stack, x, target, w_router, w_experts):
+    def loss_of(stack, x, target, w_router, w_experts, s):
         h = x
-        for n in range(LAYERS):
-            h = stack(h, w_router[n], w_experts[n])
+        for n in range(LAYERS):  # numbered calls: a rank out of step raises OutOfStep
+            h = stack(h, w_router[n], w_experts[n], torch.tensor([s * LAYERS + n], dtype=torch.int32, device=dev))
         return ((h.float() - target) ** 2).mean()
 
     losses, worst = [], 0.0
     for s in range(args.steps):
-        loss = loss_of(moe, x, target, router, experts)
+        loss = loss_of(moe, x, target, router, experts, s)
         loss.backward()
         g_router = sum(comm.allgather(router.grad.cpu().numpy()))  # replicated: summed over the ranks
         losses.append(sum(comm.allgather(loss.item())) / W)
         if s == 0:  # the gradients of the sum over ranks of the loss, in one process, from every rank's data
             w_r, w_e = router.detach().clone().requires_grad_(), experts_all.clone().requires_grad_()
-            sum(loss_of(moe_ref, *data(q), w_r, w_e) for q in range(W)).backward()
+            sum(loss_of(moe_ref, *data(q), w_r, w_e, 0) for q in range(W)).backward()
             for got, want in ((g_router, w_r.grad.cpu().numpy()),
                               (experts.grad.cpu().numpy(), w_e.grad[:, r * L:(r + 1) * L].cpu().numpy())):
                 worst = max(worst, float(np.linalg.norm(got - want) / np.linalg.norm(want)))
