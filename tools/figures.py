@@ -1,4 +1,5 @@
-"""Render the figure tables of README.md and docs/performance.md from benchmarks/results/ (the baselines).
+"""Render the figure tables of README.md, docs/performance.md and docs/api.md from benchmarks/results/ (the
+baselines).
 
     python tools/figures.py            rewrite every figures block in place
     python tools/figures.py --check    name the blocks that differ from the results, exit 1 if any (a test runs it)
@@ -17,7 +18,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
-DOCS = (ROOT / "README.md", ROOT / "docs" / "performance.md")
+DOCS = (ROOT / "README.md", ROOT / "docs" / "performance.md", ROOT / "docs" / "api.md")
 BLOCK = re.compile(r"(<!-- figures: (?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- /figures -->)", re.S)
 # (label, config, tokens) of the rows of the latency tables
 ROWS = (("R1-decode: 128 tokens/rank, 7168 fp8 + 56 scales, 256 experts, top-8", "r1-decode", 128),
@@ -48,9 +49,9 @@ def _with_p99(stat):
 
 def _caption(name):
     """The block's first line: the file, its GPUs and the commit of the kernels it measured."""
-    env = _load(name)
-    env = (env["runs"][0] if "runs" in env else env)["environment"]
-    gpus = env["gpus"]
+    doc = _load(name)
+    doc = doc["runs"][0] if "runs" in doc else doc
+    gpus = doc["environment"]["gpus"] if "environment" in doc else [doc["gpu"]]
     machine = f"{len(gpus)}× {gpus[0].split(',')[0]}" if len(set(gpus)) == 1 else ", ".join(gpus)
     for line in (RESULTS / "INDEX.md").read_text().splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
@@ -155,7 +156,20 @@ def dispatch_wire():
          "over FP8 given (medians of the rounds)"], rows)
 
 
-TABLES = {f.__name__: f for f in (ep2, ws1, host, jax, grads, dispatch_wire)}
+def sm_budget():
+    """max_sms: the kernels alone and what a GEMM on another stream keeps of its solo speed beside them, world
+    size 1 (ws1-sm-budget.json)."""
+    res = _load("ws1-sm-budget.json")["results"]
+    budgets = list(dict.fromkeys(r["max_sms"] for r in res))
+    cell = {(r["config"], r["max_sms"]): f"{_with_p99(r['ours_alone'])}, {r['gemm_kept']:.0%}" for r in res}
+    rows = [["None (whole GPU)" if b is None else str(b), cell[("r1-decode", b)], cell[("r1-prefill", b)]]
+            for b in budgets]
+    return _caption("ws1-sm-budget.json") + _table(
+        ["`max_sms`", "R1-decode: ours alone, µs (p99), GEMM keeps", "R1-prefill: ours alone, µs (p99), GEMM keeps"],
+        rows)
+
+
+TABLES = {f.__name__: f for f in (ep2, ws1, host, jax, grads, dispatch_wire, sm_budget)}
 
 
 def render(text):
