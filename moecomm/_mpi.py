@@ -9,6 +9,7 @@ from ._errors import CommTimeout, OutOfStep, PeerExited
 
 TAG_CONTROL, TAG_SUBSET = 0x6C00, 0x6C01            # control collectives of the bootstrap: all ranks, a subset
 TAG_LEAVE = 0x6C02                                   # a rank's departure notice (Departures)
+TAG_INIT = 0x6C03                                    # a rank's arrival in init on the communicator it was given
 TAG_PEER_CHECK = 0x6D20                              # host transport's peer check
 TAG_EXCHANGE, PHASES, GENERATIONS = 0x4000, 6, 512  # host transport's exchanges: 2 tags per phase and
                                                      # generation, below TAG_CONTROL
@@ -123,6 +124,42 @@ class Clock:
             return (f"; this rank itself did not run for {self.gap:.3g} s of the wait (stopped or starved of CPU): "
                     f"it may be the late one")
         return ""
+
+
+_inits = {}  # {an MPI communicator's handle: the inits this process began on it} (duplicate)
+
+
+def duplicate(mpi, timeout_s):
+    """A duplicate of the mpi4py communicator ``mpi`` (MPI_Comm_idup, collective, bounded by ``timeout_s``):
+    moecomm's messages and departure notices travel on it, so that a communicator that broke and was
+    finalized leaves nothing on the program's (init() on the same one again starts clean), and the program's
+    own messages on it never meet moecomm's. Each rank first tells every other one which of its inits on
+    ``mpi`` this is (tag TAG_INIT), so that a CommTimeout names a rank that never came."""
+    from mpi4py import MPI
+    key = mpi.py2f()
+    number = _inits[key] = _inits.get(key, 0) + 1
+    others = [q for q in range(mpi.Get_size()) if q != mpi.Get_rank()]
+    sends = [mpi.isend(number, dest=q, tag=TAG_INIT) for q in others]
+    dup, request = mpi.Idup()
+    deadline = time.monotonic() + timeout_s
+    clock, came = Clock(timeout_s, deadline), {}  # {rank: the latest of its inits it announced}
+
+    def look():  # the announcements that have come (never waits; the rest are taken by a later init)
+        status = MPI.Status()
+        while (message := mpi.improbe(source=MPI.ANY_SOURCE, tag=TAG_INIT, status=status)) is not None:
+            came[status.Get_source()] = message.recv()
+
+    while not request.Test():
+        if clock.tick() > deadline:
+            look()
+            absent = [q for q in others if came.get(q, 0) < number]
+            raise CommTimeout(f"init: rank(s) {absent} of the MPI communicator did not come within {timeout_s:g} s "
+                              f"(a rank may have died or not called init){clock.late()}",
+                              peer=absent[0] if absent else -1, phase="init")
+        time.sleep(POLL_S)
+    look()
+    wait_all(sends, others, deadline + timeout_s, timeout_s, "init")
+    return dup
 
 
 class Control:

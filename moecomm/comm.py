@@ -80,7 +80,7 @@ class Bootstrap(abc.ABC):
 
 class MpiBootstrap(Bootstrap):
     """An mpi4py communicator (``mpi`` attribute: the communicator itself; init() gives it a duplicate of the
-    one passed, :func:`duplicate`). Its control collectives are point to point with deadlines
+    one passed, :func:`moecomm._mpi.duplicate`). Its control collectives are point to point with deadlines
     (:class:`moecomm._mpi.Control`): a silent rank is named."""
 
     announces = True
@@ -134,34 +134,20 @@ class TorchBootstrap(Bootstrap):
 
 def bootstrap_of(comm, timeout_s):
     """The Bootstrap for ``comm``: None (MPI.COMM_WORLD), an mpi4py communicator (moecomm works on a
-    duplicate of it: :func:`duplicate`), a torch.distributed process group, or a Bootstrap. Collective for an
-    mpi4py communicator, bounded by ``timeout_s``."""
+    duplicate of it: :func:`moecomm._mpi.duplicate`), a torch.distributed process group, or a Bootstrap.
+    Collective for an mpi4py communicator, bounded by ``timeout_s``."""
     if isinstance(comm, Bootstrap):
         return comm
     if comm is None:
         comm = _mpi().COMM_WORLD
     module = type(comm).__module__
     if module.startswith("mpi4py"):
+        from ._mpi import duplicate
         return MpiBootstrap(duplicate(comm, timeout_s), owned=True)
     if module.startswith("torch"):
         return TorchBootstrap(comm)
     raise InvalidArgument(f"comm: expected an mpi4py communicator, a torch.distributed process group or a "
                           f"moecomm.Bootstrap, got {type(comm).__name__}")
-
-
-def duplicate(mpi, timeout_s):
-    """A duplicate of the mpi4py communicator ``mpi`` (MPI_Comm_idup, collective, bounded by ``timeout_s``):
-    moecomm's messages and departure notices travel on it, so that a communicator that broke and was
-    finalized leaves nothing on the program's (init() on the same one again starts clean), and the program's
-    own messages on it never meet moecomm's."""
-    dup, request = mpi.Idup()
-    deadline = time.monotonic() + timeout_s
-    while not request.Test():
-        if time.monotonic() > deadline:
-            raise CommTimeout(f"init: not every rank of the MPI communicator took part within {timeout_s:g} s "
-                              f"(duplicating it; a rank may have died or not called init)", phase="init")
-        time.sleep(_POLL_S)
-    return dup
 
 
 class OneCall:

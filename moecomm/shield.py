@@ -24,10 +24,11 @@ def main(argv=None):
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__)
         return 0 if argv else 2
-    # the launcher's notice that a peer died is not the end of this rank (a handler, not SIG_IGN: the rank
-    # starts with SIGUSR1 as it would have)
-    signal.signal(signal.SIGUSR1, lambda _signum, _frame: None)
-    rank = subprocess.Popen(argv, start_new_session=True, close_fds=False)  # close_fds=False: MPI's PMI descriptor
+    # the launcher's notice that a peer died is not the end of this rank: ignored here until this process ends
+    # (Hydra may send it again as the survivors finish), the rank starting with SIGUSR1 as it would have
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    rank = subprocess.Popen(argv, start_new_session=True, close_fds=False,  # close_fds=False: MPI's PMI descriptor
+                            preexec_fn=lambda: signal.signal(signal.SIGUSR1, signal.SIG_DFL))
     stopping = []
 
     def forward(signum, _frame):
