@@ -449,7 +449,6 @@ class AllToAll:
         return PreparedCall(self, CombineArgs(out_tokens, indices, weights, expert_y, bound_m, out_dropped, stream,
                                               promised=True))
 
-    @one_call
     def run(self, args, do_send=True, do_recv=True):
         """Run the halves ``do_send`` / ``do_recv`` of the phase ``args`` describes (a :class:`DispatchArgs` or
         :class:`CombineArgs`): what :meth:`dispatch` and :meth:`combine` do, for framework layers
@@ -458,9 +457,12 @@ class AllToAll:
         if self._backend is None or self.comm.broken is not None:
             self._live()
         phase, send, recv = args.phase, bool(do_send), bool(do_recv)
-        previous = self._context.enter() if self._context else None
-        stream = None
+        calls = self.comm.calls  # one call at a time (one_call's rule, inline: the hot path of every call)
+        if not calls.lock.acquire(False):
+            raise calls.refused()
+        previous = stream = None
         try:
+            previous = self._context.enter() if self._context else None
             if self._captured:  # nothing kept on the host (captured())
                 stream = self._arrays.begin(args.stream, args.first)
                 self._read(args, send, recv)
@@ -489,6 +491,7 @@ class AllToAll:
         finally:
             if previous is not None:
                 self._context.leave(previous)
+            calls.lock.release()
 
     def _read(self, args, send, recv):
         """Read and check a call's arguments into its phase's call record; returns (whether router weights

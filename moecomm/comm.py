@@ -156,27 +156,35 @@ class OneCall:
     thread is inside raises :class:`moecomm.ConcurrentCall` at once, before anything of its call is done."""
 
     def __init__(self, rank):
-        self.rank, self._lock = rank, threading.RLock()
+        self.rank, self.lock = rank, threading.RLock()
+
+    def refused(self):
+        return ConcurrentCall(f"rank {self.rank}: another thread of this rank is inside a call on this communicator "
+                              f"(moecomm takes one call at a time per communicator): this call was refused before "
+                              f"it began, the other goes on; its peers wait for this rank's part as for a late rank "
+                              f"(make it again, or make every call from one thread)")
 
     def __enter__(self):
-        if not self._lock.acquire(blocking=False):
-            raise ConcurrentCall(f"rank {self.rank}: another thread of this rank is inside a call on this "
-                                 f"communicator (moecomm takes one call at a time per communicator): this call was "
-                                 f"refused before it began, the other goes on; its peers wait for this rank's part "
-                                 f"as for a late rank (make it again, or make every call from one thread)")
+        if not self.lock.acquire(False):
+            raise self.refused()
         return self
 
     def __exit__(self, *exc):
-        self._lock.release()
+        self.lock.release()
 
 
 def one_call(method):
     """Decorator of a method of an object with a ``comm`` (a Communicator): the method is a call, entered
-    through the communicator's :class:`OneCall`."""
+    through the communicator's :class:`OneCall` (its lock taken directly: the hot path of every call)."""
     @functools.wraps(method)
     def call(self, *args, **kwargs):
-        with self.comm.calls:
+        calls = self.comm.calls
+        if not calls.lock.acquire(False):
+            raise calls.refused()
+        try:
             return method(self, *args, **kwargs)
+        finally:
+            calls.lock.release()
     return call
 
 
