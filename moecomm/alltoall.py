@@ -307,6 +307,11 @@ class AllToAll:
                 score_gap=score_gap, dispatch_wire=dispatch_wire, kernel_names=kernel_names,
                 group_by_source=group_by_source)
             window = positive_int("telemetry_window", telemetry_window, minimum=0)
+            kept = [name for name, on in (("num_tags", c.num_tags), ("score_gap", c.score_gap), ("timing", timing))
+                    if on]
+            if window == 0 and kept:
+                raise InvalidArgument(f"{', '.join(kept)}: counted per call in the telemetry window, which "
+                                      f"telemetry_window=0 turns off: give the window a size, or leave them off")
             self.timeout_s = comm.timeout_s if timeout is None else timeout_seconds(timeout)[0]
             mine = (None, dict(c.key(), telemetry_window=window, timing=bool(timing), timeout=self.timeout_s))
         except InvalidArgument as e:

@@ -513,3 +513,13 @@ def test_gradients_option_sizes_the_gradient_rows_and_is_in_the_key(comm):
     a2a = moecomm.AllToAll(comm, 8, 4, 2, 16)  # gradients=False: the host transport computes them anyway
     assert a2a.gradients
     a2a.destroy()
+
+
+@pytest.mark.parametrize("option", [dict(num_tags=4), dict(score_gap=True), dict(timing=True)],
+                         ids=["num_tags", "score_gap", "timing"])
+def test_what_the_telemetry_window_keeps_is_refused_without_one(comm, option):
+    """num_tags, score_gap and timing are kept per call in the telemetry window: with telemetry_window=0 they would
+    count nothing, so the contradiction is refused (it was accepted silently)."""
+    with pytest.raises(moecomm.InvalidArgument, match="telemetry_window=0 turns off"):
+        moecomm.AllToAll(comm, M, E, K, H, S, "float8_e4m3fn", "bfloat16", telemetry_window=0, **option)
+    moecomm.AllToAll(comm, M, E, K, H, S, "float8_e4m3fn", "bfloat16", telemetry_window=8, **option).destroy()
