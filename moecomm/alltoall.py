@@ -472,7 +472,8 @@ class AllToAll:
                 stream = self._arrays.begin(args.stream, args.first)
                 self._read(args, send, recv)
                 self._arrays.order()
-                return (self._backend.dispatch if phase == "dispatch" else self._backend.combine)(send, recv, stream)
+                launch = self._backend.dispatch if phase == "dispatch" else self._backend.combine
+                return launch(self._records[phase], send, recv, stream)  # the record _read filled
             try:
                 stream = self._arrays.begin(args.stream, args.first)
                 if send and phase == "dispatch" and self._order.done:  # a call left open: it ends here
@@ -485,7 +486,8 @@ class AllToAll:
             except InvalidArgument as e:
                 self._refuse(e, stream)
             self._arrays.order()
-            (self._backend.dispatch if phase == "dispatch" else self._backend.combine)(send, recv, stream)
+            launch = self._backend.dispatch if phase == "dispatch" else self._backend.combine
+            launch(self._records[phase], send, recv, stream)  # the record _read filled
         except (CommTimeout, OutOfStep) as e:
             self._order.end()
             self.comm.fail(e)

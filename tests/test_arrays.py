@@ -226,11 +226,13 @@ class FakeBackend(AllToAllBackend):
     def records(self):
         return self.calls
 
-    def dispatch(self, do_send, do_recv, stream):
-        self.launches.append(("dispatch", do_send, do_recv, stream, bytes(self.calls["dispatch"])))
+    def dispatch(self, record, do_send, do_recv, stream):
+        assert record is self.calls["dispatch"]  # AllToAll hands over the record it filled: this backend's
+        self.launches.append(("dispatch", do_send, do_recv, stream, bytes(record)))
 
-    def combine(self, do_send, do_recv, stream):
-        self.launches.append(("combine", do_send, do_recv, stream, bytes(self.calls["combine"])))
+    def combine(self, record, do_send, do_recv, stream):
+        assert record is self.calls["combine"]
+        self.launches.append(("combine", do_send, do_recv, stream, bytes(record)))
 
     def skip(self, halves, stream, refusal=None):
         self.launches.append(("skip", halves, refusal.code if refusal else 0, stream))

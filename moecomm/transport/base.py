@@ -7,7 +7,8 @@ calls a backend made by :meth:`Transport.new_alltoall`, so a backend never sees 
 Arguments reach a backend as the *call record* of their phase (one for dispatch, one for combine, made
 once by ``backend.records()`` and kept by the backend), which AllToAll fills before each call of the phase
 (a call given the same DeviceBuffers as the phase's last finds it as that call left it) with the fields of
-:data:`moecomm._abi.CALL_FIELDS`, then calls ``dispatch`` / ``combine``, which read it:
+:data:`moecomm._abi.CALL_FIELDS`, then hands it to ``dispatch(record, ...)`` / ``combine(record, ...)``, which
+read it:
 ``x``, ``x_scale``, ``indices``, ``weights``, ``bound_m``, ``out_num``, ``out_x``, ``out_scale``,
 ``out_offsets`` (dispatch), ``indices``, ``weights``, ``bound_m``, ``y``, ``out_tokens``, ``out_dropped``
 (combine), and the ints ``rows`` (the fewest rows of the call's per-token arrays), ``idx64``, ``partials``,
@@ -75,14 +76,15 @@ class AllToAllBackend(abc.ABC):
         once: AllToAll fills a phase's before each of its calls."""
 
     @abc.abstractmethod
-    def dispatch(self, do_send: bool, do_recv: bool, stream) -> None:
-        """Send (``do_send``) and/or receive and unpack (``do_recv``) the dispatch arrays of the dispatch
-        record, on ``stream`` (device transports; None on the host). Collective."""
+    def dispatch(self, record, do_send: bool, do_recv: bool, stream) -> None:
+        """Send (``do_send``) and/or receive and unpack (``do_recv``) the dispatch arrays of ``record`` (this
+        backend's dispatch record, filled for this call), on ``stream`` (device transports; None on the host).
+        Collective."""
 
     @abc.abstractmethod
-    def combine(self, do_send: bool, do_recv: bool, stream) -> None:
-        """Send expert outputs back and/or receive and sum them (the arrays of the combine record), on
-        ``stream``. Collective."""
+    def combine(self, record, do_send: bool, do_recv: bool, stream) -> None:
+        """Send expert outputs back and/or receive and sum them (the arrays of ``record``, the combine record),
+        on ``stream``. Collective."""
 
     @abc.abstractmethod
     def skip(self, halves: tuple, stream, refusal=None) -> None:

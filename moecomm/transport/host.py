@@ -250,8 +250,7 @@ class HostAllToAll(AllToAllBackend):
         return self._records
 
     # dispatch -------------------------------------------------------------------------------
-    def dispatch(self, do_send, do_recv, stream):
-        record = self._records["dispatch"]
+    def dispatch(self, record, do_send, do_recv, stream):
         if do_send:
             self._started["dispatch"] = time.perf_counter()
             self._received = None  # until this dispatch's receive half
@@ -450,8 +449,7 @@ class HostAllToAll(AllToAllBackend):
         self._received = _Received(src_rank, token, pair_j, pair_k, where, weights)
 
     # combine --------------------------------------------------------------------------------
-    def combine(self, do_send, do_recv, stream):
-        record = self._records["combine"]
+    def combine(self, record, do_send, do_recv, stream):
         if do_send:
             self._started["combine"] = time.perf_counter()
             self._combine_pending = self._combine_send(record)
