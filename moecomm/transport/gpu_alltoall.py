@@ -223,18 +223,20 @@ class GpuAllToAll(AllToAllBackend):
         self.check_error()
 
     def dispatch(self, record, do_send, do_recv, stream):
-        self._launch("dispatch", record, do_send, do_recv, stream)
+        """``record``: the dispatch Call structure of records(), filled for this call; the kernels' prepared
+        launches took its address at construction, so launching them is handing it over."""
+        self._launch("dispatch", do_send, do_recv, stream)
         self._dispatched = self._dispatched or do_recv
 
     def combine(self, record, do_send, do_recv, stream):
-        self._launch("combine", record, do_send, do_recv, stream)
+        """``record``: the combine Call structure, as in :meth:`dispatch`."""
+        self._launch("combine", do_send, do_recv, stream)
         if do_recv and not self.captured:
             self.check_error()
 
-    def _launch(self, phase, record, do_send, do_recv, stream):
+    def _launch(self, phase, do_send, do_recv, stream):
         """Launch the phase's send and/or receive kernels on ``stream`` (timed with timing=True); they read
-        ``record``, the phase's call record (a Call structure of records(), filled by AllToAll for this call),
-        whose address their prepared launches took at construction."""
+        the phase's call record (records(), filled by AllToAll)."""
         if not self.captured:
             self.check_error(timeout_only=True)
         send, recv = self._halves[phase]
