@@ -63,11 +63,18 @@ def mpi_launcher():
 
 
 def run_mpi(n, script, *args, timeout=300, env=None):
-    """Run ``python script args`` on n ranks; return the completed process (output captured)."""
-    e = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-             PYTHONUNBUFFERED="1", **(env or {}))
-    cmd = mpi_launcher() + ["-n", str(n), sys.executable, str(ROOT / script), *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=e, cwd=ROOT)
+    """Run ``python script args`` on n ranks; return the completed process (output captured). Rank 0's report
+    (tests/report.py) is also written to a file, added to the output where the launcher dropped it."""
+    import tempfile
+    with tempfile.TemporaryDirectory() as tmp:
+        written = Path(tmp, "report.txt")
+        e = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+                 PYTHONUNBUFFERED="1", MOECOMM_TEST_REPORT=str(written), **(env or {}))
+        cmd = mpi_launcher() + ["-n", str(n), sys.executable, str(ROOT / script), *args]
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=e, cwd=ROOT)
+        if written.exists() and written.read_text() not in p.stdout:
+            p.stdout += written.read_text()
+    return p
 
 
 def need(module, install):

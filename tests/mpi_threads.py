@@ -35,13 +35,18 @@ def refused(comm, fails):
     a2a, other = (moecomm.AllToAll(comm, M, E_PER_RANK * W, K, H, None, "float16", "float16") for _ in range(2))
     s = Step(W, 400)
     if r != 0:
-        time.sleep(1.0)  # rank 0's thread waits for this rank in its dispatch meanwhile
+        time.sleep(3.0)  # rank 0's thread waits for this rank in its dispatch meanwhile
         run_step(a2a, s, r, fails, "refused: the first thread's step")
     else:
         a = s.arrays(r)
         inside = threading.Thread(target=lambda: a2a.dispatch(**a))
         inside.start()
-        time.sleep(0.3)
+        deadline = time.monotonic() + 2.0
+        while not repr(comm.calls.lock).startswith("<locked"):  # looked at, not taken: the thread may enter
+            if time.monotonic() > deadline:
+                fails.append("refused: the first thread did not enter its dispatch within 2 s")
+                break
+            time.sleep(0.01)
         b = Step(W, 401).arrays(r)
         calls = (("dispatch on the same AllToAll", lambda: a2a.dispatch(**b)),
                  ("combine on the same AllToAll", lambda: a2a.combine(mpi_recovery.xp.zeros((M, H), np.float16),
