@@ -481,6 +481,15 @@ def require_matplotlib(parser, path):
             parser.error(f"--plot {path}: needs matplotlib (pip install 'moecomm[plot]')")
 
 
+def written(results, json_path, png):
+    """Draw the plot when one is asked for (``png``); the line saying what was written."""
+    if not png:
+        return f"wrote {json_path}"
+    if plot(results, png):
+        return f"wrote {json_path} and {png}"
+    return f"wrote {json_path} (no plot: it draws the sweep config)"
+
+
 def plot(results, path):
     """The token sweep: per transport moecomm eager and CUDA-graph medians; NCCL's from the first."""
     import matplotlib
@@ -602,9 +611,7 @@ def measure(args, jobs, argv):
             "results": results}
         with open(args.json, "w") as f:
             json.dump(doc, f, indent=1)
-        drawn = args.plot and plot(results, args.plot)
-        print(f"wrote {args.json}" + (f" and {args.plot}" if drawn else " (no plot: it draws the sweep config)"
-                                      if args.plot else ""))
+        print(written(results, args.json, args.plot))
     comm.finalize()
 
 
@@ -623,9 +630,7 @@ def merge(paths, out_json, out_plot, parser):
     with open(out_json, "w") as f:
         json.dump({"runs": runs, "results": results}, f, indent=1)
     print(table(results))
-    drawn = out_plot and plot(results, out_plot)
-    print(f"wrote {out_json}" + (f" and {out_plot}" if drawn else " (no plot: it draws the sweep config)"
-                                 if out_plot else ""))
+    print(written(results, out_json, out_plot))
     return 0
 
 
