@@ -21,7 +21,7 @@
 // that all follow the plan of the same dispatch (ERR_PLAN_DIFFERS). A rank writes into a peer's grad_buf only
 // once that peer has read the previous backward call's rows: f.grad_sig[2][q] holds the last call q finished.
 // Calls of both operations are counted in state[EPOCH_B] on the device, so CUDA graphs replay them.
-// Kernels: moecomm_plan; each operation in one launch of a grid resident at once, in parts that follow each
+// Kernels: moecomm_plan (and moecomm_source_layout, the slots by source); each operation in one launch of a grid resident at once, in parts that follow each
 // other through those signals (dispatch_backward: send, receive; combine_backward: send, the expert side,
 // receive). A rank waits only for the signals of ranks whose rows or words it reads (its own where the DP
 // group has other ranks), and does the work that needs none first: its own tokens whose pairs are all on this
@@ -135,6 +135,16 @@ static __device__ __noinline__ void sum_rows(uint8_t* const* dsts, int nd, int o
   }
 }
 
+// Received record i (of source rank i / max_tokens) of the last dispatch: whether it holds a token (this rank's
+// own: as many as its dispatch signal counts, as combine_send reads them), and that token in `t`.
+__device__ __forceinline__ bool received_token(const Fixed& f, int i, int& t) {
+  const int q = i / f.max_tokens, j = i % f.max_tokens;
+  const unsigned count = q == f.rank && !f.packed ? own_count(load_acquire(&f.sig[f.rank])) : f.state[f.s_recv + q];
+  if (j >= (int)count) return false;
+  t = meta_of(f.recv_buf + (size_t)i * f.rec_bytes, f)[0];
+  return true;
+}
+
 // How many slots the plan holds (g.held[0], bounded by the slots); g.held[1 ..] lists them.
 __device__ __forceinline__ int held_count(const Grad& g) { return min(max(g.held[0], 0), g.slots); }
 
@@ -236,15 +246,9 @@ extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, MOECOMM_BLOC
   }
   const int lane = threadIdx.x & 31, records = f.world * f.max_tokens;
   for (int i0 = tid - lane; i0 < records; i0 += all) {  // warp-uniform: the warp's 32 records at a time
-    const int i = i0 + lane, q = i / f.max_tokens, j = i % f.max_tokens;
-    bool live = false;
+    const int i = i0 + lane, q = i / f.max_tokens;
     int t = 0;
-    if (i < records) {
-      const unsigned count =
-          q == f.rank && !f.packed ? own_count(load_acquire(&f.sig[f.rank])) : f.state[f.s_recv + q];
-      live = j < (int)count;
-      if (live) t = meta_of(f.recv_buf + (size_t)i * f.rec_bytes, f)[0];
-    }
+    const bool live = i < records && received_token(f, i, t);
     const int* const slots = f.slot_of + (size_t)i * f.topk;
     int n = 0;  // this record's slots, then a place for them in g.held: one atomic per warp
     for (int k = 0; live && k < f.topk; ++k) n += slots[k] >= 0;
@@ -271,6 +275,37 @@ extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, MOECOMM_BLOC
     g.call[0] = g.generation;
     g.call[1] = (int)f.state[MOECOMM_S_EPOCH_DS];
   }
+}
+
+// grid: 1 block (with no plan: any AllToAll in the padded layout whose experts' slots are grouped by source,
+// gpu_plan.py: sources). Where the last dispatch put each source rank's rows (moecomm.AllToAll.source_layout;
+// DeepEP's low-latency handle): s.src_info [local_experts * cap] = the token (its row on its source rank) of
+// each slot, -1 where empty; s.layout_range [local_experts, world] int64 = (first slot << 32) | slots from that
+// source (consecutive), 0 where none. The counts and first slots gather in layout_range's two 32-bit halves.
+extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, MOECOMM_BLOCKS_PER_SM)
+    moecomm_source_layout(const Fixed f, const Sources s) {
+  after_previous_kernel();
+  const int slots = f.local_experts * f.cap, ranges = f.local_experts * f.world;
+  unsigned* const range = reinterpret_cast<unsigned*>(s.layout_range);  // [ranges][count, first]: little-endian
+  for (int i = threadIdx.x; i < slots; i += blockDim.x) s.src_info[i] = -1;
+  for (int i = threadIdx.x; i < ranges; i += blockDim.x) range[2 * i] = 0, range[2 * i + 1] = 0xFFFFFFFFu;
+  __syncthreads();
+  for (int i = threadIdx.x; i < f.world * f.max_tokens; i += blockDim.x) {
+    int t;
+    if (!received_token(f, i, t)) continue;
+    const int q = i / f.max_tokens;
+    for (int k = 0; k < f.topk; ++k) {
+      const int slot = f.slot_of[(size_t)i * f.topk + k];
+      if (slot < 0 || slot >= slots) continue;
+      s.src_info[slot] = t;
+      unsigned* const r = &range[2 * ((slot / f.cap) * f.world + q)];
+      atomicAdd(&r[0], 1u);
+      atomicMin(&r[1], (unsigned)(slot % f.cap));
+    }
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < ranges; i += blockDim.x)
+    if (range[2 * i] == 0) range[2 * i + 1] = 0;
 }
 
 namespace {

@@ -168,6 +168,10 @@ PEER_CHECK_FIELDS = (
     ("rank", "int"), ("world", "int"),
 )
 DELAY_FIELDS = (("ns", "unsigned long long"),)
+SOURCES_FIELDS = (  # AllToAll.source_layout (moecomm_source_layout, cuda/backward.cu)
+    ("src_info", "int*"),           # [local_experts * cap] int32: each slot's token, -1 where empty
+    ("layout_range", "long long*"),  # [local_experts, world] int64: (first slot << 32) | slots of each source
+)
 HALF_FIELDS = (("recv", "int"),)  # a kernel that runs either half of a phase (cuda/deep_ep.cu): 1 the receive half
 
 Fixed = _struct("Fixed", FIXED_FIELDS, "Parameters fixed for one AllToAll (see FIXED_FIELDS).")
@@ -176,7 +180,8 @@ Grad = _struct("Grad", GRAD_FIELDS, "Arrays of one backward call or plan (see GR
 PeerCheck = _struct("PeerCheck", PEER_CHECK_FIELDS, "Parameters of one peer check.")
 Delay = _struct("Delay", DELAY_FIELDS, "Parameters of the benchmark's device delay.")
 Half = _struct("Half", HALF_FIELDS, "Which half a kernel of both halves runs.")
-STRUCTS = (Fixed, Call, Grad, PeerCheck, Delay, Half)
+Sources = _struct("Sources", SOURCES_FIELDS, "Outputs of AllToAll.source_layout (see SOURCES_FIELDS).")
+STRUCTS = (Fixed, Call, Grad, PeerCheck, Delay, Half, Sources)
 
 
 # Layouts of device memory the kernels index ---------------------------------------------------------
@@ -289,6 +294,7 @@ KERNELS = {k.name: k for k in (
     *(Kernel(name, (Fixed, Grad)) for name in ("moecomm_plan", "moecomm_dispatch_backward",
                                                 "moecomm_combine_backward", "moecomm_dispatch_backward_local",
                                                 "moecomm_combine_backward_local")),
+    Kernel("moecomm_source_layout", (Fixed, Sources)),
     *(Kernel(f"moecomm_deep_ep_{phase}_{half}", (Fixed, Call, Half), cxx=f"moecomm::deep_ep::{phase}",
              half=int(half == "recv")) for phase in ("dispatch", "combine") for half in ("send", "recv")),
     Kernel("moecomm_peer_check", (PeerCheck,), threads=32, dependent=False),

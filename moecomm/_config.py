@@ -241,6 +241,13 @@ class AllToAllConfig:
         then are drop words kept."""
         return self.capacity is not None and self.overflow == "drop"
 
+    @property
+    def slots_by_source(self):
+        """Whether each expert's slots hold its rows grouped by source rank, in rank order (what
+        AllToAll.source_layout describes): the padded layout with group_by_source, or at world size 1 (every
+        row is the rank's own)."""
+        return self.layout == "padded" and (self.group_by_source or self.world_size == 1)
+
     def expert_x_shape(self):
         if self.layout == "packed":
             return (self.expert_capacity, self.hidden_dim)

@@ -21,6 +21,7 @@ _INDICES = Accepted({np.dtype(np.int32): np.dtype(np.int32), np.dtype(np.uint32)
                      np.dtype(np.int64): np.dtype(np.int64)}, "int32, uint32 or int64")
 _BOUND_M = accepted(np.int32, np.uint32)
 _COUNTS = accepted(np.int32)
+_RANGES = accepted(np.int64)
 _FLAGS = accepted(np.uint8)
 _FLOAT32 = accepted(float32)
 _GRAD = accepted(bfloat16, float16, float32)  # gradients: the caller's float dtype
@@ -715,6 +716,34 @@ class AllToAll:
             rp = self._read_plan(out_plan, output=True)
             self._arrays.order()
             self._backend.write_plan(rp, s)
+
+    @one_call
+    def source_layout(self, out_src_info, out_layout_range, stream=None):
+        """Where the last dispatch put each source rank's rows, as DeepEP's low-latency handle describes them
+        (its ``src_info`` and ``layout_range``): in the padded layout whose experts' slots are grouped by source
+        rank (``group_by_source=True``, or world size 1). Not collective; valid from the dispatch's receive half
+        until the next dispatch (on GPUs: one small kernel, ordered on ``stream`` after that receive half;
+        default the current stream of out_src_info's framework). Needs no ``gradients``.
+
+        Args:
+            out_src_info: [num_local_experts, expert_capacity] int32, written: the token (its row in the source
+                rank's dp_x) each slot holds, -1 where empty.
+            out_layout_range: [num_local_experts, world_size] int64, written: ``(first slot << 32) | slots`` of
+                each source rank's rows in each expert (consecutive, sources in rank order); 0 where none.
+        """
+        self._live()
+        c = self.cfg
+        if not c.slots_by_source:
+            raise InvalidArgument("source_layout: needs the padded layout with group_by_source=True (or world "
+                                  "size 1): elsewhere an expert's rows from one source are not consecutive")
+        with self._context or nullcontext():
+            s = self._arrays.begin(stream, out_src_info)
+            src_info = self._arrays.read(out_src_info, "out_src_info", _COUNTS, self.plan_shapes().origin[:-1],
+                                         output=True)
+            layout_range = self._arrays.read(out_layout_range, "out_layout_range", _RANGES,
+                                             (c.num_local_experts, c.world_size), output=True)
+            self._arrays.order()
+            self._backend.write_sources(src_info, layout_range, s)
 
     def dispatch_backward(self, out_grad_x, plan, grad_expert_x, bound_m, stream=None):
         """The backward of a dispatch: each token's gradient is the sum of the gradients of the slots the

@@ -1,6 +1,7 @@
 """The layouts whose rows are placed grouped by source, on either transport: the packed layout (each rank's rows
 back to back, expert by expert) and the padded one with group_by_source, each expert's rows from each source
-rank equal to the reference's for every input dtype, with and without scales, sources in rank order; combine
+rank equal to the reference's for every input dtype, with and without scales, sources in rank order (and as
+AllToAll.source_layout describes them in the padded layout); combine
 through their expert_y equals the reference; a capacity (per rank packed, per expert padded) with "drop" drops
 the demand past it (exactly the reference's pairs on the host transport) and combine equals the reference
 without them; "error" raises CapacityExceeded on every rank and the next call is right.
@@ -62,6 +63,10 @@ def check(xp, a2a, comm, drawn, capacity, fails, label):
     es = None if xs is None else xp.zeros(c.expert_x_scale_shape(), np.float32)
     m, d_ids = xp.array([M], np.int32), xp.asarray(ids)
     a2a.dispatch(n, ex, es, put(xp, x), put(xp, xs), d_ids, m, weights=xp.asarray(w), out_expert_offsets=off)
+    sources = None
+    if not packed:  # the slots of each source rank (DeepEP's handle)
+        sources = xp.zeros(c.expert_x_shape()[:-1], np.int32), xp.zeros((E_PER_RANK, W), np.int64)
+        a2a.source_layout(*sources)
     ex_h = get(ex, c.in_dtype)
     y = xp.asarray(ex_h.astype(np.float32).astype(np.float16))  # the expert: identity in the output dtype
     out, dropped = xp.zeros((M, H), np.float16), xp.zeros((M, K), np.uint8)
@@ -93,6 +98,8 @@ def check(xp, a2a, comm, drawn, capacity, fails, label):
     if not np.array_equal(n, counts):
         fails.append(f"{label}: counts {n.tolist()} != {counts.tolist()}")
         return
+    if sources is not None:
+        check_sources(get(sources[0], np.int32), get(sources[1], np.int64), ref["origin"], counts, W, fails, label)
     es_h = None if es is None else get(es, np.float32)
     for e in range(E_PER_RANK):  # each expert's rows from each source, as sets (sorted)
         rows = slice(first[e], first[e + 1]) if packed else (e, slice(0, counts[e]))
@@ -110,6 +117,24 @@ def check(xp, a2a, comm, drawn, capacity, fails, label):
     want_out = reference.combine(kept, [d[2] for d in drawn], ref_y, [q["origin"] for q in refs], E, W, np.float16)[r]
     if not np.allclose(out.astype(np.float32), want_out.astype(np.float32), rtol=2 ** -8, atol=1e-2):
         fails.append(f"{label}: combine through the expert_y differs from the reference")
+
+
+def check_sources(src_info, layout_range, origin, counts, W, fails, label):
+    """AllToAll.source_layout against the reference's origin (rows by source, then token): each source's
+    (first slot << 32) | slots in each expert, 0 where none; its slots' tokens as a set (arrival order on GPUs);
+    -1 in the empty slots."""
+    for e, n in enumerate(counts):
+        src = origin[e, :n, 0]
+        for q in range(W):
+            a, b = (int(v) for v in np.searchsorted(src, [q, q + 1]))
+            want = a << 32 | (b - a) if b > a else 0
+            if layout_range[e, q] != want or sorted(src_info[e, a:b]) != sorted(origin[e, a:b, 1]):
+                fails.append(f"{label}: source_layout of expert {e}, source {q}: range {int(layout_range[e, q]):#x} "
+                             f"tokens {sorted(src_info[e, a:b])}, expected {want:#x} {sorted(origin[e, a:b, 1])}")
+                return
+        if (src_info[e, n:] != -1).any():
+            fails.append(f"{label}: source_layout: expert {e}'s empty slots are not -1")
+            return
 
 
 def main():

@@ -112,6 +112,13 @@ class AllToAllBackend(abc.ABC):
         from .._errors import InvalidArgument
         raise InvalidArgument(f"{type(self).__name__} does not take expert maps")
 
+    def write_sources(self, src_info, layout_range, stream) -> None:
+        """Write where the last dispatch received (until the next dispatch) put each source rank's rows, in the
+        padded layout with each expert's slots grouped by source (moecomm.transport.gpu_plan.sources):
+        ``src_info`` [num_local_experts, capacity] int32, each slot's token (-1: empty); ``layout_range``
+        [num_local_experts, world_size] int64, (first slot << 32) | slots of each source rank (0: none)."""
+        raise NotImplementedError
+
     # Gradients along a routing plan (AllToAll.plan, dispatch_backward, combine_backward), where ``gradients``
     # is True; AllToAll refuses them elsewhere (on every rank alike: the configuration is the same everywhere).
     # ``stream``: the call's launch stream (None on the host).

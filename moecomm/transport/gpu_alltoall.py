@@ -188,6 +188,9 @@ class GpuAllToAll(AllToAllBackend):
             self._grads = [{op: transport.launch(n, plan.grids[n], self.fixed, record, module=self.module)
                             for op, n in plan.backward.items()}
                            for record in (self._grad, self._grad_skipped)]  # [0]: with data, [1]: skipped
+        self._sources = _abi.Sources()
+        self._source_layout = (transport.launch("moecomm_source_layout", 1, self.fixed, self._sources,
+                                                module=self.module) if plan.sources else None)
         transport.settle("AllToAll(...)")
 
     @property
@@ -265,6 +268,13 @@ class GpuAllToAll(AllToAllBackend):
                                             stream)  # -1: not on this rank
         self._cupy.cuda.runtime.memsetAsync(plan.held, 0, 4, stream)  # none held yet
         self._grads[0]["plan"](stream)
+
+    def write_sources(self, src_info, layout_range, stream):
+        if not self._dispatched:
+            raise InvalidArgument("source_layout: no dispatch has been received since construction or the last "
+                                  "mask_ranks")
+        self._sources.src_info, self._sources.layout_range = src_info, layout_range
+        self._source_layout(stream)
 
     def dispatch_backward(self, a, stream):
         self._run_backward("dispatch_backward", a, stream, a.out)

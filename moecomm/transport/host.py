@@ -553,6 +553,20 @@ class HostAllToAll(AllToAllBackend):
         local[:] = -1
         local[pairs[own, 1], pairs[own, 2]] = own
 
+    def write_sources(self, src_info, layout_range, stream=None):
+        rv = self._received
+        if rv is None:
+            raise InvalidArgument("source_layout: no dispatch has been received since construction or the last "
+                                  "mask_ranks (or the last one failed)")
+        expert, slot = rv.where
+        src_info[:] = -1
+        src_info[rv.where] = rv.token[rv.pair_j]
+        at = (expert, rv.src_rank[rv.pair_j])
+        count, first = np.zeros(layout_range.shape, np.int64), np.full(layout_range.shape, slot.size, np.int64)
+        np.add.at(count, at, 1)
+        np.minimum.at(first, at, slot)
+        layout_range[:] = np.where(count > 0, first << 32 | count, 0)
+
     def dispatch_backward(self, a, stream=None):
         cfg = self.cfg
         rv = _Received.from_origin(a.origin, cfg.max_num_tokens)
