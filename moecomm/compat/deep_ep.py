@@ -16,16 +16,17 @@ dispatch (``dispatch_wire``: e4m3 with a float32 scale per 128 values, ``round_s
 ``return_recv_hook`` issues the send half; the hook runs the receive half (moecomm holds no SMs between them);
 without it each call is one launch. The kernels run under DeepEP's profiler names
 (``AllToAll(kernel_names="deep_ep")``), so DeepEP's tests' ``bench_kineto`` times them.
-``async_finish``: every call runs on the current stream, so the returned event is complete when the current
-stream reaches it. The handle is DeepEP's five-tuple: each slot's
-source token ``[L, T * R]`` int32 and per local expert and source rank ``(first slot << 32) | count`` int64
-(the source's slots are consecutive, sources in rank order), then num_max_dispatch_tokens_per_rank, hidden and
-num_experts. A dispatch left uncombined ends (``a2a.abort()``) when the next one begins; the last handle may be
+Every call runs on the current stream: the returned event is an EventOverlap of it with ``async_finish``, else
+empty (as DeepEP's). The handle is DeepEP's five-tuple: each slot's source token ``[L, T * R]`` int32 and per local
+expert and source rank ``(first slot << 32) | count`` int64 (the source's slots are consecutive, sources in rank
+order: ``AllToAll.source_layout``, one small kernel after the receive half), then num_max_dispatch_tokens_per_rank,
+hidden and num_experts. The eager path allocates what DeepEP returns and nothing else per call (bound_m is kept per
+token count). A dispatch left uncombined ends (``a2a.abort()``) when the next one begins; the last handle may be
 combined again, as DeepEP allows (moecomm combines each dispatch once: the tokens are dispatched again and the
-expert outputs moved to the new slots of their pairs, a dispatch's cost). Refused with a moecomm
-InvalidArgument: normal-mode calls (``dispatch`` and ``combine`` with a layout: use
-``moecomm.AllToAll(layout="packed")``), LogFMT combine (``combine_wire="e4m3"`` is moecomm's FP8 combine), and the
-wait-cost statistics. torch is imported here only.
+expert outputs moved to the new slots of their pairs, a dispatch's cost). Refused with a moecomm InvalidArgument:
+normal-mode calls (``dispatch`` and ``combine`` with a layout: use ``moecomm.AllToAll(layout="packed")``), LogFMT
+combine (``combine_wire="e4m3"`` is moecomm's FP8 combine), and the wait-cost statistics. torch is imported here
+only.
 """
 import numpy as np
 import torch
@@ -33,7 +34,7 @@ import torch
 import moecomm
 
 from .._errors import InvalidArgument
-from ..alltoall import RoutingPlan
+from ..alltoall import CombineArgs, DispatchArgs
 from ..torch import AllToAll as _Layer
 
 _NOT_LOW_LATENCY = ("DeepEP's normal mode is not provided by moecomm.compat.deep_ep: use moecomm.AllToAll(..., "
@@ -58,9 +59,10 @@ class EventOverlap:
         self.current_stream_wait()
 
 
-def _event(like):
-    """An EventOverlap of the current stream's work so far (none for CPU tensors)."""
-    if like.device.type != "cuda":
+def _event(like, async_finish):
+    """DeepEP's returned event: with ``async_finish``, an EventOverlap of the current stream's work so far (none
+    for CPU tensors); without it, none (as DeepEP's: the call's work is on the current stream already)."""
+    if not async_finish or like.device.type != "cuda":
         return EventOverlap()
     event = torch.cuda.Event()
     event.record(torch.cuda.current_stream(like.device))
@@ -69,12 +71,12 @@ def _event(like):
 
 class _Handle(tuple):
     """DeepEP's handle (src_info, layout_range, num_max_dispatch_tokens_per_rank, hidden, num_experts), carrying
-    the moecomm call it belongs to for low_latency_combine: its layer, bound_m, its tokens (``x``: their shape is
-    what a repeated combine's new dispatch needs) and its plan's ``origin`` [L, T * R, 3]."""
+    the moecomm call it belongs to for low_latency_combine: its layer, bound_m and its tokens (``x``: what a
+    repeated combine's new dispatch sends)."""
 
-    def __new__(cls, fields, layer, bound_m, x, origin):
+    def __new__(cls, fields, layer, bound_m, x):
         handle = super().__new__(cls, fields)
-        handle.layer, handle.bound_m, handle.x, handle.origin = layer, bound_m, x, origin
+        handle.layer, handle.bound_m, handle.x = layer, bound_m, x
         return handle
 
 
@@ -101,6 +103,7 @@ class Buffer:
         self.low_latency_mode, self.explicitly_destroy = low_latency_mode, explicitly_destroy
         self._layers = {}  # {(tokens, hidden, experts, topk, wire, scale dtype): moecomm.torch layer}
         self._combine_buffers = {}  # {layer key: bf16 expert_y for zero-copy combines}
+        self._counts = {}  # {(num_tokens, device): its bound_m}
         self._masked = ()
         self._open = None  # the handle of the dispatch not combined yet
         self._last = None  # the handle of the last dispatch
@@ -136,13 +139,21 @@ class Buffer:
             self._layers[key] = _Layer(a2a)
         return self._layers[key]
 
+    def _bound_m(self, n, device):
+        """A [1] int32 tensor holding n on ``device``, made once (a fill: no host copy) and never written again,
+        so that a handle may keep it."""
+        key = (n, device)
+        if key not in self._counts:
+            self._counts[key] = torch.full((1,), n, dtype=torch.int32, device=device)
+        return self._counts[key]
+
     def low_latency_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
                              cumulative_local_expert_recv_stats=None, dispatch_wait_recv_cost_stats=None,
                              use_fp8=True, round_scale=False, use_ue8m0=False, async_finish=False,
                              return_recv_hook=False):
         """DeepEP's low_latency_dispatch: x [num_tokens, hidden] bfloat16, topk_idx [num_tokens, top-k] int64 (-1:
         none), num_tokens <= num_max_dispatch_tokens_per_rank. Returns (recv_x, or (recv_x e4m3, scales) with
-        use_fp8; recv_count [L] int32; handle; event; hook or None)."""
+        use_fp8; recv_count [L] int32; handle; event (with ``async_finish``, as DeepEP's); hook or None)."""
         if dispatch_wait_recv_cost_stats is not None:
             raise InvalidArgument("low_latency_dispatch: dispatch_wait_recv_cost_stats is not provided by moecomm "
                                   "(a2a.stats() keeps per-call counts and, with timing=True, times)")
@@ -151,43 +162,39 @@ class Buffer:
             self._open = None
         layer = self._layer(num_max_dispatch_tokens_per_rank, x.size(1), num_experts, topk_idx.size(1), use_fp8,
                             round_scale, use_ue8m0)
-        a2a, c, arg = layer.a2a, layer.a2a.cfg, layer._arg
-        bound_m = torch.full((1,), x.size(0), dtype=torch.int32, device=x.device)  # a fill: no host copy, no sync
-        count = layer._new((c.num_local_experts,), np.int32, x, False)
-        recv_x = layer._new(c.expert_x_shape(), c.expert_dtype, x, False)
-        scales = layer._new(c.expert_x_scale_shape(), c.scale_dtype, x, False) if use_fp8 else None
-        plan = RoutingPlan(*(layer._new(s, np.int32, x, False) for s in a2a.plan_shapes()))
-        src_info = layer._new(c.expert_x_shape()[:-1], np.int32, x, False)  # filled by the receive half
+        a2a, c, new = layer.a2a, layer.a2a.cfg, layer._new
+        bound_m = self._bound_m(x.size(0), x.device)
+        count = new((c.num_local_experts,), np.int32, x, False)
+        recv_x = new(c.expert_x_shape(), c.expert_dtype, x, False)
+        scales = new(c.expert_x_scale_shape(), c.scale_dtype, x, False) if use_fp8 else None
+        src_info = new(c.expert_x_shape()[:-1], np.int32, x, False)  # the handle's, from the receive half
         layout_range = torch.empty((c.num_local_experts, self.group_size), dtype=torch.int64, device=x.device)
-        args = (arg(count), arg(recv_x), arg(scales), arg(x), None, arg(topk_idx), arg(bound_m))
+        args = DispatchArgs(*map(layer._arg, (count, recv_x, scales, x, None, topk_idx, bound_m)))
 
-        def after_receive():  # the plan, and the handle's arrays from it
-            a2a.plan(RoutingPlan(*map(arg, plan)))
-            src_info.copy_(plan.origin[..., 1])  # origin [L, T * R, 3]: (source rank, token, k), -1 where empty
-            layout_range.copy_(_layout_range(plan.origin[..., 0], self.group_size))
+        def after_receive():  # the handle's arrays
+            a2a.source_layout(layer._arg(src_info), layer._arg(layout_range))
             if cumulative_local_expert_recv_stats is not None:
                 cumulative_local_expert_recv_stats.add_(count)
 
         def receive():
-            a2a.dispatch(*args, do_send=False)
+            a2a.run(args, do_send=False)
             after_receive()
 
-        a2a.dispatch(*args, do_recv=not return_recv_hook)  # one launch without the hook, as DeepEP's
+        a2a.run(args, do_recv=not return_recv_hook)  # one launch without the hook, as DeepEP's
         if not return_recv_hook:
             after_receive()
         handle = self._open = self._last = _Handle(
-            (src_info, layout_range, num_max_dispatch_tokens_per_rank, x.size(1), num_experts), layer, bound_m, x,
-            plan.origin)
+            (src_info, layout_range, num_max_dispatch_tokens_per_rank, x.size(1), num_experts), layer, bound_m, x)
         received = (recv_x, scales.transpose(1, 2)) if use_fp8 else recv_x  # scales: last two dims column-major
-        return received, count, handle, _event(x), receive if return_recv_hook else None
+        return received, count, handle, _event(x, async_finish), receive if return_recv_hook else None
 
     def low_latency_combine(self, x, topk_idx, topk_weights, handle, use_logfmt=False, zero_copy=False,
                             async_finish=False, return_recv_hook=False, out=None,
                             combine_wait_recv_cost_stats=None):
         """DeepEP's low_latency_combine: x [L, T * R, hidden] bfloat16 expert outputs (ignored with zero_copy:
         the buffer of get_next_low_latency_combine_buffer), topk_idx and topk_weights [num_tokens, top-k] as
-        dispatched. Returns (combined_x [num_tokens, hidden] bfloat16 (``out`` when given), event, hook or
-        None)."""
+        dispatched. Returns (combined_x [num_tokens, hidden] bfloat16 (``out`` when given), event (with
+        ``async_finish``), hook or None)."""
         if handle is not self._last:
             raise InvalidArgument("low_latency_combine: another dispatch came after this handle's: moecomm combines "
                                   "the last dispatch")
@@ -201,27 +208,30 @@ class Buffer:
             raise InvalidArgument(f"low_latency_combine: {refusal}")
         y = self._combine_buffers[id(layer)] if zero_copy else x
         if handle is not self._open:  # combined already (DeepEP lets a handle combine again): moecomm combines
-            y = _moved(y, handle.origin, self._dispatch_again(handle, topk_idx))  # each dispatch once
+            y = self._dispatch_again(handle, topk_idx, y)  # each dispatch once
         self._open = None
         combined = out if out is not None else torch.empty((topk_idx.size(0), a2a.cfg.hidden_dim),
                                                            dtype=torch.bfloat16, device=topk_idx.device)
-        args = (arg(combined), arg(topk_idx), arg(topk_weights), arg(y), arg(handle.bound_m))
-        a2a.combine(*args, do_recv=not return_recv_hook)  # one launch without the hook, as DeepEP's
-        hook = lambda: a2a.combine(*args, do_send=False)  # noqa: E731
-        return combined, _event(combined), hook if return_recv_hook else None
+        args = CombineArgs(arg(combined), arg(topk_idx), arg(topk_weights), arg(y), arg(handle.bound_m))
+        a2a.run(args, do_recv=not return_recv_hook)  # one launch without the hook, as DeepEP's
+        hook = lambda: a2a.run(args, do_send=False)  # noqa: E731
+        return combined, _event(combined, async_finish), hook if return_recv_hook else None
 
-    def _dispatch_again(self, handle, topk_idx):
+    def _dispatch_again(self, handle, topk_idx, y):
         """Dispatch ``handle``'s tokens again along ``topk_idx`` (its routing) into scratch outputs, so that its
-        call can be combined once more; returns the new plan's origin (its slots may differ: arrival order)."""
+        call can be combined once more; returns its expert outputs y [L, T * R, hidden] moved to the new
+        dispatch's slots of their pairs (arrival order may place them differently)."""
         layer = handle.layer
         a2a, c, arg, x = layer.a2a, layer.a2a.cfg, layer._arg, handle.x
+        before, view = layer._plan(x)
+        a2a.plan(view)  # the handle's dispatch is still the last one
         scales = layer._new(c.expert_x_scale_shape(), c.scale_dtype, x, False) if c.hidden_dim_scale else None
-        plan = RoutingPlan(*(layer._new(s, np.int32, x, False) for s in a2a.plan_shapes()))
+        after, view = layer._plan(x)
         a2a.dispatch(arg(layer._new((c.num_local_experts,), np.int32, x, False)),
                      arg(layer._new(c.expert_x_shape(), c.expert_dtype, x, False)), arg(scales), arg(x), None,
                      arg(topk_idx), arg(handle.bound_m))
-        a2a.plan(RoutingPlan(*map(arg, plan)))
-        return plan.origin
+        a2a.plan(view)
+        return _moved(y, before.origin, after.origin)
 
     def get_next_low_latency_combine_buffer(self, handle):
         """The bf16 [L, T * R, hidden] tensor a zero-copy low_latency_combine of this handle's AllToAll reads."""
@@ -286,15 +296,3 @@ def _moved(y, before, after):
     source = slot.gather(1, at)  # the old slot of each new slot's pair
     moved = y.gather(1, source.unsqueeze(-1).expand_as(y))
     return torch.where((new >= 0).unsqueeze(-1), moved, torch.zeros((), dtype=y.dtype, device=y.device))
-
-
-def _layout_range(source, num_ranks):
-    """[L, num_ranks] int64: (first slot << 32) | slots from each source rank, from each slot's source rank
-    ``source`` [L, S] (-1 where empty)."""
-    src = source.long()
-    slots = torch.arange(src.size(1), device=src.device).expand_as(src)
-    ranks = torch.arange(num_ranks, device=src.device).view(1, -1, 1)
-    mine = src.unsqueeze(1) == ranks  # [L, R, S]
-    count = mine.sum(-1)
-    first = torch.where(mine, slots.unsqueeze(1), src.size(1)).amin(-1)
-    return torch.where(count > 0, first, 0) << 32 | count
