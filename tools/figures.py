@@ -122,10 +122,12 @@ def jax():
         over = r["per_layer_us"] - r["graph_us"] - r["xla_only_per_layer_us"]
         rows.append([LAYERS[r.get("layer", "exchange")], r["dtype"], f"{r['layers']} layers, {r['form']}",
                      _us(r["per_layer_us"]), _us(r["step_us"]), _us(r["graph_us"]), _us(r["xla_only_per_layer_us"]),
-                     f"{over:+.1f}", f"{r['handler_runs']} / {r['timed_steps']}"])
+                     f"{over:+.1f}", _us(r["between_us"]) if "between_us" in r else "",
+                     f"{r['handler_runs']} / {r['timed_steps']}"])
     return _caption("jax-step.json") + _table(
         ["layer", "dtype", "step", "per layer, pipelined", "one step at a time", "CUDA graph: the layer's kernels",
-         "XLA alone, per layer", "per layer − graph − XLA alone", "handler runs"], rows)
+         "XLA alone, per layer", "per layer − graph − XLA alone", "the op between the halves alone", "handler runs"],
+        rows)
 
 
 def grads():
