@@ -707,9 +707,10 @@ class AllToAll:
     @one_call
     def plan(self, out_plan, stream=None):
         """Write the placement of the last dispatch into ``out_plan`` (a :class:`RoutingPlan` of int32 arrays
-        shaped as :meth:`plan_shapes` says), from the dispatch's receive half until the next dispatch (on
-        GPUs: ordered on ``stream`` after that receive half; default the current stream of out_plan.expert's
-        framework). Not collective; the plan stays valid after other calls (it is data)."""
+        shaped as :meth:`plan_shapes` says): call it between the dispatch's receive half and its combine (from
+        the combine on, a peer's next dispatch may reuse what it reads; on GPUs it is ordered on ``stream`` after
+        that receive half; default the current stream of out_plan.expert's framework). Not collective; the plan
+        stays valid after other calls (it is data)."""
         self._gradients()
         with self._context or nullcontext():
             s = self._arrays.begin(stream, out_plan.expert if isinstance(out_plan, RoutingPlan) else None)
@@ -721,9 +722,9 @@ class AllToAll:
     def source_layout(self, out_src_info, out_layout_range, stream=None):
         """Where the last dispatch put each source rank's rows, as DeepEP's low-latency handle describes them
         (its ``src_info`` and ``layout_range``): in the padded layout whose experts' slots are grouped by source
-        rank (``group_by_source=True``, or world size 1). Not collective; valid from the dispatch's receive half
-        until the next dispatch (on GPUs: one small kernel, ordered on ``stream`` after that receive half;
-        default the current stream of out_src_info's framework). Needs no ``gradients``.
+        rank (``group_by_source=True``, or world size 1). Not collective; call it between the dispatch's receive
+        half and its combine, as :meth:`plan` (on GPUs: one small kernel, ordered on ``stream`` after that receive
+        half; default the current stream of out_src_info's framework). Needs no ``gradients``.
 
         Args:
             out_src_info: [num_local_experts, expert_capacity] int32, written: the token (its row in the source

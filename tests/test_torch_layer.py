@@ -158,25 +158,34 @@ def test_quantising_dispatch_and_its_gradient_straight_through():
 
 
 def test_deep_ep_moves_expert_outputs_to_a_new_dispatch_slots():
-    """compat.deep_ep's repeated combine: expert outputs laid out by one plan's origin land in the slots that hold
-    the same (source rank, token, k) in another plan's (GPUs fill slots in arrival order); empty slots zero."""
-    from moecomm.compat.deep_ep import _moved
-    rng = np.random.default_rng(3)
-    L, S, H = 3, 10, 4
-    before = np.full((L, S, 3), -1, np.int32)
-    for e in range(L):
-        n = rng.integers(1, S)
-        before[e, :n] = np.stack([rng.integers(0, 4, n), rng.choice(50, n, replace=False), rng.integers(0, 8, n)], 1)
-    after = np.full_like(before, -1)
-    for e in range(L):
-        n = int((before[e, :, 0] >= 0).sum())
-        after[e, :n] = before[e, rng.permutation(n)]
-    y = torch.from_numpy(rng.standard_normal((L, S, H)).astype(np.float32))
-    moved = _moved(y, torch.from_numpy(before), torch.from_numpy(after)).numpy()
-    for e in range(L):
-        for s in range(S):
-            if after[e, s, 0] < 0:
-                assert not moved[e, s].any()
-            else:
-                (old,) = np.flatnonzero((before[e] == after[e, s]).all(1))
-                assert np.array_equal(moved[e, s], y.numpy()[e, old])
+    """compat.deep_ep's repeated combine: expert outputs laid out by one handle's slots land in the slots that
+    hold the same (source rank, token) in another handle's (GPUs fill a source's slots in arrival order), the
+    pairs read from each handle's src_info and layout_range; empty slots zero."""
+    from moecomm.compat.deep_ep import _moved, _pairs
+    for seed in range(20):
+        rng = np.random.default_rng(seed)
+        L, S, H, W = 3, 12, 4, 4
+        handles = [(np.full((L, S), -1, np.int32), np.zeros((L, W), np.int64)) for _ in range(2)]
+        for e in range(L):
+            sizes = rng.integers(0, 4, W)  # slots of each source, sources in rank order from slot 0
+            tokens = [rng.choice(4, n, replace=False) for n in sizes]  # the same tokens from several sources
+            for (src_info, layout_range), shuffle in zip(handles, (False, True)):
+                first = 0
+                for q, n in enumerate(sizes):
+                    src_info[e, first:first + n] = rng.permutation(tokens[q]) if shuffle else tokens[q]
+                    layout_range[e, q] = first << 32 | int(n) if n else 0
+                    first += n
+        before, after = (_pairs(*map(torch.from_numpy, h)) for h in handles)
+        y = torch.from_numpy(rng.standard_normal((L, S, H)).astype(np.float32))
+        moved = _moved(y, before, after).numpy()
+        source = lambda h, e, s: next(q for q in range(W) if h[1][e, q] >> 32 <= s < (h[1][e, q] >> 32) +  # noqa: E731
+                                      (h[1][e, q] & 0xFFFFFFFF))
+        for e in range(L):
+            for s in range(S):
+                if handles[1][0][e, s] < 0:
+                    assert not moved[e, s].any()
+                else:
+                    pair = (source(handles[1], e, s), handles[1][0][e, s])
+                    (old,) = [t for t in range(S) if handles[0][0][e, t] >= 0
+                              and (source(handles[0], e, t), handles[0][0][e, t]) == pair]
+                    assert np.array_equal(moved[e, s], y.numpy()[e, old])

@@ -220,18 +220,17 @@ class Buffer:
     def _dispatch_again(self, handle, topk_idx, y):
         """Dispatch ``handle``'s tokens again along ``topk_idx`` (its routing) into scratch outputs, so that its
         call can be combined once more; returns its expert outputs y [L, T * R, hidden] moved to the new
-        dispatch's slots of their pairs (arrival order may place them differently)."""
+        dispatch's slots of their pairs (arrival order may place them differently). A pair is its (source rank,
+        token) within an expert (a token reaches an expert once), as the handles' source layouts give them."""
         layer = handle.layer
-        a2a, c, arg, x = layer.a2a, layer.a2a.cfg, layer._arg, handle.x
-        before, view = layer._plan(x)
-        a2a.plan(view)  # the handle's dispatch is still the last one
-        scales = layer._new(c.expert_x_scale_shape(), c.scale_dtype, x, False) if c.hidden_dim_scale else None
-        after, view = layer._plan(x)
-        a2a.dispatch(arg(layer._new((c.num_local_experts,), np.int32, x, False)),
-                     arg(layer._new(c.expert_x_shape(), c.expert_dtype, x, False)), arg(scales), arg(x), None,
-                     arg(topk_idx), arg(handle.bound_m))
-        a2a.plan(view)
-        return _moved(y, before.origin, after.origin)
+        a2a, c, new, x = layer.a2a, layer.a2a.cfg, layer._new, handle.x
+        scales = new(c.expert_x_scale_shape(), c.scale_dtype, x, False) if c.hidden_dim_scale else None
+        args = (new((c.num_local_experts,), np.int32, x, False), new(c.expert_x_shape(), c.expert_dtype, x, False),
+                scales, x, None, topk_idx, handle.bound_m)
+        a2a.run(DispatchArgs(*map(layer._arg, args)))
+        src_info, layout_range = torch.empty_like(handle[0]), torch.empty_like(handle[1])
+        a2a.source_layout(layer._arg(src_info), layer._arg(layout_range))  # before its combine, as the first's
+        return _moved(y, _pairs(handle[0], handle[1]), _pairs(src_info, layout_range))
 
     def get_next_low_latency_combine_buffer(self, handle):
         """The bf16 [L, T * R, hidden] tensor a zero-copy low_latency_combine of this handle's AllToAll reads."""
@@ -284,15 +283,20 @@ class Buffer:
             self.comm.finalize()
 
 
+def _pairs(src_info, layout_range):
+    """[L, S] int64: each slot's pair as (source rank << 32) | token, -1 where empty, from a handle's src_info
+    [L, S] and layout_range [L, ranks] (each source's slots consecutive, sources in rank order from slot 0)."""
+    ends = (layout_range & 0xFFFFFFFF).cumsum(1)
+    slots = torch.arange(src_info.size(1), device=src_info.device).expand(src_info.size(0), -1).contiguous()
+    source = torch.searchsorted(ends, slots, right=True)
+    return torch.where(src_info >= 0, source << 32 | src_info.long(), -1)
+
+
 def _moved(y, before, after):
-    """Expert outputs y [L, S, hidden] laid out by the plan origin ``before`` [L, S, 3] (source rank, token, k; -1
-    where empty), moved to the slots that hold the same pairs in ``after``."""
-    def keys(origin):
-        o = origin.long()
-        return torch.where(o[..., 0] >= 0, (o[..., 0] << 40) | (o[..., 1] << 8) | o[..., 2], -1)
-    old, new = keys(before), keys(after)
-    ordered, slot = old.sort(dim=1)
-    at = torch.searchsorted(ordered, new).clamp(max=old.size(1) - 1)
+    """Expert outputs y [L, S, hidden] laid out by the slots' pairs ``before`` [L, S] int64 (-1 where empty),
+    moved to the slots that hold the same pairs in ``after``."""
+    ordered, slot = before.sort(dim=1)
+    at = torch.searchsorted(ordered, after).clamp(max=before.size(1) - 1)
     source = slot.gather(1, at)  # the old slot of each new slot's pair
     moved = y.gather(1, source.unsqueeze(-1).expand_as(y))
-    return torch.where((new >= 0).unsqueeze(-1), moved, torch.zeros((), dtype=y.dtype, device=y.device))
+    return torch.where((after >= 0).unsqueeze(-1), moved, torch.zeros((), dtype=y.dtype, device=y.device))

@@ -113,7 +113,7 @@ class AllToAllBackend(abc.ABC):
         raise InvalidArgument(f"{type(self).__name__} does not take expert maps")
 
     def write_sources(self, src_info, layout_range, stream) -> None:
-        """Write where the last dispatch received (until the next dispatch) put each source rank's rows, in the
+        """Write where the last dispatch received (before its combine) put each source rank's rows, in the
         padded layout with each expert's slots grouped by source (moecomm.transport.gpu_plan.sources):
         ``src_info`` [num_local_experts, capacity] int32, each slot's token (-1: empty); ``layout_range``
         [num_local_experts, world_size] int64, (first slot << 32) | slots of each source rank (0: none)."""
@@ -125,7 +125,7 @@ class AllToAllBackend(abc.ABC):
     gradients = False
 
     def write_plan(self, plan, stream) -> None:
-        """Write the routing plan of the last dispatch received (until the next dispatch) into ``plan`` (a
+        """Write the routing plan of the last dispatch received (before its combine) into ``plan`` (a
         RoutingPlan of arrays as read): ``expert`` [max_num_tokens, k] int32, the physical expert of each
         (token, k) pair this rank sent (-1: none); ``origin`` [out_expert_x's shape but the last, 3] int32,
         (source rank, token, k) of each slot (-1: empty); ``call`` [2] int32, (restart generation, dispatch
