@@ -16,18 +16,21 @@ dispatch (``dispatch_wire``: e4m3 with a float32 scale per 128 values, ``round_s
 ``return_recv_hook`` issues the send half; the hook runs the receive half (moecomm holds no SMs between them);
 without it each call is one launch. The kernels run under DeepEP's profiler names
 (``AllToAll(kernel_names="deep_ep")``), so DeepEP's tests' ``bench_kineto`` times them.
-Every call runs on the current stream: the returned event is an EventOverlap of it with ``async_finish``, else
-empty (as DeepEP's). The handle is DeepEP's five-tuple: each slot's source token ``[L, T * R]`` int32 and per local
-expert and source rank ``(first slot << 32) | count`` int64 (the source's slots are consecutive, sources in rank
-order: ``AllToAll.source_layout``, one small kernel after the receive half), then num_max_dispatch_tokens_per_rank,
-hidden and num_experts. The eager path allocates what DeepEP returns and nothing else per call (bound_m is kept per
-token count). A dispatch left uncombined ends (``a2a.abort()``) when the next one begins; the last handle may be
-combined again, as DeepEP allows (moecomm combines each dispatch once: the tokens are dispatched again and the
-expert outputs moved to the new slots of their pairs, a dispatch's cost). Refused with a moecomm InvalidArgument:
-normal-mode calls (``dispatch`` and ``combine`` with a layout: use ``moecomm.AllToAll(layout="packed")``), LogFMT
-combine (``combine_wire="e4m3"`` is moecomm's FP8 combine), and the wait-cost statistics. torch is imported here
-only.
+Calls captured into a CUDA graph (``torch.cuda.graph``) run under ``a2a.captured()``: the kernels pair the replays,
+and a failed replayed call's combined rows are NaN. Every call runs on the current stream: the returned event is an
+EventOverlap of it with ``async_finish``, else empty (as DeepEP's). The handle is DeepEP's five-tuple: each slot's
+source token ``[L, T * R]`` int32 and per local expert and source rank ``(first slot << 32) | count`` int64 (the
+source's slots are consecutive, sources in rank order: ``AllToAll.source_layout``, one small kernel after the
+receive half), then num_max_dispatch_tokens_per_rank, hidden and num_experts. The eager path allocates what DeepEP
+returns and nothing else per call (bound_m is kept per token count). A dispatch left uncombined ends
+(``a2a.abort()``) when the next one begins; the last handle may be combined again, as DeepEP allows (moecomm
+combines each dispatch once: the tokens are dispatched again and the expert outputs moved to the new slots of their
+pairs, a dispatch's cost). Refused with a moecomm InvalidArgument: normal-mode calls (``dispatch`` and ``combine``
+with a layout: use ``moecomm.AllToAll(layout="packed")``), LogFMT combine (``combine_wire="e4m3"`` is moecomm's FP8
+combine), and the wait-cost statistics. torch is imported here only.
 """
+from contextlib import nullcontext
+
 import numpy as np
 import torch
 
@@ -57,6 +60,13 @@ class EventOverlap:
 
     def __exit__(self, *exc):
         self.current_stream_wait()
+
+
+def _recorded(layer):
+    """``layer.a2a.captured()`` while the current CUDA stream is being captured into a graph (CUDA graphs of
+    DeepEP's calls, as serving engines capture them): the calls then keep nothing on the host, and the kernels
+    pair their replays; otherwise nothing."""
+    return layer.a2a.captured() if not layer._host and torch.cuda.is_current_stream_capturing() else nullcontext()
 
 
 def _event(like, async_finish):
@@ -171,18 +181,22 @@ class Buffer:
         layout_range = torch.empty((c.num_local_experts, self.group_size), dtype=torch.int64, device=x.device)
         args = DispatchArgs(*map(layer._arg, (count, recv_x, scales, x, None, topk_idx, bound_m)))
 
-        def after_receive():  # the handle's arrays
-            a2a.source_layout(layer._arg(src_info), layer._arg(layout_range))
+        def receive():  # the receive half, then the handle's arrays
+            with _recorded(layer):
+                a2a.run(args, do_send=False)
+                a2a.source_layout(layer._arg(src_info), layer._arg(layout_range))
             if cumulative_local_expert_recv_stats is not None:
                 cumulative_local_expert_recv_stats.add_(count)
 
-        def receive():
-            a2a.run(args, do_send=False)
-            after_receive()
-
-        a2a.run(args, do_recv=not return_recv_hook)  # one launch without the hook, as DeepEP's
-        if not return_recv_hook:
-            after_receive()
+        if return_recv_hook:
+            with _recorded(layer):
+                a2a.run(args, do_recv=False)
+        else:  # one launch, as DeepEP's
+            with _recorded(layer):
+                a2a.run(args)
+                a2a.source_layout(layer._arg(src_info), layer._arg(layout_range))
+            if cumulative_local_expert_recv_stats is not None:
+                cumulative_local_expert_recv_stats.add_(count)
         handle = self._open = self._last = _Handle(
             (src_info, layout_range, num_max_dispatch_tokens_per_rank, x.size(1), num_experts), layer, bound_m, x)
         received = (recv_x, scales.transpose(1, 2)) if use_fp8 else recv_x  # scales: last two dims column-major
@@ -213,8 +227,12 @@ class Buffer:
         combined = out if out is not None else torch.empty((topk_idx.size(0), a2a.cfg.hidden_dim),
                                                            dtype=torch.bfloat16, device=topk_idx.device)
         args = CombineArgs(arg(combined), arg(topk_idx), arg(topk_weights), arg(y), arg(handle.bound_m))
-        a2a.run(args, do_recv=not return_recv_hook)  # one launch without the hook, as DeepEP's
-        hook = lambda: a2a.run(args, do_send=False)  # noqa: E731
+        with _recorded(layer):
+            a2a.run(args, do_recv=not return_recv_hook)  # one launch without the hook, as DeepEP's
+
+        def hook():
+            with _recorded(layer):
+                a2a.run(args, do_send=False)
         return combined, _event(combined, async_finish), hook if return_recv_hook else None
 
     def _dispatch_again(self, handle, topk_idx, y):
