@@ -1,0 +1,128 @@
+"""moecomm.compat.deep_ep at DeepEP's low-latency test shape: one ``low_latency_dispatch`` +
+``low_latency_combine`` pair as a program that does not capture calls them (eager), and the same pair replayed
+from a CUDA graph; checked against the dense result first (the experts the identity on the dequantised tokens).
+
+    mpirun -np 1 python tools/deep_ep_bench.py [--json deep-ep-ws1.json] [--profile]
+
+Times: CUDA events around each pair after a warm-up, median and p99 over ``--iters`` (an eager pair's events
+wait for the host where the host is the slower, as DeepEP's own test times it); ``host_pair_us``: the host's own
+time per eager pair. ``--profile`` also prints the functions of the eager pairs by their own time per pair
+(cProfile inflates every Python frame: read the shares). GPUs only (torch tensors on CUDA).
+"""
+import argparse
+import cProfile
+import json
+import pstats
+import statistics
+import sys
+import time
+
+import torch
+
+import moecomm
+from moecomm.bench import environment
+from moecomm.compat import deep_ep
+
+
+def pair_fn(buffer, x, topk_idx, topk_weights, y, stats, experts):
+    """DeepEP's test_func without the receive hooks: FP8 dispatch with the cumulative statistics, combine of y."""
+    def pair():
+        _, _, handle, _, _ = buffer.low_latency_dispatch(x, topk_idx, x.size(0), experts,
+                                                         cumulative_local_expert_recv_stats=stats, use_fp8=True)
+        combined, _, _ = buffer.low_latency_combine(y, topk_idx, topk_weights, handle)
+        return combined
+    return pair
+
+
+def timed(fn, iters, warmup):
+    """Median and p99 in µs of ``fn`` between CUDA events on the current stream, and the host's median."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
+    host = []
+    for start, end in events:
+        t = time.perf_counter()
+        start.record()
+        fn()
+        end.record()
+        host.append(time.perf_counter() - t)
+    torch.cuda.synchronize()
+    us = sorted(s.elapsed_time(e) * 1e3 for s, e in events)
+    return statistics.median(us), us[min(len(us) - 1, int(0.99 * len(us)))], statistics.median(host) * 1e6
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tokens", type=int, default=128, help="tokens per rank (DeepEP's test: 128)")
+    p.add_argument("--hidden", type=int, default=7168, help="hidden size (DeepEP's test: 7168)")
+    p.add_argument("--experts", type=int, default=288, help="experts (DeepEP's test: 288)")
+    p.add_argument("--topk", type=int, default=8, help="experts per token (DeepEP's test: 8)")
+    p.add_argument("--iters", type=int, default=300, help="timed pairs (default 300)")
+    p.add_argument("--profile", action="store_true", help="print the eager pair's functions by own time")
+    p.add_argument("--json", default="deep-ep-ws1.json", help="output JSON (default deep-ep-ws1.json)")
+    args = p.parse_args()
+    comm = moecomm.init()
+    torch.cuda.set_device(max(comm.device, 0))
+    T, H, E, K, W = args.tokens, args.hidden, args.experts, args.topk, comm.world_size
+    gen = torch.Generator(device="cuda").manual_seed(comm.rank)
+    x = torch.randn((T, H), generator=gen, device="cuda").to(torch.bfloat16)
+    scores = torch.rand((T, E), generator=gen, device="cuda")
+    topk_idx = torch.topk(scores, K, dim=-1).indices
+    topk_idx[torch.rand((T, K), generator=gen, device="cuda") < 0.05] = -1  # some pairs routed nowhere
+    topk_weights = torch.rand((T, K), generator=gen, device="cuda")
+    stats = torch.zeros(E // W, dtype=torch.int32, device="cuda")
+    buffer = deep_ep.Buffer(comm, low_latency_mode=True)
+
+    # correct first: the experts the identity on the dequantised tokens
+    (q, s), _, handle, _, _ = buffer.low_latency_dispatch(x, topk_idx, T, E, use_fp8=True)
+    L, S = q.shape[:2]
+    y = (q.float().view(L, S, H // 128, 128) * s.transpose(1, 2).unsqueeze(-1)).view(L, S, H).to(torch.bfloat16)
+    combined, _, _ = buffer.low_latency_combine(y, topk_idx, topk_weights, handle)
+    want = x.float() * topk_weights.masked_fill(topk_idx < 0, 0).sum(1, keepdim=True)
+    err = ((combined.float() - want).abs().max() / want.abs().max()).item()
+    if not err <= 0.07:  # e4m3: 2^-4 of the value
+        raise SystemExit(f"deep_ep_bench.py: the combined tokens differ from the dense result by {err:.3g}")
+
+    pair = pair_fn(buffer, x, topk_idx, topk_weights, y, stats, E)
+    row = {"mode": "low_latency", "tokens": T, "hidden": H, "experts": E, "topk": K, "world": W,
+           "max_relative_error": err}
+    row["eager_pair_us"], row["eager_pair_p99_us"], row["host_pair_us"] = timed(pair, args.iters, 50)
+    if args.profile and comm.rank == 0:
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(200):
+            pair()
+        prof.disable()
+        torch.cuda.synchronize()
+        st = pstats.Stats(prof)
+        top = sorted(st.stats.items(), key=lambda kv: -kv[1][2])[:30]
+        print("own µs per pair   calls per pair   function")
+        for (f, line, name), (_, calls, own, _, _) in top:
+            print(f"{own / 200 * 1e6:12.2f} {calls / 200:12.1f}   {f.rsplit('/', 1)[-1]}:{line} {name}")
+    graph = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        pair()  # the graph's pool sees the pair's allocations once before capture
+    torch.cuda.current_stream().wait_stream(side)
+    with torch.cuda.graph(graph):
+        captured = pair()
+    graph.replay()
+    torch.cuda.synchronize()
+    err = ((captured.float() - want).abs().max() / want.abs().max()).item()
+    if not err <= 0.07:
+        raise SystemExit(f"deep_ep_bench.py: the replayed pair differs from the dense result by {err:.3g}")
+    row["graph_pair_us"], row["graph_pair_p99_us"], _ = timed(graph.replay, args.iters, 50)
+    if comm.rank == 0:
+        print(json.dumps(row))
+        argv = [a for i, a in enumerate(sys.argv[1:]) if a != "--json" and sys.argv[i] != "--json"]
+        with open(args.json, "w") as f:
+            json.dump({"command": " ".join([f"mpirun -np {W} python tools/deep_ep_bench.py", *argv]),
+                       "environment": environment(), "results": [row]}, f, indent=1)
+    buffer.destroy()
+    comm.finalize()
+
+
+if __name__ == "__main__":
+    main()
