@@ -21,15 +21,18 @@ and a failed replayed call's combined rows are NaN. Every call runs on the curre
 EventOverlap of it with ``async_finish``, else empty (as DeepEP's). The handle is DeepEP's five-tuple: each slot's
 source token ``[L, T * R]`` int32 and per local expert and source rank ``(first slot << 32) | count`` int64 (the
 source's slots are consecutive, sources in rank order: ``AllToAll.source_layout``, one small kernel after the
-receive half), then num_max_dispatch_tokens_per_rank, hidden and num_experts. The eager path allocates what DeepEP
-returns and nothing else per call (bound_m is kept per token count). A dispatch left uncombined ends
-(``a2a.abort()``) when the next one begins; the last handle may be combined again, as DeepEP allows (moecomm
-combines each dispatch once: the tokens are dispatched again and the expert outputs moved to the new slots of their
-pairs, a dispatch's cost). Refused with a moecomm InvalidArgument: normal-mode calls (``dispatch`` and ``combine``
-with a layout: use ``moecomm.AllToAll(layout="packed")``), LogFMT combine (``combine_wire="e4m3"`` is moecomm's FP8
-combine), and the wait-cost statistics. torch is imported here only.
+receive half), then num_max_dispatch_tokens_per_rank, hidden and num_experts. The results live in two sets per
+shape, used in turn (DeepEP's own rule in low-latency mode: a program holds at most two calls' results at once), so
+no call allocates (bound_m is kept per token count). A dispatch left uncombined ends (``a2a.abort()``) when the
+next one begins; the last handle may be combined again, as DeepEP allows (moecomm combines each dispatch once: the
+tokens are dispatched again and the expert outputs moved to the new slots of their pairs, a dispatch's cost).
+Refused with a moecomm InvalidArgument: normal-mode calls (``dispatch`` and ``combine`` with a layout: use
+``moecomm.AllToAll(layout="packed")``), LogFMT combine (``combine_wire="e4m3"`` is moecomm's FP8 combine), and the
+wait-cost statistics. torch is imported here only.
 """
+from collections import deque
 from contextlib import nullcontext
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -82,12 +85,26 @@ def _event(like, async_finish):
 class _Handle(tuple):
     """DeepEP's handle (src_info, layout_range, num_max_dispatch_tokens_per_rank, hidden, num_experts), carrying
     the moecomm call it belongs to for low_latency_combine: its layer, bound_m and its tokens (``x``: what a
-    repeated combine's new dispatch sends)."""
+    repeated combine's new dispatch sends) and the output set its results are in."""
 
-    def __new__(cls, fields, layer, bound_m, x):
+    def __new__(cls, fields, layer, bound_m, x, outputs):
         handle = super().__new__(cls, fields)
-        handle.layer, handle.bound_m, handle.x = layer, bound_m, x
+        handle.layer, handle.bound_m, handle.x, handle.outputs = layer, bound_m, x, outputs
         return handle
+
+
+class _Outputs(NamedTuple):
+    """One set of a layer's call outputs: count [L] int32, recv_x [L, T * R, hidden], scales (FP8: [L, hidden /
+    128, T * R], else None), ``received`` as low_latency_dispatch returns them (recv_x, or recv_x and the scales'
+    [L, T * R, hidden / 128] view), the handle's src_info [L, T * R] int32 and layout_range [L, R] int64, and
+    combine's combined [T, hidden] bfloat16."""
+    count: object
+    recv_x: object
+    scales: object
+    received: object
+    src_info: object
+    layout_range: object
+    combined: object
 
 
 class Buffer:
@@ -114,6 +131,7 @@ class Buffer:
         self._layers = {}  # {(tokens, hidden, experts, topk, wire, scale dtype): moecomm.torch layer}
         self._combine_buffers = {}  # {layer key: bf16 expert_y for zero-copy combines}
         self._counts = {}  # {(num_tokens, device): its bound_m}
+        self._sets = {}  # {id(layer): its two output sets, the next first}
         self._masked = ()
         self._open = None  # the handle of the dispatch not combined yet
         self._last = None  # the handle of the last dispatch
@@ -149,6 +167,26 @@ class Buffer:
             self._layers[key] = _Layer(a2a)
         return self._layers[key]
 
+    def _outputs(self, layer, like):
+        """The next of ``layer``'s two output sets (:class:`_Outputs`, made at first use on like's device), in
+        turn: DeepEP's low-latency results live in its buffers, so a program holds at most two calls' results at
+        once (DeepEP's rule); no call allocates."""
+        sets = self._sets.get(id(layer))
+        if sets is None:
+            c, new, T = layer.a2a.cfg, layer._new, layer.a2a.cfg.max_num_tokens
+            sets = self._sets[id(layer)] = deque()
+            for _ in range(2):
+                recv_x = new(c.expert_x_shape(), c.expert_dtype, like, False)
+                scales = new(c.expert_x_scale_shape(), c.scale_dtype, like, False) if c.hidden_dim_scale else None
+                sets.append(_Outputs(
+                    new((c.num_local_experts,), np.int32, like, False), recv_x, scales,
+                    recv_x if scales is None else (recv_x, scales.transpose(1, 2)),  # scales: column-major
+                    new(c.expert_x_shape()[:-1], np.int32, like, False),
+                    torch.empty((c.num_local_experts, self.group_size), dtype=torch.int64, device=like.device),
+                    torch.empty((T, c.hidden_dim), dtype=torch.bfloat16, device=like.device)))
+        sets.rotate()
+        return sets[0]
+
     def _bound_m(self, n, device):
         """A [1] int32 tensor holding n on ``device``, made once (a fill: no host copy) and never written again,
         so that a handle may keep it."""
@@ -172,14 +210,11 @@ class Buffer:
             self._open = None
         layer = self._layer(num_max_dispatch_tokens_per_rank, x.size(1), num_experts, topk_idx.size(1), use_fp8,
                             round_scale, use_ue8m0)
-        a2a, c, new = layer.a2a, layer.a2a.cfg, layer._new
+        a2a = layer.a2a
         bound_m = self._bound_m(x.size(0), x.device)
-        count = new((c.num_local_experts,), np.int32, x, False)
-        recv_x = new(c.expert_x_shape(), c.expert_dtype, x, False)
-        scales = new(c.expert_x_scale_shape(), c.scale_dtype, x, False) if use_fp8 else None
-        src_info = new(c.expert_x_shape()[:-1], np.int32, x, False)  # the handle's, from the receive half
-        layout_range = torch.empty((c.num_local_experts, self.group_size), dtype=torch.int64, device=x.device)
-        args = DispatchArgs(*map(layer._arg, (count, recv_x, scales, x, None, topk_idx, bound_m)))
+        outs = self._outputs(layer, x)
+        count, src_info, layout_range = outs.count, outs.src_info, outs.layout_range
+        args = DispatchArgs(*map(layer._arg, (count, outs.recv_x, outs.scales, x, None, topk_idx, bound_m)))
 
         def receive():  # the receive half, then the handle's arrays
             with _recorded(layer):
@@ -198,9 +233,9 @@ class Buffer:
             if cumulative_local_expert_recv_stats is not None:
                 cumulative_local_expert_recv_stats.add_(count)
         handle = self._open = self._last = _Handle(
-            (src_info, layout_range, num_max_dispatch_tokens_per_rank, x.size(1), num_experts), layer, bound_m, x)
-        received = (recv_x, scales.transpose(1, 2)) if use_fp8 else recv_x  # scales: last two dims column-major
-        return received, count, handle, _event(x, async_finish), receive if return_recv_hook else None
+            (src_info, layout_range, num_max_dispatch_tokens_per_rank, x.size(1), num_experts), layer, bound_m, x,
+            outs)
+        return outs.received, count, handle, _event(x, async_finish), receive if return_recv_hook else None
 
     def low_latency_combine(self, x, topk_idx, topk_weights, handle, use_logfmt=False, zero_copy=False,
                             async_finish=False, return_recv_hook=False, out=None,
@@ -224,8 +259,10 @@ class Buffer:
         if handle is not self._open:  # combined already (DeepEP lets a handle combine again): moecomm combines
             y = self._dispatch_again(handle, topk_idx, y)  # each dispatch once
         self._open = None
-        combined = out if out is not None else torch.empty((topk_idx.size(0), a2a.cfg.hidden_dim),
-                                                           dtype=torch.bfloat16, device=topk_idx.device)
+        combined = out
+        if combined is None:  # the handle's set's, or the rows this call has (a view)
+            full = handle.outputs.combined
+            combined = full if topk_idx.size(0) == full.size(0) else full[:topk_idx.size(0)]
         args = CombineArgs(arg(combined), arg(topk_idx), arg(topk_weights), arg(y), arg(handle.bound_m))
         with _recorded(layer):
             a2a.run(args, do_recv=not return_recv_hook)  # one launch without the hook, as DeepEP's
