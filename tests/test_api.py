@@ -481,8 +481,9 @@ def test_max_sms_caps_every_grid_and_is_checked():
     from moecomm.transport.gpu_plan import launch_plan, sm_budget
     full, capped = (AllToAllConfig.create(1, 0, 4096, 256, 8, 7168, 56, "float8_e4m3fn", "bfloat16", None, 1,
                                           max_sms=n) for n in (None, 44))
-    assert set(launch_plan(full, 132, "ipc").grids.values()) == {C.BLOCKS_PER_SM * 132}
-    assert set(launch_plan(capped, 132, "ipc").grids.values()) == {C.BLOCKS_PER_SM * 44}
+    grids = {n: launch_plan(c, 132, "ipc").grids for n, c in ((None, full), (44, capped))}
+    assert set(grids[None].values()) == {C.BLOCKS_PER_SM * 132, 1}  # 1: the source layout's block
+    assert set(grids[44].values()) == {C.BLOCKS_PER_SM * 44, 1}
     assert symmetric_bytes(capped) < symmetric_bytes(full)
     assert sm_budget(capped, 16) == 16  # never more than the GPU has
     for bad in (0, -1, 2.5, True):

@@ -86,7 +86,8 @@ def test_every_launch_plan_names_kernels_its_module_has(built):
                             for variant, mapped in (("ipc", True), ("nvshmem", True), ("nvshmem", False)):
                                 p = gpu_plan.launch_plan(c, 132, variant, mapped)
                                 named = {*p.backward.values(), *(k for ks in p.halves.values() for k in ks),
-                                         *(k for ks in p.whole.values() for k in ks)}
+                                         *(k for ks in p.whole.values() for k in ks),
+                                         *([gpu_plan.SOURCE_LAYOUT] if c.slots_by_source else [])}
                                 assert _reported(named) <= kernels[p.variant], (c, p)
                                 assert named == set(p.grids), p  # every launch has its grid
                                 assert all(0 < g <= C.BLOCKS_PER_SM * p.sms for g in p.grids.values()), p

@@ -35,7 +35,7 @@ from .. import _constants as C
 from .._dtypes import bfloat16, float16
 from .._errors import InvalidArgument
 from .base import AllToAllBackend, snapshot
-from .gpu_plan import launch_plan, pack, phase_of
+from .gpu_plan import SOURCE_LAYOUT, launch_plan, pack, phase_of
 
 
 def record_bytes(cfg):
@@ -176,7 +176,8 @@ class GpuAllToAll(AllToAllBackend):
             return (self.fixed, call) + ((_abi.Half(recv=k.half),) if _abi.Half in k.params else ())
 
         launch = {n: transport.launch(n, g, *records(n, self._calls[phase_of(n)]), module=self.module)
-                  for n, g in plan.grids.items() if n not in plan.backward.values()}  # each its phase's call record
+                  for n, g in plan.grids.items()
+                  if n not in plan.backward.values() and n != SOURCE_LAYOUT}  # each its phase's call record
         halves = {half: tuple(launch[n] for n in kernels) for half, kernels in plan.halves.items()}
         self._halves = {phase: (halves[phase + "_send"], halves[phase + "_recv"]) for phase in plan.whole}
         self._whole = {phase: tuple(launch[n] for n in kernels) for phase, kernels in plan.whole.items()}
@@ -189,8 +190,8 @@ class GpuAllToAll(AllToAllBackend):
                             for op, n in plan.backward.items()}
                            for record in (self._grad, self._grad_skipped)]  # [0]: with data, [1]: skipped
         self._sources = _abi.Sources()
-        self._source_layout = (transport.launch("moecomm_source_layout", 1, self.fixed, self._sources,
-                                                module=self.module) if plan.sources else None)
+        self._source_layout = (transport.launch(SOURCE_LAYOUT, plan.grids[SOURCE_LAYOUT], self.fixed, self._sources,
+                                                module=self.module) if SOURCE_LAYOUT in plan.grids else None)
         transport.settle("AllToAll(...)")
 
     @property

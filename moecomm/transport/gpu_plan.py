@@ -40,6 +40,7 @@ WIRE = "_wire"  # the combine kernels of an FP8 combine wire: their names end so
 WIRE_KERNELS = ("moecomm_combine_send_wire", "moecomm_combine_recv_wire", "moecomm_combine_wire")
 GRAD_KERNELS = {"plan": "moecomm_plan", "dispatch_backward": "moecomm_dispatch_backward",
                 "combine_backward": "moecomm_combine_backward"}  # {operation: its kernel} (backward.cu)
+SOURCE_LAYOUT = "moecomm_source_layout"  # AllToAll.source_layout, where the slots are grouped by source (backward.cu)
 LOCAL_GRAD_KERNELS = {"dispatch_backward": "moecomm_dispatch_backward_local",
                       "combine_backward": "moecomm_combine_backward_local"}  # local() (backward.cu)
 
@@ -100,6 +101,11 @@ def _pair_blocks(cfg, sms):
     return max(1, min(C.BLOCKS_PER_SM * sms, cfg.max_num_tokens * cfg.experts_per_token))
 
 
+def _one_block(cfg, sms):
+    """moecomm_source_layout (cuda/backward.cu): one block, which counts each source's slots in every expert."""
+    return 1
+
+
 def _resident_blocks(cfg, sms):
     """BLOCKS_PER_SM per SM, the blocks resident at once: the backward kernels (cuda/backward.cu), each
     operation in one launch whose parts wait for each other's signals."""
@@ -125,6 +131,7 @@ GRIDS = {  # every dispatch/combine kernel's grid rule
     "moecomm_combine_backward": _resident_blocks,
     "moecomm_dispatch_backward_local": _sum_blocks,
     "moecomm_combine_backward_local": _pair_blocks,
+    SOURCE_LAYOUT: _one_block,
 }
 GRIDS.update({d: GRIDS[h] for d, h in zip(DEEP_EP_HALVES, HALF_KERNELS)})  # DeepEP's names: their halves' grids
 
@@ -251,8 +258,6 @@ class LaunchPlan:
         backward: {operation ("plan", "dispatch_backward", "combine_backward"): its kernel} (gradients=True),
             else empty; their grids are in ``grids``.
         stage_rows: staging rows the kernels that stage rows need (a block's at blockIdx * STAGE_SLOTS).
-        sources: AllToAll.source_layout launches moecomm_source_layout (one block): where the configuration's
-            slots are grouped by source (AllToAllConfig.slots_by_source).
     """
     variant: str
     sms: int
@@ -265,15 +270,13 @@ class LaunchPlan:
     senders: int
     backward: dict
     stage_rows: int
-    sources: bool
 
     def summary(self):
         """The plan as ``a2a.stats()["plan"]`` reports it: plain Python values."""
         return {"variant": self.variant, "sm_budget": self.sms, "grids": dict(self.grids),
                 "halves": {h: list(k) for h, k in self.halves.items()},
                 "whole": {p: list(k) for p, k in self.whole.items()}, "fallback": dict(self.fallback),
-                "streamed": self.streamed, "combine_streams": self.combine_streams, "backward": dict(self.backward),
-                "sources": self.sources}
+                "streamed": self.streamed, "combine_streams": self.combine_streams, "backward": dict(self.backward)}
 
 
 def launch_plan(cfg, num_sms, variant, all_mapped=True):
@@ -295,11 +298,12 @@ def launch_plan(cfg, num_sms, variant, all_mapped=True):
                                f"({C.BLOCKS_PER_SM} per SM): the halves' kernels run back to back")
     backward = backward_kernels(cfg) if cfg.gradients else {}
     grids.update({n: GRIDS[n](cfg, sms) for n in backward.values()})
+    if cfg.slots_by_source:  # AllToAll.source_layout
+        grids[SOURCE_LAYOUT] = GRIDS[SOURCE_LAYOUT](cfg, sms)
     stagers = [halves["dispatch_send"][0], halves["combine_send"][0], *(k[0] for k in whole.values()),
                *(n for op, n in backward.items() if op != "plan" and n == GRAD_KERNELS[op])]  # the exchanging ones
     stage_rows = max(grids[n] for n in stagers) * C.STAGE_SLOTS
     module = module_variant(cfg, sms, variant, all_mapped)
     return LaunchPlan(variant=module, sms=sms, grids=grids, halves=halves, whole=whole, fallback=fallback,
                       streamed=streamed(cfg, sms), combine_streams=combine_streams(cfg, sms, module),
-                      senders=dispatch_senders(cfg, sms), backward=backward, stage_rows=stage_rows,
-                      sources=cfg.slots_by_source)
+                      senders=dispatch_senders(cfg, sms), backward=backward, stage_rows=stage_rows)
