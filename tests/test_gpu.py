@@ -213,3 +213,74 @@ def test_operating_under_skew(transport, script):
     expert map and the packed layout, in the kernels: the same scripts as on the host transport."""
     p = run_mpi(GPUS, f"tests/{script}", "--transport", transport, timeout=300)
     assert p.returncode == 0 and ": 0 failures" in p.stdout, p.stdout[-4000:] + p.stderr[-4000:]
+
+
+# Every program of the never-silent, gradient, format, framework and DeepEP suites: at one rank on each GPU transport,
+# and at 2 and 4 ranks sharing GPU 0 over ipc (time-sliced: correct, slow; their semantics where one GPU is lent).
+# What `bash tools/gpu_check.sh recovery|grads|formats|jax|deep-ep|ranks` runs, here as tests.
+SHARED_GPU = {"CUDA_VISIBLE_DEVICES": "0", "MOECOMM_TRANSPORT": "ipc", "MOECOMM_IPC_HEAP_MB": "1024",
+              "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+TRANSPORT = ("--transport", "{t}")
+PROGRAMS = (  # (the program and its arguments ("{t}": the transport), one-rank transports, shared ranks, needs)
+    (("tests/mpi_recovery.py", *TRANSPORT), ("ipc", "nvshmem"), (2, 4), ()),
+    (("tests/mpi_control.py", *TRANSPORT), (), (2, 4), ()),
+    (("tests/mpi_control.py", *TRANSPORT, "--replay", "dispatch"), (), (2, 4), ()),
+    (("tests/mpi_control.py", *TRANSPORT, "--replay", "combine"), (), (2, 4), ()),
+    (("tests/mpi_threads.py", *TRANSPORT), (), (2, 4), ()),
+    (("tests/mpi_call_ids.py", *TRANSPORT), (), (2, 4), ()),
+    (("tests/mpi_call_ids.py", *TRANSPORT, "--jax"), (), (2, 4), ("jax",)),
+    (("tests/mpi_backward.py", *TRANSPORT), ("ipc", "nvshmem"), (2, 4), ()),
+    (("tests/mpi_formats.py", *TRANSPORT), ("ipc", "nvshmem"), (2, 4), ()),
+    (("tests/mpi_telemetry.py", *TRANSPORT), (), (2,), ()),
+    (("tests/mpi_capacity.py", *TRANSPORT), (), (2,), ()),
+    (("tests/mpi_packed.py", *TRANSPORT), (), (2,), ()),
+    (("tests/mpi_replicas.py", *TRANSPORT), (), (2,), ()),
+    (("tests/mpi_mask.py", *TRANSPORT), (), (4,), ()),
+    (("tests/mpi_jax.py",), ("ipc",), (2, 4), ("jax",)),
+    (("tests/mpi_jax_grad.py", *TRANSPORT), ("ipc", "nvshmem"), (2, 4), ("jax",)),
+    (("tests/mpi_jax_spmd.py",), ("ipc",), (2,), ("jax",)),
+    (("tests/mpi_jax_errors.py",), ("ipc",), (2,), ("jax",)),
+    (("tests/mpi_jax_errors.py", "--silent"), (), (2,), ("jax",)),
+    (("tests/mpi_torch_grad.py", *TRANSPORT), ("ipc", "nvshmem"), (2,), ("torch",)),
+    (("tests/mpi_deep_ep.py", *TRANSPORT), ("ipc", "nvshmem"), (2,), ("torch",)),
+)
+
+
+def _run_id(program, ranks, transport):
+    """mpi_control-replay-dispatch-2-shared, mpi_recovery-1-nvshmem, ..."""
+    words = [a.lstrip("-") for a in program[1:] if a not in TRANSPORT]
+    name = program[0].rpartition("/")[2].removesuffix(".py")
+    return "-".join([name, *words, str(ranks), transport or "shared"])
+
+
+RUNS = [pytest.param(program, ranks, transport, needs, id=_run_id(program, ranks, transport))
+        for program, ones, shared, needs in PROGRAMS
+        for ranks, transport in [(1, t) for t in ones] + [(n, None) for n in shared]]
+
+
+@pytest.mark.parametrize("program, ranks, transport, needs", RUNS)
+def test_gpu_program(program, ranks, transport, needs):
+    """One program of PROGRAMS: at one rank on ``transport``, or (transport None) on ``ranks`` ranks sharing GPU 0
+    over ipc; it prints "<n> checks on <w> ranks: 0 failures" (some end with the communicator broken by design, so
+    the launcher's exit status is not theirs)."""
+    if GPUS < 1:
+        pytest.skip(f"no GPU here; {NEEDS_GPU}")
+    missing = [m for m in needs if not _has(m)]
+    if missing:
+        pytest.skip(f"needs {', '.join(missing)}")
+    args = [a.replace("{t}", transport or "ipc") for a in program]
+    env = SHARED_GPU if transport is None else dict(MOECOMM_TRANSPORT=transport, XLA_PYTHON_CLIENT_PREALLOCATE="false")
+    p = run_mpi(ranks, *args, timeout=600, env=env)
+    assert ": 0 failures" in p.stdout, p.stdout[-4000:] + p.stderr[-4000:]
+
+
+@needs_gpu
+@pytest.mark.skipif(not _has("torch"), reason="needs torch")
+def test_deep_ep_pair_eager_and_in_a_graph():
+    """tools/deep_ep_bench.py at DeepEP's test shape (checked against the dense result, eager and replayed from a
+    CUDA graph, before it times anything)."""
+    import tempfile
+    with tempfile.TemporaryDirectory() as tmp:
+        p = run_mpi(1, "tools/deep_ep_bench.py", "--iters", "20", "--json", f"{tmp}/deep-ep.json", timeout=300,
+                    env={"MOECOMM_TRANSPORT": "ipc"})
+    assert p.returncode == 0 and '"graph_pair_us"' in p.stdout, p.stdout[-4000:] + p.stderr[-4000:]
