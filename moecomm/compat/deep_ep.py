@@ -256,13 +256,14 @@ class Buffer:
             a2a.abort()  # the dispatch's call ends on every rank (each refuses alike)
             raise InvalidArgument(f"low_latency_combine: {refusal}")
         y = self._combine_buffers[id(layer)] if zero_copy else x
-        if handle is not self._open:  # combined already (DeepEP lets a handle combine again): moecomm combines
-            y = self._dispatch_again(handle, topk_idx, y)  # each dispatch once
+        again = handle is not self._open  # combined already (DeepEP lets a handle combine again): moecomm
+        if again:  # combines each dispatch once
+            y = self._dispatch_again(handle, topk_idx, y)
         self._open = None
-        combined = out
-        if combined is None:  # the handle's set's, or the rows this call has (a view)
-            full = handle.outputs.combined
-            combined = full if topk_idx.size(0) == full.size(0) else full[:topk_idx.size(0)]
+        combined, full = out, handle.outputs.combined
+        if combined is None:  # the handle's set's rows (a view where fewer; a combine again: rows of its own)
+            combined = (torch.empty_like(full[:topk_idx.size(0)]) if again else
+                        full if topk_idx.size(0) == full.size(0) else full[:topk_idx.size(0)])
         args = CombineArgs(arg(combined), arg(topk_idx), arg(topk_weights), arg(y), arg(handle.bound_m))
         with _recorded(layer):
             a2a.run(args, do_recv=not return_recv_hook)  # one launch without the hook, as DeepEP's
