@@ -101,11 +101,16 @@ class _Reading:
     """What reading a call's arrays keeps besides their values (HostArrays, DeviceArrays): ``rows``, the fewest
     rows of the per-token arrays (those whose expected shape starts with None) read since :meth:`begin` (each
     may have at most ``max_rows``, the AllToAll's max_num_tokens); ``dtype``, the dtype the last array read is
-    read as (a value of its ``accept`` map)."""
+    read as (a value of its ``accept`` map; :meth:`read_as` returns it)."""
 
     def __init__(self, max_rows):
         self.max_rows = self.rows = max_rows
         self.dtype = None
+
+    def read_as(self, obj, name, accept, shape, output=False):
+        """``(read(...), the dtype it is read as)``: for an argument whose dtype the call needs (int64 ids, a
+        gradient's float dtype)."""
+        return self.read(obj, name, accept, shape, output), self.dtype
 
     def _count(self, name, shape):
         """Count the rows of a per-token array of ``shape`` (already checked against its expected shape)."""
@@ -116,10 +121,10 @@ class _Reading:
         if n < self.rows:
             self.rows = n
 
-    def marks(self, args, n):
+    def marks(self, args):
         """What a promised call (moecomm.DispatchArgs.promised) must keep for its reading to be reused: for each
-        of the first ``n`` arguments of ``args`` that may change in place, (name, array, fingerprint); None
-        where one can be checked only by reading it again (numpy arrays here)."""
+        of the arrays of ``args`` (its ``array_fields``) that may change in place, (name, array, fingerprint);
+        None where one can be checked only by reading it again (numpy arrays here)."""
         return None
 
     def producers(self):
@@ -403,11 +408,12 @@ class DeviceArrays(_Reading):
         """The first byte of a value :meth:`read` returned: the value itself."""
         return value
 
-    def marks(self, args, n):
+    def marks(self, args):
         """As :meth:`HostArrays.marks`: CuPy arrays and torch tensors by their attributes (DeviceBuffers are
         immutable: none); None where another kind (DLPack, ``__cuda_array_interface__``) is among them."""
         out = []
-        for name, obj in zip(args._fields[:n], args[:n]):
+        for name in args.array_fields:
+            obj = getattr(args, name)
             reader = _reader(obj) if obj is not None else _BUFFER
             if reader is not _BUFFER:
                 mark = _fingerprint(reader, obj)

@@ -51,7 +51,8 @@ class DispatchArgs(NamedTuple):
     moved_outputs: bool = False
     promised: bool = False
     phase = "dispatch"  # class attributes, not fields
-    arrays = 11  # the fields before ``stream``: what a call's reading depends on
+    array_fields = ("out_expert_num_tokens", "out_expert_x", "out_expert_x_scale", "dp_x", "dp_x_scale", "indices",
+                    "bound_m", "weights", "out_expert_offsets", "tags", "call_id")  # what a call's reading reads
 
     @property
     def first(self):
@@ -82,12 +83,15 @@ class CombineArgs(NamedTuple):
     zero_tail: bool = False
     nan_failed: bool = True
     phase = "combine"
-    arrays = 6
+    array_fields = ("out_tokens", "indices", "weights", "expert_y", "bound_m", "out_dropped")
 
     @property
     def first(self):
         return self.out_tokens
 
+
+# A call's arrays lead its fields, so that AllToAll._read compares a call's with its phase's last in one pass.
+assert all(a._fields[:len(a.array_fields)] == a.array_fields for a in (DispatchArgs, CombineArgs))
 
 _new_tuple = tuple.__new__  # the call path makes its records with it: a NamedTuple's constructor costs ~1 us
 
@@ -96,7 +100,7 @@ class _Seen(NamedTuple):
     """A phase's last call whose arrays were read into its call record, which no call has changed since, and
     were all DeviceBuffers (immutable) or promised (DispatchArgs.promised): a call given the same objects
     again is not read again (AllToAll._read); promised arrays are checked against their ``marks`` first."""
-    arrays: tuple   # the call's first ``arrays`` arguments (DispatchArgs.arrays, CombineArgs.arrays)
+    arrays: tuple   # the call's arrays (DispatchArgs.array_fields, CombineArgs.array_fields), in that order
     weights: bool   # whether router weights were given
     outputs: tuple  # dispatch: its output arrays' addresses (None for combine)
     marks: tuple    # promised arrays: ((name, array, its fingerprint), ...) to check; () for DeviceBuffers
@@ -508,7 +512,7 @@ class AllToAll:
         (_Seen); the checks that depend on the call order run either way."""
         phase, arrays = args.phase, self._arrays
         seen = self._seen[phase]
-        if seen is not None and all(map(is_, seen.arrays, args)):
+        if seen is not None and all(map(is_, seen.arrays, args)):  # args' arrays lead its fields
             if seen.marks:  # promised arrays: refused where one changed (then read again next time)
                 self._seen[phase] = None
                 arrays.check_marks(seen.marks, seen.producers)
@@ -517,10 +521,10 @@ class AllToAll:
         else:
             self._seen[phase], arrays.buffers = None, True  # read() clears buffers for any other array
             weights, outputs = (self._read_dispatch if phase == "dispatch" else self._read_combine)(args)
-            marks = () if arrays.buffers else arrays.marks(args, args.arrays) if args.promised else None
+            marks = () if arrays.buffers else arrays.marks(args) if args.promised else None
             if marks is not None:
-                self._seen[phase] = _new_tuple(_Seen, (args[:args.arrays], weights, outputs, marks,
-                                                       arrays.producers()))
+                given = tuple(getattr(args, f) for f in args.array_fields)
+                self._seen[phase] = _new_tuple(_Seen, (given, weights, outputs, marks, arrays.producers()))
         if phase == "dispatch":
             if (recv and not send and not args.moved_outputs and self._order.posted("dispatch")
                     and outputs != self._order.dispatch_outputs):
@@ -556,8 +560,8 @@ class AllToAll:
             raise InvalidArgument("out_expert_offsets: " + ("required by the packed layout" if c.layout == "packed"
                                                             else "only for the packed layout, pass None"))
         rec.x = read(args.dp_x, "dp_x", self._in, self._token_shape)
-        rec.indices = read(args.indices, "indices", _INDICES, self._ids_shape)
-        rec.idx64 = int(arrays.dtype.itemsize == 8)
+        rec.indices, ids = arrays.read_as(args.indices, "indices", _INDICES, self._ids_shape)
+        rec.idx64 = int(ids.itemsize == 8)
         rec.weights = absent if args.weights is None else read(args.weights, "weights", _FLOAT32, self._ids_shape)
         rec.x_scale = absent if unscaled or quantised else read(args.dp_x_scale, "dp_x_scale", self._scale,
                                                    self._token_scale_shape)
@@ -583,8 +587,8 @@ class AllToAll:
         rec, arrays, absent = self._records["combine"], self._arrays, self._absent
         read = arrays.read
         rec.out_tokens = read(args.out_tokens, "out_tokens", self._out, self._token_shape, True)
-        rec.indices = read(args.indices, "indices", _INDICES, self._ids_shape)
-        rec.idx64 = int(arrays.dtype.itemsize == 8)
+        rec.indices, ids = arrays.read_as(args.indices, "indices", _INDICES, self._ids_shape)
+        rec.idx64 = int(ids.itemsize == 8)
         rec.weights = absent if args.weights is None else read(args.weights, "weights", _FLOAT32, self._ids_shape)
         rec.out_dropped = absent if args.out_dropped is None else read(args.out_dropped, "out_dropped", _FLAGS,
                                                                        self._ids_shape, True)
@@ -850,9 +854,8 @@ class AllToAll:
         m_value = arrays.read(bound_m, "bound_m", _BOUND_M, _ONE)
         values, dtypes, per_token = {}, {}, []
         for field, (array, name, shape, *kinds) in dict(named, grad=grad).items():
-            values[field] = arrays.read(array, name, kinds[0] if kinds else _GRAD, shape,
-                                        output=field.startswith("out"))
-            dtypes[field] = arrays.dtype
+            values[field], dtypes[field] = arrays.read_as(array, name, kinds[0] if kinds else _GRAD, shape,
+                                                          output=field.startswith("out"))
             if shape[0] is None:
                 per_token.append(name)
         m = None
