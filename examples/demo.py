@@ -18,11 +18,12 @@ from moecomm import reference
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--transport", default="auto", choices=["auto", "host", "nvshmem", "ipc"])
+    p.add_argument("--transport", default="auto", choices=["auto", "host", "nvshmem", "ipc"],
+                   help="transport (default auto: a GPU transport where there are GPUs)")
     p.add_argument("--tokens", type=int, default=64, help="tokens per rank")
-    p.add_argument("--hidden", type=int, default=512)
-    p.add_argument("--experts-per-rank", type=int, default=4)
-    p.add_argument("--topk", type=int, default=2)
+    p.add_argument("--hidden", type=int, default=512, help="hidden size (default 512)")
+    p.add_argument("--experts-per-rank", type=int, default=4, help="experts on each rank (default 4)")
+    p.add_argument("--topk", type=int, default=2, help="experts per token (default 2)")
     args = p.parse_args()
 
     comm = moecomm.init(transport=args.transport)

@@ -61,10 +61,10 @@ def start_jax(mpi_comm):
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tokens", type=int, default=128, help="max tokens per rank")
-    p.add_argument("--hidden", type=int, default=1024)
-    p.add_argument("--experts-per-rank", type=int, default=4)
-    p.add_argument("--topk", type=int, default=4)
-    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--hidden", type=int, default=1024, help="hidden size (default 1024)")
+    p.add_argument("--experts-per-rank", type=int, default=4, help="experts on each rank (default 4)")
+    p.add_argument("--topk", type=int, default=4, help="experts per token (default 4)")
+    p.add_argument("--steps", type=int, default=6, help="steps (default 6)")
     p.add_argument("--jax-first", action="store_true", help="start JAX before moecomm.init()")
     args = p.parse_args()
     from mpi4py import MPI

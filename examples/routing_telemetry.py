@@ -18,7 +18,7 @@ from moecomm import balance, telemetry
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=int, default=50)
+    p.add_argument("--steps", type=int, default=50, help="routing steps (default 50)")
     p.add_argument("--prom", default="routing.prom", help="Prometheus text output (rank 0; needs prometheus_client)")
     args = p.parse_args()
     comm = moecomm.init()

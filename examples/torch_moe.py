@@ -32,10 +32,10 @@ def dequantize(q, scale, block=128):
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tokens", type=int, default=128, help="max tokens per rank")
-    p.add_argument("--hidden", type=int, default=1024)
-    p.add_argument("--experts-per-rank", type=int, default=4)
-    p.add_argument("--topk", type=int, default=4)
-    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--hidden", type=int, default=1024, help="hidden size (default 1024)")
+    p.add_argument("--experts-per-rank", type=int, default=4, help="experts on each rank (default 4)")
+    p.add_argument("--topk", type=int, default=4, help="experts per token (default 4)")
+    p.add_argument("--steps", type=int, default=8, help="steps (default 8)")
     args = p.parse_args()
     if not torch.cuda.is_available():
         sys.exit("examples/torch_moe.py needs an NVIDIA GPU per rank and PyTorch's CUDA build (it captures the layer "

@@ -20,11 +20,11 @@ import moecomm
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tokens", type=int, default=32, help="tokens per rank")
-    p.add_argument("--hidden", type=int, default=64)
-    p.add_argument("--experts-per-rank", type=int, default=2)
-    p.add_argument("--topk", type=int, default=2)
-    p.add_argument("--steps", type=int, default=8)
-    p.add_argument("--lr", type=float, default=0.5)
+    p.add_argument("--hidden", type=int, default=64, help="hidden size (default 64)")
+    p.add_argument("--experts-per-rank", type=int, default=2, help="experts on each rank (default 2)")
+    p.add_argument("--topk", type=int, default=2, help="experts per token (default 2)")
+    p.add_argument("--steps", type=int, default=8, help="steps (default 8)")
+    p.add_argument("--lr", type=float, default=0.5, help="SGD learning rate (default 0.5)")
     p.add_argument("--transport", default="host", choices=["host", "ipc", "nvshmem"],
                    help="host (JAX's CPU backend), or a GPU transport")
     args = p.parse_args()

@@ -1,5 +1,5 @@
 """Every example runs (host transport, several ranks) or says what it needs; every tool's and command's
---help describes it in whole sentences."""
+--help describes it in whole sentences, and every option says what it does."""
 import os
 import runpy
 import subprocess
@@ -71,3 +71,34 @@ def test_module_help_is_whole_or_says_it_is_no_command(module, capsys, monkeypat
         assert _description(capsys.readouterr().out).rstrip().endswith(".")
     else:
         assert str(e.value.code).startswith(f"moecomm.{module} is a library module, not a command")
+
+
+class _Parsed(Exception):
+    """Raised in place of parsing: carries the program's ArgumentParser."""
+
+
+@pytest.mark.filterwarnings("ignore:.*found in sys.modules:RuntimeWarning")  # run again in this process
+@pytest.mark.parametrize("program", [f"{d}/{p.name}" for d in ("tools", "examples")
+                                     for p in sorted((ROOT / d).glob("*.py"))] + ["moecomm.bench", "moecomm.loadtest"])
+def test_every_option_is_described(program, monkeypatch):
+    """Every option of every tool, example and command module says what it does (argparse help; its allowed
+    values are argparse choices where there are some): the parser is taken where the program parses."""
+    import argparse
+
+    def grab(self, *args, **kwargs):
+        raise _Parsed(self)
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", grab)
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_known_args", grab)
+    monkeypatch.setattr(sys, "argv", [program])
+    try:
+        if program.startswith("moecomm."):
+            runpy.run_module(program, run_name="__main__")
+        else:
+            runpy.run_path(str(ROOT / program), run_name="__main__")
+    except _Parsed as parsed:
+        actions = [a for a in parsed.args[0]._actions if not isinstance(a, argparse._HelpAction)]
+    except ImportError as e:
+        pytest.skip(f"{program} needs {e.name}")
+    else:
+        pytest.fail(f"{program} parsed no arguments")
+    assert not [a.option_strings or a.dest for a in actions if not (a.help or "").strip()]

@@ -97,11 +97,12 @@ ROWS = {"dispatch": 7168 + 56 * 4, "combine": 7168 * 2}  # R1: fp8 row + float32
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--transport", default="ipc", choices=["ipc", "nvshmem"])
+    p.add_argument("--transport", default="ipc", choices=["ipc", "nvshmem"], help="GPU transport (default ipc)")
     p.add_argument("--tokens", default="1,128", help="comma list of tokens per rank")
-    p.add_argument("--iters", type=int, default=300)
-    p.add_argument("--warmup", type=int, default=50)
-    p.add_argument("--delay-us", type=float, default=100.0)
+    p.add_argument("--iters", type=int, default=300, help="timed exchanges per case (default 300)")
+    p.add_argument("--warmup", type=int, default=50, help="untimed exchanges first (default 50)")
+    p.add_argument("--delay-us", type=float, default=100.0,
+                   help="device delay before each timed exchange, µs (default 100)")
     p.add_argument("--json", default=None, help="write the figures here (rank 0)")
     args = p.parse_args(argv)
     import cupy as cp

@@ -189,10 +189,10 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--transport", default=None, choices=["ipc", "nvshmem"], help="GPU transport (default: auto)")
     p.add_argument("--configs", nargs="+", default=["r1-decode", "r1-decode-cap32", "r1-prefill-cap256"],
-                   choices=sorted(CONFIGS))
-    p.add_argument("--iters", type=int, default=300)
-    p.add_argument("--warmup", type=int, default=30)
-    p.add_argument("--json", default=None)
+                   choices=sorted(CONFIGS), help="configurations to time (default: the three listed first)")
+    p.add_argument("--iters", type=int, default=300, help="timed replays per phase (default 300)")
+    p.add_argument("--warmup", type=int, default=30, help="untimed replays first (default 30)")
+    p.add_argument("--json", default=None, help="write the figures here (rank 0; default: none)")
     args = p.parse_args(argv)
     comm = moecomm.init(transport=args.transport)
     results = [run(comm, n, args) for n in args.configs]

@@ -202,7 +202,7 @@ def floor(world, iters):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--world", default="2", help="R1-prefill per rank at EP2 (2), alone (1), or both (2,1)")
-    p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--iters", type=int, default=50, help="timed replays per pattern (default 50)")
     p.add_argument("--json", default=None, help="write the figures here")
     args = p.parse_args(argv)
     worlds = [int(w) for w in args.world.split(",")]

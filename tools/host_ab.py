@@ -38,9 +38,9 @@ def host_times(tree, iters):
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--base", required=True, help="the other source tree")
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--iters", type=int, default=300)
-    p.add_argument("--json", default="ws1-host-time.json")
+    p.add_argument("--rounds", type=int, default=3, help="rounds, the trees in turn (default 3)")
+    p.add_argument("--iters", type=int, default=300, help="timed calls per tree and round (default 300)")
+    p.add_argument("--json", default="ws1-host-time.json", help="output JSON (default ws1-host-time.json)")
     args = p.parse_args()
     trees = {"base": Path(args.base).resolve(), "this": HERE}
     runs = {name: [] for name in trees}

@@ -27,8 +27,8 @@ from moecomm.bench import delay_kernel
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--calls", type=int, default=200)
-    p.add_argument("--transport", default="nvshmem", choices=["nvshmem", "ipc"])
+    p.add_argument("--calls", type=int, default=200, help="profiled dispatch + combine pairs (default 200)")
+    p.add_argument("--transport", default="nvshmem", choices=["nvshmem", "ipc"], help="GPU transport (default nvshmem)")
     p.add_argument("--parts", action="store_true", help="time each step of the call path alone")
     args = p.parse_args()
     comm = moecomm.init(transport=args.transport)

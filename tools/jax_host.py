@@ -35,9 +35,9 @@ def summary(us):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--transport", default="ipc", choices=["ipc", "nvshmem", "host"])
-    p.add_argument("--json", default="jax-host.json")
+    p.add_argument("--steps", type=int, default=300, help="timed steps (default 300)")
+    p.add_argument("--transport", default="ipc", choices=["ipc", "nvshmem", "host"], help="transport (default ipc)")
+    p.add_argument("--json", default="jax-host.json", help="output JSON (default jax-host.json)")
     p.add_argument("--parts", action="store_true", help="also time each step of AllToAll.run (each wrapped)")
     args = p.parse_args()
     comm = moecomm.init(transport=args.transport)

@@ -32,7 +32,8 @@ def r1(world, tokens, gradients=False):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--capacity-factor", type=float, default=2.0)
+    p.add_argument("--capacity-factor", type=float, default=2.0,
+                   help="the capacity column: this many times the mean demand per expert (default 2)")
     args = p.parse_args()
     print(f"{'config':<22} {'symmetric/rank':>15} {'ranks/token':>12} {'dispatch B/rank':>16} "
           f"{'combine B/rank':>15} {'combine B (no w)':>17}")

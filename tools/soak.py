@@ -302,10 +302,10 @@ def beside_a_thread(a2a, call):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--minutes", type=float, default=1.0)
-    p.add_argument("--transport", default="host", choices=["host", "nvshmem", "ipc"])
+    p.add_argument("--minutes", type=float, default=1.0, help="how long to run (default 1)")
+    p.add_argument("--transport", default="host", choices=["host", "nvshmem", "ipc"], help="transport (default host)")
     p.add_argument("--inject", type=float, default=0.1, help="probability of a fault per step (default 0.1)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the routing and the faults (default 0)")
     p.add_argument("--json", help="write the summary here (rank 0)")
     p.add_argument("--no-leave", dest="leave", action="store_false",
                    help="leave out the last check (the last rank returns from main() while the others are in a call)")

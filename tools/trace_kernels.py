@@ -118,9 +118,9 @@ def table(everyone):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--transport", default="ipc", choices=["nvshmem", "ipc"])
-    p.add_argument("--tokens", type=int, default=128)
-    p.add_argument("--iters", type=int, default=200)
+    p.add_argument("--transport", default="ipc", choices=["nvshmem", "ipc"], help="GPU transport (default ipc)")
+    p.add_argument("--tokens", type=int, default=128, help="tokens per rank (default 128)")
+    p.add_argument("--iters", type=int, default=200, help="traced replays (default 200)")
     p.add_argument("--split", action="store_true", help="the four half kernels instead of one launch per phase")
     p.add_argument("--json", help="write every rank's figures here (rank 0)")
     args = p.parse_args()
