@@ -2,6 +2,7 @@
 valid call still works (single host rank, in process)."""
 import dataclasses
 import inspect
+import re
 
 import numpy as np
 import pytest
@@ -142,7 +143,8 @@ def test_bad_config(comm, case):
 
 def test_the_alltoall_parameters_and_the_config_fields_agree():
     """AllToAll's parameters, AllToAllConfig.create's and the config's fields are one list in three places:
-    the same names (AllToAll adds its own: comm, timeout, telemetry_window, timing) and the same defaults."""
+    the same names (AllToAll adds its own: comm, timeout, telemetry_window, timing) and the same defaults; and
+    docs/api.md's table of AllToAll's arguments names each of them once."""
     from moecomm._config import AllToAllConfig
     own = {"self", "comm", "timeout", "telemetry_window", "timing"}
     fields = {f.name: f.default for f in dataclasses.fields(AllToAllConfig)}
@@ -152,6 +154,13 @@ def test_the_alltoall_parameters_and_the_config_fields_agree():
         for name, default in params.items():
             if fields[name] is not dataclasses.MISSING and default is not inspect.Parameter.empty:
                 assert default == fields[name], (fn, name)
+    # and docs/api.md's table of AllToAll's arguments names each parameter once
+    from conftest import ROOT
+    api = (ROOT / "docs" / "api.md").read_text()
+    table = api[api.index("| argument | meaning |", api.index("## `moecomm.AllToAll`")):]
+    table = table[:table.index("\n\n")]
+    documented = [n for row in table.splitlines()[2:] for n in re.findall(r"`(\w+)`", row.split(" | ")[0])]
+    assert sorted(documented) == sorted(set(inspect.signature(moecomm.AllToAll.__init__).parameters) - {"self", "comm"})
 
 
 def test_finalize_ends_its_alltoalls():
