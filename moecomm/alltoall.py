@@ -290,7 +290,7 @@ class AllToAll:
         group_by_source: False (default: in the padded layout each expert's slots go to pairs as they arrive,
             sources interleaved) or True: each expert's slots hold its pairs grouped by source rank, in rank
             order, each source's pairs in consecutive slots (DeepEP's low-latency layout, whose
-            ``recv_layout_range`` names each source's range; ``plan.origin`` gives it here). At world size > 1
+            ``recv_layout_range`` names each source's range; :meth:`source_layout` writes it here). At world size > 1
             the rows are then placed once every count is known (the packed layout's third dispatch kernel):
             one more pass over the received rows. The packed layout always groups its rows so.
     """
