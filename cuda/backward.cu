@@ -21,8 +21,8 @@
 // that all follow the plan of the same dispatch (ERR_PLAN_DIFFERS). A rank writes into a peer's grad_buf only
 // once that peer has read the previous backward call's rows: f.grad_sig[2][q] holds the last call q finished.
 // Calls of both operations are counted in state[EPOCH_B] on the device, so CUDA graphs replay them.
-// Kernels: moecomm_plan (and moecomm_source_layout, the slots by source); each operation in one launch of a grid resident at once, in parts that follow each
-// other through those signals (dispatch_backward: send, receive; combine_backward: send, the expert side,
+// Kernels: moecomm_plan (and moecomm_source_layout: the slots by source); each operation in one launch of a grid
+// resident at once, in parts that follow each other through those signals (dispatch_backward: send, receive; combine_backward: send, the expert side,
 // receive). A rank waits only for the signals of ranks whose rows or words it reads (its own where the DP
 // group has other ranks), and does the work that needs none first: its own tokens whose pairs are all on this
 // rank, its own tokens' slots. The blocks count each part in a counter of its own (state[DONE_B0 + part]),
@@ -278,7 +278,7 @@ extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, MOECOMM_BLOC
 }
 
 // grid: 1 block (with no plan: any AllToAll in the padded layout whose experts' slots are grouped by source,
-// gpu_plan.py: sources). Where the last dispatch put each source rank's rows (moecomm.AllToAll.source_layout;
+// AllToAllConfig.slots_by_source). Where the last dispatch put each source rank's rows (moecomm.AllToAll.source_layout;
 // DeepEP's low-latency handle): s.src_info [local_experts * cap] = the token (its row on its source rank) of
 // each slot, -1 where empty; s.layout_range [local_experts, world] int64 = (first slot << 32) | slots from that
 // source (consecutive), 0 where none. The counts and first slots gather in layout_range's two 32-bit halves.

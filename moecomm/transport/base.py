@@ -114,7 +114,7 @@ class AllToAllBackend(abc.ABC):
 
     def write_sources(self, src_info, layout_range, stream) -> None:
         """Write where the last dispatch received (before its combine) put each source rank's rows, in the
-        padded layout with each expert's slots grouped by source (moecomm.transport.gpu_plan.sources):
+        padded layout with each expert's slots grouped by source (AllToAllConfig.slots_by_source):
         ``src_info`` [num_local_experts, capacity] int32, each slot's token (-1: empty); ``layout_range``
         [num_local_experts, world_size] int64, (first slot << 32) | slots of each source rank (0: none)."""
         raise NotImplementedError
