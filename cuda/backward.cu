@@ -22,11 +22,12 @@
 // once that peer has read the previous backward call's rows: f.grad_sig[2][q] holds the last call q finished.
 // Calls of both operations are counted in state[EPOCH_B] on the device, so CUDA graphs replay them.
 // Kernels: moecomm_plan (and moecomm_source_layout: the slots by source); each operation in one launch of a grid
-// resident at once, in parts that follow each other through those signals (dispatch_backward: send, receive; combine_backward: send, the expert side,
-// receive). A rank waits only for the signals of ranks whose rows or words it reads (its own where the DP
-// group has other ranks), and does the work that needs none first: its own tokens whose pairs are all on this
-// rank, its own tokens' slots. The blocks count each part in a counter of its own (state[DONE_B0 + part]),
-// and a part's last block signals (with one rank, only the last part is counted: nobody waits for the others).
+// resident at once, in parts that follow each other through those signals (dispatch_backward: send, receive;
+// combine_backward: send, the expert side, receive). A rank waits only for the signals of ranks whose rows or words
+// it reads (its own where the DP group has other ranks), and does the work that needs none first: its own tokens
+// whose pairs are all on this rank, its own tokens' slots. The blocks count each part in a counter of its own
+// (state[DONE_B0 + part]), and a part's last block signals (with one rank, only the last part is counted: nobody
+// waits for the others).
 // At world size 1 in the padded layout each operation has a local kernel instead (the end of this file).
 // When a backward call fails (on any rank), what it writes is unspecified: its outputs may be partly written.
 #include "alltoall.cuh"
