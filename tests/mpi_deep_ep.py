@@ -129,6 +129,18 @@ def check(comm, fails, device):
     if not (combined.float() - 2 * want).abs().max().item() <= 0.02 * want.abs().max().item():
         fails.append("a handle combined twice: the second combine is wrong")
     checks += 2
+    # two calls' results held at once (DeepEP's rule): the first's stay as they were through the second
+    first_recv, _, first, _, _ = buffer.low_latency_dispatch(x, topk_idx, T, E, use_fp8=False)
+    first_out, _, _ = buffer.low_latency_combine(first_recv, topk_idx, topk_weights, first)
+    held = lambda: [t.view(torch.uint8) for t in (first_recv, first_out, first[0], first[1])]  # noqa: E731 (bits)
+    kept = [t.clone() for t in held()]
+    second_recv, _, second, _, _ = buffer.low_latency_dispatch(x * 2, topk_idx, T, E, use_fp8=False)
+    second_out, _, _ = buffer.low_latency_combine(second_recv, topk_idx, topk_weights, second)
+    if not all(torch.equal(a, b) for a, b in zip(kept, held())):
+        fails.append("two calls' results held: the first's changed during the second")
+    if not (second_out.float() - 2 * want).abs().max().item() <= 0.02 * want.abs().max().item():
+        fails.append("two calls' results held: the second combine is wrong")
+    checks += 1
     # refusals: LogFMT (the call ends on every rank), the normal mode; then a call works
     _, _, handle, _, _ = buffer.low_latency_dispatch(x, topk_idx, T, E, use_fp8=False)
     for name, call in (("LogFMT", lambda: buffer.low_latency_combine(y, topk_idx, topk_weights, handle,
