@@ -1,5 +1,5 @@
 """The configuration of one AllToAll, validated once, and the buffer shapes derived from it."""
-from dataclasses import dataclass, fields
+from dataclasses import MISSING, dataclass, fields
 
 import numpy as np
 
@@ -40,6 +40,12 @@ def _quantised_scales(wire, in_dtype, hidden_dim, hidden_dim_scale, scale_dtype)
     return derived, scale_dtype
 
 
+def options_of(config_class):
+    """{name: default} of the fields of ``config_class`` (AllToAllConfig) that have defaults: AllToAll's options
+    (``**options``), in the fields' order."""
+    return {f.name: f.default for f in fields(config_class) if f.default is not MISSING}
+
+
 @dataclass(frozen=True)
 class AllToAllConfig:
     """Everything that fixes an AllToAll's buffers. Identical on every rank (checked at construction).
@@ -54,40 +60,81 @@ class AllToAllConfig:
         in_dtype / out_dtype / scale_dtype: numpy dtypes (bf16/fp16/fp8 e4m3/uint8 opaque bytes; bf16/fp16;
             float32, UE8M0 (float8_e8m0fnu), int32 (four UE8M0 per int32) or None). Scales and opaque rows pass
             through bit-exactly. in_dtype is dp_x's; out_expert_x has expert_dtype.
-        dispatch_wire: None (tokens travel as given) or "e4m3" / "e4m3_ue8m0": dispatch takes bf16/fp16 tokens
-            and quantises each to FP8 e4m3 with a scale per COMBINE_BLOCK values (absmax / E4M3_MAX; rounded up to
-            a power of two with "e4m3_ue8m0"), which travel and land in out_expert_x (e4m3) and
-            out_expert_x_scale (scale_dtype: float32, or with "e4m3_ue8m0" also float8_e8m0fnu or int32 of four;
-            hidden_dim_scale derived); moecomm.reference.quantize_tokens is the rounding.
+        dispatch_wire: None (default: tokens travel as given) or "e4m3" / "e4m3_ue8m0": dispatch takes
+            bfloat16 or float16 tokens (``in_dtype``; no ``dp_x_scale``) and quantises each block of 128 values
+            to FP8 e4m3 with one scale, absmax / 448 (rounded up to a power of two with "e4m3_ue8m0"), as
+            DeepEP's and NCCL EP's FP8 dispatch do: out_expert_x is float8_e4m3fn and out_expert_x_scale has
+            hidden_dim / 128 scales a token in ``scale_dtype`` (float32, the default; with "e4m3_ue8m0" also
+            float8_e8m0fnu, or int32 of four UE8M0: DeepEP's ``use_ue8m0``), laid out by ``scale_layout``;
+            ``hidden_dim_scale`` is derived (leave it None). The sender quantises once, in the kernel that
+            reads the row; ``moecomm.reference.quantize_tokens`` is the rounding, bit for bit. hidden_dim a
+            multiple of 128.
         dp_size: ranks per data-parallel group (they hold the same tokens); divides world_size.
-        slots_per_rank: physical expert slots per rank when experts are replicated through an
-            :class:`moecomm.balance.ExpertMap` (indices are then logical ids), or None: rank r owns
-            experts r*E/W ... (r+1)*E/W - 1.
-        capacity: slots per local expert, or None: the worst case (max_num_tokens * DP groups: never
-            overflows).
-        overflow: what a (token, expert) pair past the capacity does: "error" (the call raises
-            CapacityExceeded on every rank) or "drop" (it is not sent and adds nothing; counted).
-        layout: "padded" (out_expert_x [L, capacity, hidden]: capacity slots per local expert) or "packed"
-            (out_expert_x [capacity, hidden]: the rank's rows back to back, expert by expert, capacity rows
-            per rank; offsets in out_expert_offsets).
-        scale_layout: "row" (out_expert_x_scale [L, capacity, scales]) or "column" ([L, scales, capacity]:
-            each expert's scales column-major, as TMA loads them).
-        max_sms: None, or the most SMs the kernels' grids are sized for (at most BLOCKS_PER_SM blocks per SM:
-            moecomm.transport.gpu_plan.sm_budget), leaving the rest to work on other streams; GPU transports.
-        gradients: whether the GPU transports allocate what the backward calls need (moecomm.AllToAll); the
-            host transport always computes gradients.
-        combine_wire: None (combine's rows travel in out_dtype, partial sums in float32 on the host) or
-            "e4m3" / "e4m3_ue8m0": the expert side quantises each row it sends to FP8 e4m3 with a float32
-            (or UE8M0: a power of two) scale per COMBINE_BLOCK values, the token side dequantises and sums in
-            float32 (moecomm.reference.quantize_e4m3 is the rounding).
-        num_tags: 0, or the tags (tenant, language, task ids the caller assigns) dispatch may give each token:
-            the pairs each local expert receives are counted per tag and call (stats()["by_tag"]).
-        score_gap: whether dispatch histograms each token's router confidence, the gap between its largest
-            and smallest router weight (GAP_EDGES; stats()["score_gap"]), when weights are given.
-        kernel_names: "moecomm" (each half its own kernel) or "deep_ep": the split halves run under DeepEP's
-            profiler names, one kernel per phase (cuda/deep_ep.cu; moecomm.compat.deep_ep); GPU transports.
-        group_by_source: padded layout: each expert's rows grouped by source rank, in rank order (DeepEP's
-            low-latency layout); the packed layout always groups them so.
+        slots_per_rank: replicated experts: each rank holds this many physical expert slots, ``indices`` are
+            logical expert ids, and an :class:`moecomm.balance.ExpertMap` (``expert_map``; at first
+            :meth:`ExpertMap.static <moecomm.balance.ExpertMap.static>`, changed by
+            :meth:`moecomm.AllToAll.set_expert_map`) says which logical expert each slot holds. Each (token,
+            logical expert) goes to one replica by the map's rule; the outputs are per local slot
+            (``num_local_experts`` = slots_per_rank). None (default): rank r owns experts
+            r*E/W ... (r+1)*E/W - 1.
+        capacity: slots per local expert (the second dimension of out_expert_x), or None: the worst case,
+            max_num_tokens * (world_size // dp_size), which never overflows. Needs dp_size == 1.
+        overflow: when a local expert is routed more (token, expert) pairs than ``capacity``: "error" (the
+            call raises CapacityExceeded on every rank, naming the expert and its demand; nothing is
+            exchanged, the next call works; on GPUs the dispatch's other pairs were delivered and the error
+            is raised once the call is over, as other kernel errors are) or "drop" (pairs past the capacity
+            are not stored and add nothing in combine; counted in ``stats()`` on the expert's rank and
+            reported per pair by combine's ``out_dropped``). Which pairs drop: on the host transport those
+            last in (source rank, token, top-k) order; on GPUs those whose slots were taken last (the
+            order of arrival, unspecified). On GPUs a dropped pair's token still crosses the link when
+            it goes to that rank at all (the receiver drops).
+        layout: "padded" (default: out_expert_x [num_local_experts, capacity, hidden_dim]) or "packed": the
+            rank's received rows back to back, expert by expert (out_expert_x [capacity, hidden_dim] with
+            capacity rows per rank, default the worst case max_num_tokens * DP groups * min(top-k, local
+            experts); dispatch writes out_expert_offsets [num_local_experts + 1]; expert_y likewise), the
+            layout a contiguous grouped GEMM takes. With a capacity the policy applies to the rank's rows.
+            On GPUs a third kernel places the rows once the counts are known (rows within an expert in
+            order of arrival).
+        scale_layout: "row" (default: out_expert_x_scale [L, capacity, scales]) or "column" ([L, scales,
+            capacity], packed [scales, capacity]: each expert's scales column-major, the layout DeepGEMM's
+            TMA loads take; pick a capacity that is a multiple of 16 bytes of scales for its alignment).
+        max_sms: None (default: the kernels' grids are sized for the whole GPU), or the most SMs they are
+            sized for (at most 2 blocks per SM; at least world_size / 2 SMs), leaving the others to work on
+            other streams (a shared expert, another micro-batch), as DeepEP's ``Buffer.set_num_sms`` does. A
+            phase that runs in one launch needs its whole grid resident at once (but at world size 1 in the
+            padded layout, where no block waits for another: docs/design.md, the local path): work that holds
+            SMs only delays it.
+            GPU transports (the host transport has no kernels); the same on every rank.
+        gradients: False (default) or True: GPU transports allocate what :meth:`moecomm.AllToAll.plan`,
+            :meth:`moecomm.AllToAll.dispatch_backward` and :meth:`moecomm.AllToAll.combine_backward` need (a
+            gradient row buffer of world_size * max_num_tokens rows of about 4 * hidden_dim bytes in symmetric
+            memory: ``tools/memory_report.py``), and dispatch records each pair's expert for the plan. Training
+            sets it; the host transport computes gradients either way. The same on every rank.
+        combine_wire: None (default: combine's rows travel in out_dtype) or "e4m3" / "e4m3_ue8m0": the
+            expert side quantises each row it sends (a partial sum when the weights came with dispatch, else
+            an expert's row) to FP8 e4m3 with one float32 (or UE8M0, a power of two) scale per 128 values, and
+            the token side dequantises and sums in float32: about half the bytes back, each value within
+            2^-4 of itself (e4m3's rounding; ``moecomm.reference.quantize_e4m3``). hidden_dim a multiple
+            of 128.
+        num_tags: 0 (default) or the number of tags (up to 256: tenant, language or task ids the caller
+            assigns) that :meth:`moecomm.AllToAll.dispatch` may give each token (``tags``): the pairs each local expert
+            receives are then counted per tag and call, in the telemetry window (``stats()["by_tag"]``).
+        score_gap: False (default) or True: dispatch given router weights histograms each token's gap
+            between its largest and smallest weight (the router's confidence; bins
+            ``moecomm._constants.GAP_EDGES``, the first the near ties), per call in the telemetry window
+            (``stats()["score_gap"]``).
+        kernel_names: "moecomm" (default: each half of a phase is a kernel of its own, ``moecomm_dispatch_send``
+            ...) or "deep_ep": the split halves run under DeepEP's profiler names, one kernel per phase
+            (``moecomm::deep_ep::dispatch``, ``moecomm::deep_ep::combine``), so that tools that time DeepEP's
+            kernels by name (its tests' ``bench_kineto``) find ours; the same code. On an FP8 combine wire the
+            combine keeps its own names. GPU transports; the same on every rank.
+        group_by_source: False (default: in the padded layout each expert's slots go to pairs as they arrive,
+            sources interleaved) or True: each expert's slots hold its pairs grouped by source rank, in rank
+            order, each source's pairs in consecutive slots (DeepEP's low-latency layout, whose
+            ``recv_layout_range`` names each source's range; :meth:`moecomm.AllToAll.source_layout` writes it
+            here). At world size > 1 the rows are then placed once every count is known (the packed layout's
+            third dispatch kernel): one more pass over the received rows. The packed layout always groups its
+            rows so.
     """
     world_size: int
     rank: int
@@ -116,11 +163,17 @@ class AllToAllConfig:
 
     @classmethod
     def create(cls, world_size, rank, max_num_tokens, num_experts, experts_per_token, hidden_dim,
-               hidden_dim_scale, in_dtype, out_dtype, scale_dtype, dp_size, slots_per_rank=None, capacity=None,
-               overflow="error", layout="padded", scale_layout="row", combine_wire=None, max_sms=None, gradients=False,
-               num_tags=0, score_gap=False, dispatch_wire=None, kernel_names="moecomm",
-               group_by_source=False):
-        """Validate the arguments of :class:`moecomm.AllToAll`; raise InvalidArgument on the first bad one."""
+               hidden_dim_scale, in_dtype, out_dtype, scale_dtype, dp_size, **options):
+        """Validate the arguments of :class:`moecomm.AllToAll`; raise InvalidArgument on the first bad one.
+        ``options``: the fields with defaults (:func:`options_of`) by name; the others keep their defaults."""
+        defaults = options_of(cls)
+        unknown = sorted(set(options) - set(defaults))
+        if unknown:
+            raise InvalidArgument(f"unknown option(s) {', '.join(unknown)}: AllToAll's options are "
+                                  f"{', '.join(defaults)} (docs/api.md)")
+        given = dict(defaults, **options)
+        (slots_per_rank, capacity, overflow, layout, scale_layout, combine_wire, max_sms, gradients, num_tags,
+         score_gap, dispatch_wire, kernel_names, group_by_source) = (given[name] for name in defaults)  # fields' order
         max_num_tokens = positive_int("max_num_tokens", max_num_tokens)
         if max_num_tokens >= 1 << C.SIG_COUNT_BITS:
             raise InvalidArgument(f"max_num_tokens={max_num_tokens} must be < {1 << C.SIG_COUNT_BITS}")
@@ -197,10 +250,10 @@ class AllToAllConfig:
         num_tags = positive_int("num_tags", num_tags, minimum=0)
         if num_tags > C.MAX_TAGS:
             raise InvalidArgument(f"num_tags={num_tags} exceeds the supported {C.MAX_TAGS}")
-        return cls(world_size, rank, max_num_tokens, num_experts, k, hidden_dim, hidden_dim_scale,
-                   in_dtype, out_dtype, scale_dtype, dp_size, slots_per_rank, capacity, overflow, layout,
-                   scale_layout, combine_wire, max_sms, bool(gradients), num_tags, bool(score_gap), dispatch_wire,
-                   kernel_names, bool(group_by_source))
+        gradients, score_gap, group_by_source = bool(gradients), bool(score_gap), bool(group_by_source)
+        checked = locals()
+        return cls(world_size, rank, max_num_tokens, num_experts, k, hidden_dim, hidden_dim_scale, in_dtype, out_dtype,
+                   scale_dtype, dp_size, **{name: checked[name] for name in defaults})
 
     # Derived layout -------------------------------------------------------------------------
     @property

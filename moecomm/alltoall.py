@@ -216,101 +216,25 @@ class AllToAll:
         dp_size: ranks per data-parallel group; a group's ranks hold the same tokens, share the sending
             and each receives the whole combined result.
         timeout: seconds any wait may last (default: the communicator's).
-        slots_per_rank: replicated experts: each rank holds this many physical expert slots, ``indices``
-            are logical expert ids, and an :class:`moecomm.balance.ExpertMap` (``expert_map``; at first
-            :meth:`ExpertMap.static <moecomm.balance.ExpertMap.static>`, changed by :meth:`set_expert_map`)
-            says which logical expert each slot holds. Each (token, logical expert) goes to one replica by
-            the map's rule; the outputs are per local slot (``num_local_experts`` = slots_per_rank). None
-            (default): rank r owns experts r*E/W ... (r+1)*E/W - 1.
-        capacity: slots per local expert (the second dimension of out_expert_x), or None: the worst case,
-            max_num_tokens * (world_size // dp_size), which never overflows. Needs dp_size == 1.
-        overflow: when a local expert is routed more (token, expert) pairs than ``capacity``: "error" (the
-            call raises CapacityExceeded on every rank, naming the expert and its demand; nothing is
-            exchanged, the next call works; on GPUs the dispatch's other pairs were delivered and the error
-            is raised once the call is over, as other kernel errors are) or "drop" (pairs past the capacity
-            are not stored and add nothing in combine; counted in ``stats()`` on the expert's rank and
-            reported per pair by combine's ``out_dropped``). Which pairs drop: on the host transport those
-            last in (source rank, token, top-k) order; on GPUs those whose slots were taken last (the
-            order of arrival, unspecified). On GPUs a dropped pair's token still crosses the link when
-            it goes to that rank at all (the receiver drops).
-        layout: "padded" (default: out_expert_x [num_local_experts, capacity, hidden_dim]) or "packed": the
-            rank's received rows back to back, expert by expert (out_expert_x [capacity, hidden_dim] with
-            capacity rows per rank, default the worst case max_num_tokens * DP groups * min(top-k, local
-            experts); dispatch writes out_expert_offsets [num_local_experts + 1]; expert_y likewise), the
-            layout a contiguous grouped GEMM takes. With a capacity the policy applies to the rank's rows.
-            On GPUs a third kernel places the rows once the counts are known (rows within an expert in
-            order of arrival).
         telemetry_window: calls whose per-expert routing counts :meth:`stats` keeps (kept on the device
             by the kernels; default 64). 0 turns the telemetry off (the window, tokens received per expert
             and bytes per peer); the MASKED/DROPPED/CALLS counters and per-expert drops are always kept.
         timing: also time each phase of the last ``telemetry_window`` calls (CUDA events on the call's
             stream, eager calls only; host time on the host transport): ``stats()["times_us"]``.
-        scale_layout: "row" (default: out_expert_x_scale [L, capacity, scales]) or "column" ([L, scales,
-            capacity], packed [scales, capacity]: each expert's scales column-major, the layout DeepGEMM's
-            TMA loads take; pick a capacity that is a multiple of 16 bytes of scales for its alignment).
-        combine_wire: None (default: combine's rows travel in out_dtype) or "e4m3" / "e4m3_ue8m0": the
-            expert side quantises each row it sends (a partial sum when the weights came with dispatch, else
-            an expert's row) to FP8 e4m3 with one float32 (or UE8M0, a power of two) scale per 128 values, and
-            the token side dequantises and sums in float32: about half the bytes back, each value within
-            2^-4 of itself (e4m3's rounding; ``moecomm.reference.quantize_e4m3``). hidden_dim a multiple
-            of 128.
-        max_sms: None (default: the kernels' grids are sized for the whole GPU), or the most SMs they are
-            sized for (at most 2 blocks per SM; at least world_size / 2 SMs), leaving the others to work on
-            other streams (a shared expert, another micro-batch), as DeepEP's ``Buffer.set_num_sms`` does. A
-            phase that runs in one launch needs its whole grid resident at once (but at world size 1 in the
-            padded layout, where no block waits for another: docs/design.md, the local path): work that holds
-            SMs only delays it.
-            GPU transports (the host transport has no kernels); the same on every rank.
-        gradients: False (default) or True: GPU transports allocate what :meth:`plan`, :meth:`dispatch_backward`
-            and :meth:`combine_backward` need (a gradient row buffer of world_size * max_num_tokens rows of
-            about 4 * hidden_dim bytes in symmetric memory: ``tools/memory_report.py``), and dispatch records
-            each pair's expert for the plan. Training sets it; the host transport computes gradients either
-            way. The same on every rank.
-        num_tags: 0 (default) or the number of tags (up to 256: tenant, language or task ids the caller
-            assigns) that :meth:`dispatch` may give each token (``tags``): the pairs each local expert
-            receives are then counted per tag and call, in the telemetry window (``stats()["by_tag"]``).
-        score_gap: False (default) or True: dispatch given router weights histograms each token's gap
-            between its largest and smallest weight (the router's confidence; bins
-            ``moecomm._constants.GAP_EDGES``, the first the near ties), per call in the telemetry window
-            (``stats()["score_gap"]``).
-        dispatch_wire: None (default: tokens travel as given) or "e4m3" / "e4m3_ue8m0": dispatch takes
-            bfloat16 or float16 tokens (``in_dtype``; no ``dp_x_scale``) and quantises each block of 128 values
-            to FP8 e4m3 with one scale, absmax / 448 (rounded up to a power of two with "e4m3_ue8m0"), as
-            DeepEP's and NCCL EP's FP8 dispatch do: out_expert_x is float8_e4m3fn and out_expert_x_scale has
-            hidden_dim / 128 scales a token in ``scale_dtype`` (float32, the default; with "e4m3_ue8m0" also
-            float8_e8m0fnu, or int32 of four UE8M0: DeepEP's ``use_ue8m0``), laid out by ``scale_layout``;
-            ``hidden_dim_scale`` is derived (leave it None). The sender quantises once, in the kernel that
-            reads the row; ``moecomm.reference.quantize_tokens`` is the rounding, bit for bit. hidden_dim a
-            multiple of 128.
-        kernel_names: "moecomm" (default: each half of a phase is a kernel of its own, ``moecomm_dispatch_send``
-            ...) or "deep_ep": the split halves run under DeepEP's profiler names, one kernel per phase
-            (``moecomm::deep_ep::dispatch``, ``moecomm::deep_ep::combine``), so that tools that time DeepEP's
-            kernels by name (its tests' ``bench_kineto``) find ours; the same code. On an FP8 combine wire the
-            combine keeps its own names. GPU transports; the same on every rank.
-        group_by_source: False (default: in the padded layout each expert's slots go to pairs as they arrive,
-            sources interleaved) or True: each expert's slots hold its pairs grouped by source rank, in rank
-            order, each source's pairs in consecutive slots (DeepEP's low-latency layout, whose
-            ``recv_layout_range`` names each source's range; :meth:`source_layout` writes it here). At world size > 1
-            the rows are then placed once every count is known (the packed layout's third dispatch kernel):
-            one more pass over the received rows. The packed layout always groups its rows so.
+        **options: the AllToAll's other settings by name, each a field of its configuration
+            (:class:`moecomm._config.AllToAllConfig`, which says what each one does; docs/api.md's table of
+            arguments); an unknown name raises InvalidArgument on every rank.
     """
 
     def __init__(self, comm, max_num_tokens, num_experts, experts_per_token, hidden_dim,
                  hidden_dim_scale=None, in_dtype="bfloat16", out_dtype="bfloat16", scale_dtype=None,
-                 dp_size=1, timeout=None, slots_per_rank=None, capacity=None, overflow="error", layout="padded",
-                 telemetry_window=64, timing=False, scale_layout="row", combine_wire=None, max_sms=None,
-                 gradients=False, num_tags=0, score_gap=False, dispatch_wire=None, kernel_names="moecomm",
-                 group_by_source=False):
+                 dp_size=1, timeout=None, telemetry_window=64, timing=False, **options):
         self.comm, self._backend, self.masked, self.expert_map = comm, None, (), None
         error = None
         try:  # checked on every rank, then compared: a bad argument on one rank raises on all of them
-            self.cfg = c = AllToAllConfig.create(  # the options by name (a test keeps the three lists equal)
+            self.cfg = c = AllToAllConfig.create(
                 comm.world_size, comm.rank, max_num_tokens, num_experts, experts_per_token, hidden_dim,
-                hidden_dim_scale, in_dtype, out_dtype, scale_dtype, dp_size, slots_per_rank=slots_per_rank,
-                capacity=capacity, overflow=overflow, layout=layout, scale_layout=scale_layout,
-                combine_wire=combine_wire, max_sms=max_sms, gradients=gradients, num_tags=num_tags,
-                score_gap=score_gap, dispatch_wire=dispatch_wire, kernel_names=kernel_names,
-                group_by_source=group_by_source)
+                hidden_dim_scale, in_dtype, out_dtype, scale_dtype, dp_size, **options)
             window = positive_int("telemetry_window", telemetry_window, minimum=0)
             kept = [name for name, on in (("num_tags", c.num_tags), ("score_gap", c.score_gap), ("timing", timing))
                     if on]

@@ -5,7 +5,8 @@ against the gathered top-k ids, the cumulative statistics, each slot's source to
 the values, per-source counts in the layout range, values within the FP8 rounding), the FP8 values and scales
 also bit-exactly against moecomm.reference, then combine (copied, then zero-copy: the same handle combined
 again, as DeepEP's test does) against the weighted sum; a dispatch left uncombined; two calls' results held at
-once (the first's unchanged by the second); LogFMT and the normal mode are refused with moecomm errors and the next call works.
+once (the first's unchanged by the second); LogFMT and the normal mode are refused with moecomm errors and the
+next call works.
 
     mpiexec -n 2 python tests/mpi_deep_ep.py [--transport host|ipc|nvshmem]
 

@@ -141,26 +141,29 @@ def test_bad_config(comm, case):
     assert message in str(e.value)
 
 
-def test_the_alltoall_parameters_and_the_config_fields_agree():
-    """AllToAll's parameters, AllToAllConfig.create's and the config's fields are one list in three places:
-    the same names (AllToAll adds its own: comm, timeout, telemetry_window, timing) and the same defaults; and
-    docs/api.md's table of AllToAll's arguments names each of them once."""
-    from moecomm._config import AllToAllConfig
-    own = {"self", "comm", "timeout", "telemetry_window", "timing"}
-    fields = {f.name: f.default for f in dataclasses.fields(AllToAllConfig)}
-    for fn, skip in ((moecomm.AllToAll.__init__, own), (AllToAllConfig.create, {"cls", "world_size", "rank"})):
-        params = {n: p.default for n, p in inspect.signature(fn).parameters.items() if n not in skip}
-        assert set(params) == set(fields) - {"world_size", "rank"}, fn
-        for name, default in params.items():
-            if fields[name] is not dataclasses.MISSING and default is not inspect.Parameter.empty:
-                assert default == fields[name], (fn, name)
-    # and docs/api.md's table of AllToAll's arguments names each parameter once
+def test_the_alltoall_options_are_defined_once():
+    """AllToAll's options are defined once, as AllToAllConfig's fields with defaults: AllToAll and create() take
+    them as ``**options`` (an unknown name is refused); AllToAll's own parameters are the fields without defaults
+    (but world_size and rank, the communicator's) with the same defaults, plus comm, timeout, telemetry_window and
+    timing; docs/api.md's table of AllToAll's arguments names each parameter and option once."""
+    from moecomm._config import AllToAllConfig, options_of
+    own = {"comm", "timeout", "telemetry_window", "timing"}
+    options = options_of(AllToAllConfig)
+    core = [f.name for f in dataclasses.fields(AllToAllConfig) if f.name not in options][2:]  # not world, rank
+    for fn in (moecomm.AllToAll.__init__, AllToAllConfig.create):
+        params = inspect.signature(fn).parameters
+        named = [n for n, p in params.items() if p.kind is p.POSITIONAL_OR_KEYWORD and n not in {"self", "cls"}]
+        assert [n for n in named if n not in own | {"world_size", "rank"}] == core, fn
+        assert [p.kind for p in params.values()][-1] is inspect.Parameter.VAR_KEYWORD, fn
+    with pytest.raises(moecomm.InvalidArgument, match="unknown option.*capcity"):
+        AllToAllConfig.create(1, 0, M, E, K, H, S, "float8_e4m3fn", "bfloat16", None, 1, capcity=4)
+    assert AllToAllConfig.create(1, 0, M, E, K, H, S, "float8_e4m3fn", "bfloat16", None, 1, capacity=4).capacity == 4
     from conftest import ROOT
     api = (ROOT / "docs" / "api.md").read_text()
     table = api[api.index("| argument | meaning |", api.index("## `moecomm.AllToAll`")):]
     table = table[:table.index("\n\n")]
     documented = [n for row in table.splitlines()[2:] for n in re.findall(r"`(\w+)`", row.split(" | ")[0])]
-    assert sorted(documented) == sorted(set(inspect.signature(moecomm.AllToAll.__init__).parameters) - {"self", "comm"})
+    assert sorted(documented) == sorted(set(core) | own - {"comm"} | set(options))
 
 
 def test_finalize_ends_its_alltoalls():
