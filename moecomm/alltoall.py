@@ -667,8 +667,7 @@ class AllToAll:
                                   "size 1): elsewhere an expert's rows from one source are not consecutive")
         with self._context or nullcontext():
             s = self._arrays.begin(stream, out_src_info)
-            src_info = self._arrays.read(out_src_info, "out_src_info", _COUNTS, self.plan_shapes().origin[:-1],
-                                         output=True)
+            src_info = self._arrays.read(out_src_info, "out_src_info", _COUNTS, self._expert_shape[:-1], output=True)
             layout_range = self._arrays.read(out_layout_range, "out_layout_range", _RANGES,
                                              (c.num_local_experts, c.world_size), output=True)
             self._arrays.order()

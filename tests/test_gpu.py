@@ -290,10 +290,8 @@ def test_deep_ep_pair_eager_and_in_a_graph():
 @each_transport
 def test_the_readme_gpu_program_runs(tmp_path, transport):
     """README's GPU first program (CuPy) at one rank a GPU, on each transport."""
-    import re
-    from conftest import ROOT
-    m = re.search(r"<!-- gpu snippet.*?-->\s*```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+    from test_readme import _block
     script = tmp_path / "gpu_first.py"
-    script.write_text(m.group(1).replace('transport="ipc"', f'transport="{transport}"'))
+    script.write_text(_block("gpu snippet").replace('transport="ipc"', f'transport="{transport}"'))
     p = run_mpi(GPUS, str(script), timeout=300)
     assert p.returncode == 0 and p.stdout.count("combine matches") == GPUS, p.stdout[-3000:] + p.stderr[-3000:]
