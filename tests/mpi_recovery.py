@@ -62,6 +62,7 @@ class Step:
     """One step's inputs on every rank (any rank can draw any rank's): markers in each token's first values."""
 
     def __init__(self, W, step, seed=0):
+        assert 0 <= step <= 2048, f"step {step}: a marker float16 holds exactly (integers up to 2048)"
         self.W, self.step, self.E = W, step, E_PER_RANK * W
         self.x, self.ids, self.w, self.m = [], [], [], []
         for r in range(W):

@@ -122,7 +122,7 @@ def threads(comm, fails, shared):
     try:  # from one thread: right, or (where a thread's call raised) a moecomm error, never another call's data
         if any(a2a._order.done for a2a in a2as):  # a call a thread left open (it raised between the halves)
             a2as[0].abort()
-        run_step(a2as[0], Step(W, 3000 + shared), r, fails, f"{label}: the step after, from one thread")
+        run_step(a2as[0], Step(W, 2040 + shared), r, fails, f"{label}: the step after, from one thread")
     except (moecomm.MoeCommError, moecomm.InvalidArgument) as e:
         if not raised:
             fails.append(f"{label}: the step after threads that raised nothing raised {type(e).__name__}: {e}")
