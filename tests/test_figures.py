@@ -25,3 +25,15 @@ def test_every_docs_block_is_a_known_table_and_results_stay_few():
     names = {m.group("name") for path in FIGURES["DOCS"] for m in FIGURES["BLOCK"].finditer(path.read_text())}
     assert names == set(FIGURES["TABLES"])  # every table is shown somewhere, and nothing else is claimed
     assert len(list((ROOT / "benchmarks" / "results").iterdir())) <= 15
+
+
+def test_no_measured_figure_outside_the_rendered_tables():
+    """README.md and docs/ show measurements only in rendered blocks: a time, a rate or a measured ratio in the
+    prose would go stale beside the tables (the prose says what they mean and names the results)."""
+    import re
+    measured = re.compile(r"\d(?:\.\d+)?\s?(?:µs|us|ms|GB/s|TB/s)\b|\d\.\d+×")
+    found = []
+    for path in (ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))):
+        prose = FIGURES["BLOCK"].sub("", path.read_text())
+        found += [f"{path.name}: {line.strip()}" for line in prose.splitlines() if measured.search(line)]
+    assert not found, "\n".join(found)

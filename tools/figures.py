@@ -50,13 +50,14 @@ def _with_p99(stat):
 def _caption(name):
     """The block's first line: the file, its GPUs and the commit of the kernels it measured."""
     doc = _load(name)
-    doc = doc["runs"][0] if "runs" in doc else doc
+    doc = doc["runs"][0] if "runs" in doc and "environment" not in doc else doc
     gpus = doc["environment"]["gpus"] if "environment" in doc else [doc["gpu"]]
     machine = f"{len(gpus)}× {gpus[0].split(',')[0]}" if len(set(gpus)) == 1 else ", ".join(gpus)
     for line in (RESULTS / "INDEX.md").read_text().splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         if line.startswith("| `") and re.findall(r"`([^`]+)`", cells[0])[0] == name:
-            return f"`benchmarks/results/{name}`: {machine}, the kernels of {cells[-1].split()[0]}.\n\n"
+            kernels = "no moecomm kernels" if cells[-1].startswith("(no") else f"the kernels of {cells[-1].split()[0]}"
+            return f"`benchmarks/results/{name}`: {machine}, {kernels}.\n\n"
     raise SystemExit(f"figures: {name} has no row in benchmarks/results/INDEX.md")
 
 
@@ -171,7 +172,44 @@ def sm_budget():
         rows)
 
 
-TABLES = {f.__name__: f for f in (ep2, ws1, host, jax, grads, dispatch_wire, sm_budget)}
+PATTERNS = {"fanout": "dispatch: each token row written into its expert rows", "landing_dispatch":
+            "dispatch: the peer's records landing", "sum4": "combine, expert side: rows summed four at a time",
+            "sum5": "combine, token side: rows summed five at a time", "sum8": "combine: a token's eight rows summed",
+            "landing_combine": "combine: the peer's partial sums landing", "copy_1GiB": "a 1 GiB copy"}
+
+
+def hbm():
+    """R1-prefill's memory patterns per phase, plain kernels alone, and the same bytes at a 1 GiB copy's rate
+    (hbm-floor.json)."""
+    rows = []
+    for run in _load("hbm-floor.json")["runs"]:
+        where = "EP2 (a rank's share)" if run["world_size"] == 2 else "world size 1"
+        copy_rate = run["patterns"]["copy_1GiB"]["TBps"]
+        for key, stat in run["patterns"].items():
+            if key != "copy_1GiB":
+                rows.append([where, PATTERNS[key], f"{stat['bytes'] / 1e6:.1f}", _us(stat), f"{stat['TBps']:.2f}",
+                             _us(stat["bytes"] / copy_rate / 1e6)])
+        for phase in ("dispatch", "combine"):
+            rows.append([where, f"{phase}: its patterns in sequence", "", _us(run["floors_us"][phase]), "",
+                         _us(run["copy_floors_us"][phase])])
+        rows.append([where, "a 1 GiB copy (the rate of the last column)", "", "", f"{copy_rate:.2f}", ""])
+    return _caption("hbm-floor.json") + _table(
+        ["where", "pattern", "MB", "plain kernel, µs", "TB/s", "at the copy's rate, µs"], rows)
+
+
+def exchange():
+    """Two bare exchanges of a small batch's rows at EP2, per protocol and transport (exchange-floor-*.json)."""
+    rows = []
+    for transport in ("ipc", "nvshmem"):
+        res = _load(f"exchange-floor-{transport}.json")["results"]
+        for tokens in ("1", "128"):
+            rows.append([transport, tokens, _with_p99(res["fence"][tokens]), _with_p99(res["ll"][tokens]),
+                         _us(res["launch_floor"])])
+    return _caption("exchange-floor-ipc.json") + _table(
+        ["transport", "tokens per rank", "fence (moecomm's protocol)", "LL (NCCL's)", "graph launch floor"], rows)
+
+
+TABLES = {f.__name__: f for f in (ep2, ws1, host, jax, grads, dispatch_wire, sm_budget, hbm, exchange)}
 
 
 def render(text):
