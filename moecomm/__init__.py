@@ -6,6 +6,7 @@
     a2a.destroy(); comm.finalize()
 """
 from ._arrays import DeviceBuffer
+from ._config import AllToAllConfig, Formats, Launch, Placement, Telemetry
 from ._dtypes import bfloat16, float8_e4m3fn, float16, float32
 from ._errors import (CapacityExceeded, CommBroken, CommTimeout, CompileError, ConcurrentCall, ExpertMapMismatch,
                       InvalidArgument, InvalidRouting, MoeCommError, OutOfStep, PeerError, PeerExited)
@@ -14,7 +15,8 @@ from .comm import Bootstrap, Communicator, init
 
 __version__ = "0.2.0"
 
-__all__ = ["AllToAll", "Bootstrap", "CapacityExceeded", "CombineArgs", "CommBroken", "CommTimeout", "Communicator",
-           "CompileError", "ConcurrentCall", "DeviceBuffer", "DispatchArgs", "ExpertMapMismatch", "InvalidArgument",
-           "InvalidRouting", "MoeCommError", "OutOfStep", "PeerError", "PeerExited", "RoutingPlan", "bfloat16",
-           "float16", "float8_e4m3fn", "float32", "init"]
+__all__ = ["AllToAll", "AllToAllConfig", "Bootstrap", "CapacityExceeded", "CombineArgs", "CommBroken", "CommTimeout",
+           "Communicator", "CompileError", "ConcurrentCall", "DeviceBuffer", "DispatchArgs", "ExpertMapMismatch",
+           "Formats", "InvalidArgument", "InvalidRouting", "Launch", "MoeCommError", "OutOfStep", "PeerError",
+           "PeerExited", "Placement", "RoutingPlan", "Telemetry", "bfloat16", "float16", "float8_e4m3fn", "float32",
+           "init"]

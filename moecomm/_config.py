@@ -1,5 +1,5 @@
 """The configuration of one AllToAll, validated once, and the buffer shapes derived from it."""
-from dataclasses import MISSING, dataclass, fields
+from dataclasses import dataclass, fields
 
 import numpy as np
 
@@ -16,11 +16,9 @@ def positive_int(name, value, minimum=1):
 
 
 def _quantised_scales(wire, in_dtype, hidden_dim, hidden_dim_scale, scale_dtype):
-    """(hidden_dim_scale, scale_dtype) of a quantising dispatch (AllToAllConfig.dispatch_wire): a scale per
+    """(hidden_dim_scale, scale_dtype) of a quantising dispatch (Formats.dispatch_wire, not None): a scale per
     COMBINE_BLOCK values, float32 by default; with "e4m3_ue8m0" also UE8M0 bytes or int32 of four. Raises
     InvalidArgument for what it cannot quantise."""
-    if wire not in C.WIRE_CODES or wire is None:
-        raise InvalidArgument(f"dispatch_wire must be one of {list(C.WIRE_CODES)}, got {wire!r}")
     if in_dtype not in (bfloat16, float16):
         raise InvalidArgument(f"dispatch_wire={wire!r} quantises bfloat16 or float16 tokens, in_dtype is {in_dtype}")
     if hidden_dim % C.COMBINE_BLOCK:
@@ -40,15 +38,216 @@ def _quantised_scales(wire, in_dtype, hidden_dim, hidden_dim_scale, scale_dtype)
     return derived, scale_dtype
 
 
-def options_of(config_class):
-    """{name: default} of the fields of ``config_class`` (AllToAllConfig) that have defaults: AllToAll's options
-    (``**options``), in the fields' order."""
-    return {f.name: f.default for f in fields(config_class) if f.default is not MISSING}
+def _setting(name, value, choices):
+    if value not in choices:
+        raise InvalidArgument(f"{name} must be one of {list(choices)}, got {value!r}")
+    return value
+
+
+def _set(group, name, value):
+    object.__setattr__(group, name, value)  # a frozen group normalising its own field
+
+
+@dataclass(frozen=True)
+class Formats:
+    """How the rows travel and how scales are laid out (``AllToAll(formats=...)``, or these names as keywords).
+
+    Fields:
+        dispatch_wire: None (default: tokens travel as given) or "e4m3" / "e4m3_ue8m0": dispatch takes
+            bfloat16 or float16 tokens (``in_dtype``; no ``dp_x_scale``) and quantises each block of 128 values
+            to FP8 e4m3 with one scale, absmax / 448 (rounded up to a power of two with "e4m3_ue8m0"), as
+            DeepEP's and NCCL EP's FP8 dispatch do: out_expert_x is float8_e4m3fn and out_expert_x_scale has
+            hidden_dim / 128 scales a token in ``scale_dtype`` (float32, the default; with "e4m3_ue8m0" also
+            float8_e8m0fnu, or int32 of four UE8M0: DeepEP's ``use_ue8m0``), laid out by ``scale_layout``;
+            ``hidden_dim_scale`` is derived (leave it None). The sender quantises once, in the kernel that
+            reads the row; ``moecomm.reference.quantize_tokens`` is the rounding, bit for bit. hidden_dim a
+            multiple of 128.
+        combine_wire: None (default: combine's rows travel in out_dtype) or "e4m3" / "e4m3_ue8m0": the
+            expert side quantises each row it sends (a partial sum when the weights came with dispatch, else
+            an expert's row) to FP8 e4m3 with one float32 (or UE8M0, a power of two) scale per 128 values, and
+            the token side dequantises and sums in float32: about half the bytes back, each value within
+            2^-4 of itself (e4m3's rounding; ``moecomm.reference.quantize_e4m3``). hidden_dim a multiple
+            of 128.
+        scale_layout: "row" (default: out_expert_x_scale [L, capacity, scales]) or "column" ([L, scales,
+            capacity], packed [scales, capacity]: each expert's scales column-major, the layout DeepGEMM's
+            TMA loads take; pick a capacity that is a multiple of 16 bytes of scales for its alignment).
+    """
+    dispatch_wire: object = None
+    combine_wire: object = None
+    scale_layout: str = "row"
+
+    def __post_init__(self):
+        _setting("dispatch_wire", self.dispatch_wire, C.WIRE_CODES)
+        _setting("combine_wire", self.combine_wire, C.WIRE_CODES)
+        _setting("scale_layout", self.scale_layout, ("row", "column"))
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where received rows go: the layout, each expert's capacity and what happens past it, replicated experts
+    (``AllToAll(placement=...)``, or these names as keywords).
+
+    Fields:
+        layout: "padded" (default: out_expert_x [num_local_experts, capacity, hidden_dim]) or "packed": the
+            rank's received rows back to back, expert by expert (out_expert_x [capacity, hidden_dim] with
+            capacity rows per rank, default the worst case max_num_tokens * DP groups * min(top-k, local
+            experts); dispatch writes out_expert_offsets [num_local_experts + 1]; expert_y likewise), the
+            layout a contiguous grouped GEMM takes. With a capacity the policy applies to the rank's rows.
+            On GPUs a third kernel places the rows once the counts are known (rows within an expert in
+            order of arrival).
+        capacity: slots per local expert (the second dimension of out_expert_x), or None: the worst case,
+            max_num_tokens * (world_size // dp_size), which never overflows. Needs dp_size == 1.
+        overflow: when a local expert is routed more (token, expert) pairs than ``capacity``: "error" (the
+            call raises CapacityExceeded on every rank, naming the expert and its demand; nothing is
+            exchanged, the next call works; on GPUs the dispatch's other pairs were delivered and the error
+            is raised once the call is over, as other kernel errors are) or "drop" (pairs past the capacity
+            are not stored and add nothing in combine; counted in ``stats()`` on the expert's rank and
+            reported per pair by combine's ``out_dropped``). Which pairs drop: on the host transport those
+            last in (source rank, token, top-k) order; on GPUs those whose slots were taken last (the
+            order of arrival, unspecified). On GPUs a dropped pair's token still crosses the link when
+            it goes to that rank at all (the receiver drops). Without a capacity nothing overflows.
+        group_by_source: False (default: in the padded layout each expert's slots go to pairs as they arrive,
+            sources interleaved) or True: each expert's slots hold its pairs grouped by source rank, in rank
+            order, each source's pairs in consecutive slots (DeepEP's low-latency layout, whose
+            ``recv_layout_range`` names each source's range; :meth:`moecomm.AllToAll.source_layout` writes it
+            here). At world size > 1 the rows are then placed once every count is known (the packed layout's
+            third dispatch kernel): one more pass over the received rows. The packed layout always groups its
+            rows so.
+        slots_per_rank: replicated experts: each rank holds this many physical expert slots, ``indices`` are
+            logical expert ids, and an :class:`moecomm.balance.ExpertMap` (``expert_map``; at first
+            :meth:`ExpertMap.static <moecomm.balance.ExpertMap.static>`, changed by
+            :meth:`moecomm.AllToAll.set_expert_map`) says which logical expert each slot holds. Each (token,
+            logical expert) goes to one replica by the map's rule; the outputs are per local slot
+            (``num_local_experts`` = slots_per_rank). None (default): rank r owns experts
+            r*E/W ... (r+1)*E/W - 1.
+    """
+    layout: str = "padded"
+    capacity: object = None
+    overflow: str = "error"
+    group_by_source: bool = False
+    slots_per_rank: object = None
+
+    def __post_init__(self):
+        _setting("layout", self.layout, ("padded", "packed"))
+        _setting("overflow", self.overflow, ("error", "drop"))
+        if self.capacity is not None:
+            _set(self, "capacity", positive_int("capacity", self.capacity))
+        if self.slots_per_rank is not None:
+            _set(self, "slots_per_rank", positive_int("slots_per_rank", self.slots_per_rank))
+        _set(self, "group_by_source", bool(self.group_by_source))
+
+
+@dataclass(frozen=True)
+class Telemetry:
+    """What :meth:`moecomm.AllToAll.stats` keeps per call (``AllToAll(telemetry=...)``, or these names as
+    keywords). The MASKED/DROPPED/CALLS counters and per-expert drops are always kept.
+
+    Fields:
+        telemetry_window: calls whose per-expert routing counts are kept (on the device by the kernels;
+            default 64). 0 turns the telemetry off (the window, tokens received per expert and bytes per
+            peer), and with it what is counted per call in the window: ``num_tags``, ``score_gap`` and
+            ``timing`` then raise InvalidArgument.
+        timing: also time each phase of the last ``telemetry_window`` calls (CUDA events on the call's stream,
+            eager calls only; host time on the host transport): ``stats()["times_us"]``.
+        num_tags: 0 (default) or the number of tags (up to 256: tenant, language or task ids the caller
+            assigns) that :meth:`moecomm.AllToAll.dispatch` may give each token (``tags``): the pairs each local expert
+            receives are then counted per tag and call, in the telemetry window (``stats()["by_tag"]``).
+        score_gap: False (default) or True: dispatch given router weights histograms each token's gap
+            between its largest and smallest weight (the router's confidence; bins
+            ``moecomm._constants.GAP_EDGES``, the first the near ties), per call in the telemetry window
+            (``stats()["score_gap"]``).
+    """
+    telemetry_window: int = C.DEFAULT_WINDOW
+    timing: bool = False
+    num_tags: int = 0
+    score_gap: bool = False
+
+    def __post_init__(self):
+        _set(self, "telemetry_window", positive_int("telemetry_window", self.telemetry_window, minimum=0))
+        _set(self, "num_tags", positive_int("num_tags", self.num_tags, minimum=0))
+        if self.num_tags > C.MAX_TAGS:
+            raise InvalidArgument(f"num_tags={self.num_tags} exceeds the supported {C.MAX_TAGS}")
+        _set(self, "timing", bool(self.timing))
+        _set(self, "score_gap", bool(self.score_gap))
+        kept = [name for name in ("num_tags", "score_gap", "timing") if getattr(self, name)]
+        if self.telemetry_window == 0 and kept:
+            raise InvalidArgument(f"{', '.join(kept)}: counted per call in the telemetry window, which "
+                                  f"telemetry_window=0 turns off: give the window a size, or leave them off")
+
+
+@dataclass(frozen=True)
+class Launch:
+    """How the GPU kernels are built and launched (``AllToAll(launch=...)``, or these names as keywords); GPU
+    transports (the host transport has no kernels); the same on every rank.
+
+    Fields:
+        max_sms: None (default: the kernels' grids are sized for the whole GPU), or the most SMs they are
+            sized for (at most 2 blocks per SM; at least world_size / 2 SMs), leaving the others to work on
+            other streams (a shared expert, another micro-batch), as DeepEP's ``Buffer.set_num_sms`` does. A
+            phase that runs in one launch needs its whole grid resident at once (but at world size 1 in the
+            padded layout, where no block waits for another: docs/design.md, the local path): work that holds
+            SMs only delays it.
+        gradients: False (default) or True: GPU transports allocate what :meth:`moecomm.AllToAll.plan`,
+            :meth:`moecomm.AllToAll.dispatch_backward` and :meth:`moecomm.AllToAll.combine_backward` need (a
+            gradient row buffer of world_size * max_num_tokens rows of about 4 * hidden_dim bytes in symmetric
+            memory: ``tools/memory_report.py``), and dispatch records each pair's expert for the plan. Training
+            sets it; the host transport computes gradients either way.
+        kernel_names: "moecomm" (default: each half of a phase is a kernel of its own, ``moecomm_dispatch_send``
+            ...) or "deep_ep": the split halves run under DeepEP's profiler names, one kernel per phase
+            (``moecomm::deep_ep::dispatch``, ``moecomm::deep_ep::combine``), so that tools that time DeepEP's
+            kernels by name (its tests' ``bench_kineto``) find ours; the same code. On an FP8 combine wire the
+            combine keeps its own names.
+    """
+    max_sms: object = None
+    gradients: bool = False
+    kernel_names: str = "moecomm"
+
+    def __post_init__(self):
+        if self.max_sms is not None:
+            _set(self, "max_sms", positive_int("max_sms", self.max_sms))
+        _set(self, "gradients", bool(self.gradients))
+        _setting("kernel_names", self.kernel_names, C.KERNEL_NAMES)
+
+
+GROUPS = {"formats": Formats, "placement": Placement, "telemetry": Telemetry, "launch": Launch}
+_GROUP_OF = {f.name: group for group, cls in GROUPS.items() for f in fields(cls)}  # {option: its group}
+
+
+def options_of():
+    """{option: default}: every option of every group (AllToAll's keywords), group by group."""
+    return {f.name: f.default for cls in GROUPS.values() for f in fields(cls)}
+
+
+def groups_of(options):
+    """{group name: group}: the options given as keywords (a group's fields by name) or as groups (``formats=
+    Formats(...)`` or a dict of its fields), each group made and checked once. An unknown name, or a group given
+    both ways, raises InvalidArgument."""
+    unknown = sorted(set(options) - set(_GROUP_OF) - set(GROUPS))
+    if unknown:
+        raise InvalidArgument(f"unknown option(s) {', '.join(unknown)}: AllToAll's options are the groups "
+                              f"{', '.join(GROUPS)} or their fields {', '.join(_GROUP_OF)} (docs/api.md)")
+    made = {}
+    for group, cls in GROUPS.items():
+        flat = {name: options[name] for name in options if _GROUP_OF.get(name) == group}
+        given = options.get(group)
+        if given is not None and flat:
+            raise InvalidArgument(f"{', '.join(flat)}: given both as keywords and in {group}=: give one")
+        if isinstance(given, dict):
+            given = cls(**given) if set(given) <= {f.name for f in fields(cls)} else None
+            if given is None:
+                raise InvalidArgument(f"{group}: its fields are {', '.join(f.name for f in fields(cls))}, got "
+                                      f"{', '.join(sorted(options[group]))}")
+        elif given is not None and not isinstance(given, cls):
+            raise InvalidArgument(f"{group} must be a moecomm.{cls.__name__} or a dict, got {type(given).__name__}")
+        made[group] = given if given is not None else cls(**flat)
+    return made
 
 
 @dataclass(frozen=True)
 class AllToAllConfig:
-    """Everything that fixes an AllToAll's buffers. Identical on every rank (checked at construction).
+    """Everything that fixes an AllToAll's buffers: the shape of its calls, then its option groups. Identical on
+    every rank (checked at construction). An option reads as an attribute of the config too (``cfg.capacity``
+    is ``cfg.placement.capacity``).
 
     Fields:
         world_size, rank: the communicator's.
@@ -60,81 +259,9 @@ class AllToAllConfig:
         in_dtype / out_dtype / scale_dtype: numpy dtypes (bf16/fp16/fp8 e4m3/uint8 opaque bytes; bf16/fp16;
             float32, UE8M0 (float8_e8m0fnu), int32 (four UE8M0 per int32) or None). Scales and opaque rows pass
             through bit-exactly. in_dtype is dp_x's; out_expert_x has expert_dtype.
-        dispatch_wire: None (default: tokens travel as given) or "e4m3" / "e4m3_ue8m0": dispatch takes
-            bfloat16 or float16 tokens (``in_dtype``; no ``dp_x_scale``) and quantises each block of 128 values
-            to FP8 e4m3 with one scale, absmax / 448 (rounded up to a power of two with "e4m3_ue8m0"), as
-            DeepEP's and NCCL EP's FP8 dispatch do: out_expert_x is float8_e4m3fn and out_expert_x_scale has
-            hidden_dim / 128 scales a token in ``scale_dtype`` (float32, the default; with "e4m3_ue8m0" also
-            float8_e8m0fnu, or int32 of four UE8M0: DeepEP's ``use_ue8m0``), laid out by ``scale_layout``;
-            ``hidden_dim_scale`` is derived (leave it None). The sender quantises once, in the kernel that
-            reads the row; ``moecomm.reference.quantize_tokens`` is the rounding, bit for bit. hidden_dim a
-            multiple of 128.
         dp_size: ranks per data-parallel group (they hold the same tokens); divides world_size.
-        slots_per_rank: replicated experts: each rank holds this many physical expert slots, ``indices`` are
-            logical expert ids, and an :class:`moecomm.balance.ExpertMap` (``expert_map``; at first
-            :meth:`ExpertMap.static <moecomm.balance.ExpertMap.static>`, changed by
-            :meth:`moecomm.AllToAll.set_expert_map`) says which logical expert each slot holds. Each (token,
-            logical expert) goes to one replica by the map's rule; the outputs are per local slot
-            (``num_local_experts`` = slots_per_rank). None (default): rank r owns experts
-            r*E/W ... (r+1)*E/W - 1.
-        capacity: slots per local expert (the second dimension of out_expert_x), or None: the worst case,
-            max_num_tokens * (world_size // dp_size), which never overflows. Needs dp_size == 1.
-        overflow: when a local expert is routed more (token, expert) pairs than ``capacity``: "error" (the
-            call raises CapacityExceeded on every rank, naming the expert and its demand; nothing is
-            exchanged, the next call works; on GPUs the dispatch's other pairs were delivered and the error
-            is raised once the call is over, as other kernel errors are) or "drop" (pairs past the capacity
-            are not stored and add nothing in combine; counted in ``stats()`` on the expert's rank and
-            reported per pair by combine's ``out_dropped``). Which pairs drop: on the host transport those
-            last in (source rank, token, top-k) order; on GPUs those whose slots were taken last (the
-            order of arrival, unspecified). On GPUs a dropped pair's token still crosses the link when
-            it goes to that rank at all (the receiver drops).
-        layout: "padded" (default: out_expert_x [num_local_experts, capacity, hidden_dim]) or "packed": the
-            rank's received rows back to back, expert by expert (out_expert_x [capacity, hidden_dim] with
-            capacity rows per rank, default the worst case max_num_tokens * DP groups * min(top-k, local
-            experts); dispatch writes out_expert_offsets [num_local_experts + 1]; expert_y likewise), the
-            layout a contiguous grouped GEMM takes. With a capacity the policy applies to the rank's rows.
-            On GPUs a third kernel places the rows once the counts are known (rows within an expert in
-            order of arrival).
-        scale_layout: "row" (default: out_expert_x_scale [L, capacity, scales]) or "column" ([L, scales,
-            capacity], packed [scales, capacity]: each expert's scales column-major, the layout DeepGEMM's
-            TMA loads take; pick a capacity that is a multiple of 16 bytes of scales for its alignment).
-        max_sms: None (default: the kernels' grids are sized for the whole GPU), or the most SMs they are
-            sized for (at most 2 blocks per SM; at least world_size / 2 SMs), leaving the others to work on
-            other streams (a shared expert, another micro-batch), as DeepEP's ``Buffer.set_num_sms`` does. A
-            phase that runs in one launch needs its whole grid resident at once (but at world size 1 in the
-            padded layout, where no block waits for another: docs/design.md, the local path): work that holds
-            SMs only delays it.
-            GPU transports (the host transport has no kernels); the same on every rank.
-        gradients: False (default) or True: GPU transports allocate what :meth:`moecomm.AllToAll.plan`,
-            :meth:`moecomm.AllToAll.dispatch_backward` and :meth:`moecomm.AllToAll.combine_backward` need (a
-            gradient row buffer of world_size * max_num_tokens rows of about 4 * hidden_dim bytes in symmetric
-            memory: ``tools/memory_report.py``), and dispatch records each pair's expert for the plan. Training
-            sets it; the host transport computes gradients either way. The same on every rank.
-        combine_wire: None (default: combine's rows travel in out_dtype) or "e4m3" / "e4m3_ue8m0": the
-            expert side quantises each row it sends (a partial sum when the weights came with dispatch, else
-            an expert's row) to FP8 e4m3 with one float32 (or UE8M0, a power of two) scale per 128 values, and
-            the token side dequantises and sums in float32: about half the bytes back, each value within
-            2^-4 of itself (e4m3's rounding; ``moecomm.reference.quantize_e4m3``). hidden_dim a multiple
-            of 128.
-        num_tags: 0 (default) or the number of tags (up to 256: tenant, language or task ids the caller
-            assigns) that :meth:`moecomm.AllToAll.dispatch` may give each token (``tags``): the pairs each local expert
-            receives are then counted per tag and call, in the telemetry window (``stats()["by_tag"]``).
-        score_gap: False (default) or True: dispatch given router weights histograms each token's gap
-            between its largest and smallest weight (the router's confidence; bins
-            ``moecomm._constants.GAP_EDGES``, the first the near ties), per call in the telemetry window
-            (``stats()["score_gap"]``).
-        kernel_names: "moecomm" (default: each half of a phase is a kernel of its own, ``moecomm_dispatch_send``
-            ...) or "deep_ep": the split halves run under DeepEP's profiler names, one kernel per phase
-            (``moecomm::deep_ep::dispatch``, ``moecomm::deep_ep::combine``), so that tools that time DeepEP's
-            kernels by name (its tests' ``bench_kineto``) find ours; the same code. On an FP8 combine wire the
-            combine keeps its own names. GPU transports; the same on every rank.
-        group_by_source: False (default: in the padded layout each expert's slots go to pairs as they arrive,
-            sources interleaved) or True: each expert's slots hold its pairs grouped by source rank, in rank
-            order, each source's pairs in consecutive slots (DeepEP's low-latency layout, whose
-            ``recv_layout_range`` names each source's range; :meth:`moecomm.AllToAll.source_layout` writes it
-            here). At world size > 1 the rows are then placed once every count is known (the packed layout's
-            third dispatch kernel): one more pass over the received rows. The packed layout always groups its
-            rows so.
+        formats, placement, telemetry, launch: the option groups (:class:`Formats`, :class:`Placement`,
+            :class:`Telemetry`, :class:`Launch`: each says what its options do).
     """
     world_size: int
     rank: int
@@ -147,33 +274,25 @@ class AllToAllConfig:
     out_dtype: np.dtype
     scale_dtype: object
     dp_size: int
-    slots_per_rank: object = None
-    capacity: object = None
-    overflow: str = "error"
-    layout: str = "padded"
-    scale_layout: str = "row"
-    combine_wire: object = None
-    max_sms: object = None
-    gradients: bool = False
-    num_tags: int = 0
-    score_gap: bool = False
-    dispatch_wire: object = None
-    kernel_names: str = "moecomm"
-    group_by_source: bool = False
+    formats: Formats = Formats()
+    placement: Placement = Placement()
+    telemetry: Telemetry = Telemetry()
+    launch: Launch = Launch()
+
+    def __getattr__(self, name):  # an option, from its group (only names not found on the config come here)
+        group = _GROUP_OF.get(name)
+        if group is None:
+            raise AttributeError(f"AllToAllConfig has no {name!r}")
+        return getattr(object.__getattribute__(self, group), name)
 
     @classmethod
     def create(cls, world_size, rank, max_num_tokens, num_experts, experts_per_token, hidden_dim,
                hidden_dim_scale, in_dtype, out_dtype, scale_dtype, dp_size, **options):
         """Validate the arguments of :class:`moecomm.AllToAll`; raise InvalidArgument on the first bad one.
-        ``options``: the fields with defaults (:func:`options_of`) by name; the others keep their defaults."""
-        defaults = options_of(cls)
-        unknown = sorted(set(options) - set(defaults))
-        if unknown:
-            raise InvalidArgument(f"unknown option(s) {', '.join(unknown)}: AllToAll's options are "
-                                  f"{', '.join(defaults)} (docs/api.md)")
-        given = dict(defaults, **options)
-        (slots_per_rank, capacity, overflow, layout, scale_layout, combine_wire, max_sms, gradients, num_tags,
-         score_gap, dispatch_wire, kernel_names, group_by_source) = (given[name] for name in defaults)  # fields' order
+        ``options``: the option groups or their fields by name (:func:`groups_of`); the others keep their
+        defaults. Each group checks itself; what depends on the shape is checked here."""
+        groups = groups_of(options)
+        formats, placement, launch = groups["formats"], groups["placement"], groups["launch"]
         max_num_tokens = positive_int("max_num_tokens", max_num_tokens)
         if max_num_tokens >= 1 << C.SIG_COUNT_BITS:
             raise InvalidArgument(f"max_num_tokens={max_num_tokens} must be < {1 << C.SIG_COUNT_BITS}")
@@ -198,9 +317,9 @@ class AllToAllConfig:
                 raise InvalidArgument(
                     f"hidden_dim={hidden_dim} with {name}={dt} gives rows of "
                     f"{hidden_dim * dt.itemsize} bytes; rows must be a multiple of {C.ROW_ALIGN} bytes")
-        if dispatch_wire is not None:
-            hidden_dim_scale, scale_dtype = _quantised_scales(dispatch_wire, in_dtype, hidden_dim, hidden_dim_scale,
-                                                              scale_dtype)
+        if formats.dispatch_wire is not None:
+            hidden_dim_scale, scale_dtype = _quantised_scales(formats.dispatch_wire, in_dtype, hidden_dim,
+                                                              hidden_dim_scale, scale_dtype)
         if hidden_dim_scale is None:
             if scale_dtype is not None:
                 raise InvalidArgument("scale_dtype given but hidden_dim_scale is None")
@@ -212,48 +331,30 @@ class AllToAllConfig:
                 raise InvalidArgument(f"hidden_dim_scale={hidden_dim_scale} scales of {scale_dtype} are "
                                       f"{hidden_dim_scale * scale_dtype.itemsize} bytes a token; a token's scales "
                                       f"must be a multiple of {C.SCALE_ALIGN} bytes")
-        if scale_layout not in ("row", "column"):
-            raise InvalidArgument(f"scale_layout must be 'row' or 'column', got {scale_layout!r}")
-        if scale_layout == "column" and hidden_dim_scale is None:
+        if formats.scale_layout == "column" and hidden_dim_scale is None:
             raise InvalidArgument("scale_layout='column' needs scales (hidden_dim_scale)")
-        if combine_wire not in C.WIRE_CODES:
-            raise InvalidArgument(f"combine_wire must be one of {list(C.WIRE_CODES)}, got {combine_wire!r}")
-        if combine_wire is not None and hidden_dim % C.COMBINE_BLOCK:
-            raise InvalidArgument(f"combine_wire={combine_wire!r} needs hidden_dim a multiple of "
+        if formats.combine_wire is not None and hidden_dim % C.COMBINE_BLOCK:
+            raise InvalidArgument(f"combine_wire={formats.combine_wire!r} needs hidden_dim a multiple of "
                                   f"{C.COMBINE_BLOCK} (one scale per {C.COMBINE_BLOCK} values), got {hidden_dim}")
-        if max_sms is not None:
-            max_sms = positive_int("max_sms", max_sms)
-            if C.BLOCKS_PER_SM * max_sms < world_size:  # a receive grid has a block per source rank at least
-                raise InvalidArgument(f"max_sms={max_sms}: the kernels need a block per rank, "
-                                      f"{C.BLOCKS_PER_SM} per SM: at least {-(-world_size // C.BLOCKS_PER_SM)} SMs "
-                                      f"at world size {world_size}")
-        if slots_per_rank is not None:
-            slots_per_rank = positive_int("slots_per_rank", slots_per_rank)
-            if slots_per_rank < num_experts // world_size:
-                raise InvalidArgument(f"slots_per_rank={slots_per_rank} must be >= num_experts / world_size = "
-                                      f"{num_experts // world_size} (every expert needs a slot)")
-        if overflow not in ("error", "drop"):
-            raise InvalidArgument(f"overflow must be 'error' or 'drop', got {overflow!r}")
-        if layout not in ("padded", "packed"):
-            raise InvalidArgument(f"layout must be 'padded' or 'packed', got {layout!r}")
-        local = num_experts // world_size if slots_per_rank is None else slots_per_rank
-        if capacity is not None:
-            worst = max_num_tokens * (world_size // dp_size) * (min(k, local) if layout == "packed" else 1)
-            capacity = positive_int("capacity", capacity)
-            if capacity > worst:
-                raise InvalidArgument(f"capacity={capacity} exceeds the worst case max_num_tokens * DP groups = "
-                                      f"{worst} (leave it None for that)")
+        if launch.max_sms is not None and C.BLOCKS_PER_SM * launch.max_sms < world_size:
+            raise InvalidArgument(f"max_sms={launch.max_sms}: the kernels need a block per rank, "  # a block per
+                                  f"{C.BLOCKS_PER_SM} per SM: at least {-(-world_size // C.BLOCKS_PER_SM)} SMs "
+                                  f"at world size {world_size}")                     # source rank at least
+        slots = placement.slots_per_rank
+        if slots is not None and slots < num_experts // world_size:
+            raise InvalidArgument(f"slots_per_rank={slots} must be >= num_experts / world_size = "
+                                  f"{num_experts // world_size} (every expert needs a slot)")
+        if placement.capacity is not None:
+            local = num_experts // world_size if slots is None else slots
+            worst = max_num_tokens * (world_size // dp_size) * (min(k, local) if placement.layout == "packed"
+                                                                  else 1)
+            if placement.capacity > worst:
+                raise InvalidArgument(f"capacity={placement.capacity} exceeds the worst case max_num_tokens * DP "
+                                      f"groups = {worst} (leave it None for that)")
             if dp_size != 1:
                 raise InvalidArgument("capacity: needs dp_size == 1 so far")
-        if kernel_names not in C.KERNEL_NAMES:
-            raise InvalidArgument(f"kernel_names must be one of {list(C.KERNEL_NAMES)}, got {kernel_names!r}")
-        num_tags = positive_int("num_tags", num_tags, minimum=0)
-        if num_tags > C.MAX_TAGS:
-            raise InvalidArgument(f"num_tags={num_tags} exceeds the supported {C.MAX_TAGS}")
-        gradients, score_gap, group_by_source = bool(gradients), bool(score_gap), bool(group_by_source)
-        checked = locals()
         return cls(world_size, rank, max_num_tokens, num_experts, k, hidden_dim, hidden_dim_scale, in_dtype, out_dtype,
-                   scale_dtype, dp_size, **{name: checked[name] for name in defaults})
+                   scale_dtype, dp_size, **groups)
 
     # Derived layout -------------------------------------------------------------------------
     @property
@@ -312,6 +413,8 @@ class AllToAllConfig:
         return rows if self.layout == "packed" else (self.num_local_experts, *rows)
 
     def key(self):
-        """The fields that must be equal on every rank (every field but rank), by name; dtypes by name."""
-        return {f.name: str(v) if isinstance(v, np.dtype) else v
-                for f in fields(self) if f.name != "rank" for v in (getattr(self, f.name),)}
+        """The fields that must be equal on every rank (every field but rank, each option by name); dtypes by
+        name."""
+        named = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "rank" and f.name not in GROUPS}
+        named.update((name, getattr(self, name)) for name in _GROUP_OF)
+        return {name: str(v) if isinstance(v, np.dtype) else v for name, v in named.items()}

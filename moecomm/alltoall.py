@@ -10,7 +10,7 @@ import numpy as np
 from . import _constants as C
 from ._arrays import Accepted, accepted
 from ._calls import CallOrder
-from ._config import AllToAllConfig, positive_int
+from ._config import AllToAllConfig
 from ._constants import ARGUMENTS, HALVES, m_in_range, timeout_seconds
 from ._dtypes import bfloat16, float16, float32
 from ._errors import CommTimeout, InvalidArgument, MoeCommError, OutOfStep
@@ -216,33 +216,26 @@ class AllToAll:
         dp_size: ranks per data-parallel group; a group's ranks hold the same tokens, share the sending
             and each receives the whole combined result.
         timeout: seconds any wait may last (default: the communicator's).
-        telemetry_window: calls whose per-expert routing counts :meth:`stats` keeps (kept on the device
-            by the kernels; default 64). 0 turns the telemetry off (the window, tokens received per expert
-            and bytes per peer); the MASKED/DROPPED/CALLS counters and per-expert drops are always kept.
-        timing: also time each phase of the last ``telemetry_window`` calls (CUDA events on the call's
-            stream, eager calls only; host time on the host transport): ``stats()["times_us"]``.
-        **options: the AllToAll's other settings by name, each a field of its configuration
-            (:class:`moecomm._config.AllToAllConfig`, which says what each one does; docs/api.md's table of
-            arguments); an unknown name raises InvalidArgument on every rank.
+        **options: the option groups, each checked on its own and the one place its options' meanings are
+            written: ``formats=`` :class:`moecomm.Formats` (the wires, the scales' layout), ``placement=``
+            :class:`moecomm.Placement` (layout, capacity, overflow, replicas), ``telemetry=``
+            :class:`moecomm.Telemetry` (what ``stats()`` keeps per call), ``launch=`` :class:`moecomm.Launch`
+            (SMs, gradients' buffers, kernel names); each a group or a dict of its fields, or the fields as
+            keywords (``capacity=32``). An unknown name, or contradictory settings, raise InvalidArgument on
+            every rank. ``a2a.cfg`` (:class:`moecomm.AllToAllConfig`) holds them, checked.
     """
 
     def __init__(self, comm, max_num_tokens, num_experts, experts_per_token, hidden_dim,
                  hidden_dim_scale=None, in_dtype="bfloat16", out_dtype="bfloat16", scale_dtype=None,
-                 dp_size=1, timeout=None, telemetry_window=64, timing=False, **options):
+                 dp_size=1, timeout=None, **options):
         self.comm, self._backend, self.masked, self.expert_map = comm, None, (), None
         error = None
         try:  # checked on every rank, then compared: a bad argument on one rank raises on all of them
             self.cfg = c = AllToAllConfig.create(
                 comm.world_size, comm.rank, max_num_tokens, num_experts, experts_per_token, hidden_dim,
                 hidden_dim_scale, in_dtype, out_dtype, scale_dtype, dp_size, **options)
-            window = positive_int("telemetry_window", telemetry_window, minimum=0)
-            kept = [name for name, on in (("num_tags", c.num_tags), ("score_gap", c.score_gap), ("timing", timing))
-                    if on]
-            if window == 0 and kept:
-                raise InvalidArgument(f"{', '.join(kept)}: counted per call in the telemetry window, which "
-                                      f"telemetry_window=0 turns off: give the window a size, or leave them off")
             self.timeout_s = comm.timeout_s if timeout is None else timeout_seconds(timeout)[0]
-            mine = (None, dict(c.key(), telemetry_window=window, timing=bool(timing), timeout=self.timeout_s))
+            mine = (None, dict(c.key(), timeout=self.timeout_s))
         except InvalidArgument as e:
             error, mine = e, (str(e), None)
         everyone = comm.allgather(mine, "AllToAll(...)")
@@ -251,7 +244,7 @@ class AllToAll:
         self._context = transport.context
         with comm.calls, self._context or nullcontext(), comm.breaking():
             self._ident = comm.register(self)
-            self._backend = transport.new_alltoall(c, self.timeout_s, self._ident, window, bool(timing))
+            self._backend = transport.new_alltoall(c, self.timeout_s, self._ident)
             self._arrays = transport.new_arrays(c.max_num_tokens)
         if c.slots_per_rank is not None:
             from .balance import ExpertMap  # not at import: python -m moecomm.balance would find it imported

@@ -106,7 +106,7 @@ BAD_CONFIG = {
     "zero tokens": (dict(max_num_tokens=0), "max_num_tokens must be"),
     "dp size": (dict(dp_size=3), "dp_size=3"),
     "ue8m0 scales not a multiple of 4 bytes": (dict(hidden_dim_scale=3, scale_dtype="ue8m0"), "multiple of 4 bytes"),
-    "scale layout": (dict(scale_layout="diagonal"), "scale_layout must be 'row' or 'column'"),
+    "scale layout": (dict(scale_layout="diagonal"), "scale_layout must be one of ['row', 'column']"),
     "column-major without scales": (dict(hidden_dim_scale=None, scale_layout="column"), "needs scales"),
     "combine wire": (dict(combine_wire="e5m2"), "combine_wire must be one of"),
     "combine wire, hidden not of 128": (dict(hidden_dim=64, hidden_dim_scale=None, combine_wire="e4m3"),
@@ -142,28 +142,38 @@ def test_bad_config(comm, case):
 
 
 def test_the_alltoall_options_are_defined_once():
-    """AllToAll's options are defined once, as AllToAllConfig's fields with defaults: AllToAll and create() take
-    them as ``**options`` (an unknown name is refused); AllToAll's own parameters are the fields without defaults
-    (but world_size and rank, the communicator's) with the same defaults, plus comm, timeout, telemetry_window and
-    timing; docs/api.md's table of AllToAll's arguments names each parameter and option once."""
-    from moecomm._config import AllToAllConfig, options_of
-    own = {"comm", "timeout", "telemetry_window", "timing"}
-    options = options_of(AllToAllConfig)
-    core = [f.name for f in dataclasses.fields(AllToAllConfig) if f.name not in options][2:]  # not world, rank
+    """AllToAll's options are defined once, as the fields of its option groups: AllToAll and create() take them as
+    ``**options`` (fields by name, or a group as itself or a dict; an unknown name, or a group given both ways, is
+    refused); AllToAll's own parameters are AllToAllConfig's shape fields (but world_size and rank, the
+    communicator's) plus comm and timeout; docs/api.md's table of AllToAll's arguments names each parameter and
+    option once, and each group."""
+    from moecomm._config import GROUPS, AllToAllConfig, options_of
+    own = {"comm", "timeout"}
+    options = options_of()
+    core = [f.name for f in dataclasses.fields(AllToAllConfig) if f.name not in GROUPS][2:]  # not world, rank
     for fn in (moecomm.AllToAll.__init__, AllToAllConfig.create):
         params = inspect.signature(fn).parameters
         named = [n for n, p in params.items() if p.kind is p.POSITIONAL_OR_KEYWORD and n not in {"self", "cls"}]
         assert [n for n in named if n not in own | {"world_size", "rank"}] == core, fn
         assert [p.kind for p in params.values()][-1] is inspect.Parameter.VAR_KEYWORD, fn
+    args = (1, 0, M, E, K, H, S, "float8_e4m3fn", "bfloat16", None, 1)
     with pytest.raises(moecomm.InvalidArgument, match="unknown option.*capcity"):
-        AllToAllConfig.create(1, 0, M, E, K, H, S, "float8_e4m3fn", "bfloat16", None, 1, capcity=4)
-    assert AllToAllConfig.create(1, 0, M, E, K, H, S, "float8_e4m3fn", "bfloat16", None, 1, capacity=4).capacity == 4
+        AllToAllConfig.create(*args, capcity=4)
+    flat, grouped, as_dict = (AllToAllConfig.create(*args, **kw) for kw in (
+        dict(capacity=4, telemetry_window=8), dict(placement=moecomm.Placement(capacity=4),
+                                                   telemetry=moecomm.Telemetry(telemetry_window=8)),
+        dict(placement={"capacity": 4}, telemetry={"telemetry_window": 8})))
+    assert flat == grouped == as_dict and flat.capacity == flat.placement.capacity == 4
+    with pytest.raises(moecomm.InvalidArgument, match="capacity: given both as keywords and in placement="):
+        AllToAllConfig.create(*args, capacity=4, placement={"layout": "packed"})
+    with pytest.raises(moecomm.InvalidArgument, match="placement: its fields are"):
+        AllToAllConfig.create(*args, placement={"capcity": 4})
     from conftest import ROOT
     api = (ROOT / "docs" / "api.md").read_text()
     table = api[api.index("| argument | meaning |", api.index("## `moecomm.AllToAll`")):]
     table = table[:table.index("\n\n")]
     documented = [n for row in table.splitlines()[2:] for n in re.findall(r"`(\w+)`", row.split(" | ")[0])]
-    assert sorted(documented) == sorted(set(core) | own - {"comm"} | set(options))
+    assert sorted(documented) == sorted(set(core) | own - {"comm"} | set(options) | set(GROUPS))
 
 
 def test_finalize_ends_its_alltoalls():
@@ -441,9 +451,9 @@ def test_device_error_words_map_to_the_host_transports_errors():
 @pytest.mark.parametrize("kwargs, why", [
     (dict(capacity=M + 1), "exceeds the worst case"),
     (dict(capacity=0), "capacity must be an integer >= 1"),
-    (dict(capacity=4, overflow="spill"), "overflow must be 'error' or 'drop'"),
+    (dict(capacity=4, overflow="spill"), "overflow must be one of"),
     (dict(capacity=4, dp_size=1, slots_per_rank=E - 1), "slots_per_rank=7 must be >="),
-    (dict(layout="ragged"), "layout must be 'padded' or 'packed'"),
+    (dict(layout="ragged"), "layout must be one of"),
     (dict(layout="packed", capacity=M * K + 1), "exceeds the worst case"),
 ])
 def test_capacity_and_slots_are_checked(comm, kwargs, why):

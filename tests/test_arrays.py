@@ -250,7 +250,7 @@ class FakeBackend(AllToAllBackend):
 class FakeTransport(Transport):
     name, memory, device = "fake", "device", 0
 
-    def new_alltoall(self, cfg, timeout_s, ident, window, timing):
+    def new_alltoall(self, cfg, timeout_s, ident):
         self.backend = FakeBackend()
         return self.backend
 

@@ -179,10 +179,10 @@ class Transport(abc.ABC):
     context = None
 
     @abc.abstractmethod
-    def new_alltoall(self, cfg, timeout_s, ident, window, timing) -> AllToAllBackend:
-        """Create the backend for one AllToAll configuration (collective). ``ident`` is the AllToAll's
-        number on the communicator, the same on every rank (messages may carry it); ``window``: calls the
-        telemetry keeps per-call counts of; ``timing``: time each phase (see :func:`snapshot`)."""
+    def new_alltoall(self, cfg, timeout_s, ident) -> AllToAllBackend:
+        """Create the backend for one AllToAll configuration (collective; its telemetry as ``cfg.telemetry``
+        says, see :func:`snapshot`). ``ident`` is the AllToAll's number on the communicator, the same on every
+        rank (messages may carry it)."""
 
     @abc.abstractmethod
     def new_arrays(self, max_rows):

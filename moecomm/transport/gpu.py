@@ -158,8 +158,8 @@ class GpuTransport(Transport):
         with self.context:
             return DeviceArrays(self.device, _cuda.StreamOrder(), _cuda.pointer_device, max_rows)
 
-    def new_alltoall(self, cfg, timeout_s, ident, window, timing):
-        return GpuAllToAll(self, cfg, timeout_s, window, timing)
+    def new_alltoall(self, cfg, timeout_s, ident):
+        return GpuAllToAll(self, cfg, timeout_s)
 
     def leave(self, drain=False):
         """Set gone[this rank] on every peer this rank maps (copies on a stream of its own, so that kernels of

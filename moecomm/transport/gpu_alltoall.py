@@ -85,13 +85,14 @@ def _pointers(**arrays):
 class GpuAllToAll(AllToAllBackend):
     """Created and used inside the transport's context (moecomm.AllToAll enters it)."""
 
-    def __init__(self, transport, cfg, timeout_s, window=C.DEFAULT_WINDOW, timing=False):
+    def __init__(self, transport, cfg, timeout_s):
         import cupy
         self.t, self.cfg, self._cupy = transport, cfg, cupy
         # which kernels run, with what grids, from which module: decided there, executed here
         self.plan = plan = launch_plan(cfg, transport.num_sms, transport.variant, transport.all_mapped)
         self.module = transport.module_of(plan.variant)
         W, M, K, L = cfg.world_size, cfg.max_num_tokens, cfg.experts_per_token, cfg.num_local_experts
+        window = cfg.telemetry_window
         rec, counters = _abi.RecordLayout.of(cfg), _abi.counter_layout(cfg)
         state = _abi.state_layout(cfg, plan.grids.get("moecomm_combine_local", 0))
         sizes = symmetric_sizes(cfg, plan)
@@ -133,7 +134,7 @@ class GpuAllToAll(AllToAllBackend):
                 a.fill(0)
         self._dispatched = False  # a dispatch's receive half was issued since construction or mask_ranks
         self._restarts = 0  # mask_ranks' restart generation (a plan's call)
-        self._timing = _Timing(window) if timing else None
+        self._timing = _Timing(window) if cfg.timing else None
         self._raised_call = 0  # the call (epoch) of the last error raised
         self._raised_backward = 0  # the backward call of the last backward error raised (counted apart)
         mem = cupy.cuda.PinnedMemoryPointer(

@@ -218,7 +218,7 @@ class _Received:
 class HostAllToAll(AllToAllBackend):
     gradients = True
 
-    def __init__(self, comm, departures, cfg, timeout_s, ident, window, timing):
+    def __init__(self, comm, departures, cfg, timeout_s, ident):
         self.comm, self.cfg, self.timeout_s = comm, cfg, timeout_s
         self._exchanges = {phase: _Exchange(comm, departures, timeout_s, ident, phase) for phase in _PHASES}
         self._dispatch_pending = None
@@ -232,7 +232,7 @@ class HostAllToAll(AllToAllBackend):
         self._masked = np.zeros(cfg.world_size, bool)
         self.expert_map = None
         self._dropped = None  # [n, k] this rank's pairs of the last dispatch dropped for capacity
-        L, W = cfg.num_local_experts, cfg.world_size
+        L, W, window = cfg.num_local_experts, cfg.world_size, cfg.telemetry_window
         self._layout = RecordLayout.of(cfg)  # dispatch records: the kernels' layout
         self._counters = np.zeros(len(COUNTER_FIELDS), np.int64)
         self._per_expert = np.zeros((2, L), np.int64)  # tokens received, pairs dropped
@@ -242,7 +242,7 @@ class HostAllToAll(AllToAllBackend):
         self._gap_ring = np.zeros((window, C.GAP_BINS), np.int64)  # [call, bin] tokens per confidence bin
         self._gap = None  # [GAP_BINS] the dispatch in flight's tokens per bin (score_gap, weights given)
         self._demand = None  # [L] pairs routed to this rank's experts in the call (with a capacity)
-        self._times = {"dispatch": deque(maxlen=window), "combine": deque(maxlen=window)} if timing else None
+        self._times = {"dispatch": deque(maxlen=window), "combine": deque(maxlen=window)} if cfg.timing else None
         self._started = {}
         self._records = host_call_records()  # filled by AllToAll before each call (records())
 
@@ -688,8 +688,8 @@ class HostTransport(Transport):
     def __init__(self, comm, departures):
         self.comm, self.departures = comm, departures
 
-    def new_alltoall(self, cfg, timeout_s, ident, window, timing):
-        return HostAllToAll(self.comm, self.departures, cfg, timeout_s, ident, window, timing)
+    def new_alltoall(self, cfg, timeout_s, ident):
+        return HostAllToAll(self.comm, self.departures, cfg, timeout_s, ident)
 
     def new_arrays(self, max_rows):
         return HostArrays(max_rows)
