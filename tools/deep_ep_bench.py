@@ -25,12 +25,30 @@ from moecomm.compat import deep_ep
 
 
 def pair_fn(buffer, x, topk_idx, topk_weights, y, stats, experts):
-    """DeepEP's test_func without the receive hooks: FP8 dispatch with the cumulative statistics, combine of y."""
+    """DeepEP's test_func without the receive hooks: FP8 dispatch with the cumulative statistics, combine of y (the
+    expert outputs of an earlier dispatch, as DeepEP's test times it: the slots' order may differ between calls, so
+    its result is not checked)."""
     def pair():
         _, _, handle, _, _ = buffer.low_latency_dispatch(x, topk_idx, x.size(0), experts,
                                                          cumulative_local_expert_recv_stats=stats, use_fp8=True)
         combined, _, _ = buffer.low_latency_combine(y, topk_idx, topk_weights, handle)
         return combined
+    return pair
+
+
+def identity_experts(q, s):
+    """The experts' outputs [L, S, H] bfloat16 when each is the identity on its dequantised tokens: q [L, S, H]
+    e4m3, s [L, S, H / 128] float32 (the scales as low_latency_dispatch returns them)."""
+    L, S, H = q.shape
+    return (q.float().view(L, S, H // 128, 128) * s.unsqueeze(-1)).view(L, S, H).to(torch.bfloat16)
+
+
+def checked_fn(buffer, x, topk_idx, topk_weights, experts):
+    """A pair whose experts are the identity on the dequantised tokens of its own dispatch: its combined tokens are
+    x times the sum of each token's weights (up to e4m3's rounding), eager or replayed from a CUDA graph."""
+    def pair():
+        recv, _, handle, _, _ = buffer.low_latency_dispatch(x, topk_idx, x.size(0), experts, use_fp8=True)
+        return buffer.low_latency_combine(identity_experts(*recv), topk_idx, topk_weights, handle)[0]
     return pair
 
 
@@ -50,6 +68,24 @@ def timed(fn, iters, warmup):
     torch.cuda.synchronize()
     us = sorted(s.elapsed_time(e) * 1e3 for s, e in events)
     return statistics.median(us), us[min(len(us) - 1, int(0.99 * len(us)))], statistics.median(host) * 1e6
+
+
+def relative_error(combined, want):
+    return ((combined.float() - want).abs().max() / want.abs().max()).item()
+
+
+def captured_graph(fn):
+    """(fn's result, a CUDA graph of fn): run once on a side stream (the graph's pool sees its allocations), then
+    captured."""
+    graph = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    with torch.cuda.graph(graph):
+        out = fn()
+    return out, graph
 
 
 def main():
@@ -74,19 +110,25 @@ def main():
     stats = torch.zeros(E // W, dtype=torch.int32, device="cuda")
     buffer = deep_ep.Buffer(comm, low_latency_mode=True)
 
-    # correct first: the experts the identity on the dequantised tokens
-    (q, s), _, handle, _, _ = buffer.low_latency_dispatch(x, topk_idx, T, E, use_fp8=True)
-    L, S = q.shape[:2]
-    y = (q.float().view(L, S, H // 128, 128) * s.transpose(1, 2).unsqueeze(-1)).view(L, S, H).to(torch.bfloat16)
-    combined, _, _ = buffer.low_latency_combine(y, topk_idx, topk_weights, handle)
+    # correct first, eager and replayed: the experts the identity on the dequantised tokens
     want = x.float() * topk_weights.masked_fill(topk_idx < 0, 0).sum(1, keepdim=True)
-    err = ((combined.float() - want).abs().max() / want.abs().max()).item()
+    check = checked_fn(buffer, x, topk_idx, topk_weights, E)
+    err = relative_error(check(), want)
     if not err <= 0.07:  # e4m3: 2^-4 of the value
         raise SystemExit(f"deep_ep_bench.py: the combined tokens differ from the dense result by {err:.3g}")
+    captured, graph = captured_graph(check)
+    graph.replay()
+    torch.cuda.synchronize()
+    err_graph = relative_error(captured, want)
+    if not err_graph <= 0.07:
+        raise SystemExit(f"deep_ep_bench.py: the replayed pair differs from the dense result by {err_graph:.3g}")
+    recv, _, handle, _, _ = buffer.low_latency_dispatch(x, topk_idx, T, E, use_fp8=True)
+    y = identity_experts(*recv)
+    buffer.low_latency_combine(y, topk_idx, topk_weights, handle)
 
     pair = pair_fn(buffer, x, topk_idx, topk_weights, y, stats, E)
     row = {"mode": "low_latency", "tokens": T, "hidden": H, "experts": E, "topk": K, "world": W,
-           "max_relative_error": err}
+           "max_relative_error": err, "max_relative_error_replayed": err_graph}
     row["eager_pair_us"], row["eager_pair_p99_us"], row["host_pair_us"] = timed(pair, args.iters, 50)
     if args.profile and comm.rank == 0:
         prof = cProfile.Profile()
@@ -100,19 +142,7 @@ def main():
         print("own µs per pair   calls per pair   function")
         for (f, line, name), (_, calls, own, _, _) in top:
             print(f"{own / 200 * 1e6:12.2f} {calls / 200:12.1f}   {f.rsplit('/', 1)[-1]}:{line} {name}")
-    graph = torch.cuda.CUDAGraph()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        pair()  # the graph's pool sees the pair's allocations once before capture
-    torch.cuda.current_stream().wait_stream(side)
-    with torch.cuda.graph(graph):
-        captured = pair()
-    graph.replay()
-    torch.cuda.synchronize()
-    err = ((captured.float() - want).abs().max() / want.abs().max()).item()
-    if not err <= 0.07:
-        raise SystemExit(f"deep_ep_bench.py: the replayed pair differs from the dense result by {err:.3g}")
+    _, graph = captured_graph(pair)
     row["graph_pair_us"], row["graph_pair_p99_us"], _ = timed(graph.replay, args.iters, 50)
     if comm.rank == 0:
         print(json.dumps(row))
