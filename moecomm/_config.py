@@ -279,11 +279,9 @@ class AllToAllConfig:
     telemetry: Telemetry = Telemetry()
     launch: Launch = Launch()
 
-    def __getattr__(self, name):  # an option, from its group (only names not found on the config come here)
-        group = _GROUP_OF.get(name)
-        if group is None:
-            raise AttributeError(f"AllToAllConfig has no {name!r}")
-        return getattr(object.__getattribute__(self, group), name)
+    def __post_init__(self):  # each option read as an attribute, from its group (set once: calls read them)
+        for name, group in _GROUP_OF.items():
+            object.__setattr__(self, name, getattr(getattr(self, group), name))
 
     @classmethod
     def create(cls, world_size, rank, max_num_tokens, num_experts, experts_per_token, hidden_dim,
