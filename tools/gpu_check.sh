@@ -45,8 +45,9 @@
 #                                    (tools/jax_host.py --parts) and, with $BASELINE (a tree of an earlier
 #                                    commit), tools/host_ab.py against it ($ROUNDS rounds)
 #   bash tools/gpu_check.sh ab       a kernel change's A/B: with $BASELINE (a tree of the commit before it),
-#                                    R1-decode, V2-Lite, 1 and 16 tokens at world size 1 over ipc, the
-#                                    baseline's tree then this one, $ROUNDS rounds (default 2; bench JSON each)
+#                                    R1-decode, V2-Lite, 1 and 16 tokens ($AB_CONFIGS) at world size 1 over ipc,
+#                                    the baseline's tree then this one, $ROUNDS rounds (default 2; bench JSON
+#                                    each); several trees in $BASELINE (a bisect) run in turn, each its own JSON
 #   bash tools/gpu_check.sh recovery a failed call on one rank fails on every rank and no step gets another's
 #                                    data (tests/mpi_recovery.py; mpi_control.py, with calls replayed from CUDA
 #                                    graphs out of order; mpi_call_ids.py, a rank skipping a numbered call,
@@ -263,11 +264,14 @@ if [ "${1:-}" = host ]; then  # the eager call path at world size 1 over ipc: co
 fi
 if [ "${1:-}" = ab ]; then  # interleaved: the GPU's state drifts between runs by more than most changes move
   [ -n "${BASELINE:-}" ] || { echo "gpu_check.sh ab: set BASELINE to a tree of the commit to compare with" >&2; exit 2; }
-  bench=(python3 -m moecomm.bench --transport ipc --configs r1-decode,v2-lite,sweep --sweep-tokens 1,16
+  bench=(python3 -m moecomm.bench --transport ipc --configs ${AB_CONFIGS:-r1-decode,v2-lite,sweep} --sweep-tokens 1,16
     --iters ${BENCH_ITERS:-300} --plot /dev/null)
   for round in $(seq "${ROUNDS:-2}"); do
-    (cd "$BASELINE" && export PYTHONPATH=$PWD${PYTHONPATH#"$OLDPWD"} MOECOMM_CACHE_DIR=/tmp/moecomm-baseline &&
-      step "${MPIRUN[@]}" -np 1 "${bench[@]}" --json "$out/baseline-$round.json" && [ $status = 0 ]) || status=1
+    for base in $BASELINE; do  # several trees (a bisect): each in turn, each with its own kernel cache
+      name=$(basename "$base"); [ "$(echo $BASELINE | wc -w)" = 1 ] && name=baseline
+      (cd "$base" && export PYTHONPATH=$PWD${PYTHONPATH#"$OLDPWD"} MOECOMM_CACHE_DIR=/tmp/moecomm-$name &&
+        step "${MPIRUN[@]}" -np 1 "${bench[@]}" --json "$out/$name-$round.json" && [ $status = 0 ]) || status=1
+    done
     step "${MPIRUN[@]}" -np 1 "${bench[@]}" --json "$out/ab-$round.json"
   done
   exit $status
