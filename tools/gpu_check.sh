@@ -35,11 +35,12 @@
 #                                    then tools/grad_bench.py at world size 1, and on every GPU where there are
 #                                    several (GRAD_BENCH= skips it; GRAD_NCU=1 adds Nsight Compute of every
 #                                    kernel of one eager pass at R1-decode)
-#   bash tools/gpu_check.sh formats  the formats of the wire (tests/mpi_formats.py: scale dtypes and layouts, opaque
-#                                    rows, the FP8 combine wire) at world size 1 on both transports and at 2 and 4
-#                                    ranks time-sliced over ipc, then R1-decode at world size 1 with combine's rows
-#                                    as bf16, e4m3 and e4m3_ue8m0 (bench JSON each); with $BASELINE (a tree of an
-#                                    earlier commit) the same bf16 benchmark from that tree, run in turn with ours
+#   bash tools/gpu_check.sh formats  the formats of the wire (the GPU suite's tests/mpi_formats.py runs: scale dtypes
+#                                    and layouts, opaque rows, the FP8 combine wire; at world size 1 on both
+#                                    transports, at 2 and 4 ranks time-sliced over ipc), then R1-decode at world size
+#                                    1 with combine's rows as bf16, e4m3 and e4m3_ue8m0 (bench JSON each); with
+#                                    $BASELINE (a tree of an earlier commit) the same bf16 benchmark from that tree,
+#                                    run in turn with ours
 #   bash tools/gpu_check.sh host     the eager call path at world size 1 over ipc: the quick sweep, each step of
 #                                    a call timed alone (tools/host_profile.py --parts), the JAX layer's host time
 #                                    (tools/jax_host.py --parts) and, with $BASELINE (a tree of an earlier
@@ -56,17 +57,18 @@
 #                                    ($RANKS; RANKS= leaves these out) time-sliced on GPU 0 over ipc with control
 #                                    and quick sweeps, the exit cases, then a soak with every fault kind at 2
 #                                    ranks ($SOAK_MINUTES, default 5)
-#   bash tools/gpu_check.sh jax      moecomm.jax on one GPU over ipc: tests/mpi_jax.py, mpi_jax_grad.py,
-#                                    mpi_jax_spmd.py (the SPMD form) and mpi_jax_errors.py (faults in replayed
-#                                    steps; a silent rank at 2) at 1 and 2 ranks, tools/jax_step.py --small
-#                                    --require-captured (every layer and form, no Python per call; preallocation
-#                                    off and on), then tools/jax_step.py (jitted 8-layer steps of every layer
-#                                    against the same calls in a CUDA graph and XLA alone; $OUT/jax-step.json)
-#   bash tools/gpu_check.sh deep-ep  moecomm.compat.deep_ep: tests/mpi_deep_ep.py at 1 rank on both transports and
-#                                    2 ranks over ipc; with $DEEPEP_TESTS (DeepEP's tests/ folder, fetched, never
-#                                    committed) its own test_low_latency.py unchanged at ${DEEPEP_RANKS:-1 2 4}
-#                                    ranks, bench_kineto included, `import deep_ep` answered by
-#                                    moecomm.compat.deep_ep (ranks sharing a GPU: tests/deep_ep_shared_gpu.py)
+#   bash tools/gpu_check.sh jax      moecomm.jax on one GPU, the GPU suite's runs of tests/mpi_jax.py,
+#                                    mpi_jax_grad.py, mpi_jax_spmd.py (the SPMD form) and mpi_jax_errors.py (faults in
+#                                    replayed steps; a silent rank at 2) at 1, 2 and 4 ranks, and of tools/jax_step.py
+#                                    --small --require-captured (every layer and form, no Python per call;
+#                                    preallocation off and on), then tools/jax_step.py (jitted 8-layer steps of every
+#                                    layer against the same calls in a CUDA graph and XLA alone; $OUT/jax-step.json)
+#   bash tools/gpu_check.sh deep-ep  moecomm.compat.deep_ep: the GPU suite's runs of tests/mpi_deep_ep.py (1 rank on
+#                                    both transports, 2 ranks over ipc) and of tools/deep_ep_bench.py; with
+#                                    $DEEPEP_TESTS (DeepEP's tests/ folder, fetched, never committed) its own
+#                                    test_low_latency.py unchanged at ${DEEPEP_RANKS:-1 2 4} ranks, bench_kineto
+#                                    included, `import deep_ep` answered by moecomm.compat.deep_ep (ranks sharing a
+#                                    GPU: tests/deep_ep_shared_gpu.py)
 #   bash tools/gpu_check.sh --help   this text
 #   bash tools/gpu_check.sh latency  the checks a kernel change needs (quick sweeps on both transports, the
 #                                    put-only path, world size 1, the model-sized and streamed cases (--full),
@@ -74,6 +76,8 @@
 #                                    combine at a prefill size, masking, control, embedding), then the kernels'
 #                                    stage trace (tools/trace_kernels.py, MOECOMM_TRACE=1 builds) at 1 and 128
 #                                    tokens
+# The jax, deep-ep and formats modes run their test programs through the GPU suite (python -m pytest
+# tests/test_gpu.py -k ...: the suite() helper below); the other modes still run theirs directly.
 # GPU transport: $MOECOMM_TRANSPORT (nvshmem by default here; ipc for the CUDA-IPC transport). Wheels the GPU
 # machine lacks (nvshmem4py) are installed from .whl/ when present. Logs go to $OUT if set. Launcher: mpirun or
 # mpiexec from PATH, Open MPI (root: --allow-run-as-root) or MPICH (which passes the environment itself).
@@ -112,31 +116,21 @@ status=0
 step() { echo "=== $*"; timeout ${STEP_TIMEOUT:-240} "$@" 2>&1 | tee -a "$out/gpu_check.log"; local rc=${PIPESTATUS[0]}; echo "=== rc=$rc: $*"; [ "$rc" = 0 ] || status=1; }
 # A run that breaks its communicator by design ends without MPI's finalization, which Open MPI's launcher
 # reports as a failure: judge it by its printed result (the first argument, a grep pattern) instead.
+# the GPU suite's runs that `python -m pytest tests/test_gpu.py -k EXPR` selects (PROGRAMS and its tests there)
+suite() { STEP_TIMEOUT=${SUITE_TIMEOUT:-1800} step python3 -m pytest -q -rs tests/test_gpu.py -k "$1"; }
 expect() { local want=$1; shift; echo "=== $*"; timeout ${STEP_TIMEOUT:-240} "$@" 2>&1 | tee -a "$out/gpu_check.log" | tee /tmp/step.txt;
   if grep -q -- "$want" /tmp/step.txt; then echo "=== ok ($want): $*"; else echo "=== FAILED (no '$want'): $*"; status=1; fi; }
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; nvidia-smi topo -m;
   python3 -c "import cupy, cuda.bindings, cuda.core, mpi4py, numpy; import importlib.metadata as m; print({p: m.version(p) for p in ['cupy-cuda13x','cuda-bindings','cuda-core','nvidia-cuda-nvrtc','nvidia-nvjitlink','nvidia-nvshmem-cu13','nvshmem4py-cu13','mpi4py','numpy']})"; } 2>&1 | tee "$out/gpu_env.txt"
 step python3 -m moecomm.build --arch sm_90 ${BUILD_VARIANTS:+--variants $BUILD_VARIANTS}
 if [ "${1:-}" = jax ]; then  # moecomm.jax: correct first, then timed
+  suite "mpi_jax or jitted_jax_steps"  # the programs at 1, 2 and 4 ranks; no Python per call in steady state
   export MOECOMM_TRANSPORT=ipc MOECOMM_IPC_HEAP_MB=${MOECOMM_IPC_HEAP_MB:-2048} XLA_PYTHON_CLIENT_PREALLOCATE=false
-  for n in 1 2; do
-    expect ": 0 failures" "${MPIRUN[@]}" -np $n python3 tests/mpi_jax.py
-    expect ": 0 failures" "${MPIRUN[@]}" -np $n python3 tests/mpi_jax_grad.py --transport ipc
-    expect ": 0 failures" "${MPIRUN[@]}" -np $n python3 tests/mpi_jax_spmd.py
-    expect ": 0 failures" "${MPIRUN[@]}" -np $n python3 tests/mpi_jax_errors.py
-  done
-  expect ": 0 failures" "${MPIRUN[@]}" -np 2 python3 tests/mpi_jax_errors.py --silent
-  for pre in false true; do  # no Python per call in steady state, with JAX's memory settings either way
-    XLA_PYTHON_CLIENT_PREALLOCATE=$pre step "${MPIRUN[@]}" -np 1 python3 tools/jax_step.py --small --require-captured \
-      --steps 20 --rounds 1 --json "$out/jax-capture-$pre.json"
-  done
   step "${MPIRUN[@]}" -np 1 python3 tools/jax_step.py --json "$out/jax-step.json"
   exit $status
 fi
 if [ "${1:-}" = deep-ep ]; then  # DeepEP's low-latency API: our checks, then DeepEP's own test
-  for t in ipc nvshmem; do expect ": 0 failures" "${MPIRUN[@]}" -np 1 python3 tests/mpi_deep_ep.py --transport $t; done
-  ( export MOECOMM_TRANSPORT=ipc CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0}
-    expect ": 0 failures" "${MPIRUN[@]}" -np 2 python3 tests/mpi_deep_ep.py --transport ipc; [ $status = 0 ] ) || status=1
+  suite "mpi_deep_ep or deep_ep_pair"  # 1 rank on each transport, 2 sharing GPU 0; the pair eager and replayed
   if [ -n "${DEEPEP_TESTS:-}" ]; then
     shim=$(mktemp -d); mkdir "$shim/deep_ep"
     printf '%s\n' "from moecomm.compat.deep_ep import *  # noqa: F401,F403" \
@@ -235,10 +229,7 @@ if [ "${1:-}" = grads ]; then  # gradients: the plan and both backward calls, th
   exit $status
 fi
 if [ "${1:-}" = formats ]; then
-  for t in ipc nvshmem; do expect ": 0 failures" "${MPIRUN[@]}" -np 1 python3 tests/mpi_formats.py --transport $t; done
-  ( export MOECOMM_TRANSPORT=ipc MOECOMM_IPC_HEAP_MB=${MOECOMM_IPC_HEAP_MB:-1024} CUDA_VISIBLE_DEVICES=0
-    for n in 2 4; do expect ": 0 failures" "${MPIRUN[@]}" -np $n python3 tests/mpi_formats.py --transport ipc; done
-    [ $status = 0 ] ) || status=1
+  suite "mpi_formats"  # 1 rank on each transport, 2 and 4 sharing GPU 0
   bench=(python3 -m moecomm.bench --transport ipc --configs r1-decode --iters ${BENCH_ITERS:-300} --plot /dev/null)
   for round in 1 2; do  # ours and the baseline's in turn, twice: the GPU's state drifts between runs
     for w in bf16 e4m3 e4m3_ue8m0; do
