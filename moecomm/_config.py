@@ -93,8 +93,8 @@ class Placement:
             capacity rows per rank, default the worst case max_num_tokens * DP groups * min(top-k, local
             experts); dispatch writes out_expert_offsets [num_local_experts + 1]; expert_y likewise), the
             layout a contiguous grouped GEMM takes. With a capacity the policy applies to the rank's rows.
-            On GPUs a third kernel places the rows once the counts are known (rows within an expert in
-            order of arrival).
+            On GPUs the receive half's blocks place the rows once every count is known (rows within an
+            expert grouped by source rank, in rank order; a source's in order of arrival).
         capacity: slots per local expert (the second dimension of out_expert_x), or None: the worst case,
             max_num_tokens * (world_size // dp_size), which never overflows. Needs dp_size == 1.
         overflow: when a local expert is routed more (token, expert) pairs than ``capacity``: "error" (the
@@ -110,9 +110,9 @@ class Placement:
             sources interleaved) or True: each expert's slots hold its pairs grouped by source rank, in rank
             order, each source's pairs in consecutive slots (DeepEP's low-latency layout, whose
             ``recv_layout_range`` names each source's range; :meth:`moecomm.AllToAll.source_layout` writes it
-            here). At world size > 1 the rows are then placed once every count is known (the packed layout's
-            third dispatch kernel): one more pass over the received rows. The packed layout always groups its
-            rows so.
+            here). At world size > 1 the rows are then placed once every count is known, as the packed
+            layout's are (by the receive half's blocks): one more pass over the received rows. The packed
+            layout always groups its rows so.
         slots_per_rank: replicated experts: each rank holds this many physical expert slots, ``indices`` are
             logical expert ids, and an :class:`moecomm.balance.ExpertMap` (``expert_map``; at first
             :meth:`ExpertMap.static <moecomm.balance.ExpertMap.static>`, changed by
