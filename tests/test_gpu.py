@@ -216,14 +216,16 @@ def test_operating_under_skew(transport, script):
 
 
 # Every program of the never-silent, gradient, format, framework and DeepEP suites: at one rank on each GPU transport,
-# and at 2 and 4 ranks sharing GPU 0 over ipc (time-sliced: correct, slow; their semantics where one GPU is lent).
+# and at 2, 4 (and 8) ranks sharing GPU 0 over ipc (time-sliced: correct, slow; their semantics where one GPU is lent).
 # What `bash tools/gpu_check.sh recovery|grads|formats|jax|deep-ep|ranks` runs, here as tests.
 SHARED_GPU = {"CUDA_VISIBLE_DEVICES": "0", "MOECOMM_TRANSPORT": "ipc", "MOECOMM_IPC_HEAP_MB": "1024",
               "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
 TRANSPORT = ("--transport", "{t}")
 PROGRAMS = (  # (the program and its arguments ("{t}": the transport), one-rank transports, shared ranks, needs)
     (("tests/mpi_recovery.py", *TRANSPORT), ("ipc", "nvshmem"), (2, 4), ()),
-    (("tests/mpi_control.py", *TRANSPORT), (), (2, 4), ()),
+    (("tests/mpi_alltoall.py", *TRANSPORT, "--quick"), (), (2, 4, 8), ()),
+    (("tests/mpi_alltoall.py", *TRANSPORT, "--dp-only"), (), (4,), ()),
+    (("tests/mpi_control.py", *TRANSPORT), (), (2, 4, 8), ()),
     (("tests/mpi_control.py", *TRANSPORT, "--replay", "dispatch"), (), (2, 4), ()),
     (("tests/mpi_control.py", *TRANSPORT, "--replay", "combine"), (), (2, 4), ()),
     (("tests/mpi_threads.py", *TRANSPORT), (), (2, 4), ()),
@@ -241,7 +243,7 @@ PROGRAMS = (  # (the program and its arguments ("{t}": the transport), one-rank 
     (("tests/mpi_jax_spmd.py",), ("ipc",), (2,), ("jax",)),
     (("tests/mpi_jax_errors.py",), ("ipc",), (2,), ("jax",)),
     (("tests/mpi_jax_errors.py", "--silent"), (), (2,), ("jax",)),
-    (("tests/mpi_torch_grad.py", *TRANSPORT), ("ipc", "nvshmem"), (2,), ("torch",)),
+    (("tests/mpi_torch_grad.py", *TRANSPORT), ("ipc", "nvshmem"), (2, 4), ("torch",)),
     (("tests/mpi_deep_ep.py", *TRANSPORT), ("ipc", "nvshmem"), (2,), ("torch",)),
 )
 
@@ -271,6 +273,14 @@ def test_gpu_program(program, ranks, transport, needs):
     args = [a.replace("{t}", transport or "ipc") for a in program]
     env = SHARED_GPU if transport is None else dict(MOECOMM_TRANSPORT=transport, XLA_PYTHON_CLIENT_PREALLOCATE="false")
     p = run_mpi(ranks, *args, timeout=600, env=env)
+    assert ": 0 failures" in p.stdout, p.stdout[-4000:] + p.stderr[-4000:]
+
+
+@needs_gpu
+def test_backward_through_puts_only():
+    """tests/mpi_backward.py with every peer treated as off-node (MOECOMM_FORCE_PUTS=1): the backward kernels'
+    put path."""
+    p = run_mpi(GPUS, "tests/mpi_backward.py", "--transport", "nvshmem", timeout=600, env={"MOECOMM_FORCE_PUTS": "1"})
     assert ": 0 failures" in p.stdout, p.stdout[-4000:] + p.stderr[-4000:]
 
 
