@@ -30,11 +30,11 @@
 #                                    ($RANKS) time-sliced on GPU 0 over ipc (correct and slow): quick sweeps,
 #                                    control, the JAX matrix, telemetry, capacity, packed, replicas, masking, DP
 #                                    groups, a rank whose program fails
-#   bash tools/gpu_check.sh grads    gradients: tests/mpi_backward.py (1 rank on both transports and the put path, 2
-#                                    and 4 ranks time-sliced over ipc), the JAX and PyTorch layers' gradients,
-#                                    then tools/grad_bench.py at world size 1, and on every GPU where there are
-#                                    several (GRAD_BENCH= skips it; GRAD_NCU=1 adds Nsight Compute of every
-#                                    kernel of one eager pass at R1-decode)
+#   bash tools/gpu_check.sh grads    gradients: the GPU suite's runs of tests/mpi_backward.py (1 rank on both
+#                                    transports and the put path, 2 and 4 ranks time-sliced over ipc) and of the JAX
+#                                    and PyTorch layers' gradients, then tools/grad_bench.py at world size 1, and on
+#                                    every GPU where there are several (GRAD_BENCH= skips it; GRAD_NCU=1 adds Nsight
+#                                    Compute of every kernel of one eager pass at R1-decode)
 #   bash tools/gpu_check.sh formats  the formats of the wire (the GPU suite's tests/mpi_formats.py runs: scale dtypes
 #                                    and layouts, opaque rows, the FP8 combine wire; at world size 1 on both
 #                                    transports, at 2 and 4 ranks time-sliced over ipc), then R1-decode at world size
@@ -50,13 +50,12 @@
 #                                    the baseline's tree then this one, $ROUNDS rounds (default 2; bench JSON
 #                                    each); several trees in $BASELINE (a bisect) run in turn, each its own JSON
 #   bash tools/gpu_check.sh recovery a failed call on one rank fails on every rank and no step gets another's
-#                                    data (tests/mpi_recovery.py; mpi_control.py, with calls replayed from CUDA
-#                                    graphs out of order; mpi_call_ids.py, a rank skipping a numbered call,
-#                                    eager and under jitted lax.cond; mpi_threads.py, two threads a rank):
-#                                    1 rank on both transports, 2 and 4 ranks
-#                                    ($RANKS; RANKS= leaves these out) time-sliced on GPU 0 over ipc with control
-#                                    and quick sweeps, the exit cases, then a soak with every fault kind at 2
-#                                    ranks ($SOAK_MINUTES, default 5)
+#                                    data: the GPU suite's runs of tests/mpi_recovery.py, mpi_control.py (with
+#                                    calls replayed from CUDA graphs out of order), mpi_call_ids.py (a rank
+#                                    skipping a numbered call, eager and under jitted lax.cond), mpi_threads.py
+#                                    (two threads a rank) and quick sweeps, at 1 rank on both transports and 2, 4
+#                                    (and 8) ranks time-sliced on GPU 0 over ipc; the exit cases, then a soak with
+#                                    every fault kind at 2 ranks ($SOAK_MINUTES, default 5)
 #   bash tools/gpu_check.sh jax      moecomm.jax on one GPU, the GPU suite's runs of tests/mpi_jax.py,
 #                                    mpi_jax_grad.py, mpi_jax_spmd.py (the SPMD form) and mpi_jax_errors.py (faults in
 #                                    replayed steps; a silent rank at 2) at 1, 2 and 4 ranks, and of tools/jax_step.py
@@ -76,7 +75,7 @@
 #                                    combine at a prefill size, masking, control, embedding), then the kernels'
 #                                    stage trace (tools/trace_kernels.py, MOECOMM_TRACE=1 builds) at 1 and 128
 #                                    tokens
-# The jax, deep-ep and formats modes run their test programs through the GPU suite (python -m pytest
+# The jax, deep-ep, formats, grads and recovery modes run their test programs through the GPU suite (python -m pytest
 # tests/test_gpu.py -k ...: the suite() helper below); the other modes still run theirs directly.
 # GPU transport: $MOECOMM_TRANSPORT (nvshmem by default here; ipc for the CUDA-IPC transport). Wheels the GPU
 # machine lacks (nvshmem4py) are installed from .whl/ when present. Logs go to $OUT if set. Launcher: mpirun or
@@ -144,27 +143,11 @@ if [ "${1:-}" = deep-ep ]; then  # DeepEP's low-latency API: our checks, then De
   exit $status
 fi
 if [ "${1:-}" = recovery ]; then  # never silent, always collective
-  for t in ipc nvshmem; do
-    [ -n "${RANKS-1}" ] || break
-    expect ": 0 failures" "${MPIRUN[@]}" -np 1 python3 tests/mpi_recovery.py --transport $t
-    expect ": 0 failures" "${MPIRUN[@]}" -np 1 python3 tests/mpi_control.py --transport $t
-    for again in dispatch combine; do
-      expect ": 0 failures" "${MPIRUN[@]}" -np 1 python3 tests/mpi_control.py --transport $t --replay $again
-    done
-  done
+  # 1 rank on each transport (control and its replays: the local path), 2, 4 and 8 ranks sharing GPU 0 (threads,
+  # call ids eager and under lax.cond, quick sweeps)
+  suite "mpi_recovery or mpi_control or mpi_threads or mpi_call_ids or (mpi_alltoall and quick and shared) or \
+failed_calls_at_one_rank or replayed_out_of_order"
   export MOECOMM_TRANSPORT=ipc MOECOMM_IPC_HEAP_MB=${MOECOMM_IPC_HEAP_MB:-1024} CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0}
-  for n in ${RANKS-2 4}; do
-    expect ": 0 failures" "${MPIRUN[@]}" -np $n python3 tests/mpi_recovery.py --transport ipc
-    expect ": 0 failures" "${MPIRUN[@]}" -np $n python3 tests/mpi_control.py --transport ipc
-    for again in dispatch combine; do
-      expect ": 0 failures" "${MPIRUN[@]}" -np $n python3 tests/mpi_control.py --transport ipc --replay $again
-    done
-    expect ": 0 failures" "${MPIRUN[@]}" -np $n python3 tests/mpi_threads.py --transport ipc  # two threads a rank
-    for how in "" --jax; do  # a rank that skips a numbered call: OutOfStep everywhere, eager and under lax.cond
-      expect ": 0 failures" "${MPIRUN[@]}" -np $n python3 tests/mpi_call_ids.py --transport ipc $how
-    done
-    step "${MPIRUN[@]}" -np $n python3 tests/mpi_alltoall.py --transport ipc --quick
-  done
   for c in destroy leave finalize; do  # judged by each rank's record (Open MPI's launcher counts os._exit as failure)
     rm -rf /tmp/rc && mkdir -p /tmp/rc
     timeout 120 "${MPIRUN[@]}" --mca orte_abort_on_non_zero_status 0 -np 2 python3 tests/mpi_recovery.py \
@@ -202,19 +185,8 @@ if [ "${1:-}" = ranks ]; then  # more ranks than GPUs: every rank on GPU 0, time
   exit $status
 fi
 if [ "${1:-}" = grads ]; then  # gradients: the plan and both backward calls, then the layers, then timing
-  for t in ipc nvshmem; do expect ": 0 failures" "${MPIRUN[@]}" -np 1 python3 tests/mpi_backward.py --transport $t; done
-  MOECOMM_FORCE_PUTS=1 expect ": 0 failures" "${MPIRUN[@]}" -x MOECOMM_FORCE_PUTS -np 1 python3 tests/mpi_backward.py \
-    --transport nvshmem
-  for s in mpi_jax_grad mpi_torch_grad; do expect ": 0 failures" "${MPIRUN[@]}" -np 1 python3 tests/$s.py --transport $T; done
-  ( export MOECOMM_TRANSPORT=ipc MOECOMM_IPC_HEAP_MB=${MOECOMM_IPC_HEAP_MB:-1024} XLA_PYTHON_CLIENT_PREALLOCATE=false
-    export CUDA_VISIBLE_DEVICES=0
-    for n in ${RANKS:-2 4}; do
-      expect ": 0 failures" "${MPIRUN[@]}" -np $n python3 tests/mpi_backward.py --transport ipc
-      for s in mpi_jax_grad mpi_torch_grad; do
-        expect ": 0 failures" "${MPIRUN[@]}" -np $n python3 tests/$s.py --transport ipc
-      done
-    done
-    [ $status = 0 ] ) || status=1
+  # 1 rank on each transport and through puts only, 2 and 4 ranks sharing GPU 0
+  suite "mpi_backward or mpi_jax_grad or mpi_torch_grad or backward_through_puts"
   [ -n "${GRAD_BENCH-1}" ] && step "${MPIRUN[@]}" -np 1 python3 tools/grad_bench.py --transport ipc \
     --iters ${BENCH_ITERS:-300} --json "$out/grad-ws1.json"
   [ -n "${GRAD_BENCH-1}" ] && [ "$ngpu" -gt 1 ] && step "${MPIRUN[@]}" -np "$ngpu" python3 tools/grad_bench.py \
