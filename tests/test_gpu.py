@@ -101,8 +101,8 @@ def test_a_masked_dead_rank_leaves_the_survivors_serving(transport):
     assert ": 0 failures" in p.stdout, p.stdout[-4000:] + p.stderr[-4000:]
 
 
-FAULT_POINTS = ("init", "construction", "dispatch_send", "dispatch_recv", "combine_send", "combine_recv", "destroy",
-                "finalize")
+FAULT_POINTS = ("init", "construction", "dispatch_send", "dispatch_recv", "combine_send", "combine_recv",
+                "dispatch_backward", "combine_backward", "destroy", "finalize")
 
 
 @pytest.mark.skipif(GPUS < 2, reason=f"needs 2 GPUs; {NEEDS_GPU}")
@@ -212,6 +212,15 @@ def test_operating_under_skew(transport, script):
     """Telemetry (with split halves and CUDA-graph replay), capacity policies, replicated experts behind an
     expert map and the packed layout, in the kernels: the same scripts as on the host transport."""
     p = run_mpi(GPUS, f"tests/{script}", "--transport", transport, timeout=300)
+    assert p.returncode == 0 and ": 0 failures" in p.stdout, p.stdout[-4000:] + p.stderr[-4000:]
+
+
+@needs_gpu
+@pytest.mark.parametrize("script", ["mpi_telemetry.py", "mpi_capacity.py", "mpi_replicas.py", "mpi_packed.py"])
+def test_operating_under_skew_through_puts_only(script):
+    """The same with every peer treated as off-node (MOECOMM_FORCE_PUTS=1): drop words and failure details
+    through NVSHMEM puts."""
+    p = run_mpi(GPUS, f"tests/{script}", "--transport", "nvshmem", timeout=300, env={"MOECOMM_FORCE_PUTS": "1"})
     assert p.returncode == 0 and ": 0 failures" in p.stdout, p.stdout[-4000:] + p.stderr[-4000:]
 
 

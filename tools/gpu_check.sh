@@ -27,7 +27,7 @@
 #                                    exchanges of a small batch's rows on each transport (tools/exchange_floor.py)
 #   bash tools/gpu_check.sh ranks    world size 1 on both transports (the local path: model sizes, control),
 #                                    then more ranks than GPUs: 2, 4 and 8 ranks
-#                                    ($RANKS) time-sliced on GPU 0 over ipc (correct and slow): quick sweeps,
+#                                    time-sliced on GPU 0 over ipc (correct and slow): quick sweeps,
 #                                    control, the JAX matrix, telemetry, capacity, packed, replicas, masking, DP
 #                                    groups, a rank whose program fails
 #   bash tools/gpu_check.sh grads    gradients: the GPU suite's runs of tests/mpi_backward.py (1 rank on both
@@ -75,8 +75,10 @@
 #                                    combine at a prefill size, masking, control, embedding), then the kernels'
 #                                    stage trace (tools/trace_kernels.py, MOECOMM_TRACE=1 builds) at 1 and 128
 #                                    tokens
-# The jax, deep-ep, formats, grads and recovery modes run their test programs through the GPU suite (python -m pytest
-# tests/test_gpu.py -k ...: the suite() helper below); the other modes still run theirs directly.
+# Every mode runs its test programs through the GPU suite (python -m pytest tests/test_gpu.py -k ...: the suite()
+# helper below), beside its benchmarks and tools; only a rank whose program fails (ranks) and the exit cases
+# (recovery), whose launches tell Open MPI not to end the job (--mca), and examples/routing_telemetry.py (its .prom
+# file, skew-quick) run directly.
 # GPU transport: $MOECOMM_TRANSPORT (nvshmem by default here; ipc for the CUDA-IPC transport). Wheels the GPU
 # machine lacks (nvshmem4py) are installed from .whl/ when present. Logs go to $OUT if set. Launcher: mpirun or
 # mpiexec from PATH, Open MPI (root: --allow-run-as-root) or MPICH (which passes the environment itself).
@@ -160,28 +162,16 @@ failed_calls_at_one_rank or replayed_out_of_order"
   exit $status
 fi
 if [ "${1:-}" = ranks ]; then  # more ranks than GPUs: every rank on GPU 0, time-sliced, over ipc
-  for t in ipc nvshmem; do step "${MPIRUN[@]}" -np 1 python3 tests/mpi_alltoall.py --transport $t --quick; done
-  # world size 1 takes the local path (cuda/local.cu): model sizes, and refusals and failed calls
-  step "${MPIRUN[@]}" -np 1 python3 tests/mpi_alltoall.py --transport ipc --quick --full
-  expect ": 0 failures" "${MPIRUN[@]}" -np 1 python3 tests/mpi_control.py --transport ipc
+  # world size 1 (the local path, cuda/local.cu: model sizes, refusals and failed calls) on both transports; 2, 4
+  # and 8 ranks sharing GPU 0: sweeps, control, the JAX layer, telemetry, capacity, packed, replicas, masking, DP
+  suite "alltoall_matches_reference or model_sized or failed_calls_at_one_rank or (shared and (mpi_alltoall or \
+mpi_control or mpi_jax-2 or mpi_jax-4 or mpi_telemetry or mpi_capacity or mpi_packed or mpi_replicas or mpi_mask))"
   export MOECOMM_TRANSPORT=ipc MOECOMM_IPC_HEAP_MB=${MOECOMM_IPC_HEAP_MB:-1024} XLA_PYTHON_CLIENT_PREALLOCATE=false
   export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0}
   rm -rf /tmp/faults && mkdir -p /tmp/faults  # the last rank's program fails: the others name it at once
   timeout 120 "${MPIRUN[@]}" --mca orte_abort_on_non_zero_status 0 -np 3 python3 tests/mpi_faults.py --transport ipc \
     --fault dispatch_send --mode raise --timeout 10 --result /tmp/faults >> "$out/gpu_check.log" 2>&1
   expect '"raised": "PeerExited", "peer": 2' cat /tmp/faults/rank0.json
-  for n in ${RANKS:-2 4 8}; do
-    step "${MPIRUN[@]}" -np $n python3 tests/mpi_alltoall.py --transport ipc --quick
-    expect ": 0 failures" "${MPIRUN[@]}" -np $n python3 tests/mpi_control.py --transport ipc
-    [ $n -le 4 ] && expect ": 0 failures" "${MPIRUN[@]}" -np $n python3 tests/mpi_jax.py
-    if [ $n = 2 ]; then  # telemetry, capacity policies, the packed layout, expert maps
-      for s in mpi_telemetry mpi_capacity mpi_packed mpi_replicas; do
-        expect ": 0 failures" "${MPIRUN[@]}" -np 2 python3 tests/$s.py --transport ipc
-      done
-    fi
-    [ $n = 4 ] && expect ": 0 failures" "${MPIRUN[@]}" -np 4 python3 tests/mpi_mask.py --transport ipc
-    [ $n = 4 ] && step "${MPIRUN[@]}" -np 4 python3 tests/mpi_alltoall.py --transport ipc --dp-only
-  done
   exit $status
 fi
 if [ "${1:-}" = grads ]; then  # gradients: the plan and both backward calls, then the layers, then timing
@@ -217,7 +207,7 @@ if [ "${1:-}" = formats ]; then
   exit $status
 fi
 if [ "${1:-}" = host ]; then  # the eager call path at world size 1 over ipc: correct first, then its host time
-  step "${MPIRUN[@]}" -np 1 python3 tests/mpi_alltoall.py --transport ipc --quick
+  suite "alltoall_matches_reference and ipc"
   step "${MPIRUN[@]}" -np 1 python3 tools/host_profile.py --transport ipc --parts
   step "${MPIRUN[@]}" -np 1 python3 tools/jax_host.py --transport ipc --parts --json "$out/ws1-jax-host.json"
   if [ -n "${BASELINE:-}" ]; then
@@ -239,42 +229,21 @@ if [ "${1:-}" = ab ]; then  # interleaved: the GPU's state drifts between runs b
   done
   exit $status
 fi
-expect ": 0 failures" "${MPIRUN[@]}" -np "$ngpu" python3 tests/mpi_peer_check.py
+suite "peer_check"
 [ "${1:-}" = peer ] && exit $status
 if [ "${1:-}" = faults ]; then
-  expect ": 0 failures" "${MPIRUN[@]}" -np "$ngpu" python3 tests/mpi_control.py --transport $T
-  expect ": 0 failures" "${MPIRUN[@]}" -np "$ngpu" python3 tests/mpi_mask.py --transport $T
-  for point in init construction dispatch_send dispatch_recv combine_send combine_recv dispatch_backward \
-      combine_backward destroy finalize; do
-    rm -rf /tmp/faults && mkdir -p /tmp/faults
-    timeout 60 "${MPIRUN[@]}" -np "$ngpu" python3 tests/mpi_faults.py --transport $T --fault $point \
-      --mode stall --timeout 1 --result /tmp/faults >> "$out/gpu_check.log" 2>&1
-    expect "\"raised\": \"CommTimeout\", \"peer\": $((ngpu - 1))" cat /tmp/faults/rank0.json
-    echo "fault $point: $(cat /tmp/faults/*.json 2>/dev/null)" >> "$out/faults.txt"
-  done
+  suite "failed_calls or masked_dead_rank or stalls_is_named"  # (the last two need 2 GPUs)
   STEP_TIMEOUT=$(( ${SOAK_MINUTES:-2} * 60 + 120 )) step "${MPIRUN[@]}" -np "$ngpu" python3 tools/soak.py \
     --minutes ${SOAK_MINUTES:-2} --transport $T --json "$out/soak-gpu.json"
   exit $status
 fi
 if [ "${1:-}" = skew ]; then  # telemetry, capacity policies, expert maps in the kernels (tests)
-  for t in nvshmem ipc; do
-    for s in mpi_telemetry mpi_capacity mpi_replicas mpi_packed; do
-      expect ": 0 failures" "${MPIRUN[@]}" -np "$ngpu" python3 tests/$s.py --transport $t
-    done
-  done
-  for s in mpi_telemetry mpi_capacity mpi_replicas mpi_packed; do  # drop words, failure details through puts
-    MOECOMM_FORCE_PUTS=1 expect ": 0 failures" "${MPIRUN[@]}" -x MOECOMM_FORCE_PUTS -np "$ngpu" python3 tests/$s.py --transport nvshmem
-  done
-  expect ": 0 failures" "${MPIRUN[@]}" -np "$ngpu" python3 tests/mpi_control.py --transport $T
-  step "${MPIRUN[@]}" -np "$ngpu" python3 tests/mpi_alltoall.py --transport $T --quick
-  step "${MPIRUN[@]}" -np "$ngpu" python3 tests/mpi_embedding.py
+  # both transports and through puts only (drop words, failure details), control, sweeps, embedding
+  suite "operating_under_skew or failed_calls or alltoall_matches_reference or embedding"
   exit $status
 fi
 if [ "${1:-}" = skew-quick ]; then  # capacity, packed layout on both transports, the telemetry example, --ep-size 1
-  for t in nvshmem ipc; do
-    expect ": 0 failures" "${MPIRUN[@]}" -np "$ngpu" python3 tests/mpi_capacity.py --transport $t
-    expect ": 0 failures" "${MPIRUN[@]}" -np "$ngpu" python3 tests/mpi_packed.py --transport $t
-  done
+  suite "operating_under_skew and (capacity or packed) and not puts"
   step "${MPIRUN[@]}" -np "$ngpu" python3 examples/routing_telemetry.py --prom "$out/routing.prom"
   expect "^zipf " "${MPIRUN[@]}" -np "$ngpu" python3 -m moecomm.loadtest --transport ipc --ep-size 1 --scenarios zipf \
     --experts 64 --topk 4 --hidden 1024 --tokens 32 --steps 20 --json "$out/loadtest-ep1.json" --plot "$out/loadtest-ep1.png"
@@ -308,25 +277,10 @@ fi
 nccl=$(python3 -c "import nvidia.nccl as m; print(list(m.__path__)[0] + '/lib')" 2>/dev/null)
 export LD_LIBRARY_PATH=${nccl}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 if [ "${1:-}" = latency ]; then
-  for t in nvshmem ipc; do step "${MPIRUN[@]}" -np "$ngpu" python3 tests/mpi_alltoall.py --transport $t --quick; done
-  MOECOMM_FORCE_PUTS=1 step "${MPIRUN[@]}" -x MOECOMM_FORCE_PUTS -np "$ngpu" python3 tests/mpi_alltoall.py --transport nvshmem \
-    --quick --full  # the put path, streamed batches included
-  step "${MPIRUN[@]}" -np 1 python3 tests/mpi_alltoall.py --transport $T --quick --full  # world size 1
-  for t in nvshmem ipc; do  # streamed batches
-    step "${MPIRUN[@]}" -np "$ngpu" python3 tests/mpi_alltoall.py --transport $t --quick --full
-  done
-  for s in mpi_capacity mpi_packed mpi_replicas mpi_telemetry; do
-    expect ": 0 failures" "${MPIRUN[@]}" -np "$ngpu" python3 tests/$s.py --transport $T
-  done
-  expect ": 0 failures" "${MPIRUN[@]}" -np "$ngpu" python3 tests/mpi_capacity.py --transport ipc --max-tokens 2048
-  for phase in dispatch combine; do  # a peer that never calls the streamed phase
-    expect "CommTimeout on $((ngpu - 1)) ranks" "${MPIRUN[@]}" -np "$ngpu" python3 tests/mpi_timeout.py --transport ipc \
-      --skip $phase --max-tokens 2048
-  done
-  expect ": 0 failures" "${MPIRUN[@]}" -np "$ngpu" python3 tests/mpi_mask.py --transport ipc
-  expect ": 0 failures" "${MPIRUN[@]}" -np "$ngpu" python3 tests/mpi_control.py --transport $T
-  step "${MPIRUN[@]}" -np "$ngpu" python3 tests/mpi_alltoall.py --transport $T --quick --arrays torch
-  step "${MPIRUN[@]}" -np "$ngpu" python3 tests/mpi_embedding.py
+  # sweeps on both transports and through puts only, world size 1, the model-sized and streamed cases, capacity,
+  # packed, replicas, telemetry, a skipped (streamed) phase, masking, control, torch tensors, embedding
+  suite "alltoall_matches_reference or network_path or model_sized or (operating_under_skew and not puts) or \
+skipped_rank or masked_dead_rank or failed_calls or torch_tensors or embedding"
   for t in ipc nvshmem; do
     for tok in 1 128; do
       MOECOMM_TRACE=1 step "${MPIRUN[@]}" -x MOECOMM_TRACE -np "$ngpu" python3 tools/trace_kernels.py --transport $t \
@@ -338,16 +292,8 @@ fi
 if [ "${1:-}" = transports ] || [ "${1:-}" = bench-both ]; then
   export MOECOMM_TRANSPORT=ipc
   [ "$1" = bench-both ] || {
-    expect ": 0 failures" "${MPIRUN[@]}" -np "$ngpu" python3 tests/mpi_peer_check.py
-    step "${MPIRUN[@]}" -np "$ngpu" python3 tests/mpi_alltoall.py --transport ipc --quick
-    step "${MPIRUN[@]}" -np "$ngpu" python3 tests/mpi_alltoall.py --transport nvshmem --quick
-    expect ": 0 failures" "${MPIRUN[@]}" -np "$ngpu" python3 tests/mpi_control.py --transport ipc
-    expect ": 0 failures" "${MPIRUN[@]}" -np "$ngpu" python3 tests/mpi_mask.py --transport ipc
-    expect "CommTimeout on $((ngpu - 1)) ranks" "${MPIRUN[@]}" -np "$ngpu" python3 tests/mpi_timeout.py --transport ipc
-    step "${MPIRUN[@]}" -np "$ngpu" python3 tests/mpi_embedding.py
-    step "${MPIRUN[@]}" -np "$ngpu" python3 examples/torch_moe.py
-    step "${MPIRUN[@]}" -np "$ngpu" python3 examples/jax_moe.py
-    step "${MPIRUN[@]}" -np "$ngpu" python3 examples/demo.py --transport ipc
+    suite "peer_check or alltoall_matches_reference or failed_calls or masked_dead_rank or skipped_rank or \
+embedding or torch_example or jax_example or demo"
   }
   for t in nvshmem ipc; do
     STEP_TIMEOUT=${BENCH_TIMEOUT:-200} step "${MPIRUN[@]}" -x LD_LIBRARY_PATH -np "$ngpu" python3 -m moecomm.bench \
@@ -382,32 +328,21 @@ if [ "${1:-}" = profile ]; then
     step "${MPIRUN[@]}" -x LD_LIBRARY_PATH -np "$ngpu" "${ncu[@]}" --launch-skip 4 --launch-count 4 \
       --metrics gpu__time_duration.sum "${one[@]}" --sweep-tokens $tok > "$out/ncu-ws$ngpu-$tok.txt"
   done
-  step "${MPIRUN[@]}" -np "$ngpu" python3 tests/mpi_alltoall.py --transport $T --quick
+  suite "alltoall_matches_reference"
   exit $status
 fi
-step "${MPIRUN[@]}" -np "$ngpu" python3 tests/mpi_alltoall.py --transport $T --quick
-# embedding: torch tensors and raw buffers through the sweep, devices and streams, the examples, torchrun
-step "${MPIRUN[@]}" -np "$ngpu" python3 tests/mpi_alltoall.py --transport $T --quick --arrays torch
-step "${MPIRUN[@]}" -np "$ngpu" python3 tests/mpi_alltoall.py --transport $T --quick --arrays buffer
-step "${MPIRUN[@]}" -np "$ngpu" python3 tests/mpi_embedding.py
-step "${MPIRUN[@]}" -np "$ngpu" python3 examples/torch_moe.py
-step "${MPIRUN[@]}" -np "$ngpu" python3 examples/jax_moe.py
-step "${MPIRUN[@]}" -np "$ngpu" python3 examples/jax_moe.py --jax-first
-expect ": 0 failures" "${MPIRUN[@]}" -np "$ngpu" python3 tests/mpi_jax.py
-step python3 -m torch.distributed.run --nproc-per-node "$ngpu" tests/torchrun_bootstrap.py
-expect "CommTimeout on $((ngpu - 1)) ranks" "${MPIRUN[@]}" -np "$ngpu" python3 tests/mpi_timeout.py --transport $T
-step "${MPIRUN[@]}" -np "$ngpu" python3 examples/demo.py
+# the sweeps; embedding: torch tensors and raw buffers through the sweep, devices and streams, the examples,
+# torchrun; a silent rank; the demo; the put path (quick and bench), the model-sized and streamed cases (bench)
+suite "alltoall_matches_reference or torch_tensors or raw_device_buffers or embedding or torch_example or \
+jax_example or mpi_jax-1 or torch_distributed or skipped_rank or demo or network_path$([ "${1:-}" = bench ] &&
+  echo " or model_sized")"
 if [ "${1:-}" = quick ]; then
-  MOECOMM_FORCE_PUTS=1 step "${MPIRUN[@]}" -x MOECOMM_FORCE_PUTS -np "$ngpu" python3 tests/mpi_alltoall.py --transport nvshmem --quick
   STEP_TIMEOUT=${BENCH_TIMEOUT:-300} step "${MPIRUN[@]}" -x LD_LIBRARY_PATH -np "$ngpu" python3 -m moecomm.bench --transport $T \
     --configs ${BENCH_CONFIGS:-r1-decode} --iters ${BENCH_ITERS:-300} --json "$out/bench-$T.json" --plot "$out/bench-$T.png"
   exit $status
 fi
-[ "${1:-}" = bench ] || { [ $status = 0 ] && STEP_TIMEOUT=${FULL_TIMEOUT:-400} step "${MPIRUN[@]}" -np "$ngpu" python3 tests/mpi_alltoall.py --transport $T --full; }
+[ "${1:-}" = bench ] || { [ $status = 0 ] && suite "model_sized"; }
 if [ "${1:-}" = bench ] && [ $status = 0 ]; then
-  step "${MPIRUN[@]}" -np 1 python3 tests/mpi_alltoall.py --transport $T --quick        # world size 1
-  MOECOMM_FORCE_PUTS=1 step "${MPIRUN[@]}" -x MOECOMM_FORCE_PUTS -np "$ngpu" python3 tests/mpi_alltoall.py --transport nvshmem --quick
-  step "${MPIRUN[@]}" -np "$ngpu" python3 tests/mpi_alltoall.py --transport $T --quick --full  # R1-sized cases
   step "${MPIRUN[@]}" -np "$ngpu" python3 tools/host_profile.py --transport $T  # where an eager call's host time goes
 
   STEP_TIMEOUT=${BENCH_TIMEOUT:-300} step "${MPIRUN[@]}" -x LD_LIBRARY_PATH -np "$ngpu" python3 -m moecomm.bench \
