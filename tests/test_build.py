@@ -274,6 +274,25 @@ def test_gpu_check_says_what_it_does_and_needs():
         assert p.returncode == 2 and "no GPU visible" in p.stderr, p.stdout + p.stderr
 
 
+def test_gpu_check_selections_name_tests_of_the_gpu_suite():
+    """Each `suite "EXPR"` of tools/gpu_check.sh (its modes' test programs, run as `pytest tests/test_gpu.py -k
+    EXPR`) selects tests of tests/test_gpu.py, and every name it combines matches one: a renamed test or a typo
+    would otherwise leave a mode silently running less."""
+    from _pytest.mark.expression import Expression
+    text = (ROOT / "tools" / "gpu_check.sh").read_text().replace("\\\n", "")
+    text = re.sub(r'\$\(\[ "\$\{1:-\}" = bench \] &&\s*echo " or (\w+)"\)', r" or \1", text)  # the bench mode's extra
+    exprs = re.findall(r'(?m)^\s*(?:\[[^]]*\] \|\| \{ \[ \$status = 0 \] && )?suite "([^"]+)"', text)
+    assert len(exprs) >= 15, exprs
+    p = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "tests/test_gpu.py"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    ids = [line.lower() for line in p.stdout.splitlines() if "::" in line]
+    assert ids, p.stdout + p.stderr
+    for expr in exprs:
+        assert any(Expression.compile(expr).evaluate(lambda name, i=i: name.lower() in i) for i in ids), expr
+        for name in set(re.findall(r"[\w-]+", expr)) - {"and", "or", "not"}:
+            assert any(name.lower() in i for i in ids), (expr, name)
+
+
 def test_deep_ep_names_run_the_halves_with_the_same_grids(built):
     """kernel_names="deep_ep": each half runs the C++ kernel of its phase (moecomm::deep_ep::dispatch /
     combine, one name per phase as DeepEP's profiler-based timing wants) with its own half's grid; on an FP8
