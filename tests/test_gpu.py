@@ -226,7 +226,7 @@ def test_operating_under_skew_through_puts_only(script):
 
 # Every program of the never-silent, gradient, format, framework and DeepEP suites: at one rank on each GPU transport,
 # and at 2, 4 (and 8) ranks sharing GPU 0 over ipc (time-sliced: correct, slow; their semantics where one GPU is lent).
-# What `bash tools/gpu_check.sh recovery|grads|formats|jax|deep-ep|ranks` runs, here as tests.
+# `bash tools/gpu_check.sh MODE` runs its selection of these and the tests above (its suite() helper).
 SHARED_GPU = {"CUDA_VISIBLE_DEVICES": "0", "MOECOMM_TRANSPORT": "ipc", "MOECOMM_IPC_HEAP_MB": "1024",
               "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
 TRANSPORT = ("--transport", "{t}")
