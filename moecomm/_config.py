@@ -41,7 +41,6 @@ def _quantised_scales(wire, in_dtype, hidden_dim, hidden_dim_scale, scale_dtype)
 def _setting(name, value, choices):
     if value not in choices:
         raise InvalidArgument(f"{name} must be one of {list(choices)}, got {value!r}")
-    return value
 
 
 def _set(group, name, value):
@@ -213,11 +212,6 @@ GROUPS = {"formats": Formats, "placement": Placement, "telemetry": Telemetry, "l
 _GROUP_OF = {f.name: group for group, cls in GROUPS.items() for f in fields(cls)}  # {option: its group}
 
 
-def options_of():
-    """{option: default}: every option of every group (AllToAll's keywords), group by group."""
-    return {f.name: f.default for cls in GROUPS.values() for f in fields(cls)}
-
-
 def groups_of(options):
     """{group name: group}: the options given as keywords (a group's fields by name) or as groups (``formats=
     Formats(...)`` or a dict of its fields), each group made and checked once. An unknown name, or a group given
@@ -233,10 +227,10 @@ def groups_of(options):
         if given is not None and flat:
             raise InvalidArgument(f"{', '.join(flat)}: given both as keywords and in {group}=: give one")
         if isinstance(given, dict):
-            given = cls(**given) if set(given) <= {f.name for f in fields(cls)} else None
-            if given is None:
-                raise InvalidArgument(f"{group}: its fields are {', '.join(f.name for f in fields(cls))}, got "
-                                      f"{', '.join(sorted(options[group]))}")
+            names = [f.name for f in fields(cls)]
+            if not set(given) <= set(names):
+                raise InvalidArgument(f"{group}: its fields are {', '.join(names)}, got {', '.join(sorted(given))}")
+            given = cls(**given)
         elif given is not None and not isinstance(given, cls):
             raise InvalidArgument(f"{group} must be a moecomm.{cls.__name__} or a dict, got {type(given).__name__}")
         made[group] = given if given is not None else cls(**flat)
