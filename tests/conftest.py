@@ -48,8 +48,11 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-def mpi_launcher():
-    """mpiexec/mpirun as a command list: the one beside this Python first (pip's mpich), else PATH."""
+def mpi_launcher(keep_going=False):
+    """mpiexec/mpirun as a command list: the one beside this Python first (pip's mpich), else PATH. With
+    ``keep_going`` the job outlives a rank that ends without MPI's finalization (a program that breaks its
+    communicator by design): Open MPI's ``--mca orte_abort_on_non_zero_status 0``, MPICH's
+    ``-disable-auto-cleanup``; the launcher's exit status then is not the programs', so judge their records."""
     beside = Path(sys.executable).parent
     exe = next((str(beside / n) for n in ("mpiexec", "mpirun") if (beside / n).exists()), None)
     exe = exe or shutil.which("mpiexec") or shutil.which("mpirun")
@@ -57,24 +60,49 @@ def mpi_launcher():
         pytest.skip("no mpiexec/mpirun found: pip install mpich (or install Open MPI)")
     version = subprocess.run([exe, "--version"], capture_output=True, text=True).stdout
     cmd = [exe]
-    if "Open MPI" in version or "OpenRTE" in version:
+    open_mpi = "Open MPI" in version or "OpenRTE" in version
+    if open_mpi:
         cmd += ["--oversubscribe"] + (["--allow-run-as-root"] if os.geteuid() == 0 else [])
+    if keep_going:
+        cmd += ["--mca", "orte_abort_on_non_zero_status", "0"] if open_mpi else ["-disable-auto-cleanup"]
     return cmd
 
 
-def run_mpi(n, script, *args, timeout=300, env=None):
+def run_mpi(n, script, *args, timeout=300, env=None, keep_going=False):
     """Run ``python script args`` on n ranks; return the completed process (output captured). Rank 0's report
-    (tests/report.py) is also written to a file, added to the output where the launcher dropped it."""
+    (tests/report.py) is also written to a file, added to the output where the launcher dropped it.
+    ``keep_going``: as mpi_launcher's."""
     import tempfile
     with tempfile.TemporaryDirectory() as tmp:
         written = Path(tmp, "report.txt")
         e = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
                  PYTHONUNBUFFERED="1", MOECOMM_TEST_REPORT=str(written), **(env or {}))
-        cmd = mpi_launcher() + ["-n", str(n), sys.executable, str(ROOT / script), *args]
+        cmd = mpi_launcher(keep_going) + ["-n", str(n), sys.executable, str(ROOT / script), *args]
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=e, cwd=ROOT)
         if written.exists() and written.read_text() not in p.stdout:
             p.stdout += written.read_text()
     return p
+
+
+def rank_records(folder, ranks):
+    """{rank: record} of the ``folder/rank<r>.json`` files written by ranks 0 .. ranks - 1 (tests/mpi_faults.py,
+    tests/mpi_recovery.py: what each rank raised, naming whom, after how long)."""
+    import json
+    return {r: json.loads(Path(folder, f"rank{r}.json").read_text()) for r in range(ranks)
+            if Path(folder, f"rank{r}.json").exists()}
+
+
+def check_exit_case(case, records, log):
+    """tests/mpi_recovery.py --case ``case`` on 2 ranks, judged by the ranks' records: ``leave`` (rank 1 returns
+    from main() with its communicator a local): rank 0 raised PeerExited within about a second; ``destroy`` and
+    ``finalize``: both ranks wrote their record, and at ``finalize`` rank 1's call failed (PeerExited: rank 0
+    finalized first) while rank 0's did not."""
+    if case == "leave":
+        assert records[0]["raised"] == "PeerExited" and records[0]["after_s"] <= 1.5, (records, log)
+    else:
+        assert len(records) == 2, log
+    if case == "finalize":
+        assert records[1]["raised"] == "PeerExited" and records[0]["raised"] is None, (records, log)
 
 
 def need(module, install):

@@ -1,7 +1,6 @@
 """Fault injection on the host transport (tests/mpi_faults.py does the work): a rank that exits or stalls
 at any point of a run is named in a CommTimeout on every other rank within the timeout + 1 s, and the
 other ranks then exit within 5 s, with no collective left waiting at exit."""
-import json
 import os
 import subprocess
 import sys
@@ -9,7 +8,7 @@ import time
 
 import pytest
 
-from conftest import FULL, ROOT, mpi_launcher
+from conftest import FULL, ROOT, check_exit_case, mpi_launcher, rank_records
 
 TIMEOUT, RANKS = 1.0, 3
 POINTS = ("init", "construction", "dispatch_send", "dispatch_recv", "combine_send", "combine_recv",
@@ -26,17 +25,15 @@ def _points(points, default):
 
 
 def _run(tmp_path, fault, mode, timeout=TIMEOUT):
-    cmd = mpi_launcher()
+    cmd = mpi_launcher(keep_going=True)
     if "--oversubscribe" in cmd:
         pytest.skip(MPICH_ONLY)
-    cmd += ["-disable-auto-cleanup", "-n", str(RANKS), sys.executable, str(ROOT / "tests/mpi_faults.py"),
+    cmd += ["-n", str(RANKS), sys.executable, str(ROOT / "tests/mpi_faults.py"),
             "--fault", fault, "--mode", mode, "--timeout", str(timeout), "--result", str(tmp_path)]
     env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
     ended = time.time()
-    records = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(RANKS - 1)
-               if (tmp_path / f"rank{r}.json").exists()]
-    return p, records, ended
+    return p, list(rank_records(tmp_path, RANKS - 1).values()), ended
 
 
 @pytest.mark.parametrize("fault", _points(POINTS, ("dispatch_send", "finalize")))
@@ -159,33 +156,26 @@ def test_every_process_exits_cleanly(tmp_path, case):
     """Destroy with a send half posted, then finalize; a rank returning from main() with its communicator a
     local (the others raise PeerExited within about a second); the rank that finalized first. Every process
     exits with status 0."""
-    cmd = mpi_launcher()
+    cmd = mpi_launcher(keep_going=True)
     if "--oversubscribe" in cmd:
         pytest.skip(MPICH_ONLY)
-    cmd += ["-disable-auto-cleanup", "-n", "2", sys.executable, str(ROOT / "tests/mpi_recovery.py"), "--case", case,
+    cmd += ["-n", "2", sys.executable, str(ROOT / "tests/mpi_recovery.py"), "--case", case,
             "--result", str(tmp_path)]
     env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{ROOT / 'tests'}", PYTHONUNBUFFERED="1")
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
     log = p.stdout[-2000:] + p.stderr[-2000:]
     assert p.returncode == 0 and "Segmentation" not in log and "pending" not in log, log
-    records = {r: json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)
-               if (tmp_path / f"rank{r}.json").exists()}
-    if case == "leave":  # the rank that stayed was told at once
-        assert records[0]["raised"] == "PeerExited" and records[0]["after_s"] <= 1.5, (records, log)
-    else:
-        assert len(records) == 2, log
-    if case == "finalize":
-        assert records[1]["raised"] == "PeerExited" and records[0]["raised"] is None, (records, log)
+    check_exit_case(case, rank_records(tmp_path, 2), log)
 
 
 def test_survivors_of_a_killed_rank_serve_on_under_mpiexec():
     """The launcher pip installs (MPICH's mpiexec) ends every rank when one is SIGKILLed (its SIGUSR1 to the
     others); with -disable-auto-cleanup and each rank under moecomm.shield the survivors live: they name the
     dead rank, mask it, serve right steps and exit 0 (tests/mpi_mask.py --kill, 3 ranks)."""
-    cmd = mpi_launcher()
+    cmd = mpi_launcher(keep_going=True)
     if "--oversubscribe" in cmd:
         pytest.skip(MPICH_ONLY)
-    cmd += ["-disable-auto-cleanup", "-print-all-exitcodes", "-n", "3", sys.executable, "-m", "moecomm.shield",
+    cmd += ["-print-all-exitcodes", "-n", "3", sys.executable, "-m", "moecomm.shield",
             sys.executable, str(ROOT / "tests/mpi_mask.py"), "--kill"]
     env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{ROOT / 'tests'}", PYTHONUNBUFFERED="1")
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)

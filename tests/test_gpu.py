@@ -3,7 +3,7 @@
 tests run on both GPU transports (nvshmem, ipc)."""
 import pytest
 
-from conftest import NEEDS_GPU, gpu_count, run_mpi
+from conftest import NEEDS_GPU, check_exit_case, gpu_count, rank_records, run_mpi
 
 GPUS = gpu_count()
 needs_gpu = pytest.mark.skipif(GPUS < 1, reason=f"no GPU here; {NEEDS_GPU}")
@@ -283,6 +283,41 @@ def test_gpu_program(program, ranks, transport, needs):
     env = SHARED_GPU if transport is None else dict(MOECOMM_TRANSPORT=transport, XLA_PYTHON_CLIENT_PREALLOCATE="false")
     p = run_mpi(ranks, *args, timeout=600, env=env)
     assert ": 0 failures" in p.stdout, p.stdout[-4000:] + p.stderr[-4000:]
+
+
+@needs_gpu
+def test_a_rank_whose_program_fails_is_named_at_once(tmp_path):
+    """tests/mpi_faults.py on 3 ranks sharing GPU 0: the last rank's program raises (unhandled) in its dispatch; the
+    others raise PeerExited naming it, with its exception, within about a second although their timeout is 10 s."""
+    p = run_mpi(3, "tests/mpi_faults.py", "--transport", "ipc", "--fault", "dispatch_send", "--mode", "raise",
+                "--timeout", "10", "--result", str(tmp_path), timeout=120, env=SHARED_GPU, keep_going=True)
+    records, log = rank_records(tmp_path, 2), p.stdout[-3000:] + p.stderr[-3000:]
+    assert len(records) == 2, log
+    for r in records.values():
+        assert r["raised"] == "PeerExited" and r["peer"] == 2, (r, log)
+        assert "injected fault" in r["reason"] and r["after_s"] <= 1.5, (r, log)
+
+
+@needs_gpu
+@pytest.mark.parametrize("case", ["destroy", "leave", "finalize"])
+def test_the_exit_cases_on_a_shared_gpu(tmp_path, case):
+    """tests/mpi_recovery.py's exit cases on 2 ranks sharing GPU 0 over ipc (a send half posted at destroy, a rank
+    leaving main() with its communicator local, the rank that finalized first), judged by the ranks' records
+    (conftest.check_exit_case): the launcher counts a rank's os._exit as a failure."""
+    p = run_mpi(2, "tests/mpi_recovery.py", "--transport", "ipc", "--case", case, "--result", str(tmp_path),
+                timeout=120, env=SHARED_GPU, keep_going=True)
+    log = p.stdout[-3000:] + p.stderr[-3000:]
+    assert "Segmentation" not in log, log
+    check_exit_case(case, rank_records(tmp_path, 2), log)
+
+
+@needs_gpu
+def test_routing_telemetry_example_on_gpus(tmp_path):
+    """examples/routing_telemetry.py at one rank a GPU (the kernels' telemetry): metrics printed, Prometheus text
+    written (or said to be skipped without prometheus_client), a replica plan."""
+    prom = tmp_path / "routing.prom"
+    from test_host_transport import check_telemetry_example
+    check_telemetry_example(run_mpi(GPUS, "examples/routing_telemetry.py", "--prom", str(prom), timeout=300), prom)
 
 
 @needs_gpu

@@ -50,9 +50,15 @@ def test_a_masked_dead_rank_leaves_the_survivors_serving():
 def test_routing_telemetry_example(tmp_path):
     """examples/routing_telemetry.py on 2 host ranks: metrics printed, Prometheus text written, a plan."""
     prom = tmp_path / "routing.prom"
-    p = run_mpi(2, "examples/routing_telemetry.py", "--steps", "30", "--prom", str(prom), timeout=120)
+    check_telemetry_example(run_mpi(2, "examples/routing_telemetry.py", "--steps", "30", "--prom", str(prom),
+                                    timeout=120), prom)
+
+
+def check_telemetry_example(p, prom):
+    """examples/routing_telemetry.py's run ``p`` (``--prom prom``): it printed the metrics and a plan, and wrote the
+    Prometheus text (or said it could not: no prometheus_client)."""
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    assert "imbalance max/mean rank load per step" in p.stdout and "planned" in p.stdout
+    assert "imbalance max/mean rank load per step" in p.stdout and "planned" in p.stdout, p.stdout[-3000:]
     assert prom.exists() and "moecomm_imbalance" in prom.read_text() or "no Prometheus text" in p.stdout
 
 
