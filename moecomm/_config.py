@@ -93,7 +93,18 @@ class Placement:
             experts); dispatch writes out_expert_offsets [num_local_experts + 1]; expert_y likewise), the
             layout a contiguous grouped GEMM takes. With a capacity the policy applies to the rank's rows.
             On GPUs the receive half's blocks place the rows once every count is known (rows within an
-            expert grouped by source rank, in rank order; a source's in order of arrival).
+            expert grouped by source rank, in rank order; a source's in order of arrival). Or "ranks": each
+            token once per rank that owns any of its experts (DeepEP's normal mode, the training and prefill
+            pattern): out_expert_x [capacity, hidden_dim] (capacity max_num_tokens * world_size, the worst
+            case) holds one row per received token, grouped by source rank in rank order, each source's in
+            token order (so the same routing places every row alike, call after call); dispatch writes
+            out_expert_offsets [world_size + 1] (source s's rows are offsets[s]..offsets[s + 1] - 1) and
+            out_expert_num_tokens the pairs per local expert; :meth:`moecomm.AllToAll.row_routing` writes each
+            row's local expert ids and weights. Combine takes one row per received token (expert_y
+            [capacity, hidden_dim]: its experts' outputs, reduced by the caller) and sums each token's rows
+            over the ranks, unweighted (weights None); ``expert_weights`` / ``out_weights`` carry float32
+            rows [capacity, top-k] back the same way. dp_size 1, no capacity, no replicas, no combine_wire.
+            The host transport only so far (the GPU transports refuse it at construction).
         capacity: slots per local expert (the second dimension of out_expert_x), or None: the worst case,
             max_num_tokens * (world_size // dp_size), which never overflows. Needs dp_size == 1.
         overflow: when a local expert is routed more (token, expert) pairs than ``capacity``: "error" (the
@@ -127,7 +138,7 @@ class Placement:
     slots_per_rank: object = None
 
     def __post_init__(self):
-        _setting("layout", self.layout, ("padded", "packed"))
+        _setting("layout", self.layout, ("padded", "packed", "ranks"))
         _setting("overflow", self.overflow, ("error", "drop"))
         if self.capacity is not None:
             _set(self, "capacity", positive_int("capacity", self.capacity))
@@ -332,6 +343,15 @@ class AllToAllConfig:
             raise InvalidArgument(f"max_sms={launch.max_sms}: the kernels need a block per rank, "  # a block per
                                   f"{C.BLOCKS_PER_SM} per SM: at least {-(-world_size // C.BLOCKS_PER_SM)} SMs "
                                   f"at world size {world_size}")                     # source rank at least
+        if placement.layout == "ranks":  # one row per received token, the worst case held
+            given = [name for name, v in (("capacity", placement.capacity),
+                                          ("slots_per_rank", placement.slots_per_rank),
+                                          ("combine_wire", formats.combine_wire),
+                                          ("group_by_source", placement.group_by_source or None),
+                                          ("dp_size > 1", None if dp_size == 1 else dp_size)) if v is not None]
+            if given:
+                raise InvalidArgument(f"layout='ranks' takes no {', '.join(given)} (one row per received token, "
+                                      f"grouped by source rank in token order, the worst case held)")
         slots = placement.slots_per_rank
         if slots is not None and slots < num_experts // world_size:
             raise InvalidArgument(f"slots_per_rank={slots} must be >= num_experts / world_size = "
@@ -375,10 +395,11 @@ class AllToAllConfig:
     def expert_capacity(self):
         """Padded layout: slots per local expert (``capacity``, else the worst case, every token of every DP
         group reaching one expert once). Packed layout: rows per rank (``capacity``, else the worst case,
-        every token of every DP group reaching min(top-k, local experts) of the rank's experts)."""
+        every token of every DP group reaching min(top-k, local experts) of the rank's experts). Ranks layout:
+        rows per rank, every token of every rank."""
         if self.capacity is not None:
             return self.capacity
-        worst = self.max_num_tokens * self.num_dp_groups
+        worst = self.max_num_tokens * self.num_dp_groups  # ranks layout: a row per source token
         return worst * min(self.experts_per_token, self.num_local_experts) if self.layout == "packed" else worst
 
     @property
@@ -395,14 +416,14 @@ class AllToAllConfig:
         return self.layout == "padded" and (self.group_by_source or self.world_size == 1)
 
     def expert_x_shape(self):
-        if self.layout == "packed":
+        if self.layout != "padded":
             return (self.expert_capacity, self.hidden_dim)
         return (self.num_local_experts, self.expert_capacity, self.hidden_dim)
 
     def expert_x_scale_shape(self):
         rows = (self.expert_capacity, self.hidden_dim_scale)
         rows = rows[::-1] if self.scale_layout == "column" else rows
-        return rows if self.layout == "packed" else (self.num_local_experts, *rows)
+        return rows if self.layout != "padded" else (self.num_local_experts, *rows)
 
     def key(self):
         """The fields that must be equal on every rank (every field but rank, each option by name); dtypes by

@@ -71,19 +71,23 @@ class CombineArgs(NamedTuple):
     (GPU calls raise once the call is over, at the next call or synchronize()) or never by the call itself (a
     graph replayed) never returns plausible rows (the streamed combine of prefill-sized batches sums its
     tokens before it hears from every rank: there a peer's failure leaves its rows as summed). False: zeros
-    with zero_tail, else the rows as they were. The host transport raises in the call instead."""
+    with zero_tail, else the rows as they were. The host transport raises in the call instead. ``expert_weights``
+    and ``out_weights``: the ranks layout's float32 side rows (:meth:`AllToAll.combine`)."""
     out_tokens: object
     indices: object
     weights: object
     expert_y: object
     bound_m: object
     out_dropped: object = None
+    expert_weights: object = None
+    out_weights: object = None
     stream: object = None
     promised: bool = False
     zero_tail: bool = False
     nan_failed: bool = True
     phase = "combine"
-    array_fields = ("out_tokens", "indices", "weights", "expert_y", "bound_m", "out_dropped")
+    array_fields = ("out_tokens", "indices", "weights", "expert_y", "bound_m", "out_dropped", "expert_weights",
+                    "out_weights")
 
     @property
     def first(self):
@@ -259,7 +263,7 @@ class AllToAll:
         # expected shapes, computed once (None: any number of rows, at most max_num_tokens)
         self._token_shape, self._token_scale_shape = (None, c.hidden_dim), (None, c.hidden_dim_scale)
         self._ids_shape, self._counts_shape = (None, c.experts_per_token), (c.num_local_experts,)
-        self._offsets_shape = (c.num_local_experts + 1,)
+        self._offsets_shape = (c.world_size + 1,) if c.layout == "ranks" else (c.num_local_experts + 1,)
         self._expert_shape, self._expert_scale_shape = c.expert_x_shape(), c.expert_x_scale_shape()
         self._order = CallOrder()
         self._seen = dict.fromkeys(C.CALL_PHASES)  # {phase: _Seen of its last call, or None}
@@ -287,7 +291,9 @@ class AllToAll:
                 (capacity: max_num_tokens *
                 (world_size // dp_size) unless set), written: slots 0..count-1 of each expert hold its
                 tokens (order unspecified); packed layout: [capacity, hidden_dim], expert e's tokens in
-                rows out_expert_offsets[e] .. out_expert_offsets[e + 1] - 1.
+                rows out_expert_offsets[e] .. out_expert_offsets[e + 1] - 1; ranks layout: [capacity,
+                hidden_dim], a row per received token (each token once), source s's tokens in token order in
+                rows out_expert_offsets[s] .. out_expert_offsets[s + 1] - 1 (out_expert_num_tokens: pairs).
             out_expert_x_scale: [num_local_experts, same capacity, hidden_dim_scale] scale_dtype (columns
                 first with scale_layout="column"), written like out_expert_x; None when the AllToAll has no
                 scales.
@@ -305,8 +311,10 @@ class AllToAll:
             weights: [rows, experts_per_token] float32 router weights, or None. When given, combine may
                 be called with weights=None and then sums each token's local expert outputs on the
                 expert side, sending fewer bytes back.
-            out_expert_offsets: packed layout only (required there): [num_local_experts + 1] int32, written:
-                the first row of each local expert's tokens in out_expert_x, and the rows used at the end.
+            out_expert_offsets: packed layout (required there): [num_local_experts + 1] int32, written:
+                the first row of each local expert's tokens in out_expert_x, and the rows used at the end;
+                ranks layout (required there): [world_size + 1] int32, the first row of each source rank's
+                tokens, and the rows used at the end. None in the padded layout.
             tags: [rows] int32, each token's tag in [0, num_tags) (an AllToAll with num_tags), or None: the
                 pairs each local expert receives are counted per tag (stats()["by_tag"]). A tag out of range
                 fails the call on every rank (InvalidArgument here, PeerError on the peers).
@@ -336,7 +344,7 @@ class AllToAll:
                                            False, False)), do_send, do_recv)
 
     def combine(self, out_tokens, indices, weights, expert_y, bound_m, do_send=True, do_recv=True,
-                stream=None, out_dropped=None):
+                stream=None, out_dropped=None, expert_weights=None, out_weights=None):
         """Send expert outputs back and form each token's router-weighted sum. Collective.
 
         Args (each per-token array has its own number of rows, at least m and at most max_num_tokens):
@@ -353,13 +361,21 @@ class AllToAll:
             out_dropped: [rows, experts_per_token] uint8, or None; rows 0..m-1 written by the receive half: 1
                 where the (token, expert) pair was dropped for capacity (``overflow="drop"``) and added
                 nothing, else 0.
+            expert_weights, out_weights: the ranks layout only, both or neither: [capacity, experts_per_token]
+                float32 (a row per received token, as :meth:`row_routing` lays them out) and [rows,
+                experts_per_token] float32, written: rows 0..m-1 get the sum over ranks of the token's rows,
+                in float32.
+
+        In the ranks layout (``layout="ranks"``) expert_y is [capacity, hidden_dim], a row per received token
+        (the sum of its experts' outputs, formed by the caller), weights must be None, and out_tokens[t] is the
+        sum of token t's rows over the ranks that received it (unweighted; zeros where none did).
 
         Raises as :meth:`dispatch`, and errors the kernels recorded for this or an earlier call (GPUs;
         the message names the call). A refused combine ends its call (no retry); a combine without a
         dispatch to combine is refused.
         """
-        self.run(_new_tuple(CombineArgs, (out_tokens, indices, weights, expert_y, bound_m, out_dropped, stream,
-                                          False, False, True)), do_send, do_recv)
+        self.run(_new_tuple(CombineArgs, (out_tokens, indices, weights, expert_y, bound_m, out_dropped, expert_weights,
+                                          out_weights, stream, False, False, True)), do_send, do_recv)
 
     def prepare_dispatch(self, out_expert_num_tokens, out_expert_x, out_expert_x_scale, dp_x, dp_x_scale, indices,
                          bound_m, weights=None, stream=None, out_expert_offsets=None, tags=None, call_id=None):
@@ -371,10 +387,11 @@ class AllToAll:
                                                dp_x_scale, indices, bound_m, weights, out_expert_offsets, tags,
                                                call_id, stream, promised=True))
 
-    def prepare_combine(self, out_tokens, indices, weights, expert_y, bound_m, stream=None, out_dropped=None):
+    def prepare_combine(self, out_tokens, indices, weights, expert_y, bound_m, stream=None, out_dropped=None,
+                        expert_weights=None, out_weights=None):
         """A :class:`PreparedCall` of :meth:`combine` with these arguments, as :meth:`prepare_dispatch`."""
-        return PreparedCall(self, CombineArgs(out_tokens, indices, weights, expert_y, bound_m, out_dropped, stream,
-                                              promised=True))
+        return PreparedCall(self, CombineArgs(out_tokens, indices, weights, expert_y, bound_m, out_dropped,
+                                              expert_weights, out_weights, stream, promised=True))
 
     def run(self, args, do_send=True, do_recv=True):
         """Run the halves ``do_send`` / ``do_recv`` of the phase ``args`` describes (a :class:`DispatchArgs` or
@@ -450,7 +467,7 @@ class AllToAll:
             return weights, outputs
         record = self._records["combine"]  # not arrays: set whether or not they were read
         record.zero_tail, record.nan_failed = args.zero_tail, args.nan_failed
-        if not weights and self._order.open and not self._order.dispatch_weights:
+        if not weights and self._order.open and not self._order.dispatch_weights and self.cfg.layout != "ranks":
             raise InvalidArgument("combine: weights=None needs the router weights to have been passed to "
                                   "dispatch(weights=...)")
         if recv and not send and self._order.posted("combine") and weights != self._order.combine_weights:
@@ -474,8 +491,8 @@ class AllToAll:
             raise InvalidArgument(f"{'dp_x_scale' if args.out_expert_x_scale is not None else 'out_expert_x_scale'}:"
                                   f" required, got None")
         if (args.out_expert_offsets is None) != (c.layout == "padded"):
-            raise InvalidArgument("out_expert_offsets: " + ("required by the packed layout" if c.layout == "packed"
-                                                            else "only for the packed layout, pass None"))
+            raise InvalidArgument("out_expert_offsets: " + (f"required by the {c.layout} layout" if c.layout != "padded"
+                                                            else "not for the padded layout, pass None"))
         rec.x = read(args.dp_x, "dp_x", self._in, self._token_shape)
         rec.indices, ids = arrays.read_as(args.indices, "indices", _INDICES, self._ids_shape)
         rec.idx64 = int(ids.itemsize == 8)
@@ -509,11 +526,29 @@ class AllToAll:
         rec.weights = absent if args.weights is None else read(args.weights, "weights", _FLOAT32, self._ids_shape)
         rec.out_dropped = absent if args.out_dropped is None else read(args.out_dropped, "out_dropped", _FLAGS,
                                                                        self._ids_shape, True)
+        if self.cfg.layout == "ranks" or args.expert_weights is not None or args.out_weights is not None:
+            self._read_side_rows(args, rec)
         rec.rows = arrays.rows  # the fewest rows of the per-token arrays
         rec.partials = int(args.weights is None)
         rec.y = read(args.expert_y, "expert_y", self._out, self._expert_shape)
         rec.bound_m = read(args.bound_m, "bound_m", _BOUND_M, _ONE)
         return args.weights is not None, None
+
+    def _read_side_rows(self, args, rec):
+        """The ranks layout's combine: weights None; expert_weights and out_weights, both or neither."""
+        c, read = self.cfg, self._arrays.read
+        if c.layout != "ranks":
+            raise InvalidArgument("expert_weights, out_weights: only in the ranks layout (layout='ranks'), pass None")
+        if args.weights is not None:
+            raise InvalidArgument("weights: the ranks layout sums each token's rows unweighted (expert_y holds the "
+                                  "weighted sum of a row's experts): pass None")
+        if (args.expert_weights is None) != (args.out_weights is None):
+            raise InvalidArgument("expert_weights and out_weights: give both or neither")
+        rec.expert_w = rec.out_w = None
+        if args.expert_weights is not None:
+            rec.expert_w = read(args.expert_weights, "expert_weights", _FLOAT32,
+                                (c.expert_capacity, c.experts_per_token))
+            rec.out_w = read(args.out_weights, "out_weights", _FLOAT32, self._ids_shape, True)
 
     def _refuse(self, error, stream):
         """Raise ``error``, a refused argument or call order, after ending the call it belongs to on this rank:
@@ -666,6 +701,33 @@ class AllToAll:
             self._arrays.order()
             self._backend.write_sources(src_info, layout_range, s)
 
+    @one_call
+    def row_routing(self, out_indices, out_weights=None, stream=None):
+        """The ranks layout's routing of each received row (DeepEP's ``recv_topk_idx`` and ``recv_topk_weights``)
+        of the last dispatch. Not collective; call it between the dispatch's receive half and its combine, as
+        :meth:`source_layout`.
+
+        Args:
+            out_indices: [capacity, experts_per_token] int32 or int64, written: row j's (its token's) expert ids
+                as this rank's local experts, -1 where the expert is another rank's or the id was -1; rows past
+                the last received (out_expert_offsets[world_size]) all -1.
+            out_weights: [capacity, experts_per_token] float32, or None, written: the weights dispatched with
+                the token where out_indices is a local expert, else 0 (zeros without weights at dispatch).
+        """
+        self._live()
+        c = self.cfg
+        if c.layout != "ranks":
+            raise InvalidArgument("row_routing: the ranks layout's (layout='ranks'); the padded and packed layouts "
+                                  "hold a row per (token, expert) pair")
+        rows = (c.expert_capacity, c.experts_per_token)
+        with self._context or nullcontext():
+            s = self._arrays.begin(stream, out_indices)
+            indices, _ = self._arrays.read_as(out_indices, "out_indices", _INDICES, rows, output=True)
+            weights = None if out_weights is None else self._arrays.read(out_weights, "out_weights", _FLOAT32, rows,
+                                                                         output=True)
+            self._arrays.order()
+            self._backend.write_row_routing(indices, weights, s)
+
     def dispatch_backward(self, out_grad_x, plan, grad_expert_x, bound_m, stream=None):
         """The backward of a dispatch: each token's gradient is the sum of the gradients of the slots the
         dispatch put it in (over its experts; nothing from -1 ids or dropped pairs). Collective; it needs no
@@ -749,10 +811,13 @@ class AllToAll:
                 raise
 
     def _gradients(self):
-        """Raise unless this AllToAll is live and computes gradients."""
+        """Raise unless this AllToAll is live and computes gradients along routing plans."""
         self._live()
         if not self._backend.gradients:
             raise InvalidArgument(no_gradients(self.comm.transport.name))
+        if self.cfg.layout == "ranks":
+            raise InvalidArgument("the ranks layout has no routing plan: its backward is a combine with the dispatch's "
+                                  "routing (the dispatch's) and a dispatch of the gradients (the combine's)")
 
     def _read_plan(self, plan, output=False):
         """``plan`` (a RoutingPlan) read as a RoutingPlan of values."""

@@ -365,7 +365,7 @@ class AllToAll:
         with scope:
             if rest:
                 self.a2a.plan(RoutingPlan(*rest), stream)
-            self.a2a.run(CombineArgs(out, idx, w, y, m, None, stream, zero_tail=True, nan_failed=self._nan_failed),
+            self.a2a.run(CombineArgs(out, idx, w, y, m, stream=stream, zero_tail=True, nan_failed=self._nan_failed),
                          flags & _SEND, flags & _RECV)
 
     def _keep(self, flags, ins, outs, frame):

@@ -142,6 +142,65 @@ def dispatch(x, x_scale, indices, num_experts, world_size, max_num_tokens, dp_si
     return out
 
 
+def dispatch_by_rank(x, x_scale, indices, weights, num_experts, world_size):
+    """Dispatch in the ranks layout (``AllToAll(layout="ranks")``): each token once to every rank owning any of
+    its experts, rows grouped by source rank in rank order, each source's in token order.
+
+    Args:
+        x, x_scale, indices: as :func:`dispatch` (a list over ranks; dp_size 1).
+        weights: list over ranks of [m_r, k] float32 router weights, or None.
+
+    Returns:
+        list over ranks of dicts with ``rows`` [n, hidden] (x's dtype), ``scales`` [n, hidden_scale] or None,
+        ``offsets`` [world_size + 1] int32 (source s's rows offsets[s]..offsets[s + 1] - 1),
+        ``expert_num_tokens`` [L] int32 (pairs per local expert), ``indices`` [n, k] int32 (each row's
+        local expert ids, -1 where another rank's or none), ``weights`` [n, k] float32 (0 there, and where
+        none were given) and ``origin`` [n, 2] int32 (source rank, token) of each row.
+    """
+    local = num_experts // world_size
+    out = []
+    for r in range(world_size):
+        take, offsets = [], [0]
+        for g in range(world_size):
+            ids = np.asarray(indices[g]).astype(np.int64)
+            mine = (ids >= 0) & (ids // local == r)
+            tokens = np.flatnonzero(mine.any(axis=1))
+            take.append((g, tokens, np.where(mine[tokens], ids[tokens] - r * local, -1)))
+            offsets.append(offsets[-1] + tokens.size)
+        ids = np.concatenate([local_ids for _, _, local_ids in take]).astype(np.int32)
+        w = np.concatenate([np.zeros(local_ids.shape, np.float32) if weights is None else weights[g][tokens]
+                            for g, tokens, local_ids in take])
+        out.append(dict(
+            rows=np.concatenate([x[g][tokens] for g, tokens, _ in take]),
+            scales=None if x_scale is None else np.concatenate([x_scale[g][tokens] for g, tokens, _ in take]),
+            offsets=np.asarray(offsets, np.int32),
+            expert_num_tokens=np.bincount(ids[ids >= 0], minlength=local).astype(np.int32),
+            indices=ids, weights=np.where(ids >= 0, w, 0).astype(np.float32),
+            origin=np.concatenate([np.stack([np.full(tokens.size, g), tokens], 1) for g, tokens, _ in take])
+            .astype(np.int32)))
+    return out
+
+
+def combine_by_rank(rows, origin, m, out_dtype=None):
+    """Combine in the ranks layout: each token's rows summed over the ranks that received it, in float32.
+
+    Args:
+        rows: list over ranks of [n_r, width] arrays, a row per received token (expert_y, or float32 side rows).
+        origin: list over ranks of [n_r, 2] (source rank, token), as :func:`dispatch_by_rank` gives it.
+        m: list over ranks of their token counts.
+        out_dtype: the result's dtype (default float32).
+
+    Returns:
+        list over ranks of [m_r, width] arrays (zeros for a token no rank received).
+    """
+    width = rows[0].shape[1]
+    out = [np.zeros((n, width), np.float32) for n in m]
+    for y, o in zip(rows, origin):
+        for (g, t), row in zip(o, y):
+            out[g][t] += row.astype(np.float32)
+    return [o.astype(out_dtype or np.float32) for o in out]
+
+
 def quantize_e4m3(rows, ue8m0=False):
     """The FP8 wires' rounding (combine_wire, and dispatch_wire: :func:`quantize_tokens`): ``rows`` [n, hidden]
     float32 (hidden a multiple of COMBINE_BLOCK) as (e4m3 [n, hidden], scales [n, hidden / COMBINE_BLOCK]): each

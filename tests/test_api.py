@@ -461,10 +461,10 @@ def test_capacity_and_slots_are_checked(comm, kwargs, why):
         moecomm.AllToAll(comm, M, E, K, H, S, "float8_e4m3fn", "bfloat16", **kwargs)
 
 
-def test_offsets_go_with_the_packed_layout(comm):
+def test_offsets_go_with_the_packed_and_ranks_layouts(comm):
     args = _good()
     padded = moecomm.AllToAll(comm, M, E, K, H, S, "float8_e4m3fn", "bfloat16")
-    with pytest.raises(moecomm.InvalidArgument, match="out_expert_offsets: only for the packed layout"):
+    with pytest.raises(moecomm.InvalidArgument, match="out_expert_offsets: not for the padded layout"):
         padded.dispatch(**args, out_expert_offsets=np.zeros(E + 1, np.int32))
     padded.destroy()
     packed = moecomm.AllToAll(comm, M, E, K, H, S, "float8_e4m3fn", "bfloat16", layout="packed")
@@ -480,6 +480,17 @@ def test_offsets_go_with_the_packed_layout(comm):
     packed.combine(np.zeros((M, H), moecomm.bfloat16), args["indices"], None,
                    args["out_expert_x"].astype(np.float32).astype(moecomm.bfloat16), args["bound_m"])
     packed.destroy()
+    ranks = moecomm.AllToAll(comm, M, E, K, H, S, "float8_e4m3fn", "bfloat16", layout="ranks")
+    rows = M * comm.world_size  # a row per token of every rank
+    assert ranks.cfg.expert_x_shape() == (rows, H)
+    args.update(out_expert_x=np.zeros((rows, H), moecomm.float8_e4m3fn),
+                out_expert_x_scale=np.zeros((rows, S), np.float32))
+    with pytest.raises(moecomm.InvalidArgument, match="out_expert_offsets: required by the ranks layout"):
+        ranks.dispatch(**args)
+    with pytest.raises(moecomm.InvalidArgument, match=r"out_expert_offsets: shape \(9,\) does not match expected "
+                                                      r"\(2,\)"):
+        ranks.dispatch(**args, out_expert_offsets=offsets)  # [world_size + 1]: the first row of each source
+    ranks.destroy()
 
 
 def test_combine_rows_on_the_fp8_wire_are_about_half_the_bf16_bytes():

@@ -129,6 +129,16 @@ def test_rows_grouped_by_source(ranks):
     assert p.returncode == 0 and ": 0 failures" in p.stdout, p.stdout[-3000:] + p.stderr[-3000:]
 
 
+@pytest.mark.parametrize("ranks", [1, 3], ids=lambda n: f"ranks{n}")
+def test_the_ranks_layout(ranks):
+    """tests/mpi_ranks.py: layout='ranks' (DeepEP's normal mode) places each token once per rank, sources in rank
+    order and each in token order, as moecomm.reference.dispatch_by_rank does, for bf16, FP8 with scales and a
+    quantising dispatch; row_routing, a second dispatch of the same routing, combine's sums over ranks and its
+    float32 side rows equal the reference's; refusals raise on every rank and the next call is right."""
+    p = run_mpi(ranks, "tests/mpi_ranks.py", timeout=120)
+    assert p.returncode == 0 and ": 0 failures" in p.stdout, p.stdout[-3000:] + p.stderr[-3000:]
+
+
 @pytest.mark.parametrize("ranks", [2, 3], ids=lambda n: f"ranks{n}")
 def test_capacity_policies(ranks):
     """tests/mpi_capacity.py: 'drop' counts and reports the dropped pairs exactly and combine equals the

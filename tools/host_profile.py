@@ -130,7 +130,7 @@ def parts(comm, a2a, delay_args, delay, arrays, stream):
     rows["arrays.begin"] = timed(lambda: a2a._arrays.begin(stream, b["x"]), 2000)
     d_args = DispatchArgs(b["n"], b["ex"], b["es"], b["x"], b["xs"], b["idx"], b["m"], b["w"], None, None, None,
                           stream, False)
-    c_args = CombineArgs(b["out"], b["idx"], None, b["y"], b["m"], None, stream)
+    c_args = CombineArgs(b["out"], b["idx"], None, b["y"], b["m"], stream=stream)
     rows["read dispatch (DeviceBuffer)"] = timed(lambda: a2a._read(d_args, stream, False, False), 2000)
     rows["read combine (DeviceBuffer)"] = timed(lambda: a2a._read(c_args, stream, False, False), 2000)
     rows["arrays.order"] = timed(a2a._arrays.order, 2000)

@@ -58,7 +58,8 @@ from .._constants import BYTE_FIELDS, CALL_PHASES, COUNTER_FIELDS, GAP_EDGES
 def host_call_records():
     """The call records of a host transport's AllToAll: ``{phase: record}``, each with every field of
     CALL_FIELDS, None (or 0 for the ints)."""
-    return {phase: SimpleNamespace(**{f: (0 if t == "int" else None) for f, t in CALL_FIELDS})
+    return {phase: SimpleNamespace(**{f: (0 if t == "int" else None) for f, t in CALL_FIELDS},
+                                   expert_w=None, out_w=None)  # the ranks layout's side rows (combine)
             for phase in CALL_PHASES}
 
 
@@ -117,6 +118,13 @@ class AllToAllBackend(abc.ABC):
         padded layout with each expert's slots grouped by source (AllToAllConfig.slots_by_source):
         ``src_info`` [num_local_experts, capacity] int32, each slot's token (-1: empty); ``layout_range``
         [num_local_experts, world_size] int64, (first slot << 32) | slots of each source rank (0: none)."""
+        raise NotImplementedError
+
+    def write_row_routing(self, indices, weights, stream) -> None:
+        """Write the ranks layout's routing of each row the last dispatch received (before its combine):
+        ``indices`` [capacity, top-k] int32/int64, local expert ids (-1: another rank's, or none; every row
+        past the received ones); ``weights`` [capacity, top-k] float32 or None, the dispatched weights there
+        (0 elsewhere). The transports that take the ranks layout implement it."""
         raise NotImplementedError
 
     # Gradients along a routing plan (AllToAll.plan, dispatch_backward, combine_backward), where ``gradients``

@@ -86,6 +86,9 @@ class GpuAllToAll(AllToAllBackend):
     """Created and used inside the transport's context (moecomm.AllToAll enters it)."""
 
     def __init__(self, transport, cfg, timeout_s):
+        if cfg.layout == "ranks":  # every rank of the AllToAll refuses alike (the configuration is agreed)
+            raise InvalidArgument("layout='ranks' (a row per received token) runs on the host transport only so far; "
+                                  "on GPUs use layout='packed' (rows per expert, counts and offsets)")
         import cupy
         self.t, self.cfg, self._cupy = transport, cfg, cupy
         # which kernels run, with what grids, from which module: decided there, executed here

@@ -199,8 +199,9 @@ class _Received:
     pair_j: np.ndarray      # [p] received token of each (token, local expert) pair
     pair_k: np.ndarray      # [p] top-k position of the pair
     where: tuple            # index of each (token, local expert) pair in out_expert_x / expert_y:
-                            # (local expert [p], slot [p]) padded, (row [p],) packed
+                            # (local expert [p], slot [p]) padded, (row [p],) packed and ranks
     weights: object         # [n, k] float32 router weights sent with dispatch, or None
+    local: object = None    # [n, k] int32 each received token's local expert ids (-1: another rank's)
 
     def origin(self):
         """[p, 3] int32 (source rank, token, top-k position) of each pair, the rows of a plan's origin."""
@@ -418,14 +419,20 @@ class HostAllToAll(AllToAllBackend):
         if cfg.layout == "packed":  # expert by expert, back to back
             where = (starts[pair_le] + pair_slot,)
             a.out_offsets[:] = np.concatenate([starts, [pair_le.size]])
-        a.out_x[where] = x[pair_j]
+        elif cfg.layout == "ranks":  # a row per token as received: sources in rank order, each in token order
+            where = (pair_j,)
+            a.out_offsets[:] = np.concatenate([[0], np.cumsum(src_counts)])
+        # the rows written (at: their index in out_expert_x) and the received token each holds (rows)
+        rows = np.arange(len(recv)) if cfg.layout == "ranks" else pair_j
+        at = (rows,) if cfg.layout == "ranks" else where
+        a.out_x[at] = x[rows]
         if lay.scale_bytes:
             scales = np.ascontiguousarray(recv[:, lay.scale_off:lay.scale_off + lay.scale_bytes]).view(
-                cfg.scale_dtype)[pair_j]
+                cfg.scale_dtype)[rows]
             if cfg.scale_layout == "row":
-                a.out_scale[where] = scales
-            elif cfg.layout == "packed":  # column-major: [scales, rows]
-                a.out_scale[:, where[0]] = scales.T
+                a.out_scale[at] = scales
+            elif cfg.layout != "padded":  # column-major: [scales, rows]
+                a.out_scale[:, at[0]] = scales.T
             else:  # column-major per expert: [L, scales, slots]
                 a.out_scale[where[0], :, where[1]] = scales
         a.out_num[:] = counts
@@ -446,7 +453,7 @@ class HostAllToAll(AllToAllBackend):
         self._counters[_C["CALLS"]] += 1
         self._demand = None
         src_rank = np.repeat(np.arange(cfg.world_size), src_counts)
-        self._received = _Received(src_rank, token, pair_j, pair_k, where, weights)
+        self._received = _Received(src_rank, token, pair_j, pair_k, where, weights, local)
 
     # combine --------------------------------------------------------------------------------
     def combine(self, record, do_send, do_recv, stream):
@@ -470,7 +477,11 @@ class HostAllToAll(AllToAllBackend):
                                            agree=int(not a.partials))
             _raise_status(statuses, reasons, bad, "combine")
         y = a.y[rv.where].astype(np.float32)  # [p, H]
-        if a.partials:  # sum this rank's experts per token, weighted, on the expert side
+        if cfg.layout == "ranks":  # a row per received token, unweighted, with its float32 side row
+            n = rv.token.size
+            side = () if a.expert_w is None else (a.expert_w[:n],)
+            row_src, fields = rv.src_rank, [rv.token[:, None], a.y[:n].astype(np.float32), *side]
+        elif a.partials:  # sum this rank's experts per token, weighted, on the expert side
             part = np.zeros((rv.token.size, cfg.hidden_dim), np.float32)
             np.add.at(part, rv.pair_j, rv.weights[rv.pair_j, rv.pair_k][:, None] * y)
             row_src, fields = rv.src_rank, [rv.token[:, None], *self._to_wire(part)]
@@ -520,7 +531,14 @@ class HostAllToAll(AllToAllBackend):
         m = self._dispatched_m
         token = np.ascontiguousarray(recv[:, :4]).view(np.int32)[:, 0]
         acc = np.zeros((m, cfg.hidden_dim), np.float32)
-        if partials:
+        if cfg.layout == "ranks":  # float32 rows, then the side rows
+            rows = np.ascontiguousarray(recv[:, 4:]).view(np.float32)
+            np.add.at(acc, token, rows[:, :cfg.hidden_dim])
+            if a.out_w is not None:
+                side = np.zeros((m, cfg.experts_per_token), np.float32)
+                np.add.at(side, token, rows[:, cfg.hidden_dim:])
+                a.out_w[:m] = side
+        elif partials:
             np.add.at(acc, token, self._from_wire(recv[:, 4:], np.float32))
         else:
             k = np.ascontiguousarray(recv[:, 4:8]).view(np.int32)[:, 0]
@@ -552,6 +570,19 @@ class HostAllToAll(AllToAllBackend):
         own = slots[pairs[slots, 0] == self.cfg.rank]
         local[:] = -1
         local[pairs[own, 1], pairs[own, 2]] = own
+
+    def write_row_routing(self, indices, weights, stream=None):
+        rv = self._received
+        if rv is None:
+            raise InvalidArgument("row_routing: no dispatch has been received since construction or the last "
+                                  "mask_ranks (or the last one failed)")
+        n = rv.token.size
+        indices[:] = -1
+        indices[:n] = rv.local
+        if weights is not None:
+            weights[:] = 0
+            if rv.weights is not None:
+                weights[:n] = np.where(rv.local >= 0, rv.weights, 0)
 
     def write_sources(self, src_info, layout_range, stream=None):
         rv = self._received
