@@ -5,8 +5,8 @@ against the gathered top-k ids, the cumulative statistics, each slot's source to
 the values, per-source counts in the layout range, values within the FP8 rounding), the FP8 values and scales
 also bit-exactly against moecomm.reference, then combine (copied, then zero-copy: the same handle combined
 again, as DeepEP's test does) against the weighted sum; a dispatch left uncombined; two calls' results held at
-once (the first's unchanged by the second); LogFMT and the normal mode are refused with moecomm errors and the
-next call works; on GPUs, the pair captured into a CUDA graph and replayed.
+once (the first's unchanged by the second); LogFMT and a normal-mode dispatch with no routing are refused with
+moecomm errors and the next call works; on GPUs, the pair captured into a CUDA graph and replayed.
 
     mpiexec -n 2 python tests/mpi_deep_ep.py [--transport host|ipc|nvshmem]
 
@@ -146,11 +146,11 @@ def check(comm, fails, device):
     if not off(second_out, 2 * want) <= 0.01:
         fails.append("two calls' results held: the second combine is wrong")
     checks += 1
-    # refusals: LogFMT (the call ends on every rank), the normal mode; then a call works
+    # refusals: LogFMT (the call ends on every rank), a normal-mode dispatch with no routing; then a call works
     _, _, handle, _, _ = buffer.low_latency_dispatch(x, topk_idx, T, E, use_fp8=False)
     for name, call in (("LogFMT", lambda: buffer.low_latency_combine(y, topk_idx, topk_weights, handle,
                                                                       use_logfmt=True)),
-                       ("normal mode", lambda: buffer.dispatch(x))):
+                       ("a normal-mode dispatch with no routing", lambda: buffer.dispatch(x))):
         try:
             call()
             fails.append(f"{name}: accepted")

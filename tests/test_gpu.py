@@ -245,6 +245,7 @@ PROGRAMS = (  # (the program and its arguments ("{t}": the transport), one-rank 
     (("tests/mpi_telemetry.py", *TRANSPORT), (), (2,), ()),
     (("tests/mpi_capacity.py", *TRANSPORT), (), (2,), ()),
     (("tests/mpi_packed.py", *TRANSPORT), (), (2,), ()),
+    (("tests/mpi_ranks.py", *TRANSPORT), ("ipc",), (), ()),  # refused on GPUs so far
     (("tests/mpi_replicas.py", *TRANSPORT), (), (2,), ()),
     (("tests/mpi_mask.py", *TRANSPORT), (), (4,), ()),
     (("tests/mpi_jax.py",), ("ipc",), (2, 4), ("jax",)),
@@ -254,6 +255,7 @@ PROGRAMS = (  # (the program and its arguments ("{t}": the transport), one-rank 
     (("tests/mpi_jax_errors.py", "--silent"), (), (2,), ("jax",)),
     (("tests/mpi_torch_grad.py", *TRANSPORT), ("ipc", "nvshmem"), (2, 4), ("torch",)),
     (("tests/mpi_deep_ep.py", *TRANSPORT), ("ipc", "nvshmem"), (2,), ("torch",)),
+    (("tests/mpi_deep_ep_normal.py", *TRANSPORT), ("ipc",), (), ("torch",)),  # refused on GPUs so far
 )
 
 

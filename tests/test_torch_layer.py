@@ -1,6 +1,6 @@
 """moecomm.torch on the host transport (CPU tensors; skipped without torch): gradients against plain PyTorch
-on 1 and 2 ranks (tests/mpi_torch_grad.py), moecomm.compat.deep_ep (tests/mpi_deep_ep.py), and refusals in one
-process."""
+on 1 and 2 ranks (tests/mpi_torch_grad.py), moecomm.compat.deep_ep's low-latency and normal modes
+(tests/mpi_deep_ep.py, tests/mpi_deep_ep_normal.py), and refusals in one process."""
 import numpy as np
 import pytest
 
@@ -24,6 +24,14 @@ def test_gradients_match_plain_torch_on_host_ranks(ranks):
 def test_deep_ep_low_latency_programs_on_host_ranks(ranks):
     """tests/mpi_deep_ep.py: moecomm.compat.deep_ep called as DeepEP's low-latency test calls it."""
     p = run_mpi(ranks, "tests/mpi_deep_ep.py", timeout=300)
+    assert p.returncode == 0 and ": 0 failures" in p.stdout, p.stdout[-4000:] + p.stderr[-4000:]
+
+
+@pytest.mark.parametrize("ranks", [1, 3], ids=lambda n: f"ranks{n}")
+def test_deep_ep_normal_mode_on_host_ranks(ranks):
+    """tests/mpi_deep_ep_normal.py: DeepEP's normal mode (test_intranode's checks, the training pattern whose
+    backward swaps dispatch and combine, the refusals) on moecomm's ranks layout."""
+    p = run_mpi(ranks, "tests/mpi_deep_ep_normal.py", timeout=300)
     assert p.returncode == 0 and ": 0 failures" in p.stdout, p.stdout[-4000:] + p.stderr[-4000:]
 
 

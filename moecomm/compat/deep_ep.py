@@ -1,5 +1,5 @@
-"""DeepEP's low-latency API on moecomm: a program written for ``deep_ep.Buffer(..., low_latency_mode=True)``
-runs with its import changed to ``from moecomm.compat import deep_ep``.
+"""DeepEP's API on moecomm: a program written for ``deep_ep.Buffer`` runs with its import changed to ``from
+moecomm.compat import deep_ep``. Low-latency mode:
 
     buffer = deep_ep.Buffer(group, num_rdma_bytes=deep_ep.Buffer.get_low_latency_rdma_size_hint(
         num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts), low_latency_mode=True)
@@ -26,10 +26,19 @@ shape, used in turn (DeepEP's own rule in low-latency mode: a program holds at m
 no call allocates (bound_m is kept per token count). A dispatch left uncombined ends (``a2a.abort()``) when the
 next one begins; the last handle may be combined again, as DeepEP allows (moecomm combines each dispatch once: the
 tokens are dispatched again and the expert outputs moved to the new slots of their pairs, a dispatch's cost).
-Refused with a moecomm InvalidArgument: normal-mode calls (``dispatch`` and ``combine`` with a layout: use
-``moecomm.AllToAll(layout="packed")``), LogFMT combine (``combine_wire="e4m3"`` is moecomm's FP8 combine), and the
-wait-cost statistics. torch is imported here only.
+Refused with a moecomm InvalidArgument: LogFMT combine (``combine_wire="e4m3"`` is moecomm's FP8 combine), and
+the wait-cost statistics.
+
+DeepEP's normal (high-throughput, intranode) mode: ``get_dispatch_layout``, ``dispatch`` and ``combine`` with a
+handle, on AllToAlls of moecomm's ranks layout (``layout="ranks"``: each token once per rank of its experts,
+rows grouped by source rank in token order, so a routing places its rows alike every time and a cached dispatch
+is a dispatch of the handle's routing). One AllToAll per (the ranks' most tokens, rounded up to a power of two;
+hidden; routing by expert or by rank; bf16 or FP8 tokens), made at first use. The calls read counts on the host
+(the rows each rank received, for DeepEP's rank_prefix_matrix; the tokens per local expert), as DeepEP's do
+unless ``num_worst_tokens`` (then only the rows). The host transport only so far: GPU transports refuse the
+ranks layout. torch is imported here only.
 """
+import functools
 from collections import deque
 from contextlib import nullcontext
 from typing import NamedTuple
@@ -42,9 +51,6 @@ import moecomm
 from .._errors import InvalidArgument
 from ..alltoall import CombineArgs, DispatchArgs
 from ..torch import AllToAll as _Layer
-
-_NOT_LOW_LATENCY = ("DeepEP's normal mode is not provided by moecomm.compat.deep_ep: use moecomm.AllToAll(..., "
-                    "layout='packed') for tokens grouped per expert with counts (docs/migration.md)")
 
 
 class EventOverlap:
@@ -93,6 +99,35 @@ class _Handle(tuple):
         return handle
 
 
+class _NormalHandle(tuple):
+    """DeepEP's intranode handle (rank_prefix_matrix [ranks, ranks] int32: row i, column j the rows rank j got from
+    ranks 0..i; then None for the channel matrices, None for recv_src_idx, is_token_in_rank, None for send_head:
+    moecomm's ranks layout needs none of them), carrying what its combine and cached dispatch need: ``routing``
+    (the ids dispatched: topk_idx, or rank r where is_token_in_rank), ``experts`` (their count), ``tokens`` (the
+    AllToAll's max_num_tokens), ``every_rows`` (the rows each rank received), ``rows`` (this rank's: ``rank``'s)
+    and the tokens dispatched (``x``, ``scales``)."""
+
+    def __new__(cls, rank_prefix_matrix, is_token_in_rank, routing, experts, tokens, every_rows, rank, x, scales):
+        handle = super().__new__(cls, (rank_prefix_matrix, None, None, None, is_token_in_rank, None))
+        handle.routing, handle.experts, handle.tokens = routing, experts, tokens
+        handle.every_rows, handle.rows = every_rows, every_rows[rank]
+        handle.x, handle.scales = x, scales
+        return handle
+
+
+class Config:
+    """DeepEP's ``deep_ep.Config`` (its normal-mode kernels' SMs and chunk sizes): accepted and kept; moecomm's
+    kernels size themselves."""
+
+    def __init__(self, num_sms=20, num_max_nvl_chunked_send_tokens=6, num_max_nvl_chunked_recv_tokens=256,
+                 num_max_rdma_chunked_send_tokens=6, num_max_rdma_chunked_recv_tokens=256):
+        self.num_sms = num_sms
+        self.num_max_nvl_chunked_send_tokens = num_max_nvl_chunked_send_tokens
+        self.num_max_nvl_chunked_recv_tokens = num_max_nvl_chunked_recv_tokens
+        self.num_max_rdma_chunked_send_tokens = num_max_rdma_chunked_send_tokens
+        self.num_max_rdma_chunked_recv_tokens = num_max_rdma_chunked_recv_tokens
+
+
 class _Outputs(NamedTuple):
     """One set of a layer's call outputs: count [L] int32, recv_x [L, T * R, hidden], scales (FP8: [L, hidden /
     128, T * R], else None), ``received`` as low_latency_dispatch returns them (recv_x, or recv_x and the scales'
@@ -116,7 +151,8 @@ class Buffer:
             over MPI).
         num_nvl_bytes, num_rdma_bytes, num_qps_per_rank, allow_nvlink_for_low_latency_mode, allow_mnnvl,
             explicitly_destroy: accepted as DeepEP takes them.
-        low_latency_mode: DeepEP's; the normal-mode calls are refused either way.
+        low_latency_mode: DeepEP's; the normal-mode calls refuse ``num_rdma_bytes > 0`` without it (DeepEP's
+            internode normal mode).
     """
     num_sms = 20  # DeepEP's class attribute (its normal-mode kernels' SMs; the low-latency calls ignore it)
 
@@ -129,12 +165,13 @@ class Buffer:
         self.num_nvl_bytes, self.num_rdma_bytes = num_nvl_bytes, num_rdma_bytes
         self.low_latency_mode, self.explicitly_destroy = low_latency_mode, explicitly_destroy
         self._layers = {}  # {(tokens, hidden, experts, topk, wire, scale dtype): moecomm.torch layer}
-        self._combine_buffers = {}  # {layer key: bf16 expert_y for zero-copy combines}
+        self._combine_buffers = {}  # {id(layer): its bf16 expert_y (zero-copy low-latency and normal combines)}
         self._counts = {}  # {(num_tokens, device): its bound_m}
         self._sets = {}  # {id(layer): its two output sets, the next first}
         self._masked = ()
-        self._open = None  # the handle of the dispatch not combined yet
-        self._last = None  # the handle of the last dispatch
+        self._open = None  # the handle of the low-latency dispatch not combined yet
+        self._last = None  # the handle of the last low-latency dispatch
+        self._normal_open = None  # (layer, routing) of the normal-mode dispatch not combined yet
 
     @staticmethod
     def set_num_sms(new_num_sms):
@@ -320,15 +357,190 @@ class Buffer:
         for layer in self._layers.values():
             layer.a2a.mask_ranks(())
 
-    # normal mode: refused ---------------------------------------------------------------------------
-    def get_dispatch_layout(self, *args, **kwargs):
-        raise InvalidArgument(_NOT_LOW_LATENCY)
+    # normal mode: DeepEP's intranode high-throughput API on moecomm's ranks layout -----------------------------
+    @staticmethod
+    def is_sm90_compiled():
+        """True: moecomm takes FP8 tokens with their scales (DeepEP's test asks before it makes FP8 inputs)."""
+        return True
 
-    def dispatch(self, *args, **kwargs):
-        raise InvalidArgument(_NOT_LOW_LATENCY)
+    @staticmethod
+    def get_dispatch_config(num_ranks):
+        """A :class:`Config` (DeepEP's tuning, which moecomm takes and does not need)."""
+        return Config(Buffer.num_sms)
 
-    def combine(self, *args, **kwargs):
-        raise InvalidArgument(_NOT_LOW_LATENCY)
+    @staticmethod
+    def get_combine_config(num_ranks):
+        """As :meth:`get_dispatch_config`."""
+        return Config(Buffer.num_sms)
+
+    @staticmethod
+    def capture():
+        """An EventOverlap of the current CUDA stream's work so far (DeepEP's ``previous_event``); empty without
+        CUDA."""
+        if not torch.cuda.is_available():
+            return EventOverlap()
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream())
+        return EventOverlap(event)
+
+    def _normal(self, what, previous_event):
+        """Refuse DeepEP's internode normal mode; make the current stream wait for ``previous_event``."""
+        if self.num_rdma_bytes and not self.low_latency_mode:
+            raise InvalidArgument(f"{what}: DeepEP's internode normal mode (num_rdma_bytes > 0) is not provided by "
+                                  f"moecomm.compat.deep_ep: make the Buffer with num_rdma_bytes=0 (intranode)")
+        if previous_event is not None:
+            previous_event.current_stream_wait()
+
+    def get_dispatch_layout(self, topk_idx, num_experts, previous_event=None, async_finish=False,
+                            allocate_on_comm_stream=False):
+        """DeepEP's get_dispatch_layout: topk_idx [num_tokens, top-k] int64 (-1: none). Returns (num_tokens_per_rank
+        [ranks] int32, None (intranode: no RDMA ranks), num_tokens_per_expert [num_experts] int32,
+        is_token_in_rank [num_tokens, ranks] bool, event): torch operations on topk_idx's device."""
+        self._normal("get_dispatch_layout", previous_event)
+        W = self.group_size
+        valid = topk_idx >= 0
+        per_expert = torch.bincount(topk_idx[valid], minlength=num_experts).to(torch.int32)
+        owner = torch.where(valid, topk_idx // (num_experts // W), -1)
+        in_rank = (owner.unsqueeze(-1) == torch.arange(W, device=topk_idx.device)).any(dim=1)
+        return in_rank.sum(0, dtype=torch.int32), None, per_expert, in_rank, _event(topk_idx, async_finish)
+
+    def _ranks_layer(self, tokens, hidden, num_experts, topk, scales):
+        """The moecomm.torch layer of an AllToAll in the ranks layout for this routing (num_experts, topk) and
+        token format (bfloat16, or e4m3 with ``scales``' float32 columns), made at first use (collective, as
+        DeepEP's calls are)."""
+        key = ("ranks", tokens, hidden, num_experts, topk, None if scales is None else scales.size(1))
+        if key not in self._layers:
+            if scales is not None and scales.dtype != torch.float32:
+                raise InvalidArgument(f"dispatch: FP8 scales of {scales.dtype}: moecomm.compat.deep_ep's normal mode "
+                                      f"takes float32 scales")
+            fp8 = scales is not None
+            a2a = moecomm.AllToAll(self.comm, tokens, num_experts, topk, hidden, scales.size(1) if fp8 else None,
+                                   "float8_e4m3fn" if fp8 else "bfloat16", "bfloat16", layout="ranks")
+            self._layers[key] = _Layer(a2a)
+        return self._layers[key]
+
+    def dispatch(self, x, handle=None, num_tokens_per_rank=None, num_tokens_per_rdma_rank=None,
+                 is_token_in_rank=None, num_tokens_per_expert=None, topk_idx=None, topk_weights=None,
+                 expert_alignment=1, num_worst_tokens=0, config=None, previous_event=None, async_finish=False,
+                 allocate_on_comm_stream=False):
+        """DeepEP's normal-mode dispatch: each token once to every rank of its experts (topk_idx [num_tokens,
+        top-k] int64), or of is_token_in_rank [num_tokens, ranks] bool without topk_idx, or as ``handle``'s
+        dispatch did (the cached dispatch). x: [num_tokens, hidden] bfloat16, or (e4m3 [num_tokens, hidden],
+        float32 scales [num_tokens, hidden / 128]). Returns (recv_x [n, hidden] (or the pair), recv_topk_idx
+        [n, top-k] int64 (local expert ids, -1 elsewhere) and recv_topk_weights [n, top-k] float32 with topk_idx
+        (else None), the tokens per local expert (a list, each rounded up to expert_alignment; [] with
+        num_worst_tokens, which n then is), handle, event); a cached dispatch returns (recv_x, None, None, None,
+        None, event). recv_x's rows: sources in rank order, each source's tokens in token order."""
+        self._normal("dispatch", previous_event)
+        x, scales = x if isinstance(x, tuple) else (x, None)
+        cached = handle is not None
+        if cached:
+            if topk_idx is not None or topk_weights is not None:
+                raise InvalidArgument("dispatch: a cached dispatch (handle given) takes no topk_idx or topk_weights")
+            routing, experts, tokens = handle.routing, handle.experts, handle.tokens
+        elif topk_idx is not None:  # routed by expert: row_routing gives each row's top-k
+            if num_tokens_per_expert is None:
+                raise InvalidArgument("dispatch: num_tokens_per_expert (get_dispatch_layout) is required")
+            routing, experts = topk_idx, num_tokens_per_expert.numel()
+        elif is_token_in_rank is not None and num_tokens_per_expert is not None:  # by rank: "expert" r is rank r
+            ranks = torch.arange(self.group_size, device=x.device, dtype=torch.int64)
+            routing, experts = torch.where(is_token_in_rank, ranks, -1), self.group_size
+        else:
+            raise InvalidArgument("dispatch: give is_token_in_rank and num_tokens_per_expert (get_dispatch_layout), "
+                                  "topk_idx, or a handle")
+        if not cached:  # the AllToAll holds the most tokens of any rank (rounded up to a power of two)
+            most = max(self.comm.allgather(x.size(0), "deep_ep dispatch: the ranks' token counts"))
+            tokens = 1 << max(most - 1, 0).bit_length()
+        layer = self._ranks_layer(tokens, x.size(1), experts, routing.size(1), scales)
+        a2a, arg, c = layer.a2a, layer._arg, layer.a2a.cfg
+        if num_worst_tokens > c.expert_capacity:
+            raise InvalidArgument(f"dispatch: num_worst_tokens={num_worst_tokens} exceeds the worst case, "
+                                  f"{c.expert_capacity} rows (the most tokens of a rank, rounded up, x ranks)")
+        if self._normal_open is not None:  # DeepEP lets a dispatch go uncombined: its call ends here
+            self._normal_open[0].a2a.abort()
+        new = functools.partial(torch.empty, device=x.device)
+        count, recv_x = new((c.num_local_experts,), dtype=torch.int32), new(c.expert_x_shape(), dtype=x.dtype)
+        recv_scales = None if scales is None else new(c.expert_x_scale_shape(), dtype=scales.dtype)
+        offsets = new((self.group_size + 1,), dtype=torch.int32)
+        a2a.dispatch(arg(count), arg(recv_x), arg(recv_scales), arg(x.contiguous()),
+                     arg(None if scales is None else scales.contiguous()), arg(routing),
+                     arg(self._bound_m(x.size(0), x.device)),
+                     weights=arg(None if topk_weights is None else topk_weights.float().contiguous()),
+                     out_expert_offsets=arg(offsets))
+        self._normal_open = (layer, routing)
+        if not cached:  # every rank's rows from each source: DeepEP's rank_prefix_matrix (and this rank's rows)
+            columns = self.comm.allgather(offsets.cpu().numpy()[1:], "deep_ep dispatch: the ranks' rows")
+            prefix = torch.tensor(np.stack(columns, axis=1), dtype=torch.int32, device=x.device)
+            handle = _NormalHandle(prefix, is_token_in_rank, routing, experts, tokens,
+                                   [int(column[-1]) for column in columns], self.rank, x, scales)
+        most = max(range(self.group_size), key=lambda j: handle.every_rows[j])
+        if num_worst_tokens and handle.every_rows[most] > num_worst_tokens:  # every rank knows: refused alike
+            a2a.abort()
+            self._normal_open = None
+            raise InvalidArgument(f"dispatch: rank {most} received {handle.every_rows[most]} rows, more than "
+                                  f"num_worst_tokens={num_worst_tokens}")
+        n = num_worst_tokens or handle.rows
+        received = recv_x[:n] if scales is None else (recv_x[:n], recv_scales[:n])
+        event = _event(x, async_finish)
+        if cached:
+            return received, None, None, None, None, event
+        recv_idx = recv_w = None
+        if topk_idx is not None:
+            shape = (c.expert_capacity, c.experts_per_token)
+            recv_idx, recv_w = new(shape, dtype=torch.int64), new(shape, dtype=torch.float32)
+            a2a.row_routing(arg(recv_idx), arg(recv_w))
+            recv_idx, recv_w = recv_idx[:n], recv_w[:n]
+            per_expert = count.tolist()  # pairs per local expert: the tokens each expert gets
+        else:  # the ranks' counts for this rank's experts
+            every = self.comm.allgather(num_tokens_per_expert.cpu().numpy(), "deep_ep dispatch: the experts' tokens")
+            L = num_tokens_per_expert.numel() // self.group_size
+            per_expert = np.sum(every, axis=0)[self.rank * L:(self.rank + 1) * L].tolist()
+        a = expert_alignment
+        per_expert = [] if num_worst_tokens else [-(-int(v) // a) * a for v in per_expert]
+        return received, recv_idx, recv_w, per_expert, handle, event
+
+    def combine(self, x, handle, topk_weights=None, bias=None, config=None, previous_event=None,
+                async_finish=False, allocate_on_comm_stream=False):
+        """DeepEP's normal-mode combine: x [n, hidden] bfloat16, a row per row of ``handle``'s dispatch (rows past
+        its n are ignored); topk_weights [n, top-k] float32 or None; bias: one or two [num_tokens, hidden]
+        bfloat16 tensors added, or None. Returns (combined_x [num_tokens, hidden] bfloat16: each token's rows
+        summed over the ranks that received it, combined_topk_weights [num_tokens, top-k] float32 (summed
+        alike) or None, event). A dispatch of the handle's routing is combined: the last one if it had that
+        routing (the handle's own, or a cached dispatch of it), else the handle's tokens are dispatched again
+        first (a dispatch's cost)."""
+        self._normal("combine", previous_event)
+        if not isinstance(handle, _NormalHandle):
+            raise InvalidArgument("combine: the handle of a normal-mode dispatch of this Buffer")
+        if x.dtype != torch.bfloat16:
+            raise InvalidArgument(f"combine: x is {x.dtype}; DeepEP's normal-mode combine takes bfloat16")
+        if self._normal_open is None or self._normal_open[1] is not handle.routing:
+            self.dispatch(handle.x if handle.scales is None else (handle.x, handle.scales), handle=handle)
+        layer, _ = self._normal_open
+        a2a, arg, c = layer.a2a, layer._arg, layer.a2a.cfg
+        rows, T, K = handle.rows, handle.x.size(0), c.experts_per_token
+        if x.size(0) < rows or (topk_weights is not None and tuple(topk_weights.shape[1:]) != (K,)):
+            a2a.abort()
+            self._normal_open = None
+            raise InvalidArgument(f"combine: x [{x.size(0)}, ...] and topk_weights [.., {K}] for the handle's {rows} "
+                                  f"rows of top-k {K}")
+        y = self._combine_buffers.get(id(layer))
+        if y is None:
+            y = self._combine_buffers[id(layer)] = torch.zeros(c.expert_x_shape(), dtype=torch.bfloat16,
+                                                               device=x.device)
+        y[:rows].copy_(x[:rows])
+        out = torch.empty((T, c.hidden_dim), dtype=torch.bfloat16, device=x.device)
+        side = combined_w = None
+        if topk_weights is not None:
+            side = torch.zeros((c.expert_capacity, K), dtype=torch.float32, device=x.device)
+            side[:rows].copy_(topk_weights[:rows])
+            combined_w = torch.empty((T, K), dtype=torch.float32, device=x.device)
+        self._normal_open = None
+        a2a.combine(arg(out), arg(handle.routing), None, arg(y), arg(self._bound_m(T, x.device)),
+                    expert_weights=arg(side), out_weights=arg(combined_w))
+        for b in bias if isinstance(bias, (tuple, list)) else (bias,):
+            if b is not None:
+                out += b
+        return out, combined_w, _event(out, async_finish)
 
     def destroy(self):
         """Destroy the AllToAlls (and the communicator this buffer made)."""
