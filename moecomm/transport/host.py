@@ -476,19 +476,18 @@ class HostAllToAll(AllToAllBackend):
             _, statuses, reasons = ex.post(np.zeros((0, 0), np.uint8), np.zeros(cfg.world_size, np.int64), *bad,
                                            agree=int(not a.partials))
             _raise_status(statuses, reasons, bad, "combine")
-        y = a.y[rv.where].astype(np.float32)  # [p, H]
         if cfg.layout == "ranks":  # a row per received token, unweighted, with its float32 side row
             n = rv.token.size
             side = () if a.expert_w is None else (a.expert_w[:n],)
             row_src, fields = rv.src_rank, [rv.token[:, None], a.y[:n].astype(np.float32), *side]
         elif a.partials:  # sum this rank's experts per token, weighted, on the expert side
             part = np.zeros((rv.token.size, cfg.hidden_dim), np.float32)
-            np.add.at(part, rv.pair_j, rv.weights[rv.pair_j, rv.pair_k][:, None] * y)
+            np.add.at(part, rv.pair_j, rv.weights[rv.pair_j, rv.pair_k][:, None] * a.y[rv.where].astype(np.float32))
             row_src, fields = rv.src_rank, [rv.token[:, None], *self._to_wire(part)]
         else:  # one row per (token, expert): the token side weights and sums
             row_src = rv.src_rank[rv.pair_j]
             fields = [rv.token[rv.pair_j][:, None], rv.pair_k.astype(np.int32)[:, None],
-                      *(self._to_wire(y) if cfg.combine_wire else (a.y[rv.where],))]
+                      *(self._to_wire(a.y[rv.where].astype(np.float32)) if cfg.combine_wire else (a.y[rv.where],))]
         rows, counts = self._to_groups(row_src, fields)
         pending, statuses, reasons = ex.post(rows, counts, _OK, agree=int(not a.partials))
         if pending is None:
