@@ -203,7 +203,7 @@ class AllToAll:
             raise InvalidArgument(f"moecomm.jax.AllToAll: failed must be 'nan' or 'zeros', got {failed!r}")
         self._nan_failed = failed == "nan"
         if c.layout != "padded":
-            raise ValueError("moecomm.jax takes AllToAlls of the padded layout")
+            raise InvalidArgument(f"moecomm.jax takes AllToAlls of the padded layout, not {c.layout!r}")
         self._host = a2a.comm.transport.memory == "host"
         self._device = a2a.comm.device
         expert = jax.ShapeDtypeStruct(c.expert_x_shape(), c.expert_dtype)

@@ -283,3 +283,14 @@ def test_moe_layers_of_the_jax_step_tool_on_the_cpu():
     p = run_mpi(1, "tools/jax_step.py", "--small", "--steps", "2", "--rounds", "1", "--json", "/dev/null",
                 timeout=600)
     assert p.returncode == 0 and "train    bfloat16      scan" in p.stdout, p.stdout[-4000:] + p.stderr[-4000:]
+
+
+@pytest.mark.parametrize("layout", ["packed", "ranks"])
+def test_layouts_other_than_padded_are_refused(layer, layout):
+    """moecomm.jax takes the padded layout: another is refused with moecomm's InvalidArgument at construction."""
+    a2a = moecomm.AllToAll(layer.a2a.comm, M, E, K, H, 2, "bfloat16", "bfloat16", layout=layout)
+    try:
+        with pytest.raises(moecomm.InvalidArgument, match=f"padded layout, not '{layout}'"):
+            mj.AllToAll(a2a)
+    finally:
+        a2a.destroy()
