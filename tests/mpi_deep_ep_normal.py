@@ -3,7 +3,7 @@ tensors on the host transport's ranks): get_dispatch_layout against the counts m
 random bf16 tokens, of tokens holding their rank, and of those in FP8 with per-token scales, with and without
 top-k, async and with a previous event: the rows received and every source's range (rank_prefix_matrix), the
 tokens per local expert, recv_topk_idx and recv_topk_weights, num_worst_tokens (the same rows padded, -1 ids past
-them), the cached dispatch; combine (each token's rows summed over the ranks that got it, its top-k weights
+them), the cached dispatch, expert_alignment; combine (each token's rows summed over the ranks that got it, its top-k weights
 alike). Then the training pattern (Megatron's DeepEP dispatcher): an autograd function whose backward swaps
 dispatch and combine (the handle's combine, a cached dispatch), gradients against the dense computation; and the
 refusals (internode, a cached dispatch given top-k, num_worst_tokens too small) on every rank, the next call
@@ -152,7 +152,14 @@ def intranode(comm, buffer, fails):
                         ref_w = (topk_weights_pure_rand if pure else topk_weights).masked_fill(topk_idx < 0, 0)
                         if not calc_diff(check_w[1:], ref_w[1:]) < 1e-9:
                             fails.append(f"{label}: combined top-k weights")
-    return checks
+    _, _, _, per_expert, handle, _ = buffer.dispatch(x, num_tokens_per_rank=num_tokens_per_rank,
+                                                     is_token_in_rank=is_token_in_rank, topk_idx=topk_idx,
+                                                     num_tokens_per_expert=num_tokens_per_expert, expert_alignment=4)
+    want = [-(-c // 4) * 4 for c in gbl_num_tokens_per_expert.view(W, -1)[rank].tolist()]
+    if per_expert != want:
+        fails.append(f"expert_alignment=4: tokens per expert {per_expert}, expected {want}")
+    buffer.combine(torch.zeros((handle.rows, H), dtype=torch.bfloat16), handle)
+    return checks + 1
 
 
 class MoE(torch.autograd.Function):
