@@ -538,12 +538,14 @@ class AllToAll:
         """The ranks layout's combine: weights None; expert_weights and out_weights, both or neither."""
         c, read = self.cfg, self._arrays.read
         if c.layout != "ranks":
-            raise InvalidArgument("expert_weights, out_weights: only in the ranks layout (layout='ranks'), pass None")
+            raise InvalidArgument("expert_weights: only in the ranks layout (layout='ranks'), pass None (and "
+                                  "out_weights)")
         if args.weights is not None:
             raise InvalidArgument("weights: the ranks layout sums each token's rows unweighted (expert_y holds the "
                                   "weighted sum of a row's experts): pass None")
         if (args.expert_weights is None) != (args.out_weights is None):
-            raise InvalidArgument("expert_weights and out_weights: give both or neither")
+            raise InvalidArgument(f"{'out_weights' if args.out_weights is None else 'expert_weights'}: give both "
+                                  f"expert_weights and out_weights, or neither")
         rec.expert_w = rec.out_w = None
         if args.expert_weights is not None:
             rec.expert_w = read(args.expert_weights, "expert_weights", _FLOAT32,

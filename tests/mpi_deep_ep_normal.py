@@ -1,13 +1,13 @@
 """moecomm.compat.deep_ep's normal mode as DeepEP's own tests/test_intranode.py calls it (its checks, ported: torch
 tensors on the host transport's ranks): get_dispatch_layout against the counts made from topk_idx; dispatch of
 random bf16 tokens, of tokens holding their rank, and of those in FP8 with per-token scales, with and without
-top-k, async and with a previous event: the rows received and every source's range (rank_prefix_matrix), the
-tokens per local expert, recv_topk_idx and recv_topk_weights, num_worst_tokens (the same rows padded, -1 ids past
-them), the cached dispatch, expert_alignment; combine (each token's rows summed over the ranks that got it, its top-k weights
-alike). Then the training pattern (Megatron's DeepEP dispatcher): an autograd function whose backward swaps
+top-k, async and with a previous event: the rows received and every source's range (rank_prefix_matrix), the tokens
+per local expert, recv_topk_idx and recv_topk_weights, num_worst_tokens (the same rows padded, -1 ids past them),
+the cached dispatch, expert_alignment; combine (each token's rows summed over the ranks that got it, its top-k
+weights alike). Then the training pattern (Megatron's DeepEP dispatcher): an autograd function whose backward swaps
 dispatch and combine (the handle's combine, a cached dispatch), gradients against the dense computation; and the
-refusals (internode, a cached dispatch given top-k, num_worst_tokens too small) on every rank, the next call
-right. On GPUs moecomm refuses the ranks layout so far: the first dispatch says so on every rank.
+refusals (internode, a cached dispatch given top-k, num_worst_tokens too small) on every rank, the next call right.
+On GPUs moecomm refuses the ranks layout so far: the first dispatch says so on every rank.
 
     mpiexec -n 3 python tests/mpi_deep_ep_normal.py [--transport host|ipc]
 
