@@ -24,7 +24,7 @@ def test_a_table_copied_by_hand_is_rendered_again():
 def test_every_docs_block_is_a_known_table_and_results_stay_few():
     names = {m.group("name") for path in FIGURES["DOCS"] for m in FIGURES["BLOCK"].finditer(path.read_text())}
     assert names == set(FIGURES["TABLES"])  # every table is shown somewhere, and nothing else is claimed
-    assert len(list((ROOT / "benchmarks" / "results").iterdir())) <= 15
+    assert len(list((ROOT / "benchmarks" / "results").iterdir())) <= 16  # 15 and deep-ep-ws1.json (issue 74)
 
 
 def test_no_measured_figure_outside_the_rendered_tables():

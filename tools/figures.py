@@ -145,6 +145,17 @@ def grads():
          "memory patterns alone: forward / backward", "backward's patterns / forward"], rows)
 
 
+def deep_ep():
+    """moecomm.compat.deep_ep's low-latency pair at DeepEP's test shape, eager and from a CUDA graph
+    (deep-ep-ws1.json)."""
+    rows = [[f"{r['tokens']} tokens, hidden {r['hidden']}, {r['experts']} experts, top-{r['topk']}, FP8 dispatch",
+             _with_p99({"median_us": r["eager_pair_us"], "p99_us": r["eager_pair_p99_us"]}), _us(r["host_pair_us"]),
+             _with_p99({"median_us": r["graph_pair_us"], "p99_us": r["graph_pair_p99_us"]})]
+            for r in _load("deep-ep-ws1.json")["results"] if r["mode"] == "low_latency"]
+    return _caption("deep-ep-ws1.json") + _table(
+        ["DeepEP low-latency pair, world size 1", "eager (p99)", "host time", "CUDA graph (p99)"], rows)
+
+
 def dispatch_wire():
     """The quantising dispatch against FP8 tokens given, R1-decode at world size 1, rounds interleaved
     (ws1-dispatch-wire.json)."""
@@ -209,7 +220,7 @@ def exchange():
         ["transport", "tokens per rank", "fence (moecomm's protocol)", "LL (NCCL's)", "graph launch floor"], rows)
 
 
-TABLES = {f.__name__: f for f in (ep2, ws1, host, jax, grads, dispatch_wire, sm_budget, hbm, exchange)}
+TABLES = {f.__name__: f for f in (ep2, ws1, host, jax, grads, dispatch_wire, deep_ep, sm_budget, hbm, exchange)}
 
 
 def render(text):
