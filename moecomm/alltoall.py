@@ -818,8 +818,9 @@ class AllToAll:
         if not self._backend.gradients:
             raise InvalidArgument(no_gradients(self.comm.transport.name))
         if self.cfg.layout == "ranks":
-            raise InvalidArgument("the ranks layout has no routing plan: its backward is a combine with the dispatch's "
-                                  "routing (the dispatch's) and a dispatch of the gradients (the combine's)")
+            raise InvalidArgument("plan: the ranks layout has none; a dispatch's backward is a combine along its "
+                                  "routing and a combine's a dispatch of the gradients along it (as DeepEP's normal "
+                                  "mode trains: moecomm.compat.deep_ep)")
 
     def _read_plan(self, plan, output=False):
         """``plan`` (a RoutingPlan) read as a RoutingPlan of values."""
