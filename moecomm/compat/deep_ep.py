@@ -391,6 +391,12 @@ class Buffer:
         if previous_event is not None:
             previous_event.current_stream_wait()
 
+    def _end_normal(self):
+        """End the normal-mode call left open (no combine follows it), on this rank; the others do alike."""
+        if self._normal_open is not None:
+            self._normal_open[0].a2a.abort()
+            self._normal_open = None
+
     def get_dispatch_layout(self, topk_idx, num_experts, previous_event=None, async_finish=False,
                             allocate_on_comm_stream=False):
         """DeepEP's get_dispatch_layout: topk_idx [num_tokens, top-k] int64 (-1: none). Returns (num_tokens_per_rank
@@ -456,8 +462,7 @@ class Buffer:
         if num_worst_tokens > c.expert_capacity:
             raise InvalidArgument(f"dispatch: num_worst_tokens={num_worst_tokens} exceeds the worst case, "
                                   f"{c.expert_capacity} rows (the most tokens of a rank, rounded up, x ranks)")
-        if self._normal_open is not None:  # DeepEP lets a dispatch go uncombined: its call ends here
-            self._normal_open[0].a2a.abort()
+        self._end_normal()  # DeepEP lets a dispatch go uncombined: its call ends here
         new = functools.partial(torch.empty, device=x.device)
         count, recv_x = new((c.num_local_experts,), dtype=torch.int32), new(c.expert_x_shape(), dtype=x.dtype)
         recv_scales = None if scales is None else new(c.expert_x_scale_shape(), dtype=scales.dtype)
@@ -473,10 +478,9 @@ class Buffer:
             prefix = torch.tensor(np.stack(columns, axis=1), dtype=torch.int32, device=x.device)
             handle = _NormalHandle(prefix, is_token_in_rank, routing, experts, tokens,
                                    [int(column[-1]) for column in columns], self.rank, x, scales)
-        most = max(range(self.group_size), key=lambda j: handle.every_rows[j])
-        if num_worst_tokens and handle.every_rows[most] > num_worst_tokens:  # every rank knows: refused alike
-            a2a.abort()
-            self._normal_open = None
+        if num_worst_tokens and max(handle.every_rows) > num_worst_tokens:  # every rank knows: refused alike
+            self._end_normal()
+            most = handle.every_rows.index(max(handle.every_rows))
             raise InvalidArgument(f"dispatch: rank {most} received {handle.every_rows[most]} rows, more than "
                                   f"num_worst_tokens={num_worst_tokens}")
         n = num_worst_tokens or handle.rows
@@ -519,8 +523,7 @@ class Buffer:
         a2a, arg, c = layer.a2a, layer._arg, layer.a2a.cfg
         rows, T, K = handle.rows, handle.x.size(0), c.experts_per_token
         if x.size(0) < rows or (topk_weights is not None and tuple(topk_weights.shape[1:]) != (K,)):
-            a2a.abort()
-            self._normal_open = None
+            self._end_normal()
             raise InvalidArgument(f"combine: x [{x.size(0)}, ...] and topk_weights [.., {K}] for the handle's {rows} "
                                   f"rows of top-k {K}")
         y = self._combine_buffers.get(id(layer))
