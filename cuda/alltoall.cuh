@@ -468,22 +468,29 @@ struct IdsCheck {
 // count is one acquire-release atomic (one MEMBAR.ALL.GPU before it, the L1 invalidated after it); at system
 // scope the release is a system fence, the last block's acquire a GPU-scope fence (the other blocks' writes
 // were made visible at system scope, which includes the GPU).
-__device__ __forceinline__ bool count_block(unsigned* done, bool system) {
+// A block may also flag something (`flag`, thread 0's): the flag travels in the count's high bits (FLAGGED per
+// flagged block; grids are below 2^16 blocks), so that the last block learns whether any block flagged (`any`)
+// from the count itself, with no load after it.
+constexpr unsigned FLAGGED = 1u << 16;
+__device__ __forceinline__ bool count_block(unsigned* done, bool system, bool flag = false, bool* any = nullptr) {
+  const unsigned add = flag ? 1u + FLAGGED : 1u;
   unsigned before;
   if (system) {
     fence_system();
-    before = atomicAdd(done, 1u);
-    if (before == gridDim.x - 1) asm volatile("fence.acq_rel.gpu;" ::: "memory");
+    before = atomicAdd(done, add);
+    if ((before & (FLAGGED - 1)) == gridDim.x - 1) asm volatile("fence.acq_rel.gpu;" ::: "memory");
   } else {
-    asm volatile("atom.add.acq_rel.gpu.global.u32 %0, [%1], 1;" : "=r"(before) : "l"(done) : "memory");
+    asm volatile("atom.add.acq_rel.gpu.global.u32 %0, [%1], %2;" : "=r"(before) : "l"(done), "r"(add) : "memory");
   }
-  return before == gridDim.x - 1;
+  if (any) *any = before + add >= FLAGGED;
+  return (before & (FLAGGED - 1)) == gridDim.x - 1;
 }
-__device__ __forceinline__ bool last_block(unsigned* done, bool system) {
-  __shared__ bool last;
+__device__ __forceinline__ bool last_block(unsigned* done, bool system, bool flag = false, bool* any = nullptr) {
+  __shared__ bool last, flagged;
   __syncthreads();
-  if (threadIdx.x == 0) last = count_block(done, system);
+  if (threadIdx.x == 0) last = count_block(done, system, flag, &flagged);
   __syncthreads();
+  if (any) *any = flagged;
   return last;
 }
 
@@ -583,11 +590,14 @@ __device__ __forceinline__ unsigned own_count(uint64_t v) { return v & SIG_BAD ?
 // release; `own_records` >= 0: this rank's own record count (else its slot atomics' count, state[FIXED + rank]).
 __device__ __forceinline__ int dispatch_begin(const Fixed& f, const Call& c, unsigned epoch) {
   const int m = c.skip ? 0 : *c.bound_m;
+  const bool first = blockIdx.x == 0 && threadIdx.x == 0;
+  // the previous call's combine, loaded beside m (a volatile load stays here): this thread routes a token next
+  const unsigned combined = first ? (unsigned)load_volatile((const int*)&f.state[MOECOMM_S_EPOCH_CS]) : 0u;
   const bool bad_m = !m_in_range(m, c.rows, f.max_tokens);
-  if (blockIdx.x == 0 && threadIdx.x == 0) {
+  if (first) {
     f.state[MOECOMM_S_M] = bad_m ? M_INVALID : (unsigned)m;  // combine checks its bound_m against it
     f.state[MOECOMM_S_BAD_RECV] = 0;  // the previous call's (its combine has read it; the receive half sets it)
-    if (!c.skip && f.state[MOECOMM_S_EPOCH_CS] != epoch - 1)  // the previous call's combine has not run
+    if (!c.skip && combined != epoch - 1)  // the previous call's combine has not run
       record_error(f.err, MOECOMM_ERR_ORDER, f.rank, MOECOMM_PHASE_DISPATCH, 0, (int)epoch);
     if (c.skip) {
       if (c.reason) atomicCAS(&f.state[MOECOMM_S_BAD], 0u, (unsigned)c.reason);
@@ -620,7 +630,7 @@ __device__ __forceinline__ void dispatch_sent(const Fixed& f, const Call& c, uns
     const bool masked = d == f.rank ? self_masked : f.mask[d];
     if (!masked && local) f.sig[f.rank] = word;  // read by later kernels only (world size 1): no release
     else if (!masked) {
-      signal_set(f.peers, &f.ids[f.rank], call_id_word(c, epoch), d);  // before the signal the receiver reads
+      word_set(f.peers, &f.ids[f.rank], call_id_word(c, epoch), d);  // published by the signal's release
       signal_set(f.peers, &f.sig[f.rank], word, d);
     }
     if (d != f.rank) tally_bytes(f, MOECOMM_B_DISPATCH_SENT, d, (unsigned long long)cnt * f.rec_bytes);

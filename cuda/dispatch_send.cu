@@ -126,7 +126,7 @@ __device__ void moecomm::dispatch_send(const Fixed& f, const Call& c, int sender
       }
       return;
     }
-    count_gap(f, c, e, w, call_row(f));  // e: the token's logical ids (-1 past top-k), masked ones included
+    if (f.gap_ring) count_gap(f, c, e, w, call_row(f));  // e: the token's logical ids (-1 past top-k), masked ones included
     const unsigned masked = __ballot_sync(FULL, dest == -2);
     if (lane == 0) tally(f, MOECOMM_C_MASKED_PAIRS, __popc(masked));
     e = dest >= 0 ? slot_id : -1;  // from here on: physical slots, -1 for pairs not sent
@@ -149,7 +149,7 @@ __device__ void moecomm::dispatch_send(const Fixed& f, const Call& c, int sender
     if (local) {
       if (slot < (unsigned)f.cap) where = (e - lo) * f.cap + slot;
       else dropped = f.drop;
-      if (where >= 0) count_tag(f, tag, e - lo, call_row(f));
+      if (where >= 0 && f.tag_ring) count_tag(f, tag, e - lo, call_row(f));
     }
     const unsigned drops = __ballot_sync(FULL, dropped);
     if (drops && lane == 0)  // read by this rank's combine_recv after the call's combine signals

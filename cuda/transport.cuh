@@ -9,6 +9,8 @@
 //                    fence_system, device.cuh)
 //   signal_set       set a 64-bit word (a signal, or a word read after one) on a peer, ordered after
 //                    this thread's data to it
+//   word_set         set a 64-bit word on a peer that this thread's next signal_set to it publishes
+//                    (no ordering of its own: the signal's carries it)
 // and both share peer_ptr (below): a load/store pointer to a peer's symmetric buffer, or nullptr when it is
 // not directly addressable (another node): callers must then put (put_block, put_signal_warp).
 // transport_nvshmem.cuh: NVSHMEM (NVLink by load/store, InfiniBand/EFA by puts); transport_ipc.cuh: CUDA IPC

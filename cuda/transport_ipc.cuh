@@ -28,4 +28,10 @@ __device__ __forceinline__ void signal_set(const long long* peers, uint64_t* sig
   asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(peer_ptr(peers, sig, pe)), "l"(value) : "memory");
 }
 
+// Set a word on pe that this thread's next signal_set to pe publishes (its release orders the word first): no
+// fence of its own.
+__device__ __forceinline__ void word_set(const long long* peers, uint64_t* word, uint64_t value, int pe) {
+  store_relaxed(peer_ptr(peers, word, pe), value);
+}
+
 }  // namespace moecomm

@@ -39,4 +39,11 @@ __device__ __forceinline__ void signal_set(const long long* peers, uint64_t* sig
   }
 }
 
+// Set a word on pe that this thread's next signal_set to pe publishes (its release, or the fence before its
+// signal op, orders the word first): no fence of its own.
+__device__ __forceinline__ void word_set(const long long* peers, uint64_t* word, uint64_t value, int pe) {
+  if (uint64_t* p = peer_ptr(peers, word, pe)) store_relaxed(p, value);
+  else nvshmemx_signal_op(word, value, NVSHMEM_SIGNAL_SET, pe);
+}
+
 }  // namespace moecomm

@@ -22,7 +22,8 @@ A GPU transport is two files and two registry entries (the ``ipc`` transport is 
 lines in all):
 
 1. a device header ``cuda/transport_<name>.cuh`` with the operations the kernels use to reach peers
-   (``signal_set``, ``put_block``, ``put_signal_warp``, ``quiet``: ``cuda/transport.cuh`` states their meaning);
+   (``signal_set``, ``word_set``, ``put_block``, ``put_signal_warp``, ``quiet``: ``cuda/transport.cuh`` states
+   their meaning);
 2. a subclass of :class:`moecomm.transport.gpu.GpuTransport` (``moecomm/transport/<name>.py``) providing the
    device runtime: bring-up over the bootstrap (``_start_runtime``, bounded), what the runtime must know
    of the loaded module (``_load_module``), symmetric allocation at the same offset on every rank
