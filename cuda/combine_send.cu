@@ -119,15 +119,15 @@ __device__ unsigned moecomm::combine_send(const Fixed& f, const Call& c, bool st
   if (threadIdx.x == 0)
     for (int q = group0; q < group1; ++q)
       if (q != f.rank) tally_bytes(f, MOECOMM_B_COMBINE_SENT, q, rows_sent * f.comb_row_bytes);
-  if (ids.differ(f, c, check.m)) atomicOr(&f.state[MOECOMM_S_IDS], 1u);  // observed by the last block
-  const bool is_last = last_block(&f.state[MOECOMM_S_DONE_CS], true);
+  bool any_differ;  // the last block's: some block found other ids (its count flagged it)
+  const bool is_last = last_block(&f.state[MOECOMM_S_DONE_CS], true, ids.differ(f, c, check.m), &any_differ);
   TRACE(MOECOMM_TRACE_COMBINE_SEND, 4);
   if (is_last) {
     TRACE_LAST_START();
     // other ids than the dispatch's: this rank's error, and its signals flag it (its rows were sent); so does a
     // dispatch of this rank that failed (its routing or m, reported to every rank then: ERR_ENDED here), so that
     // no peer's token side sums the call's rows as if it were right (they fill NaN with c.nan_failed)
-    const bool ids_differ = !reason && f.state[MOECOMM_S_IDS];
+    const bool ids_differ = !reason && any_differ;
     const unsigned flag = reason ? reason : ids_differ ? (unsigned)MOECOMM_REASON_IDS_DIFFER
         : check.failed ? (unsigned)MOECOMM_ERR_ENDED : 0u;
     if (ids_differ && threadIdx.x == 0)
@@ -139,7 +139,6 @@ __device__ unsigned moecomm::combine_send(const Fixed& f, const Call& c, bool st
     }
     __syncthreads();
     if (threadIdx.x == 0) {
-      f.state[MOECOMM_S_IDS] = 0;
       f.state[MOECOMM_S_DONE_CS] = 0;
       f.state[MOECOMM_S_EPOCH_CS] = epoch;
     }

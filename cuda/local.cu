@@ -140,7 +140,8 @@ extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, MOECOMM_BLOC
 // [rows, hidden] out_dtype (a token with no row gets zeros) and, when given, c.out_dropped [rows, topk] uint8
 // (from f.drop_buf, which dispatch_send wrote), and with c.zero_tail zeros in the rest of c.out_tokens' rows
 // (fill_rows: NaN in every row where combine_check finds the call failed, with c.nan_failed). Expert ids other
-// than the dispatch's (IdsCheck) are recorded as this rank's error. The call number is
+// than the dispatch's (f.ids_of; read beside the pairs by warp 0 of each token's first slice, compared after its
+// sum) are recorded as this rank's error. The call number is
 // the dispatch's: every block stores it as the combine's (no block of this call reads it) and in its own word of
 // state[s_combined] (a combine replayed twice after one dispatch finds it there: ERR_ORDER); state[BAD_RECV] is
 // cleared by the next dispatch_send.
@@ -161,17 +162,22 @@ extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, MOECOMM_BLOC
   const int per = (chunks + slices - 1) / slices;
   __shared__ const uint8_t* rows[THREADS / 32][MOECOMM_MAX_TOPK];  // each warp's list of the token's rows
   __shared__ float wts[THREADS / 32][MOECOMM_MAX_TOPK];
-  // the pairs of an item's token (lane k: its k-th): the block's first loaded beside the checks
+  // the pairs of an item's token (lane k: its k-th): the block's first loaded beside the checks; in warp 0 of a
+  // token's first slice also the ids given and dispatched
   int2 own = make_int2(-1, 0);
   float w = 0.0f;
+  int given = 0, dispatched = 0;
   auto load_pairs = [&](int i) {
     const int t = i / slices;
     const size_t pair = (size_t)t * f.topk + lane;
-    own = t < rows_max && lane < f.topk ? f.own_of[pair] : make_int2(-1, 0);
-    w = c.partials ? __int_as_float(own.y) : t < rows_max && lane < f.topk ? c.weights[pair] : 0.0f;
+    const bool pairs = t < rows_max && lane < f.topk, ids = pairs && warp == 0 && i % slices == 0;
+    own = pairs ? f.own_of[pair] : make_int2(-1, 0);
+    w = c.partials ? __int_as_float(own.y) : pairs ? c.weights[pair] : 0.0f;
+    given = ids ? expert_id(c, pair, f.num_experts) : 0;
+    dispatched = ids ? f.ids_of[pair] : 0;
   };
   load_pairs(blockIdx.x);
-  IdsCheck ids(f, c);
+  bool differ = false;  // warp 0: an id of the block's tokens other than the dispatch's
   const CombineCheck check = combine_check(f, c, epoch, again);
   const int m = check.m;
   fill_rows(f, c, m, check.failed);
@@ -193,9 +199,11 @@ extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, MOECOMM_BLOC
     uint8_t* const dst = c.out_tokens + (size_t)t * f.out_row_bytes;
     weighted_sum<false, false, 8>(f, rows[warp], wts[warp], __popc(use), &dst, 1, threadIdx.x, THREADS, s * per,
                                   min(chunks, (s + 1) * per));
+    differ |= given != dispatched;
     __syncwarp();  // the list is rewritten for the next item
   }
-  if (ids.differ(f, c, m))  // its rows were summed as dispatched: the call fails here (no peer to tell)
+  // its rows were summed as dispatched: the call fails here (no peer to tell)
+  if (warp == 0 && __any_sync(FULL, differ) && lane == 0)
     record_error(f.err, MOECOMM_ERR_IDS_DIFFER, f.rank, MOECOMM_PHASE_COMBINE, 0, (int)epoch);
   if (threadIdx.x == 0) {
     *combined = epoch;

@@ -73,14 +73,13 @@ DT_BF16, DT_FP16, DT_FP32 = 0, 1, 2
 # receive half failed (capacity: the combine flags it to the peers) and its detail (the demand), the expert-map
 # generation (set by set_expert_map, carried by every dispatch signal), the packed layout's row counter, then the arrays
 # of moecomm._abi.state_layout (their offsets depend on the sizes). TOKENS_EVEN / TOKENS_ODD: tokens the streamed
-# combine_recv has claimed in even / odd calls (each combine_send zeroes the next call's). IDS: nonzero once a block of
-# combine_send found the call's expert ids other than its dispatch's (its last block flags the signals and clears it).
+# combine_recv has claimed in even / odd calls (each combine_send zeroes the next call's).
 # The backward calls (cuda/backward.cu): EPOCH_B counts them (both kinds), DONE_B0 .. DONE_B2 are their kernels' block
 # counters (one per part: a block may be in the next part before the last one has finished this one), BAD_B the reason
 # this rank's part failed (its signals flag it).
 STATE_FIELDS = ("EPOCH_DS", "EPOCH_DR", "EPOCH_CS", "DONE_DS", "DONE_DR", "DONE_CS", "BAD", "M", "BAD_RECV", "WHY",
                 "GEN", "ROWS", "TOKENS_EVEN", "TOKENS_ODD", "EPOCH_B", "DONE_B0", "DONE_B1", "DONE_B2",
-                "BAD_B", "IDS")
+                "BAD_B")
 STATE_FIXED = len(STATE_FIELDS)
 STAGE_SLOTS = 4       # staging rows per block for puts to peers without a load/store mapping
 KERNEL_NAMES = ("moecomm", "deep_ep")  # AllToAll(kernel_names=): the split halves' own kernels, or DeepEP's names
