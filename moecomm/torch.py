@@ -22,9 +22,12 @@ argument (combine with weights=None then refuses to record a backward). FP8 toke
 gradient has its tensor's dtype; differentiate the bfloat16 tokens before quantising). The core package
 never imports torch; this module does.
 """
+import functools
+
 import numpy as np
 import torch
 
+from ._arrays import DeviceBuffer, _torch_dtype
 from ._dtypes import bfloat16, float8_e4m3fn, float8_e8m0fnu
 from ._errors import InvalidArgument
 from .alltoall import CombineArgs, RoutingPlan, no_gradients
@@ -34,6 +37,18 @@ _TORCH = {np.dtype(bfloat16): torch.bfloat16, np.dtype(float8_e4m3fn): torch.flo
           np.dtype(float8_e8m0fnu): torch.uint8,  # UE8M0 scales as their bytes (moecomm reads uint8 as UE8M0)
           np.dtype(np.float16): torch.float16, np.dtype(np.float32): torch.float32, np.dtype(np.int32): torch.int32,
           np.dtype(np.uint8): torch.uint8}
+
+
+def plain_torch(fn):
+    """``fn`` with torch's ``__torch_function__`` handling off while it runs: a program under a torch function mode
+    (``torch.set_default_device``, which DeepEP's tests and some engines set) otherwise sends every tensor method
+    moecomm calls through that mode, ~1 µs each, and a call makes dozens (reading each array's address, shape,
+    dtype, layout and device). moecomm's calls name the device and dtype of every tensor they make."""
+    @functools.wraps(fn)
+    def plain(*args, **kwargs):
+        with torch._C.DisableTorchFunction():
+            return fn(*args, **kwargs)
+    return plain
 
 
 class AllToAll:
@@ -60,6 +75,19 @@ class AllToAll:
             return t.detach().view(raw).numpy().view(dtype)
         return t.detach().numpy()
 
+    def _kept(self, t):
+        """A contiguous tensor the caller keeps across calls and never resizes (its own output buffers) as moecomm
+        reads it at no cost per call: a DeviceBuffer over its memory (holding the tensor) on GPUs; :meth:`_arg`'s
+        view on the host transport."""
+        if t is None or self._host:
+            return self._arg(t)
+        return DeviceBuffer(t.data_ptr(), t.shape, _torch_dtype(t.dtype), t.get_device(), t)
+
+    def _stream(self, like):
+        """The launch stream of a call whose arrays are on ``like``'s device: torch's current stream there (a
+        handle, so that arrays given as DeviceBuffers (:meth:`_kept`) do not imply CuPy's); None on the host."""
+        return None if self._host else torch._C._cuda_getCurrentRawStream(like.get_device())
+
     def _new(self, shape, dtype, like, zeros):
         maker = torch.zeros if zeros else torch.empty
         return maker(tuple(shape), dtype=_TORCH[np.dtype(dtype)], device=like.device)
@@ -69,6 +97,7 @@ class AllToAll:
         plan = RoutingPlan(*(self._new(s, np.int32, like, False) for s in self._plan_shapes))
         return plan, RoutingPlan(*(self._arg(t) for t in plan))
 
+    @plain_torch
     def dispatch(self, dp_x, dp_x_scale, indices, bound_m, weights=None, tags=None, call_id=None):
         """:meth:`moecomm.AllToAll.dispatch` (both halves; ``tags``: [rows] int32 with num_tags, ``call_id``:
         [1] int32 equal on every rank, or None).
@@ -82,6 +111,7 @@ class AllToAll:
         return _Dispatch.apply(self, torch.is_grad_enabled(), dp_x, dp_x_scale, indices, bound_m, weights, tags,
                                call_id)
 
+    @plain_torch
     def combine(self, indices, weights, expert_y, bound_m):
         """:meth:`moecomm.AllToAll.combine` (both halves). Returns out_tokens [rows, hidden] out_dtype (rows =
         indices.shape[0]; rows >= m are zeros). expert_y and weights get their gradients from
@@ -117,6 +147,7 @@ class _Dispatch(torch.autograd.Function):
         return n, ex, exs
 
     @staticmethod
+    @plain_torch
     def backward(ctx, _counts, grad_expert_x, _grad_scale):
         layer = ctx.layer
         if not ctx.needs_input_grad[2]:  # only the weights required grad: theirs flows through combine
@@ -163,6 +194,7 @@ class _Combine(torch.autograd.Function):
         return out
 
     @staticmethod
+    @plain_torch
     def backward(ctx, grad_out):
         layer, arg = ctx.layer, ctx.layer._arg
         *plan, weights, expert_y, bound_m = ctx.saved_tensors

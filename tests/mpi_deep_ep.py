@@ -6,7 +6,8 @@ the values, per-source counts in the layout range, values within the FP8 roundin
 also bit-exactly against moecomm.reference, then combine (copied, then zero-copy: the same handle combined
 again, as DeepEP's test does) against the weighted sum; a dispatch left uncombined; two calls' results held at
 once (the first's unchanged by the second); LogFMT and a normal-mode dispatch with no routing are refused with
-moecomm errors and the next call works; on GPUs, the pair captured into a CUDA graph and replayed.
+moecomm errors and the next call works; on GPUs, the pair captured into a CUDA graph and replayed. The calls run
+under torch's default dtype bfloat16 and default device, as DeepEP's init_dist leaves its tests.
 
     mpiexec -n 2 python tests/mpi_deep_ep.py [--transport host|ipc|nvshmem]
 
@@ -52,6 +53,8 @@ def check(comm, fails, device):
     want = x.float() * topk_weights.masked_fill(topk_idx < 0, 0).sum(1, keepdim=True)  # each combine's weighted sum
     all_idx = torch.from_numpy(np.stack(comm.allgather(topk_idx.cpu().numpy())))  # [W, T, K]
     all_x = comm.allgather(x.cpu().view(torch.int16).numpy())
+    torch.set_default_dtype(torch.bfloat16)  # as DeepEP's init_dist leaves a program: its calls run under a
+    torch.set_default_device(device)  # default-device mode, which sees every torch call (compat.deep_ep avoids it)
     buffer = deep_ep.Buffer(comm, num_rdma_bytes=deep_ep.Buffer.get_low_latency_rdma_size_hint(T, H, W, E),
                             low_latency_mode=True)
     checks = 0

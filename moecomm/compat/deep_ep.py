@@ -51,6 +51,7 @@ import moecomm
 from .._errors import InvalidArgument
 from ..alltoall import CombineArgs, DispatchArgs
 from ..torch import AllToAll as _Layer
+from ..torch import plain_torch
 
 
 class EventOverlap:
@@ -132,7 +133,8 @@ class _Outputs(NamedTuple):
     """One set of a layer's call outputs: count [L] int32, recv_x [L, T * R, hidden], scales (FP8: [L, hidden /
     128, T * R], else None), ``received`` as low_latency_dispatch returns them (recv_x, or recv_x and the scales'
     [L, T * R, hidden / 128] view), the handle's src_info [L, T * R] int32 and layout_range [L, R] int64, and
-    combine's combined [T, hidden] bfloat16."""
+    combine's combined [T, hidden] bfloat16; ``kept``: the same fields as moecomm reads them (the layer's
+    _kept: no reading per call), received and kept None."""
     count: object
     recv_x: object
     scales: object
@@ -140,6 +142,10 @@ class _Outputs(NamedTuple):
     src_info: object
     layout_range: object
     combined: object
+    kept: object = None
+
+
+_KEPT = ("count", "recv_x", "scales", "src_info", "layout_range", "combined")  # _Outputs.kept's fields
 
 
 class Buffer:
@@ -215,23 +221,26 @@ class Buffer:
             for _ in range(2):
                 recv_x = new(c.expert_x_shape(), c.expert_dtype, like, False)
                 scales = new(c.expert_x_scale_shape(), c.scale_dtype, like, False) if c.hidden_dim_scale else None
-                sets.append(_Outputs(
+                outs = _Outputs(
                     new((c.num_local_experts,), np.int32, like, False), recv_x, scales,
                     recv_x if scales is None else (recv_x, scales.transpose(1, 2)),  # scales: column-major
                     new(c.expert_x_shape()[:-1], np.int32, like, False),
                     torch.empty((c.num_local_experts, self.group_size), dtype=torch.int64, device=like.device),
-                    torch.empty((T, c.hidden_dim), dtype=torch.bfloat16, device=like.device)))
+                    torch.empty((T, c.hidden_dim), dtype=torch.bfloat16, device=like.device))
+                kept = outs._replace(**{f: layer._kept(getattr(outs, f)) for f in _KEPT}, received=None)
+                sets.append(outs._replace(kept=kept))
         sets.rotate()
         return sets[0]
 
-    def _bound_m(self, n, device):
+    def _bound_m(self, n, layer, device):
         """A [1] int32 tensor holding n on ``device``, made once (a fill: no host copy) and never written again,
-        so that a handle may keep it."""
-        key = (n, device)
+        so that a handle may keep it: as ``layer`` reads it (its _kept)."""
+        key = (n, device, layer._host)
         if key not in self._counts:
-            self._counts[key] = torch.full((1,), n, dtype=torch.int32, device=device)
+            self._counts[key] = layer._kept(torch.full((1,), n, dtype=torch.int32, device=device))
         return self._counts[key]
 
+    @plain_torch
     def low_latency_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
                              cumulative_local_expert_recv_stats=None, dispatch_wait_recv_cost_stats=None,
                              use_fp8=True, round_scale=False, use_ue8m0=False, async_finish=False,
@@ -248,17 +257,21 @@ class Buffer:
         layer = self._layer(num_max_dispatch_tokens_per_rank, x.size(1), num_experts, topk_idx.size(1), use_fp8,
                             round_scale, use_ue8m0)
         a2a = layer.a2a
-        bound_m = self._bound_m(x.size(0), x.device)
+        bound_m = self._bound_m(x.size(0), layer, x.device)
         outs = self._outputs(layer, x)
-        count, src_info, layout_range = outs.count, outs.src_info, outs.layout_range
-        args = DispatchArgs(*map(layer._arg, (count, outs.recv_x, outs.scales, x, None, topk_idx, bound_m)))
+        kept = outs.kept
+        stream = layer._stream(x)
+        args = DispatchArgs(kept.count, kept.recv_x, kept.scales, layer._arg(x), None, layer._arg(topk_idx), bound_m,
+                            stream=stream)
 
-        def receive():  # the receive half, then the handle's arrays
+        @plain_torch
+        def receive():  # the receive half, then the handle's arrays, on the stream current when it is called
+            now = layer._stream(x)
             with _recorded(layer):
-                a2a.run(args, do_send=False)
-                a2a.source_layout(layer._arg(src_info), layer._arg(layout_range))
+                a2a.run(args._replace(stream=now), do_send=False)
+                a2a.source_layout(kept.src_info, kept.layout_range, now)
             if cumulative_local_expert_recv_stats is not None:
-                cumulative_local_expert_recv_stats.add_(count)
+                cumulative_local_expert_recv_stats.add_(outs.count)
 
         if return_recv_hook:
             with _recorded(layer):
@@ -266,14 +279,15 @@ class Buffer:
         else:  # one launch, as DeepEP's
             with _recorded(layer):
                 a2a.run(args)
-                a2a.source_layout(layer._arg(src_info), layer._arg(layout_range))
+                a2a.source_layout(kept.src_info, kept.layout_range, stream)
             if cumulative_local_expert_recv_stats is not None:
-                cumulative_local_expert_recv_stats.add_(count)
+                cumulative_local_expert_recv_stats.add_(outs.count)
         handle = self._open = self._last = _Handle(
-            (src_info, layout_range, num_max_dispatch_tokens_per_rank, x.size(1), num_experts), layer, bound_m, x,
-            outs)
-        return outs.received, count, handle, _event(x, async_finish), receive if return_recv_hook else None
+            (outs.src_info, outs.layout_range, num_max_dispatch_tokens_per_rank, x.size(1), num_experts), layer,
+            bound_m, x, outs)
+        return outs.received, outs.count, handle, _event(x, async_finish), receive if return_recv_hook else None
 
+    @plain_torch
     def low_latency_combine(self, x, topk_idx, topk_weights, handle, use_logfmt=False, zero_copy=False,
                             async_finish=False, return_recv_hook=False, out=None,
                             combine_wait_recv_cost_stats=None):
@@ -301,13 +315,15 @@ class Buffer:
         if combined is None:  # the handle's set's rows (a view where fewer; a combine again: rows of its own)
             combined = (torch.empty_like(full[:topk_idx.size(0)]) if again else
                         full if topk_idx.size(0) == full.size(0) else full[:topk_idx.size(0)])
-        args = CombineArgs(arg(combined), arg(topk_idx), arg(topk_weights), arg(y), arg(handle.bound_m))
+        args = CombineArgs(handle.outputs.kept.combined if combined is full else arg(combined), arg(topk_idx),
+                           arg(topk_weights), arg(y), handle.bound_m, stream=layer._stream(topk_idx))
         with _recorded(layer):
             a2a.run(args, do_recv=not return_recv_hook)  # one launch without the hook, as DeepEP's
 
-        def hook():
+        @plain_torch
+        def hook():  # on the stream current when it is called
             with _recorded(layer):
-                a2a.run(args, do_send=False)
+                a2a.run(args._replace(stream=layer._stream(topk_idx)), do_send=False)
         return combined, _event(combined, async_finish), hook if return_recv_hook else None
 
     def _dispatch_again(self, handle, topk_idx, y):
@@ -319,12 +335,13 @@ class Buffer:
         a2a, c, new, x = layer.a2a, layer.a2a.cfg, layer._new, handle.x
         scales = new(c.expert_x_scale_shape(), c.scale_dtype, x, False) if c.hidden_dim_scale else None
         args = (new((c.num_local_experts,), np.int32, x, False), new(c.expert_x_shape(), c.expert_dtype, x, False),
-                scales, x, None, topk_idx, handle.bound_m)
-        a2a.run(DispatchArgs(*map(layer._arg, args)))
+                scales, x, None, topk_idx)
+        a2a.run(DispatchArgs(*map(layer._arg, args), handle.bound_m))
         src_info, layout_range = torch.empty_like(handle[0]), torch.empty_like(handle[1])
         a2a.source_layout(layer._arg(src_info), layer._arg(layout_range))  # before its combine, as the first's
         return _moved(y, _pairs(handle[0], handle[1]), _pairs(src_info, layout_range))
 
+    @plain_torch
     def get_next_low_latency_combine_buffer(self, handle):
         """The bf16 [L, T * R, hidden] tensor a zero-copy low_latency_combine of this handle's AllToAll reads."""
         layer = handle.layer
@@ -397,6 +414,7 @@ class Buffer:
             self._normal_open[0].a2a.abort()
             self._normal_open = None
 
+    @plain_torch
     def get_dispatch_layout(self, topk_idx, num_experts, previous_event=None, async_finish=False,
                             allocate_on_comm_stream=False):
         """DeepEP's get_dispatch_layout: topk_idx [num_tokens, top-k] int64 (-1: none). Returns (num_tokens_per_rank
@@ -425,6 +443,7 @@ class Buffer:
             self._layers[key] = _Layer(a2a)
         return self._layers[key]
 
+    @plain_torch
     def dispatch(self, x, handle=None, num_tokens_per_rank=None, num_tokens_per_rdma_rank=None,
                  is_token_in_rank=None, num_tokens_per_expert=None, topk_idx=None, topk_weights=None,
                  expert_alignment=1, num_worst_tokens=0, config=None, previous_event=None, async_finish=False,
@@ -469,7 +488,7 @@ class Buffer:
         offsets = new((self.group_size + 1,), dtype=torch.int32)
         a2a.dispatch(arg(count), arg(recv_x), arg(recv_scales), arg(x.contiguous()),
                      arg(None if scales is None else scales.contiguous()), arg(routing),
-                     arg(self._bound_m(x.size(0), x.device)),
+                     self._bound_m(x.size(0), layer, x.device),
                      weights=arg(None if topk_weights is None else topk_weights.float().contiguous()),
                      out_expert_offsets=arg(offsets))
         self._normal_open = (layer, routing)
@@ -503,6 +522,7 @@ class Buffer:
         per_expert = [] if num_worst_tokens else [-(-int(v) // a) * a for v in per_expert]
         return received, recv_idx, recv_w, per_expert, handle, event
 
+    @plain_torch
     def combine(self, x, handle, topk_weights=None, bias=None, config=None, previous_event=None,
                 async_finish=False, allocate_on_comm_stream=False):
         """DeepEP's normal-mode combine: x [n, hidden] bfloat16, a row per row of ``handle``'s dispatch (rows past
@@ -538,7 +558,7 @@ class Buffer:
             side[:rows].copy_(topk_weights[:rows])
             combined_w = torch.empty((T, K), dtype=torch.float32, device=x.device)
         self._normal_open = None
-        a2a.combine(arg(out), arg(handle.routing), None, arg(y), arg(self._bound_m(T, x.device)),
+        a2a.combine(arg(out), arg(handle.routing), None, arg(y), self._bound_m(T, layer, x.device),
                     expert_weights=arg(side), out_weights=arg(combined_w))
         for b in bias if isinstance(bias, (tuple, list)) else (bias,):
             if b is not None:
