@@ -264,16 +264,17 @@ class Buffer:
         args = DispatchArgs(kept.count, kept.recv_x, kept.scales, layer._arg(x), None, layer._arg(topk_idx), bound_m,
                             stream=stream)
 
-        @plain_torch
-        def receive():  # the receive half, then the handle's arrays, on the stream current when it is called
-            now = layer._stream(x)
-            with _recorded(layer):
-                a2a.run(args._replace(stream=now), do_send=False)
-                a2a.source_layout(kept.src_info, kept.layout_range, now)
-            if cumulative_local_expert_recv_stats is not None:
-                cumulative_local_expert_recv_stats.add_(outs.count)
-
+        receive = None
         if return_recv_hook:
+            @plain_torch
+            def receive():  # the receive half, then the handle's arrays, on the stream current when it is called
+                now = layer._stream(x)
+                with _recorded(layer):
+                    a2a.run(args._replace(stream=now), do_send=False)
+                    a2a.source_layout(kept.src_info, kept.layout_range, now)
+                if cumulative_local_expert_recv_stats is not None:
+                    cumulative_local_expert_recv_stats.add_(outs.count)
+
             with _recorded(layer):
                 a2a.run(args, do_recv=False)
         else:  # one launch, as DeepEP's
@@ -285,7 +286,7 @@ class Buffer:
         handle = self._open = self._last = _Handle(
             (outs.src_info, outs.layout_range, num_max_dispatch_tokens_per_rank, x.size(1), num_experts), layer,
             bound_m, x, outs)
-        return outs.received, outs.count, handle, _event(x, async_finish), receive if return_recv_hook else None
+        return outs.received, outs.count, handle, _event(x, async_finish), receive
 
     @plain_torch
     def low_latency_combine(self, x, topk_idx, topk_weights, handle, use_logfmt=False, zero_copy=False,
@@ -319,12 +320,13 @@ class Buffer:
                            arg(topk_weights), arg(y), handle.bound_m, stream=layer._stream(topk_idx))
         with _recorded(layer):
             a2a.run(args, do_recv=not return_recv_hook)  # one launch without the hook, as DeepEP's
-
-        @plain_torch
-        def hook():  # on the stream current when it is called
-            with _recorded(layer):
-                a2a.run(args._replace(stream=layer._stream(topk_idx)), do_send=False)
-        return combined, _event(combined, async_finish), hook if return_recv_hook else None
+        hook = None
+        if return_recv_hook:
+            @plain_torch
+            def hook():  # on the stream current when it is called
+                with _recorded(layer):
+                    a2a.run(args._replace(stream=layer._stream(topk_idx)), do_send=False)
+        return combined, _event(combined, async_finish), hook
 
     def _dispatch_again(self, handle, topk_idx, y):
         """Dispatch ``handle``'s tokens again along ``topk_idx`` (its routing) into scratch outputs, so that its
