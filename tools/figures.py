@@ -150,10 +150,12 @@ def deep_ep():
     (deep-ep-ws1.json)."""
     rows = [[f"{r['tokens']} tokens, hidden {r['hidden']}, {r['experts']} experts, top-{r['topk']}, FP8 dispatch",
              _with_p99({"median_us": r["eager_pair_us"], "p99_us": r["eager_pair_p99_us"]}), _us(r["host_pair_us"]),
-             _with_p99({"median_us": r["graph_pair_us"], "p99_us": r["graph_pair_p99_us"]})]
+             _with_p99({"median_us": r["graph_pair_us"], "p99_us": r["graph_pair_p99_us"]}),
+             _us(r["deep_ep_test_avg_us"]) if "deep_ep_test_avg_us" in r else "-"]
             for r in _load("deep-ep-ws1.json")["results"] if r["mode"] == "low_latency"]
     return _caption("deep-ep-ws1.json") + _table(
-        ["DeepEP low-latency pair, world size 1", "eager (p99)", "host time", "CUDA graph (p99)"], rows)
+        ["DeepEP low-latency pair, world size 1", "eager (p99)", "host time", "CUDA graph (p99)",
+         "DeepEP's own test, eager (mean)"], rows)
 
 
 def dispatch_wire():
