@@ -19,6 +19,8 @@ for fp8), since not every framework names them. An output must be writable: a re
 own outputs) are refused.
 """
 import ctypes
+import sys
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import numpy as np
@@ -219,6 +221,19 @@ def _c_contiguous(shape, strides_elems):
 _CUPY, _TORCH = "cupy", "torch"
 _BUFFER = "buffer"
 _TORCH_DTYPES = {}  # torch.dtype -> numpy dtype (None: not one we read), filled as dtypes are seen
+
+
+_PLAIN = nullcontext()
+
+
+def torch_function_off():
+    """A context for reading a call's arrays: torch's ``__torch_function__`` handling off where a torch function
+    mode is on (``torch.set_default_device``'s sees every tensor method, ~1 µs each, and reading a tensor calls five),
+    else a null one. torch is not imported here: it is looked up where the caller has imported it."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch._C._is_torch_function_mode_enabled():
+        return _PLAIN
+    return torch._C.DisableTorchFunction()
 
 
 def _torch_dtype(d):

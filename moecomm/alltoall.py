@@ -8,7 +8,7 @@ from typing import NamedTuple
 import numpy as np
 
 from . import _constants as C
-from ._arrays import Accepted, accepted
+from ._arrays import Accepted, accepted, torch_function_off
 from ._calls import CallOrder
 from ._config import AllToAllConfig
 from ._constants import ARGUMENTS, HALVES, m_in_range, timeout_seconds
@@ -449,13 +449,15 @@ class AllToAll:
         if seen is not None and all(map(is_, seen.arrays, args)):  # args' arrays lead its fields
             if seen.marks:  # promised arrays: refused where one changed (then read again next time)
                 self._seen[phase] = None
-                arrays.check_marks(seen.marks, seen.producers)
+                with torch_function_off():
+                    arrays.check_marks(seen.marks, seen.producers)
                 self._seen[phase] = seen
             weights, outputs = seen.weights, seen.outputs
         else:
             self._seen[phase], arrays.buffers = None, True  # read() clears buffers for any other array
-            weights, outputs = (self._read_dispatch if phase == "dispatch" else self._read_combine)(args)
-            marks = () if arrays.buffers else arrays.marks(args) if args.promised else None
+            with torch_function_off():
+                weights, outputs = (self._read_dispatch if phase == "dispatch" else self._read_combine)(args)
+                marks = () if arrays.buffers else arrays.marks(args) if args.promised else None
             if marks is not None:
                 given = tuple(getattr(args, f) for f in args.array_fields)
                 self._seen[phase] = _new_tuple(_Seen, (given, weights, outputs, marks, arrays.producers()))

@@ -528,3 +528,31 @@ def test_prepared_calls_of_other_kinds_read_them_every_time(fake):
         dispatch()
         fake.combine(**c, stream=LAUNCH)
     assert names.count("dp_x") == 2
+
+
+def test_torch_tensors_are_read_with_torch_function_modes_off(fake):
+    """Under a torch function mode (torch.set_default_device's, which DeepEP's tests and some engines set) reading
+    a call's torch tensors reaches no mode: each tensor method would otherwise go through it (~1 µs each)."""
+    torch = pytest.importorskip("torch")
+    from torch.overrides import TorchFunctionMode
+
+    class Counting(TorchFunctionMode):
+        def __init__(self):
+            super().__init__()
+            self.calls = 0
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            self.calls += 1
+            return func(*args, **(kwargs or {}))
+
+    d = dict(out_expert_num_tokens=torch.zeros(E, dtype=torch.int32),
+             out_expert_x=moecomm.DeviceBuffer(0x2000, (E, M, H), moecomm.float8_e4m3fn, 0),
+             out_expert_x_scale=torch.zeros((E, M, S)), dp_x=torch.zeros((M, H), dtype=torch.float8_e4m3fn),
+             dp_x_scale=torch.zeros((M, S)), indices=torch.zeros((M, K), dtype=torch.int64),
+             bound_m=torch.full((1,), M, dtype=torch.int32), weights=torch.zeros((M, K)))
+    out, expert_y = torch.zeros((M, H), dtype=torch.bfloat16), torch.zeros((E, M, H), dtype=torch.bfloat16)
+    with Counting() as mode:
+        fake.dispatch(**d, stream=LAUNCH)
+        fake.combine(out, d["indices"], None, expert_y, d["bound_m"], stream=LAUNCH)
+    assert [launch[0] for launch in fake.comm.transport.backend.launches] == ["dispatch", "combine"]
+    assert mode.calls == 0
