@@ -27,7 +27,7 @@ import functools
 import numpy as np
 import torch
 
-from ._arrays import DeviceBuffer, _torch_dtype
+from ._arrays import DeviceBuffer, _torch_dtype, torch_function_off
 from ._dtypes import bfloat16, float8_e4m3fn, float8_e8m0fnu
 from ._errors import InvalidArgument
 from .alltoall import CombineArgs, RoutingPlan, no_gradients
@@ -46,7 +46,7 @@ def plain_torch(fn):
     dtype, layout and device). moecomm's calls name the device and dtype of every tensor they make."""
     @functools.wraps(fn)
     def plain(*args, **kwargs):
-        with torch._C.DisableTorchFunction():
+        with torch_function_off():
             return fn(*args, **kwargs)
     return plain
 
