@@ -126,7 +126,7 @@ __device__ void moecomm::dispatch_send(const Fixed& f, const Call& c, int sender
       }
       return;
     }
-    if (f.gap_ring) count_gap(f, c, e, w, call_row(f));  // e: the token's logical ids (-1 past top-k), masked ones included
+    if (f.gap_ring) count_gap(f, c, e, w, call_row(f));  // e: the token's logical ids (-1 past top-k), masked too
     const unsigned masked = __ballot_sync(FULL, dest == -2);
     if (lane == 0) tally(f, MOECOMM_C_MASKED_PAIRS, __popc(masked));
     e = dest >= 0 ? slot_id : -1;  // from here on: physical slots, -1 for pairs not sent
