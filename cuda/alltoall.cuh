@@ -469,9 +469,9 @@ struct IdsCheck {
 // scope the release is a system fence, the last block's acquire a GPU-scope fence (the other blocks' writes
 // were made visible at system scope, which includes the GPU).
 // A block may also flag something (count_block: thread 0's `flag`; last_block: any thread's): the flag travels
-// in the count's high bits (FLAGGED per flagged block; grids are below 2^16 blocks), so that the last block
-// learns whether any block flagged (`any`) from the count itself, with no load after it.
-constexpr unsigned FLAGGED = 1u << 16;
+// in the count's high bits (FLAGGED per flagged block; every grid is smaller: gpu_plan.py checks it), so that
+// the last block learns whether any block flagged (`any`) from the count itself, with no load after it.
+constexpr unsigned FLAGGED = MOECOMM_MAX_GRID_BLOCKS;
 __device__ __forceinline__ bool count_block(unsigned* done, bool system, bool flag = false, bool* any = nullptr) {
   const unsigned add = flag ? 1u + FLAGGED : 1u;
   unsigned before;

@@ -85,6 +85,7 @@ STAGE_SLOTS = 4       # staging rows per block for puts to peers without a load/
 KERNEL_NAMES = ("moecomm", "deep_ep")  # AllToAll(kernel_names=): the split halves' own kernels, or DeepEP's names
 BLOCK_THREADS = 256   # threads of every alltoall block: a block handles one token or record at a time
 BLOCKS_PER_SM = 2     # alltoall blocks resident per SM (kernels are built for it: 128 registers per thread)
+MAX_GRID_BLOCKS = 1 << 16  # every grid is smaller (launch plans check it): a block count's high bits carry a flag
 PROGRAMMATIC_ARCH = 900  # compute capability (as __CUDA_ARCH__: 100 * major + 10 * minor) from which moecomm's
                          # kernels are programmatic dependent launches (Hopper; moecomm/_abi.py: Kernel.dependent)
 SUM_SLICE_CHUNKS = 64  # 16-byte chunks of a token's row per work item of the local path's combine, at least
@@ -199,6 +200,7 @@ TRACE_SPAN = 8
 _DEVICE_SCALARS = ("TIMEOUT_LEFT", "REASON_IDS_DIFFER", "REASON_BAD_TAG", "GAP_BINS", "ERROR_WORDS",
                    "REASON_ARG_SHIFT", "SIG_COUNT_BITS",
                    "SIG_GEN_BITS", "MAX_TOPK", "MAX_EXPERTS", "ROW_ALIGN", "BLOCK_THREADS", "BLOCKS_PER_SM",
+                   "MAX_GRID_BLOCKS",
                    "ARRIVAL_BATCH", "ARRIVAL_FIRST", "TRACE_POINTS", "TRACE_SPAN", "COMBINE_BLOCK", "PLAN_CALL_BITS",
                    "PLAN_GEN_BITS", "PROGRAMMATIC_ARCH", "SUM_SLICE_CHUNKS")
 _DEVICE_LITERALS = {"REPLICA_TOKEN": "u", "REPLICA_GROUP": "u", "PEER_UNMAPPED": "ll", "E4M3_MAX": "f"}

@@ -303,6 +303,7 @@ def launch_plan(cfg, num_sms, variant, all_mapped=True):
     stagers = [halves["dispatch_send"][0], halves["combine_send"][0], *(k[0] for k in whole.values()),
                *(n for op, n in backward.items() if op != "plan" and n == GRAD_KERNELS[op])]  # the exchanging ones
     stage_rows = max(grids[n] for n in stagers) * C.STAGE_SLOTS
+    assert max(grids.values()) < C.MAX_GRID_BLOCKS, grids  # a block count's high bits carry a flag (count_block)
     module = module_variant(cfg, sms, variant, all_mapped)
     return LaunchPlan(variant=module, sms=sms, grids=grids, halves=halves, whole=whole, fallback=fallback,
                       streamed=streamed(cfg, sms), combine_streams=combine_streams(cfg, sms, module),
