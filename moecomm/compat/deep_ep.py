@@ -235,7 +235,7 @@ class Buffer:
     def _bound_m(self, n, layer, device):
         """A [1] int32 tensor holding n on ``device``, made once (a fill: no host copy) and never written again,
         so that a handle may keep it: as ``layer`` reads it (its _kept)."""
-        key = (n, device, layer._host)
+        key = (n, device)
         if key not in self._counts:
             self._counts[key] = layer._kept(torch.full((1,), n, dtype=torch.int32, device=device))
         return self._counts[key]
