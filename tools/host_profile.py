@@ -131,8 +131,8 @@ def parts(comm, a2a, delay_args, delay, arrays, stream):
     d_args = DispatchArgs(b["n"], b["ex"], b["es"], b["x"], b["xs"], b["idx"], b["m"], b["w"], None, None, None,
                           stream, False)
     c_args = CombineArgs(b["out"], b["idx"], None, b["y"], b["m"], stream=stream)
-    rows["read dispatch (DeviceBuffer)"] = timed(lambda: a2a._read(d_args, stream, False, False), 2000)
-    rows["read combine (DeviceBuffer)"] = timed(lambda: a2a._read(c_args, stream, False, False), 2000)
+    rows["read dispatch (DeviceBuffer)"] = timed(lambda: a2a._read(d_args, False, False), 2000)
+    rows["read combine (DeviceBuffer)"] = timed(lambda: a2a._read(c_args, False, False), 2000)
     rows["arrays.order"] = timed(a2a._arrays.order, 2000)
     backend = a2a._backend
     rows["check_error"] = timed(lambda: backend.check_error(timeout_only=True), 2000)
