@@ -282,7 +282,8 @@ extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, MOECOMM_BLOC
 // AllToAllConfig.slots_by_source). Where the last dispatch put each source rank's rows (moecomm.AllToAll.source_layout;
 // DeepEP's low-latency handle): s.src_info [local_experts * cap] = the token (its row on its source rank) of
 // each slot, -1 where empty; s.layout_range [local_experts, world] int64 = (first slot << 32) | slots from that
-// source (consecutive), 0 where none. The counts and first slots gather in layout_range's two 32-bit halves.
+// source (consecutive), 0 where none; s.add_counts [local_experts] int32 (or null) += each expert's slots written
+// (DeepEP's cumulative receive statistics). The counts and first slots gather in layout_range's two 32-bit halves.
 extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, MOECOMM_BLOCKS_PER_SM)
     moecomm_source_layout(const Fixed f, const Sources s) {
   after_previous_kernel();
@@ -307,6 +308,12 @@ extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, MOECOMM_BLOC
   __syncthreads();
   for (int i = threadIdx.x; i < ranges; i += blockDim.x)
     if (range[2 * i] == 0) range[2 * i + 1] = 0;
+  if (s.add_counts)
+    for (int e = threadIdx.x; e < f.local_experts; e += blockDim.x) {
+      int slots = 0;
+      for (int q = 0; q < f.world; ++q) slots += (int)range[2 * (e * f.world + q)];
+      s.add_counts[e] += slots;
+    }
 }
 
 namespace {

@@ -171,6 +171,7 @@ DELAY_FIELDS = (("ns", "unsigned long long"),)
 SOURCES_FIELDS = (  # AllToAll.source_layout (moecomm_source_layout, cuda/backward.cu)
     ("src_info", "int*"),           # [local_experts * cap] int32: each slot's token, -1 where empty
     ("layout_range", "long long*"),  # [local_experts, world] int64: (first slot << 32) | slots of each source
+    ("add_counts", "int*"),         # [local_experts] int32 or null: each expert's slots written added to it
 )
 HALF_FIELDS = (("recv", "int"),)  # a kernel that runs either half of a phase (cuda/deep_ep.cu): 1 the receive half
 

@@ -679,7 +679,7 @@ class AllToAll:
             self._backend.write_plan(rp, s)
 
     @one_call
-    def source_layout(self, out_src_info, out_layout_range, stream=None):
+    def source_layout(self, out_src_info, out_layout_range, stream=None, add_counts=None):
         """Where the last dispatch put each source rank's rows, as DeepEP's low-latency handle describes them
         (its ``src_info`` and ``layout_range``): in the padded layout whose experts' slots are grouped by source
         rank (``group_by_source=True``, or world size 1). Not collective; call it between the dispatch's receive
@@ -691,6 +691,8 @@ class AllToAll:
                 rank's dp_x) each slot holds, -1 where empty.
             out_layout_range: [num_local_experts, world_size] int64, written: ``(first slot << 32) | slots`` of
                 each source rank's rows in each expert (consecutive, sources in rank order); 0 where none.
+            add_counts: [num_local_experts] int32, or None: each local expert's received tokens (its slots
+                written) added to it, as DeepEP's ``cumulative_local_expert_recv_stats`` (in the same launch).
         """
         self._live()
         c = self.cfg
@@ -702,8 +704,10 @@ class AllToAll:
             src_info = self._arrays.read(out_src_info, "out_src_info", _COUNTS, self._expert_shape[:-1], output=True)
             layout_range = self._arrays.read(out_layout_range, "out_layout_range", _RANGES,
                                              (c.num_local_experts, c.world_size), output=True)
+            counts = self._absent if add_counts is None else self._arrays.read(
+                add_counts, "add_counts", _COUNTS, self._counts_shape, output=True)
             self._arrays.order()
-            self._backend.write_sources(src_info, layout_range, s)
+            self._backend.write_sources(src_info, layout_range, counts, s)
 
     @one_call
     def row_routing(self, out_indices, out_weights=None, stream=None):

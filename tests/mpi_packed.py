@@ -1,7 +1,7 @@
 """The layouts whose rows are placed grouped by source, on either transport: the packed layout (each rank's rows
 back to back, expert by expert) and the padded one with group_by_source, each expert's rows from each source
 rank equal to the reference's for every input dtype, with and without scales, sources in rank order (and as
-AllToAll.source_layout describes them in the padded layout); combine
+AllToAll.source_layout describes them in the padded layout, its add_counts included); combine
 through their expert_y equals the reference; a capacity (per rank packed, per expert padded) with "drop" drops
 the demand past it (exactly the reference's pairs on the host transport) and combine equals the reference
 without them; "error" raises CapacityExceeded on every rank and the next call is right.
@@ -65,8 +65,9 @@ def check(xp, a2a, comm, drawn, capacity, fails, label):
     a2a.dispatch(n, ex, es, put(xp, x), put(xp, xs), d_ids, m, weights=xp.asarray(w), out_expert_offsets=off)
     sources = None
     if not packed:  # the slots of each source rank (DeepEP's handle)
-        sources = xp.zeros(c.expert_x_shape()[:-1], np.int32), xp.zeros((E_PER_RANK, W), np.int64)
-        a2a.source_layout(*sources)
+        sources = (xp.zeros(c.expert_x_shape()[:-1], np.int32), xp.zeros((E_PER_RANK, W), np.int64),
+                   xp.full(E_PER_RANK, 3, np.int32))  # the counts added to 3
+        a2a.source_layout(*sources[:2], add_counts=sources[2])
     ex_h = get(ex, c.in_dtype)
     y = xp.asarray(ex_h.astype(np.float32).astype(np.float16))  # the expert: identity in the output dtype
     out, dropped = xp.zeros((M, H), np.float16), xp.zeros((M, K), np.uint8)
@@ -100,6 +101,9 @@ def check(xp, a2a, comm, drawn, capacity, fails, label):
         return
     if sources is not None:
         check_sources(get(sources[0], np.int32), get(sources[1], np.int64), ref["origin"], counts, W, fails, label)
+        if not np.array_equal(get(sources[2], np.int32), 3 + counts):
+            fails.append(f"{label}: source_layout's add_counts {get(sources[2], np.int32).tolist()} != 3 + "
+                         f"{counts.tolist()}")
     es_h = None if es is None else get(es, np.float32)
     for e in range(E_PER_RANK):  # each expert's rows from each source, as sets (sorted)
         rows = slice(first[e], first[e + 1]) if packed else (e, slice(0, counts[e]))

@@ -114,11 +114,12 @@ class AllToAllBackend(abc.ABC):
         from .._errors import InvalidArgument
         raise InvalidArgument(f"{type(self).__name__} does not take expert maps")
 
-    def write_sources(self, src_info, layout_range, stream) -> None:
+    def write_sources(self, src_info, layout_range, add_counts, stream) -> None:
         """Write where the last dispatch received (before its combine) put each source rank's rows, in the
         padded layout with each expert's slots grouped by source (AllToAllConfig.slots_by_source):
         ``src_info`` [num_local_experts, capacity] int32, each slot's token (-1: empty); ``layout_range``
-        [num_local_experts, world_size] int64, (first slot << 32) | slots of each source rank (0: none)."""
+        [num_local_experts, world_size] int64, (first slot << 32) | slots of each source rank (0: none);
+        ``add_counts`` [num_local_experts] int32 or absent: each expert's slots written added to it."""
         raise NotImplementedError
 
     def write_row_routing(self, indices, weights, stream) -> None:

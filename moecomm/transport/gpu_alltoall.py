@@ -274,11 +274,12 @@ class GpuAllToAll(AllToAllBackend):
         self._cupy.cuda.runtime.memsetAsync(plan.held, 0, 4, stream)  # none held yet
         self._grads[0]["plan"](stream)
 
-    def write_sources(self, src_info, layout_range, stream):
+    def write_sources(self, src_info, layout_range, add_counts, stream):
         if not self._dispatched:
             raise InvalidArgument("source_layout: no dispatch has been received since construction or the last "
                                   "mask_ranks")
-        self._sources.src_info, self._sources.layout_range = src_info, layout_range
+        s = self._sources
+        s.src_info, s.layout_range, s.add_counts = src_info, layout_range, add_counts
         self._source_layout(stream)
 
     def dispatch_backward(self, a, stream):

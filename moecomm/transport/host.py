@@ -583,7 +583,7 @@ class HostAllToAll(AllToAllBackend):
             if rv.weights is not None:
                 weights[:n] = np.where(rv.local >= 0, rv.weights, 0)
 
-    def write_sources(self, src_info, layout_range, stream=None):
+    def write_sources(self, src_info, layout_range, add_counts=None, stream=None):
         rv = self._received
         if rv is None:
             raise InvalidArgument("source_layout: no dispatch has been received since construction or the last "
@@ -596,6 +596,8 @@ class HostAllToAll(AllToAllBackend):
         np.add.at(count, at, 1)
         np.minimum.at(first, at, slot)
         layout_range[:] = np.where(count > 0, first << 32 | count, 0)
+        if add_counts is not None:
+            add_counts += count.sum(axis=1, dtype=np.int32)
 
     def dispatch_backward(self, a, stream=None):
         cfg = self.cfg
