@@ -5,8 +5,9 @@ against the gathered top-k ids, the cumulative statistics, each slot's source to
 the values, per-source counts in the layout range, values within the FP8 rounding), the FP8 values and scales
 also bit-exactly against moecomm.reference, then combine (copied, then zero-copy: the same handle combined
 again, as DeepEP's test does) against the weighted sum; a dispatch left uncombined; two calls' results held at
-once (the first's unchanged by the second); LogFMT and a normal-mode dispatch with no routing are refused with
-moecomm errors and the next call works; on GPUs, the pair captured into a CUDA graph and replayed. The calls run
+once (the first's unchanged by the second); LogFMT, a normal-mode dispatch with no routing and statistics of
+another dtype are refused with moecomm errors and the next call works; on GPUs, the pair captured into a CUDA
+graph and replayed (the statistics added to at every replay). The calls run
 under torch's default dtype bfloat16 and default device, as DeepEP's init_dist leaves its tests.
 
     mpiexec -n 2 python tests/mpi_deep_ep.py [--transport host|ipc|nvshmem]
@@ -62,7 +63,7 @@ def check(comm, fails, device):
         for use_fp8, round_scale, use_ue8m0 in ((False, False, False), (True, False, False), (True, True, False),
                                                 (True, True, True)):
             label = f"fp8={use_fp8} round_scale={round_scale} ue8m0={use_ue8m0} hook={hook_mode}"
-            stats = torch.zeros(L, dtype=torch.int32, device=device)
+            stats = torch.full((L,), 5, dtype=torch.int32, device=device)  # added to, as DeepEP's
             recv, count, handle, event, hook = buffer.low_latency_dispatch(
                 x, topk_idx, T, E, cumulative_local_expert_recv_stats=stats, use_fp8=use_fp8,
                 round_scale=round_scale, use_ue8m0=use_ue8m0, async_finish=not hook_mode, return_recv_hook=hook_mode)
@@ -77,8 +78,8 @@ def check(comm, fails, device):
                 expert = r * L + i
                 n = int(count[i])
                 want_n = int((all_idx == expert).sum())
-                if n != want_n or int(stats[i]) != n or int((layout_range[i] & 0xFFFFFFFF).sum()) != n:
-                    fails.append(f"{label}: expert {expert}: {n} tokens, stats {int(stats[i])}, layout range "
+                if n != want_n or int(stats[i]) != 5 + n or int((layout_range[i] & 0xFFFFFFFF).sum()) != n:
+                    fails.append(f"{label}: expert {expert}: {n} tokens, stats {int(stats[i])} (from 5), layout range "
                                  f"{layout_range[i].tolist()}; the ids route {want_n} to it")
                     continue
                 v = values[i, :n].cpu()
@@ -153,7 +154,9 @@ def check(comm, fails, device):
     _, _, handle, _, _ = buffer.low_latency_dispatch(x, topk_idx, T, E, use_fp8=False)
     for name, call in (("LogFMT", lambda: buffer.low_latency_combine(y, topk_idx, topk_weights, handle,
                                                                       use_logfmt=True)),
-                       ("a normal-mode dispatch with no routing", lambda: buffer.dispatch(x))):
+                       ("a normal-mode dispatch with no routing", lambda: buffer.dispatch(x)),
+                       ("int64 statistics", lambda: buffer.low_latency_dispatch(
+                           x, topk_idx, T, E, torch.zeros(L, dtype=torch.int64, device=device), use_fp8=False))):
         try:
             call()
             fails.append(f"{name}: accepted")
@@ -166,8 +169,10 @@ def check(comm, fails, device):
         fails.append("the call after the refusals is wrong")
     checks += 1
     if device != "cpu":  # the pair captured into a CUDA graph (torch.cuda.graph, as serving engines capture it)
+        stats = torch.zeros(L, dtype=torch.int32, device=device)
+
         def pair():  # the experts the identity on their own dispatch's rows (the slots' order differs per call)
-            got, _, h, _, _ = buffer.low_latency_dispatch(x, topk_idx, T, E, use_fp8=False)
+            got, _, h, _, _ = buffer.low_latency_dispatch(x, topk_idx, T, E, stats, use_fp8=False)
             return buffer.low_latency_combine(got, topk_idx, topk_weights, h)[0]
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -177,6 +182,7 @@ def check(comm, fails, device):
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             replayed = pair()
+        stats.zero_()
         for n in range(3):  # every rank replays its graph as often: the kernels pair the replays
             replayed.fill_(float("nan"))
             graph.replay()
@@ -185,6 +191,9 @@ def check(comm, fails, device):
             if not err <= 0.01:
                 fails.append(f"the pair replayed from a CUDA graph ({n + 1}): off by {err:.3g}")
                 break
+        want_stats = 3 * torch.stack([(all_idx == r * L + i).sum() for i in range(L)]).to(stats)
+        if not torch.equal(stats, want_stats):
+            fails.append(f"the statistics after 3 replays: {stats.tolist()}, expected {want_stats.tolist()}")
         checks += 1
     buffer.destroy()
     return checks

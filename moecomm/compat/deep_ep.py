@@ -21,11 +21,12 @@ and a failed replayed call's combined rows are NaN. Every call runs on the curre
 EventOverlap of it with ``async_finish``, else empty (as DeepEP's). The handle is DeepEP's five-tuple: each slot's
 source token ``[L, T * R]`` int32 and per local expert and source rank ``(first slot << 32) | count`` int64 (the
 source's slots are consecutive, sources in rank order: ``AllToAll.source_layout``, one small kernel after the
-receive half), then num_max_dispatch_tokens_per_rank, hidden and num_experts. The results live in two sets per
-shape, used in turn (DeepEP's own rule in low-latency mode: a program holds at most two calls' results at once), so
-no call allocates (bound_m is kept per token count). A dispatch left uncombined ends (``a2a.abort()``) when the
-next one begins; the last handle may be combined again, as DeepEP allows (moecomm combines each dispatch once: the
-tokens are dispatched again and the expert outputs moved to the new slots of their pairs, a dispatch's cost).
+receive half, which also adds ``cumulative_local_expert_recv_stats``' counts), then
+num_max_dispatch_tokens_per_rank, hidden and num_experts. The results live in two sets per shape, used in turn
+(DeepEP's own rule in low-latency mode: a program holds at most two calls' results at once), so no call allocates
+(bound_m is kept per token count). A dispatch left uncombined ends (``a2a.abort()``) when the next one begins; the
+last handle may be combined again, as DeepEP allows (moecomm combines each dispatch once: the tokens are dispatched
+again and the expert outputs moved to the new slots of their pairs, a dispatch's cost).
 Refused with a moecomm InvalidArgument: LogFMT combine (``combine_wire="e4m3"`` is moecomm's FP8 combine), and
 the wait-cost statistics.
 
@@ -76,7 +77,10 @@ def _recorded(layer):
     """``layer.a2a.captured()`` while the current CUDA stream is being captured into a graph (CUDA graphs of
     DeepEP's calls, as serving engines capture them): the calls then keep nothing on the host, and the kernels
     pair their replays; otherwise nothing."""
-    return layer.a2a.captured() if not layer._host and torch.cuda.is_current_stream_capturing() else nullcontext()
+    return layer.a2a.captured() if not layer._host and torch._C._cuda_isCurrentStreamCapturing() else _PLAIN
+
+
+_PLAIN = nullcontext()
 
 
 def _event(like, async_finish):
@@ -254,10 +258,16 @@ class Buffer:
         if self._open is not None:  # DeepEP lets a dispatch go uncombined: its call ends here, on every rank alike
             self._open.layer.a2a.abort()
             self._open = None
-        layer = self._layer(num_max_dispatch_tokens_per_rank, x.size(1), num_experts, topk_idx.size(1), use_fp8,
+        tokens, hidden = x.shape
+        layer = self._layer(num_max_dispatch_tokens_per_rank, hidden, num_experts, topk_idx.shape[1], use_fp8,
                             round_scale, use_ue8m0)
-        a2a = layer.a2a
-        bound_m = self._bound_m(x.size(0), layer, x.device)
+        a2a, stats = layer.a2a, cumulative_local_expert_recv_stats
+        if stats is not None and (stats.dtype != torch.int32 or stats.shape != (a2a.cfg.num_local_experts,)):
+            raise InvalidArgument(f"low_latency_dispatch: cumulative_local_expert_recv_stats is {stats.dtype} "
+                                  f"{list(stats.shape)}; DeepEP's is int32 [{a2a.cfg.num_local_experts}] (the local "
+                                  f"experts)")  # before any call: every rank refuses alike
+        stats = layer._arg(stats)
+        bound_m = self._bound_m(tokens, layer, x.device)
         outs = self._outputs(layer, x)
         kept = outs.kept
         stream = layer._stream(x)
@@ -271,20 +281,16 @@ class Buffer:
                 now = layer._stream(x)
                 with _recorded(layer):
                     a2a.run(args._replace(stream=now), do_send=False)
-                    a2a.source_layout(kept.src_info, kept.layout_range, now)
-                if cumulative_local_expert_recv_stats is not None:
-                    cumulative_local_expert_recv_stats.add_(outs.count)
+                    a2a.source_layout(kept.src_info, kept.layout_range, now, stats)
 
             with _recorded(layer):
                 a2a.run(args, do_recv=False)
         else:  # one launch, as DeepEP's
             with _recorded(layer):
                 a2a.run(args)
-                a2a.source_layout(kept.src_info, kept.layout_range, stream)
-            if cumulative_local_expert_recv_stats is not None:
-                cumulative_local_expert_recv_stats.add_(outs.count)
+                a2a.source_layout(kept.src_info, kept.layout_range, stream, stats)
         handle = self._open = self._last = _Handle(
-            (outs.src_info, outs.layout_range, num_max_dispatch_tokens_per_rank, x.size(1), num_experts), layer,
+            (outs.src_info, outs.layout_range, num_max_dispatch_tokens_per_rank, hidden, num_experts), layer,
             bound_m, x, outs)
         return outs.received, outs.count, handle, _event(x, async_finish), receive
 
@@ -314,8 +320,9 @@ class Buffer:
         self._open = None
         combined, full = out, handle.outputs.combined
         if combined is None:  # the handle's set's rows (a view where fewer; a combine again: rows of its own)
-            combined = (torch.empty_like(full[:topk_idx.size(0)]) if again else
-                        full if topk_idx.size(0) == full.size(0) else full[:topk_idx.size(0)])
+            tokens = topk_idx.shape[0]
+            combined = (torch.empty_like(full[:tokens]) if again else
+                        full if tokens == full.shape[0] else full[:tokens])
         args = CombineArgs(handle.outputs.kept.combined if combined is full else arg(combined), arg(topk_idx),
                            arg(topk_weights), arg(y), handle.bound_m, stream=layer._stream(topk_idx))
         with _recorded(layer):
