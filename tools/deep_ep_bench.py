@@ -2,12 +2,13 @@
 ``low_latency_combine`` pair as a program that does not capture calls them (eager), and the same pair replayed
 from a CUDA graph; checked against the dense result first (the experts the identity on the dequantised tokens).
 
-    mpirun -np 1 python tools/deep_ep_bench.py [--json deep-ep-ws1.json] [--profile]
+    mpirun -np 1 python tools/deep_ep_bench.py [--json deep-ep-ws1.json] [--profile] [--parts]
 
 Times: CUDA events around each pair after a warm-up, median and p99 over ``--iters`` (an eager pair's events
 wait for the host where the host is the slower, as DeepEP's own test times it); ``host_pair_us``: the host's own
 time per eager pair. ``--profile`` also prints the functions of the eager pairs by their own time per pair
-(cProfile inflates every Python frame: read the shares). GPUs only (torch tensors on CUDA).
+(cProfile inflates every Python frame: read the shares); ``--parts`` times each step of the eager pair alone,
+unprofiled, behind a device delay (so no launch waits for the device). GPUs only (torch tensors on CUDA).
 """
 import argparse
 import cProfile
@@ -88,6 +89,60 @@ def captured_graph(fn):
     return out, graph
 
 
+def busy_timed(step, loops, busy, reps=15):
+    """Median over ``reps`` of the mean µs of ``loops`` calls of ``step()``, each repetition behind ``busy()`` (a
+    device delay on the current stream, so that no launch waits for the device), the device drained after."""
+    means = []
+    for _ in range(reps):
+        busy()
+        t0 = time.perf_counter_ns()
+        for _ in range(loops):
+            step()
+        means.append((time.perf_counter_ns() - t0) / loops / 1e3)
+        torch.cuda.synchronize()
+    return statistics.median(means)
+
+
+def parts(comm, buffer, pair, bare_pair, stats, topk_idx, topk_weights, y):
+    """The eager pair's host time, step by step (rank 0 prints): whole, without the statistics, the source layout,
+    one prepared launch, the core's argument reading, then the pair with the source layout's launch, all launches,
+    and then the core's calls, left out (the last two leave the device behind the host: run last)."""
+    from moecomm._arrays import torch_function_off
+    from moecomm.alltoall import CombineArgs, DispatchArgs
+    from moecomm.bench import delay_kernel
+    delay_args, delay = delay_kernel(comm.transport)
+    stream = torch.cuda.current_stream().cuda_stream
+
+    def busy():  # 20 ms of device work ahead of a repetition's launches
+        delay_args.ns = int(20e6)
+        delay(stream)
+
+    rows = {"pair (DeepEP's test_func, no hook)": busy_timed(pair, 50, busy),
+            "pair without cumulative_local_expert_recv_stats": busy_timed(bare_pair, 50, busy)}
+    handle = buffer._last
+    layer, x, bound_m = handle.layer, handle.x, handle.bound_m
+    a2a, kept = layer.a2a, handle.outputs.kept
+    rows["AllToAll.source_layout (DeviceBuffers, the statistics added)"] = busy_timed(
+        lambda: a2a.source_layout(kept.src_info, kept.layout_range, stream, stats), 200, busy)
+    launch = a2a._backend._source_layout
+    rows["one prepared launch (the source-layout kernel's)"] = busy_timed(lambda: launch(stream), 200, busy)
+    d = DispatchArgs(kept.count, kept.recv_x, kept.scales, x, None, topk_idx, bound_m, stream=stream)
+    c = CombineArgs(kept.combined, topk_idx, topk_weights, y, bound_m, stream=stream)
+    with torch_function_off():
+        rows["_read_dispatch (core: the dispatch's 6 arrays)"] = busy_timed(lambda: a2a._read_dispatch(d), 2000, busy)
+        rows["_read_combine (core: the combine's 5 arrays)"] = busy_timed(lambda: a2a._read_combine(c), 2000, busy)
+    backend = a2a._backend
+    backend._source_layout = lambda *_: None  # what its launch costs inside a pair (the combine needs none of it)
+    rows["pair, the source-layout kernel's launch left out"] = busy_timed(pair, 50, busy)
+    backend._launch = lambda *_: None
+    rows["pair, no launches (the device left behind from here)"] = busy_timed(pair, 200, busy)
+    a2a.run = a2a.source_layout = lambda *_, **__: None
+    rows["pair, no core calls (compat.deep_ep alone)"] = busy_timed(pair, 200, busy)
+    if comm.rank == 0:
+        for name, us in rows.items():
+            print(f"  {us:7.2f} us  {name}")
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tokens", type=int, default=128, help="tokens per rank (DeepEP's test: 128)")
@@ -96,6 +151,7 @@ def main():
     p.add_argument("--topk", type=int, default=8, help="experts per token (DeepEP's test: 8)")
     p.add_argument("--iters", type=int, default=300, help="timed pairs (default 300)")
     p.add_argument("--profile", action="store_true", help="print the eager pair's functions by own time")
+    p.add_argument("--parts", action="store_true", help="time each step of the eager pair alone (rank 0 prints)")
     p.add_argument("--json", default="deep-ep-ws1.json", help="output JSON (default deep-ep-ws1.json)")
     args = p.parse_args()
     comm = moecomm.init()
@@ -146,6 +202,10 @@ def main():
     row["graph_pair_us"], row["graph_pair_p99_us"], _ = timed(graph.replay, args.iters, 50)
     if comm.rank == 0:
         print(json.dumps(row))
+    if args.parts:
+        bare = pair_fn(buffer, x, topk_idx, topk_weights, y, None, E)
+        parts(comm, buffer, pair, bare, stats, topk_idx, topk_weights, y)
+    if comm.rank == 0:
         argv = [a for i, a in enumerate(sys.argv[1:]) if a != "--json" and sys.argv[i] != "--json"]
         with open(args.json, "w") as f:
             json.dump({"command": " ".join([f"mpirun -np {W} python tools/deep_ep_bench.py", *argv]),
