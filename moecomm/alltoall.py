@@ -265,6 +265,7 @@ class AllToAll:
         self._ids_shape, self._counts_shape = (None, c.experts_per_token), (c.num_local_experts,)
         self._offsets_shape = (c.world_size + 1,) if c.layout == "ranks" else (c.num_local_experts + 1,)
         self._expert_shape, self._expert_scale_shape = c.expert_x_shape(), c.expert_x_scale_shape()
+        self._slots_shape, self._ranges_shape = self._expert_shape[:-1], (c.num_local_experts, c.world_size)
         self._order = CallOrder()
         self._seen = dict.fromkeys(C.CALL_PHASES)  # {phase: _Seen of its last call, or None}
         self._captured = False          # calls keep nothing on the host (captured())
@@ -695,18 +696,17 @@ class AllToAll:
                 written) added to it, as DeepEP's ``cumulative_local_expert_recv_stats`` (in the same launch).
         """
         self._live()
-        c = self.cfg
-        if not c.slots_by_source:
+        if not self.cfg.slots_by_source:
             raise InvalidArgument("source_layout: needs the padded layout with group_by_source=True (or world "
                                   "size 1): elsewhere an expert's rows from one source are not consecutive")
+        arrays = self._arrays
         with self._context or nullcontext():
-            s = self._arrays.begin(stream, out_src_info)
-            src_info = self._arrays.read(out_src_info, "out_src_info", _COUNTS, self._expert_shape[:-1], output=True)
-            layout_range = self._arrays.read(out_layout_range, "out_layout_range", _RANGES,
-                                             (c.num_local_experts, c.world_size), output=True)
-            counts = self._absent if add_counts is None else self._arrays.read(
-                add_counts, "add_counts", _COUNTS, self._counts_shape, output=True)
-            self._arrays.order()
+            s = arrays.begin(stream, out_src_info)
+            src_info = arrays.read(out_src_info, "out_src_info", _COUNTS, self._slots_shape, output=True)
+            layout_range = arrays.read(out_layout_range, "out_layout_range", _RANGES, self._ranges_shape, output=True)
+            counts = self._absent if add_counts is None else arrays.read(add_counts, "add_counts", _COUNTS,
+                                                                         self._counts_shape, output=True)
+            arrays.order()
             self._backend.write_sources(src_info, layout_range, counts, s)
 
     @one_call
