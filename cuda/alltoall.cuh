@@ -204,6 +204,23 @@ __device__ __forceinline__ unsigned* source_first(const Fixed& f) {
   return &f.state[f.s_kept + f.world * f.local_experts];
 }
 
+// The ranks layout (f.packed == PACK_RANKS): a bit per token of source `src` received (state after the per-source
+// claims, moecomm._abi.state_layout: [world, words]). dispatch_recv's route sets a record's bit, place_rows puts
+// the record's row among its source's in token order (rows_below), combine_send clears the source's bits.
+__device__ __forceinline__ int present_words(const Fixed& f) { return (f.max_tokens + 31) >> 5; }
+__device__ __forceinline__ unsigned* present(const Fixed& f, int src) {
+  return &f.state[f.s_claim + f.world + src * present_words(f)];
+}
+
+// Warp-wide (every lane): the tokens of `bits` below token t, a source's rows before token t's.
+__device__ __forceinline__ int rows_below(const unsigned* bits, int t) {
+  const int lane = threadIdx.x & 31;
+  int below = 0;
+  for (int w = lane; w < (t >> 5); w += 32) below += __popc(bits[w]);
+  if (lane == 0) below += __popc(bits[t >> 5] & ((1u << (t & 31)) - 1u));
+  return __reduce_add_sync(FULL, below);
+}
+
 // Where the scales of output row `where` of c.out_scale start: row-major, row `where` of scale_bytes; column-major
 // (f.scale_column: [local_experts, scales, cap], packed [scales, cap]), column `where % cap` of its expert's
 // block, its scales f.cap elements apart.

@@ -316,6 +316,41 @@ extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, MOECOMM_BLOC
     }
 }
 
+// grid: world * parts blocks (the ranks layout, f.packed == PACK_RANKS). Each received row's routing
+// (moecomm.AllToAll.row_routing; DeepEP's recv_topk_idx and recv_topk_weights), between the dispatch's receive half
+// and its combine: block b reads source b % world's records (record pairs b / world, then every parts-th block's
+// share), whose row dispatch_recv's place_rows left in f.slot_of's lane 0; r.indices [cap, topk] (int64 where
+// r.idx64, else int32) gets the record's expert ids as this rank's local experts (-1 elsewhere) and r.weights
+// [cap, topk] float32 (or null) the dispatched weights there (0 elsewhere); every row past the received ones
+// (the sources' counts summed) gets -1 and 0.
+extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, MOECOMM_BLOCKS_PER_SM)
+    moecomm_row_routing(const Fixed f, const RowRouting r) {
+  after_previous_kernel();
+  const int src = blockIdx.x % f.world, part = blockIdx.x / f.world, parts = gridDim.x / f.world;
+  const int lo = f.rank * f.local_experts;
+  auto put = [&](size_t at, int le, float w) {
+    if (r.idx64) static_cast<long long*>(r.indices)[at] = le;
+    else static_cast<int*>(r.indices)[at] = le;
+    if (r.weights) r.weights[at] = w;
+  };
+  const int pairs = (int)f.state[f.s_recv + src] * f.topk;
+  for (int i = part * blockDim.x + threadIdx.x; i < pairs; i += parts * blockDim.x) {
+    const int k = i % f.topk;
+    const size_t j = (size_t)src * f.max_tokens + i / f.topk;
+    const int row = f.slot_of[j * f.topk];
+    if (row < 0 || row >= f.cap) continue;
+    const int* meta = meta_of(f.recv_buf + j * f.rec_bytes, f);
+    const int le = meta[1 + k] - lo;
+    const bool mine = meta[1 + k] >= 0 && le >= 0 && le < f.local_experts;
+    put((size_t)row * f.topk + k, mine ? le : -1, mine ? ((const float*)meta)[1 + f.topk + k] : 0.0f);
+  }
+  int rows = 0;
+  for (int s = 0; s < f.world; ++s) rows += (int)f.state[f.s_recv + s];
+  for (int i = rows * f.topk + blockIdx.x * blockDim.x + threadIdx.x; i < f.cap * f.topk;
+       i += gridDim.x * blockDim.x)
+    put((size_t)i, -1, 0.0f);
+}
+
 namespace {
 
 // Every block, first: the call, m, and whether m is in range (ERR_BAD_M: block 0 records it).

@@ -32,6 +32,8 @@ __device__ unsigned moecomm::combine_send(const Fixed& f, const Call& c, bool st
   TRACE(MOECOMM_TRACE_COMBINE_SEND, 0);
   const int src = blockIdx.x % f.world, part = blockIdx.x / f.world, parts = gridDim.x / f.world;
   const unsigned epoch = f.state[MOECOMM_S_EPOCH_CS] + 1;
+  if (f.packed == MOECOMM_PACK_RANKS && part == 0)  // the ranks layout: the next dispatch's token bits
+    for (int w = threadIdx.x; w < present_words(f); w += blockDim.x) present(f, src)[w] = 0;
   IdsCheck ids(f, c);
   const CombineCheck check = combine_check(f, c, epoch);
   const unsigned bad_recv = check.bad_recv, reason = check.reason;
@@ -65,8 +67,9 @@ __device__ unsigned moecomm::combine_send(const Fixed& f, const Call& c, bool st
   auto load_record = [&](int j) {
     const size_t r = (size_t)src * f.max_tokens + j;
     const int* meta = meta_of(f.recv_buf + r * f.rec_bytes, f);
-    s = lane < f.topk ? f.slot_of[r * f.topk + lane] : -1;
-    wt = lane < f.topk ? ((const float*)meta)[1 + f.topk + lane] : 0.0f;
+    s = lane < f.topk ? f.slot_of[r * f.topk + lane] : -1;  // the ranks layout: lane 0's, the record's row,
+    wt = f.packed == MOECOMM_PACK_RANKS ? 1.0f      // which is its experts' weighted sum already
+        : lane < f.topk ? ((const float*)meta)[1 + f.topk + lane] : 0.0f;
     tok = meta[0];
   };
   // the first record beside the count (any record < max_tokens is readable), then each next one while the

@@ -72,7 +72,10 @@ static __device__ bool arrived(const Fixed& f, int src, int j, unsigned epoch, u
 // included, get a place among their source's rows of each local expert (slot_of) while the rank's rows last
 // (packed layout) or the expert's slots (padded, grouped by source), the same policies; the last block writes
 // each (source, expert)'s first row within its expert (sources in rank order) and, in the packed layout,
-// c.out_offsets (the experts' first rows); then every block places its share of the rows (place_rows).
+// c.out_offsets (the experts' first rows); then every block places its share of the rows (place_rows). The ranks
+// layout (PACK_RANKS): a row per record, sources in rank order (c.out_offsets [world + 1]: each source's first
+// row), each source's rows in token order (the token's bit in present(): rows_below); the pairs are only
+// counted per local expert (c.out_num).
 // Telemetry (last block): the call's demand per local expert into f.ring, tokens received and pairs
 // dropped per expert; bytes received per source.
 __device__ void moecomm::dispatch_recv(const Fixed& f, const Call& c) {
@@ -134,13 +137,20 @@ __device__ void moecomm::dispatch_recv(const Fixed& f, const Call& c) {
             ? atomicAdd(&f.state[MOECOMM_S_ROWS], 1u) < (unsigned)f.cap : slot < (unsigned)f.cap;
         if (!room)
           dropped = f.drop;
+        else if (f.packed == MOECOMM_PACK_RANKS)  // counted only: the record's one row is lane 0's, below
+          where = 0;
         else if (f.packed)  // its place among the source's rows of the expert: place_rows adds their first row
           where = (int)atomicAdd(&f.state[f.s_kept + src * f.local_experts + le], 1u);
         else
           where = le * f.cap + slot;
         if (where >= 0) count_tag(f, tag, le, call_row(f));
       }
+      if (f.packed == MOECOMM_PACK_RANKS) where = lane == 0 ? 0 : -1;  // place_rows writes lane 0's row
       f.slot_of[((size_t)src * f.max_tokens + j) * f.topk + lane] = where;
+    }
+    if (f.packed == MOECOMM_PACK_RANKS && lane == 0) {  // the token's bit: its row's place within the source
+      const int t = meta_of(rec, f)[0];
+      atomicOr(&present(f, src)[t >> 5], 1u << (t & 31));
     }
     const unsigned drops = __ballot_sync(FULL, dropped);
     if (drops && lane == 0) {  // tell the token's rank (read by its combine_recv after our combine signal)
@@ -210,7 +220,9 @@ __device__ void moecomm::dispatch_recv(const Fixed& f, const Call& c) {
 // b % world, b / world + i * parts: each kept (record, k) pair's row (its expert's first, c.out_offsets[expert] or
 // expert * cap in the padded layout, plus its source's first row in the expert, source_first, plus its place
 // among them) of c.out_x ([cap, hidden], padded [L, cap, hidden]) and c.out_scale (scale_row(); or null) gets
-// the record's row and scales, and that row goes back into f.slot_of (combine_send reads expert_y there).
+// the record's row and scales, and that row goes back into f.slot_of (combine_send reads expert_y there). The
+// ranks layout: the record's one row (source_first[src] plus the source's tokens below its own) into slot_of's
+// lane 0.
 static __device__ void place_rows(const Fixed& f, const Call& c, unsigned epoch) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   __shared__ bool counted;
@@ -235,7 +247,14 @@ static __device__ void place_rows(const Fixed& f, const Call& c, unsigned epoch)
     copy.load(f, rec, rec + f.x_bytes);  // in flight while warp 0 finds the rows
     if (warp == 0) {
       int row = -1;
-      if (lane < f.topk) {
+      if (f.packed == MOECOMM_PACK_RANKS) {  // one row: the source's first, plus its tokens below this one
+        int* slot = &f.slot_of[((size_t)src * f.max_tokens + j) * f.topk];
+        const int below = rows_below(present(f, src), meta_of(rec, f)[0]);
+        if (lane == 0 && *slot >= 0) {
+          row = (int)source_first(f)[src] + below;
+          *slot = row;
+        }
+      } else if (lane < f.topk) {
         int* slot = &f.slot_of[((size_t)src * f.max_tokens + j) * f.topk + lane];
         if (*slot >= 0) {
           const int le = meta_of(rec, f)[1 + lane] - lo;
@@ -263,7 +282,7 @@ __device__ void moecomm::dispatch_counts(const Fixed& f, const Call& c, unsigned
   for (int le = threadIdx.x; le < f.local_experts; le += blockDim.x) {
     const unsigned demand = atomicExch(&f.state[f.s_expert + le], 0u);
     unsigned kept = min(demand, (unsigned)f.cap);
-    if (f.packed) {  // each source's first row in the expert, sources in rank order (place_rows)
+    if (f.packed && f.packed != MOECOMM_PACK_RANKS) {  // each source's first row in the expert, in rank order
       kept = 0;
       for (int s = 0; s < f.world; ++s) {
         const int i = s * f.local_experts + le;
@@ -308,6 +327,15 @@ __device__ void moecomm::dispatch_counts(const Fixed& f, const Call& c, unsigned
         first += c.out_num[le];
       }
       c.out_offsets[f.local_experts] = first;
+    }
+    if (f.packed == MOECOMM_PACK_RANKS && !c.skip) {  // each source's first row, sources in rank order
+      int first = 0;
+      for (int s = 0; s < f.world; ++s) {
+        source_first(f)[s] = first;
+        c.out_offsets[s] = first;
+        first += (int)f.state[f.s_recv + s];
+      }
+      c.out_offsets[f.world] = first;
     }
     if (!c.skip) tally(f, MOECOMM_C_CALLS, 1);  // an atomic, not waited for (a plain ++ waits for the load)
     f.state[MOECOMM_S_DONE_DR] = 0;

@@ -173,6 +173,11 @@ SOURCES_FIELDS = (  # AllToAll.source_layout (moecomm_source_layout, cuda/backwa
     ("layout_range", "long long*"),  # [local_experts, world] int64: (first slot << 32) | slots of each source
     ("add_counts", "int*"),         # [local_experts] int32 or null: each expert's slots written added to it
 )
+ROW_ROUTING_FIELDS = (  # AllToAll.row_routing in the ranks layout (moecomm_row_routing, cuda/backward.cu)
+    ("indices", "void*"),           # [cap, topk] int32 (idx64 0) or int64: each row's local expert ids, -1 elsewhere
+    ("weights", "float*"),          # [cap, topk] float32 or null: the dispatched weights there, 0 elsewhere
+    ("idx64", "int"),
+)
 HALF_FIELDS = (("recv", "int"),)  # a kernel that runs either half of a phase (cuda/deep_ep.cu): 1 the receive half
 
 Fixed = _struct("Fixed", FIXED_FIELDS, "Parameters fixed for one AllToAll (see FIXED_FIELDS).")
@@ -182,7 +187,8 @@ PeerCheck = _struct("PeerCheck", PEER_CHECK_FIELDS, "Parameters of one peer chec
 Delay = _struct("Delay", DELAY_FIELDS, "Parameters of the benchmark's device delay.")
 Half = _struct("Half", HALF_FIELDS, "Which half a kernel of both halves runs.")
 Sources = _struct("Sources", SOURCES_FIELDS, "Outputs of AllToAll.source_layout (see SOURCES_FIELDS).")
-STRUCTS = (Fixed, Call, Grad, PeerCheck, Delay, Half, Sources)
+RowRouting = _struct("RowRouting", ROW_ROUTING_FIELDS, "Outputs of AllToAll.row_routing (see ROW_ROUTING_FIELDS).")
+STRUCTS = (Fixed, Call, Grad, PeerCheck, Delay, Half, Sources, RowRouting)
 
 
 # Layouts of device memory the kernels index ---------------------------------------------------------
@@ -201,12 +207,14 @@ def state_layout(cfg, combine_local_blocks):
     """The arrays after the STATE_FIELDS words of an AllToAll's uint32 device state (Fixed.s_<name>):
     records sent per destination rank, pairs per local expert (its demand), records received per source,
     pairs kept per (source, local expert) and then the first row of each in its expert (rows placed by
-    the receive half's place_rows: gpu_plan.pack), records claimed per source (streamed dispatch_recv), the call
-    each block of moecomm_combine_local last combined (its grid: ``combine_local_blocks``, 0 where the
-    AllToAll does not launch it)."""
+    the receive half's place_rows: gpu_plan.pack), records claimed per source (streamed dispatch_recv), the
+    ranks layout's bitmap of the tokens received from each source ([world, max_tokens / 32 rounded up]: a row's
+    place within its source), the call each block of moecomm_combine_local last combined (its grid:
+    ``combine_local_blocks``, 0 where the AllToAll does not launch it)."""
     W, L = cfg.world_size, cfg.num_local_experts
+    present = W * -(-cfg.max_num_tokens // 32) if cfg.layout == "ranks" else 0
     return Layout(C.STATE_FIXED, (("send", W), ("expert", L), ("recv", W), ("kept", 2 * W * L), ("claim", W),
-                                  ("combined", combine_local_blocks)))
+                                  ("present", present), ("combined", combine_local_blocks)))
 
 
 def counter_layout(cfg):
@@ -296,6 +304,7 @@ KERNELS = {k.name: k for k in (
                                                 "moecomm_combine_backward", "moecomm_dispatch_backward_local",
                                                 "moecomm_combine_backward_local")),
     Kernel("moecomm_source_layout", (Fixed, Sources)),
+    Kernel("moecomm_row_routing", (Fixed, RowRouting)),
     *(Kernel(f"moecomm_deep_ep_{phase}_{half}", (Fixed, Call, Half), cxx=f"moecomm::deep_ep::{phase}",
              half=int(half == "recv")) for phase in ("dispatch", "combine") for half in ("send", "recv")),
     Kernel("moecomm_peer_check", (PeerCheck,), threads=32, dependent=False),

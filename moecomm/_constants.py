@@ -157,8 +157,9 @@ QUANT_NONE, QUANT_FLOAT, QUANT_POW2, QUANT_UE8M0 = 0, 1, 2, 3
 # Where the dispatch receive half's rows go (Fixed.packed): in place as each record lands (the padded layout);
 # or placed once every count is known (the receive half's last stage, cuda/dispatch_recv.cu's place_rows), each
 # expert's rows grouped by source rank in rank order: back to back for the rank (the packed layout), or from each
-# expert's first slot (the padded layout with group_by_source at world size > 1).
-PACK_NONE, PACK_LAYOUT, PACK_BY_SOURCE = 0, 1, 2
+# expert's first slot (the padded layout with group_by_source at world size > 1); or a row per received record,
+# sources in rank order, each source's in token order (the ranks layout).
+PACK_NONE, PACK_LAYOUT, PACK_BY_SOURCE, PACK_RANKS = 0, 1, 2, 3
 
 
 def timeout_seconds(value=None):

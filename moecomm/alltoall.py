@@ -550,6 +550,9 @@ class AllToAll:
             raise InvalidArgument(f"{'out_weights' if args.out_weights is None else 'expert_weights'}: give both "
                                   f"expert_weights and out_weights, or neither")
         rec.expert_w = rec.out_w = None
+        if args.expert_weights is not None and self.comm.transport.memory == "device":
+            raise InvalidArgument("expert_weights, out_weights: the combined top-k weights run on the host transport "
+                                  "only so far (GPU transports: pass None for both)")
         if args.expert_weights is not None:
             rec.expert_w = read(args.expert_weights, "expert_weights", _FLOAT32,
                                 (c.expert_capacity, c.experts_per_token))
@@ -730,11 +733,11 @@ class AllToAll:
         rows = (c.expert_capacity, c.experts_per_token)
         with self._context or nullcontext():
             s = self._arrays.begin(stream, out_indices)
-            indices, _ = self._arrays.read_as(out_indices, "out_indices", _INDICES, rows, output=True)
+            indices, ids = self._arrays.read_as(out_indices, "out_indices", _INDICES, rows, output=True)
             weights = None if out_weights is None else self._arrays.read(out_weights, "out_weights", _FLOAT32, rows,
                                                                          output=True)
             self._arrays.order()
-            self._backend.write_row_routing(indices, weights, s)
+            self._backend.write_row_routing(indices, int(ids.itemsize == 8), weights, s)
 
     def dispatch_backward(self, out_grad_x, plan, grad_expert_x, bound_m, stream=None):
         """The backward of a dispatch: each token's gradient is the sum of the gradients of the slots the

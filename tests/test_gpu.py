@@ -245,7 +245,7 @@ PROGRAMS = (  # (the program and its arguments ("{t}": the transport), one-rank 
     (("tests/mpi_telemetry.py", *TRANSPORT), (), (2,), ()),
     (("tests/mpi_capacity.py", *TRANSPORT), (), (2,), ()),
     (("tests/mpi_packed.py", *TRANSPORT), (), (2,), ()),
-    (("tests/mpi_ranks.py", *TRANSPORT), ("ipc",), (), ()),  # refused on GPUs so far
+    (("tests/mpi_ranks.py", *TRANSPORT), ("ipc", "nvshmem"), (2, 4), ()),
     (("tests/mpi_replicas.py", *TRANSPORT), (), (2,), ()),
     (("tests/mpi_mask.py", *TRANSPORT), (), (4,), ()),
     (("tests/mpi_jax.py",), ("ipc",), (2, 4), ("jax",)),

@@ -35,7 +35,7 @@ from .. import _constants as C
 from .._dtypes import bfloat16, float16
 from .._errors import InvalidArgument
 from .base import AllToAllBackend, snapshot
-from .gpu_plan import SOURCE_LAYOUT, launch_plan, pack, phase_of
+from .gpu_plan import ROW_ROUTING, SOURCE_LAYOUT, launch_plan, pack, phase_of
 
 
 def record_bytes(cfg):
@@ -86,9 +86,6 @@ class GpuAllToAll(AllToAllBackend):
     """Created and used inside the transport's context (moecomm.AllToAll enters it)."""
 
     def __init__(self, transport, cfg, timeout_s):
-        if cfg.layout == "ranks":  # every rank of the AllToAll refuses alike (the configuration is agreed)
-            raise InvalidArgument("layout='ranks' (a row per received token) runs on the host transport only so far; "
-                                  "on GPUs use layout='packed' (rows per expert, counts and offsets)")
         import cupy
         self.t, self.cfg, self._cupy = transport, cfg, cupy
         # which kernels run, with what grids, from which module: decided there, executed here
@@ -181,7 +178,7 @@ class GpuAllToAll(AllToAllBackend):
 
         launch = {n: transport.launch(n, g, *records(n, self._calls[phase_of(n)]), module=self.module)
                   for n, g in plan.grids.items()
-                  if n not in plan.backward.values() and n != SOURCE_LAYOUT}  # each its phase's call record
+                  if n not in plan.backward.values() and n not in (SOURCE_LAYOUT, ROW_ROUTING)}  # its phase's record
         halves = {half: tuple(launch[n] for n in kernels) for half, kernels in plan.halves.items()}
         self._halves = {phase: (halves[phase + "_send"], halves[phase + "_recv"]) for phase in plan.whole}
         self._whole = {phase: tuple(launch[n] for n in kernels) for phase, kernels in plan.whole.items()}
@@ -196,6 +193,9 @@ class GpuAllToAll(AllToAllBackend):
         self._sources = _abi.Sources()
         self._source_layout = (transport.launch(SOURCE_LAYOUT, plan.grids[SOURCE_LAYOUT], self.fixed, self._sources,
                                                 module=self.module) if SOURCE_LAYOUT in plan.grids else None)
+        self._routing = _abi.RowRouting()
+        self._row_routing = (transport.launch(ROW_ROUTING, plan.grids[ROW_ROUTING], self.fixed, self._routing,
+                                              module=self.module) if ROW_ROUTING in plan.grids else None)
         transport.settle("AllToAll(...)")
 
     @property
@@ -281,6 +281,14 @@ class GpuAllToAll(AllToAllBackend):
         s = self._sources
         s.src_info, s.layout_range, s.add_counts = src_info, layout_range, add_counts
         self._source_layout(stream)
+
+    def write_row_routing(self, indices, idx64, weights, stream):
+        if not self._dispatched:
+            raise InvalidArgument("row_routing: no dispatch has been received since construction or the last "
+                                  "mask_ranks")
+        r = self._routing
+        r.indices, r.idx64, r.weights = indices, idx64, weights
+        self._row_routing(stream)
 
     def dispatch_backward(self, a, stream):
         self._run_backward("dispatch_backward", a, stream, a.out)

@@ -41,6 +41,7 @@ WIRE_KERNELS = ("moecomm_combine_send_wire", "moecomm_combine_recv_wire", "moeco
 GRAD_KERNELS = {"plan": "moecomm_plan", "dispatch_backward": "moecomm_dispatch_backward",
                 "combine_backward": "moecomm_combine_backward"}  # {operation: its kernel} (backward.cu)
 SOURCE_LAYOUT = "moecomm_source_layout"  # AllToAll.source_layout, where the slots are grouped by source (backward.cu)
+ROW_ROUTING = "moecomm_row_routing"  # AllToAll.row_routing, in the ranks layout (backward.cu)
 LOCAL_GRAD_KERNELS = {"dispatch_backward": "moecomm_dispatch_backward_local",
                       "combine_backward": "moecomm_combine_backward_local"}  # local() (backward.cu)
 
@@ -132,6 +133,7 @@ GRIDS = {  # every dispatch/combine kernel's grid rule
     "moecomm_dispatch_backward_local": _sum_blocks,
     "moecomm_combine_backward_local": _pair_blocks,
     SOURCE_LAYOUT: _one_block,
+    ROW_ROUTING: _per_source_blocks,
 }
 GRIDS.update({d: GRIDS[h] for d, h in zip(DEEP_EP_HALVES, HALF_KERNELS)})  # DeepEP's names: their halves' grids
 
@@ -202,11 +204,13 @@ def local(cfg):
 def pack(cfg):
     """Where the dispatch receive half's rows go (Fixed.packed, moecomm._constants.PACK_*): placed once every count
     is known, by every block of the half's grid (resident: _per_source_blocks), grouped by source, in the packed
-    layout (PACK_LAYOUT) and in the padded one with group_by_source at world size > 1 (PACK_BY_SOURCE: at world
-    size 1 every row is the rank's own, grouped already, and the local path stores them); else in place as
-    records land (PACK_NONE)."""
+    layout (PACK_LAYOUT), in the padded one with group_by_source at world size > 1 (PACK_BY_SOURCE: at world
+    size 1 every row is the rank's own, grouped already, and the local path stores them) and in the ranks layout,
+    a row per record (PACK_RANKS); else in place as records land (PACK_NONE)."""
     if cfg.layout == "packed":
         return C.PACK_LAYOUT
+    if cfg.layout == "ranks":
+        return C.PACK_RANKS
     return C.PACK_BY_SOURCE if cfg.group_by_source and cfg.world_size > 1 else C.PACK_NONE
 
 
@@ -300,6 +304,8 @@ def launch_plan(cfg, num_sms, variant, all_mapped=True):
     grids.update({n: GRIDS[n](cfg, sms) for n in backward.values()})
     if cfg.slots_by_source:  # AllToAll.source_layout
         grids[SOURCE_LAYOUT] = GRIDS[SOURCE_LAYOUT](cfg, sms)
+    if cfg.layout == "ranks":  # AllToAll.row_routing
+        grids[ROW_ROUTING] = GRIDS[ROW_ROUTING](cfg, sms)
     stagers = [halves["dispatch_send"][0], halves["combine_send"][0], *(k[0] for k in whole.values()),
                *(n for op, n in backward.items() if op != "plan" and n == GRAD_KERNELS[op])]  # the exchanging ones
     stage_rows = max(grids[n] for n in stagers) * C.STAGE_SLOTS

@@ -570,7 +570,7 @@ class HostAllToAll(AllToAllBackend):
         local[:] = -1
         local[pairs[own, 1], pairs[own, 2]] = own
 
-    def write_row_routing(self, indices, weights, stream=None):
+    def write_row_routing(self, indices, idx64, weights, stream=None):
         rv = self._received
         if rv is None:
             raise InvalidArgument("row_routing: no dispatch has been received since construction or the last "
