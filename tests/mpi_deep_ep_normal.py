@@ -7,7 +7,8 @@ the cached dispatch, expert_alignment; combine (each token's rows summed over th
 weights alike). Then the training pattern (Megatron's DeepEP dispatcher): an autograd function whose backward swaps
 dispatch and combine (the handle's combine, a cached dispatch), gradients against the dense computation; and the
 refusals (internode, a cached dispatch given top-k, num_worst_tokens too small) on every rank, the next call right.
-On GPUs moecomm refuses the ranks layout so far: the first dispatch says so on every rank.
+On GPUs the compat's normal mode is refused so far (its combined top-k weights are the host transport's only):
+the first dispatch says so on every rank.
 
     mpiexec -n 3 python tests/mpi_deep_ep_normal.py [--transport host|ipc]
 
@@ -238,7 +239,7 @@ def main():
     comm = moecomm.init(transport=transport, timeout=10.0)
     fails = []
     buffer = deep_ep.Buffer(comm, int(2e9), 0)
-    if transport != "host":  # GPUs: the ranks layout is the host transport's so far
+    if transport != "host":  # GPUs: the normal mode is the host transport's so far
         try:
             topk_idx = torch.arange(K, device=f"cuda:{comm.device}").repeat(T, 1)
             layout = buffer.get_dispatch_layout(topk_idx, E_PER_RANK * comm.world_size)
