@@ -275,20 +275,21 @@ class GpuAllToAll(AllToAllBackend):
         self._grads[0]["plan"](stream)
 
     def write_sources(self, src_info, layout_range, add_counts, stream):
-        if not self._dispatched:
-            raise InvalidArgument("source_layout: no dispatch has been received since construction or the last "
-                                  "mask_ranks")
-        s = self._sources
-        s.src_info, s.layout_range, s.add_counts = src_info, layout_range, add_counts
-        self._source_layout(stream)
+        self._describe("source_layout", self._source_layout, self._sources, stream, src_info=src_info,
+                       layout_range=layout_range, add_counts=add_counts)
 
     def write_row_routing(self, indices, idx64, weights, stream):
+        self._describe("row_routing", self._row_routing, self._routing, stream, indices=indices, idx64=idx64,
+                       weights=weights)
+
+    def _describe(self, what, launch, record, stream, **fields):
+        """Launch ``launch``, a kernel describing the last received dispatch (``what``: its AllToAll method), on
+        ``stream`` with ``record``'s ``fields`` set."""
         if not self._dispatched:
-            raise InvalidArgument("row_routing: no dispatch has been received since construction or the last "
-                                  "mask_ranks")
-        r = self._routing
-        r.indices, r.idx64, r.weights = indices, idx64, weights
-        self._row_routing(stream)
+            raise InvalidArgument(f"{what}: no dispatch has been received since construction or the last mask_ranks")
+        for name, value in fields.items():
+            setattr(record, name, value)
+        launch(stream)
 
     def dispatch_backward(self, a, stream):
         self._run_backward("dispatch_backward", a, stream, a.out)
