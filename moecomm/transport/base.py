@@ -125,9 +125,8 @@ class AllToAllBackend(abc.ABC):
     def write_row_routing(self, indices, idx64, weights, stream) -> None:
         """Write the ranks layout's routing of each row the last dispatch received (before its combine):
         ``indices`` [capacity, top-k] int32/int64 (``idx64``: 1 for int64), local expert ids (-1: another rank's,
-        or none; every row
-        past the received ones); ``weights`` [capacity, top-k] float32 or None, the dispatched weights there
-        (0 elsewhere). The transports that take the ranks layout implement it."""
+        or none; every row past the received ones); ``weights`` [capacity, top-k] float32 or None, the dispatched
+        weights there (0 elsewhere). The transports that take the ranks layout implement it."""
         raise NotImplementedError
 
     # Gradients along a routing plan (AllToAll.plan, dispatch_backward, combine_backward), where ``gradients``
