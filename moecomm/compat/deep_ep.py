@@ -42,7 +42,6 @@ only; the layout itself runs on GPUs). torch is imported here only.
 """
 import functools
 from collections import deque
-from contextlib import nullcontext
 from typing import NamedTuple
 
 import numpy as np
@@ -50,6 +49,7 @@ import torch
 
 import moecomm
 
+from .._arrays import _PLAIN
 from .._errors import InvalidArgument
 from ..alltoall import CombineArgs, DispatchArgs
 from ..torch import AllToAll as _Layer
@@ -79,9 +79,6 @@ def _recorded(layer):
     DeepEP's calls, as serving engines capture them): the calls then keep nothing on the host, and the kernels
     pair their replays; otherwise nothing."""
     return layer.a2a.captured() if not layer._host and torch._C._cuda_isCurrentStreamCapturing() else _PLAIN
-
-
-_PLAIN = nullcontext()
 
 
 def _event(like, async_finish):
