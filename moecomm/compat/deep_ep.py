@@ -40,7 +40,6 @@ unless ``num_worst_tokens`` (then only the rows). torch is imported here only.
 """
 import functools
 from collections import deque
-from contextlib import nullcontext
 from typing import NamedTuple
 
 import numpy as np
@@ -48,6 +47,7 @@ import torch
 
 import moecomm
 
+from .._arrays import _PLAIN
 from .._errors import InvalidArgument
 from ..alltoall import CombineArgs, DispatchArgs
 from ..torch import AllToAll as _Layer
@@ -77,9 +77,6 @@ def _recorded(layer):
     DeepEP's calls, as serving engines capture them): the calls then keep nothing on the host, and the kernels
     pair their replays; otherwise nothing."""
     return layer.a2a.captured() if not layer._host and torch._C._cuda_isCurrentStreamCapturing() else _PLAIN
-
-
-_PLAIN = nullcontext()
 
 
 def _event(like, async_finish):
