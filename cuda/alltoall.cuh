@@ -212,6 +212,16 @@ __device__ __forceinline__ unsigned* present(const Fixed& f, int src) {
   return &f.state[f.s_claim + f.world + src * present_words(f)];
 }
 
+// The ranks layout's float32 side row (combine's expert_weights / out_weights, in c.weights / c.out_dropped: the
+// record's fields the layout leaves free) travels after each combine row, from its first 16-byte boundary past
+// the out_dtype values (moecomm._abi.combine_row_bytes).
+__device__ __forceinline__ float* side_row(uint8_t* row, const Fixed& f) {
+  return reinterpret_cast<float*>(row + ((f.out_row_bytes + 15) & ~15));
+}
+__device__ __forceinline__ const float* side_row(const uint8_t* row, const Fixed& f) {
+  return reinterpret_cast<const float*>(row + ((f.out_row_bytes + 15) & ~15));
+}
+
 // Warp-wide (every lane): the tokens of `bits` below token t, a source's rows before token t's.
 __device__ __forceinline__ int rows_below(const unsigned* bits, int t) {
   const int lane = threadIdx.x & 31;

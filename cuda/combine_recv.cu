@@ -44,7 +44,8 @@ static __device__ __forceinline__ void token_rows(const Fixed& f, const Call& c,
     const uint64_t d = load_acquire(&f.drop_buf[(size_t)rank * f.max_tokens + t]);
     dropped = (unsigned)(d >> 32) == epoch && ((d >> lane) & 1);
   }
-  if (c.out_dropped && lane < f.topk) c.out_dropped[(size_t)t * f.topk + lane] = dropped;
+  if (c.out_dropped && lane < f.topk && f.packed != MOECOMM_PACK_RANKS)  // (the ranks layout's: its out_weights)
+    c.out_dropped[(size_t)t * f.topk + lane] = dropped;
   if (!c.partials && dropped) use = false;
   const unsigned mask = __ballot_sync(FULL, use);
   if (use) {
@@ -96,6 +97,8 @@ __device__ void moecomm::combine_recv(const Fixed& f, const Call& c, unsigned ep
   __shared__ int n[2], cur[2];
   __shared__ uint8_t* dst[2];
   unsigned* const claims = &f.state[MOECOMM_S_TOKENS_EVEN + epoch % 2];
+  // the ranks layout with out_weights (in c.out_dropped, a field it leaves free): each token's side rows summed
+  const bool side = f.packed == MOECOMM_PACK_RANKS && c.out_dropped;
   int ahead = stream && threadIdx.x == 0 ? (int)atomicAdd(claims, 1u) : 0;  // stream: the next claim, in flight
   int next = gridDim.x - 1 - blockIdx.x;  // else: the grid's last blocks take the first tokens (as dispatch_recv)
   bool use = false;
@@ -153,6 +156,12 @@ __device__ void moecomm::combine_recv(const Fixed& f, const Call& c, unsigned ep
       }
     } else {
       weighted_sum<Wire, false>(f, srcs[b], wts[b], n[b], &dst[b], 1, threadIdx.x - 32, THREADS - 32);
+      const int k = threadIdx.x - 32;
+      if (side && k < f.topk) {  // the ranks layout's side rows, summed over the token's ranks in float32
+        float sum = 0.0f;
+        for (int j = 0; j < n[b]; ++j) sum += side_row(srcs[b][j], f)[k];
+        reinterpret_cast<float*>(c.out_dropped)[(size_t)cur[b] * f.topk + k] = sum;
+      }
     }
     __syncthreads();
     if (i == 0) TRACE(MOECOMM_TRACE_COMBINE_RECV, 3);

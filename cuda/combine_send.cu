@@ -34,6 +34,7 @@ __device__ unsigned moecomm::combine_send(const Fixed& f, const Call& c, bool st
   const unsigned epoch = f.state[MOECOMM_S_EPOCH_CS] + 1;
   if (f.packed == MOECOMM_PACK_RANKS && part == 0)  // the ranks layout: the next dispatch's token bits
     for (int w = threadIdx.x; w < present_words(f); w += blockDim.x) present(f, src)[w] = 0;
+  const bool side = f.packed == MOECOMM_PACK_RANKS && c.weights;  // expert_weights given: side rows travel
   IdsCheck ids(f, c);
   const CombineCheck check = combine_check(f, c, epoch);
   const unsigned bad_recv = check.bad_recv, reason = check.reason;
@@ -52,7 +53,7 @@ __device__ unsigned moecomm::combine_send(const Fixed& f, const Call& c, bool st
   __shared__ const uint8_t* rows[MOECOMM_MAX_TOPK];
   __shared__ float wts[MOECOMM_MAX_TOPK];
   __shared__ int ks[MOECOMM_MAX_TOPK];
-  __shared__ int n, token;
+  __shared__ int n, token, row0;  // row0: the ranks layout's record row (its side row's)
   __shared__ uint8_t* dsts[MAX_FANOUT];
   __shared__ uint8_t* remote[MAX_FANOUT];
   __shared__ int pes[MAX_FANOUT];
@@ -88,6 +89,7 @@ __device__ unsigned moecomm::combine_send(const Fixed& f, const Call& c, bool st
       if (lane == 0) {
         n = __popc(mask);
         token = tok;
+        row0 = s;
         if (arrive) arr.word(0) = arrive + tok;
       }
       if (j + parts < (int)count) load_record(j + parts);
@@ -102,6 +104,9 @@ __device__ unsigned moecomm::combine_send(const Fixed& f, const Call& c, bool st
       if (c.partials) {
         tg.build(f.peers, f.comb_buf + ((size_t)f.rank * f.max_tokens + t) * f.comb_row_bytes, q0, q1, st);
         weighted_sum<false, Wire>(f, rows, wts, n, tg.dsts, tg.n);
+        if (side && threadIdx.x < f.topk)  // the ranks layout's side row after it (row0 >= 0: every record has one)
+          for (int d = 0; d < tg.n; ++d) side_row(tg.dsts[d], f)[threadIdx.x] = c.weights[(size_t)row0 * f.topk +
+                                                                                           threadIdx.x];
         tg.send_puts(f.comb_row_bytes);
       } else {
         for (int k = 0; k < n; ++k) {

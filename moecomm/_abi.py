@@ -114,7 +114,8 @@ CALL_FIELDS = (
     ("x", "const uint8_t*"),        # dispatch: [rows, hidden] in_dtype (quant: src_code)
     ("x_scale", "const uint8_t*"),  # dispatch: [rows, scales] scale_dtype
     ("indices", "const void*"),     # [rows, topk] int32/uint32 (idx64 == 0) or int64 expert ids
-    ("weights", "const float*"),    # [rows, topk] float32
+    ("weights", "const float*"),    # [rows, topk] float32; the ranks layout's combine (no router weights there):
+                                    # its expert_weights [cap, topk] float32 side rows (the record stays 128 bytes)
     ("bound_m", "const int*"),      # [1] int32/uint32: m
     ("out_num", "int*"),            # dispatch: [local_experts] int32
     ("out_x", "uint8_t*"),          # dispatch: [local_experts, cap, hidden] expert dtype
@@ -122,7 +123,8 @@ CALL_FIELDS = (
     ("out_offsets", "int*"),        # dispatch, packed layout: [local_experts + 1] int32
     ("y", "const uint8_t*"),        # combine: [local_experts, cap, hidden] out_dtype
     ("out_tokens", "uint8_t*"),     # combine: [rows, hidden] out_dtype
-    ("out_dropped", "uint8_t*"),    # combine: [rows, topk] uint8, 1: the pair was dropped for capacity
+    ("out_dropped", "uint8_t*"),    # combine: [rows, topk] uint8, 1: the pair was dropped for capacity; the ranks
+                                    # layout (nothing dropped): its out_weights [rows, topk] float32
     ("tags", "const int*"),         # dispatch: [rows] int32 each token's tag (AllToAll num_tags), or null
     ("call_id", "const int*"),      # dispatch: [1] int32 the program's number of the call, or null
     ("rows", "int"),                # rows of x / out_tokens / indices / weights
@@ -230,8 +232,11 @@ def _align16(n):
 
 def combine_row_bytes(cfg):
     """Bytes of one combine row as it travels: hidden_dim values of out_dtype, or on an FP8 combine wire
-    hidden_dim e4m3 bytes then a scale per COMBINE_BLOCK values (float32, or one UE8M0 byte), padded to 16."""
+    hidden_dim e4m3 bytes then a scale per COMBINE_BLOCK values (float32, or one UE8M0 byte), padded to 16. In the
+    ranks layout the row's float32 side row follows (top-k values, from the 16-byte boundary: side_row())."""
     H = cfg.hidden_dim
+    if cfg.layout == "ranks":
+        return _align16(H * cfg.out_dtype.itemsize) + _align16(4 * cfg.experts_per_token)
     if cfg.combine_wire is None:
         return H * cfg.out_dtype.itemsize
     return _align16(H + H // C.COMBINE_BLOCK * (1 if cfg.combine_wire == "e4m3_ue8m0" else 4))

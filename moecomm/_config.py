@@ -103,8 +103,8 @@ class Placement:
             row's local expert ids and weights. Combine takes one row per received token (expert_y
             [capacity, hidden_dim]: its experts' outputs, reduced by the caller) and sums each token's rows
             over the ranks, unweighted (weights None); ``expert_weights`` / ``out_weights`` carry float32
-            rows [capacity, top-k] back the same way (the host transport only so far). dp_size 1, no capacity,
-            no replicas, no combine_wire.
+            rows [capacity, top-k] back the same way (on GPUs after each row, in the same transfer). dp_size 1,
+            no capacity, no replicas, no combine_wire.
         capacity: slots per local expert (the second dimension of out_expert_x), or None: the worst case,
             max_num_tokens * (world_size // dp_size), which never overflows. Needs dp_size == 1.
         overflow: when a local expert is routed more (token, expert) pairs than ``capacity``: "error" (the

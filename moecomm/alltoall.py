@@ -549,14 +549,16 @@ class AllToAll:
         if (args.expert_weights is None) != (args.out_weights is None):
             raise InvalidArgument(f"{'out_weights' if args.out_weights is None else 'expert_weights'}: give both "
                                   f"expert_weights and out_weights, or neither")
-        rec.expert_w = rec.out_w = None
-        if args.expert_weights is not None and self.comm.transport.memory == "device":
-            raise InvalidArgument("expert_weights, out_weights: the combined top-k weights run on the host transport "
-                                  "only so far (GPU transports: pass None for both)")
+        if args.out_dropped is not None:
+            raise InvalidArgument("out_dropped: the ranks layout drops nothing (no capacity): pass None")
+        expert_w = out_w = self._absent
         if args.expert_weights is not None:
-            rec.expert_w = read(args.expert_weights, "expert_weights", _FLOAT32,
-                                (c.expert_capacity, c.experts_per_token))
-            rec.out_w = read(args.out_weights, "out_weights", _FLOAT32, self._ids_shape, True)
+            expert_w = read(args.expert_weights, "expert_weights", _FLOAT32, (c.expert_capacity, c.experts_per_token))
+            out_w = read(args.out_weights, "out_weights", _FLOAT32, self._ids_shape, True)
+        if self.comm.transport.memory == "device":  # in the fields the ranks layout leaves free (_abi.CALL_FIELDS)
+            rec.weights, rec.out_dropped = expert_w, out_w
+        else:
+            rec.expert_w, rec.out_w = expert_w, out_w
 
     def _refuse(self, error, stream):
         """Raise ``error``, a refused argument or call order, after ending the call it belongs to on this rank:

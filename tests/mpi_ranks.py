@@ -5,8 +5,7 @@ their scales and a quantising dispatch (e4m3 + float32 scales), with and without
 included; a second dispatch of the same routing places every row alike (a cached dispatch); combine sums each
 token's rows over the ranks (reference.combine_by_rank), and the float32 side rows the same way; refusals
 (weights at combine, side rows halved, side rows in the padded layout) raise InvalidArgument on every rank and the
-next call is right. On GPUs (CuPy arrays) the same, but the side rows: refused there so far (InvalidArgument on
-every rank), so the combines check the sums alone.
+next call is right. On GPUs the same, with CuPy arrays.
 
     mpiexec -n 3 python tests/mpi_ranks.py                       # host transport (numpy)
     mpirun -n 2 python tests/mpi_ranks.py --transport nvshmem    # GPUs
@@ -119,15 +118,15 @@ def check_dispatch(a2a, call, drawn, with_weights, fails, label):
 
 
 def check_combine(a2a, comm, call, want, drawn, fails, label):
-    """Combine of rows made from the received ones (row i's expert output (i + 1) / n, in bf16) with, on the host
-    transport, the row_routing weights as side rows: each token's sum over ranks, in float32."""
+    """Combine of rows made from the received ones (row i's expert output (i + 1) / n, in bf16) with the row_routing
+    weights as side rows: each token's sum over ranks, in float32."""
     c, W, xp = a2a.cfg, comm.world_size, call.xp
     n = len(want["rows"])
     y = np.zeros((c.expert_capacity, H), moecomm.bfloat16)
     y[:n] = (np.arange(1, n + 1, dtype=np.float32)[:, None] / n).astype(moecomm.bfloat16)
     out, out_w = put(xp, np.full((M, H), np.nan, moecomm.bfloat16)), xp.full((M, K), np.nan, np.float32)
-    sides = dict(expert_weights=call.w, out_weights=out_w) if xp is np else {}  # GPUs: the host's only so far
-    a2a.combine(out, put(xp, drawn[c.rank][3]), None, put(xp, y), xp.asarray(np.array([M], np.int32)), **sides)
+    a2a.combine(out, put(xp, drawn[c.rank][3]), None, put(xp, y), xp.asarray(np.array([M], np.int32)),
+                expert_weights=call.w, out_weights=out_w)
     a2a.synchronize() if xp is not np else None
     everyone = comm.allgather((y[:n], call.got.w[:n], want["origin"]))
     sums = reference.combine_by_rank([e[0] for e in everyone], [e[2] for e in everyone], [M] * W,
@@ -135,7 +134,7 @@ def check_combine(a2a, comm, call, want, drawn, fails, label):
     side = reference.combine_by_rank([e[1] for e in everyone], [e[2] for e in everyone], [M] * W)[c.rank]
     if not np.array_equal(get(out, np.uint16), sums.view(np.uint16)):
         fails.append(f"{label}: combine's sums over ranks differ from the reference's")
-    if sides and not np.allclose(get(out_w, np.float32), side, rtol=1e-6, atol=0):
+    if not np.allclose(get(out_w, np.float32), side, rtol=1e-6, atol=0):
         fails.append(f"{label}: combine's float32 side rows differ from the reference's")
 
 

@@ -255,7 +255,7 @@ PROGRAMS = (  # (the program and its arguments ("{t}": the transport), one-rank 
     (("tests/mpi_jax_errors.py", "--silent"), (), (2,), ("jax",)),
     (("tests/mpi_torch_grad.py", *TRANSPORT), ("ipc", "nvshmem"), (2, 4), ("torch",)),
     (("tests/mpi_deep_ep.py", *TRANSPORT), ("ipc", "nvshmem"), (2,), ("torch",)),
-    (("tests/mpi_deep_ep_normal.py", *TRANSPORT), ("ipc",), (), ("torch",)),  # the refusal on GPUs so far
+    (("tests/mpi_deep_ep_normal.py", *TRANSPORT), ("ipc", "nvshmem"), (2, 4), ("torch",)),
 )
 
 

@@ -1,6 +1,10 @@
-"""moecomm.compat.deep_ep at DeepEP's low-latency test shape: one ``low_latency_dispatch`` +
-``low_latency_combine`` pair as a program that does not capture calls them (eager), and the same pair replayed
-from a CUDA graph; checked against the dense result first (the experts the identity on the dequantised tokens).
+"""moecomm.compat.deep_ep at DeepEP's test shapes. Low-latency mode (DeepEP's test_low_latency.py shape): one
+``low_latency_dispatch`` + ``low_latency_combine`` pair as a program that does not capture calls them (eager), and
+the same pair replayed from a CUDA graph; checked against the dense result first (the experts the identity on the
+dequantised tokens). Normal mode (``--normal-tokens`` tokens, hidden 7168, top-8 of 256 experts, as
+test_intranode.py): the cached ``dispatch`` of bfloat16 and of FP8 tokens and the ``combine``, each phase's device
+time beside ``pattern_us``, the same rows copied once by a plain kernel (torch's index_select) in the same run;
+checked bit for bit (dispatch) and against the tokens (combine) first.
 
     mpirun -np 1 python tools/deep_ep_bench.py [--json deep-ep-ws1.json] [--profile] [--parts]
 
@@ -8,7 +12,10 @@ Times: CUDA events around each pair after a warm-up, median and p99 over ``--ite
 wait for the host where the host is the slower, as DeepEP's own test times it); ``host_pair_us``: the host's own
 time per eager pair. ``--profile`` also prints the functions of the eager pairs by their own time per pair
 (cProfile inflates every Python frame: read the shares); ``--parts`` times each step of the eager pair alone,
-unprofiled, behind a device delay (so no launch waits for the device). GPUs only (torch tensors on CUDA).
+unprofiled, behind a device delay (so no launch waits for the device). Normal mode's ``us`` and ``pattern_us``:
+CUDA events around each call with the host ahead of the device (a device delay first, so the host's time is not
+in them), median and p99; ``eager_us``: events around each call as DeepEP's own bench times it (host included).
+GPUs only (torch tensors on CUDA).
 """
 import argparse
 import cProfile
@@ -143,6 +150,100 @@ def parts(comm, buffer, pair, bare_pair, stats, topk_idx, topk_weights, y):
             print(f"  {us:7.2f} us  {name}")
 
 
+def normal_rows(comm, tokens, iters):
+    """The normal-mode rows (DeepEP's test_intranode.py shape: hidden 7168, top-8 of 256 experts, ``tokens`` per
+    rank): checked first, then each phase timed against its pattern."""
+    from moecomm.bench import delay_kernel
+    T, H, E, K, W, rank = tokens, 7168, 256, 8, comm.world_size, comm.rank
+    buffer = deep_ep.Buffer(comm)
+    gen = torch.Generator(device="cuda").manual_seed(100 + rank)
+    x = torch.randn((T, H), generator=gen, device="cuda").to(torch.bfloat16)
+    topk_idx = torch.topk(torch.rand((T, E), generator=gen, device="cuda"), K, dim=-1).indices
+    topk_weights = torch.rand((T, K), generator=gen, device="cuda")
+    x_e4m3 = per_token_cast_to_fp8(x)
+    x_e4m3 = (x_e4m3[0], x_e4m3[1].T.contiguous().T)  # column-major scales, as DeepEP's test passes them
+    per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, E)
+    layout = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                  topk_idx=topk_idx, topk_weights=topk_weights)
+
+    # correct first: the rows every source sends this rank, in rank then token order; each token summed back
+    every = comm.allgather((x.view(torch.int16).cpu().numpy(), x_e4m3[0].view(torch.uint8).cpu().numpy(),
+                            x_e4m3[1].cpu().numpy(), in_rank[:, rank].cpu().numpy()), "deep_ep_bench: the tokens")
+    want = [torch.cat([torch.from_numpy(sent[i][sent[3]]) for sent in every]).cuda() for i in range(3)]
+    recv, _, recv_w, _, handle, _ = buffer.dispatch(x, **layout)
+    recv8, _, _, _, handle8, _ = buffer.dispatch(x_e4m3, **layout)
+    combined, combined_w, _ = buffer.combine(recv, handle, topk_weights=recv_w)
+    ranks = in_rank.sum(1, keepdim=True).float()
+    err = relative_error(combined.float() / ranks.clamp(min=1), x.float())
+    if not (torch.equal(recv.view(torch.int16), want[0]) and torch.equal(recv8[0].view(torch.uint8), want[1])
+            and torch.equal(recv8[1], want[2]) and err <= 2 ** -7
+            and torch.allclose(combined_w, topk_weights, rtol=1e-6, atol=1e-6)):
+        raise SystemExit(f"deep_ep_bench.py: the normal-mode dispatch or combine is wrong (combine {err:.3g})")
+
+    delay_args, delay = delay_kernel(comm.transport)
+    rows = torch.nonzero(in_rank.t().reshape(-1)).squeeze(1) % T  # the rows sent, once per destination rank
+    n = handle.rows
+    copy_x, copy_q = torch.empty((rows.numel(), H), dtype=x.dtype, device="cuda"), torch.empty(
+        (rows.numel(), H), dtype=torch.uint8, device="cuda")
+    q, s = x_e4m3[0].view(torch.uint8), x_e4m3[1].contiguous()
+    copy_s, back = torch.empty((rows.numel(), s.size(1)), dtype=s.dtype, device="cuda"), torch.empty_like(recv)
+    order = torch.arange(n, device="cuda")
+
+    def phases(steps, ahead=True, loops=20):
+        """{name: (median, p99) µs} of each step's CUDA events: ``loops`` rounds of the steps per repetition, each
+        repetition behind a device delay if ``ahead`` (the host ahead, so no launch waits for the device), else
+        eager (the host's time in them where it is the slower); the first repetition warms up."""
+        times = {name: [] for name, _ in steps}
+        for rep in range(1 + max(1, iters // loops)):
+            delay_args.ns = int(30e6 if ahead else 0)
+            delay(torch.cuda.current_stream().cuda_stream)
+            marks = []
+            for _ in range(loops):
+                for name, step in steps:
+                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    start.record()
+                    step()
+                    end.record()
+                    marks.append((name, start, end))
+            torch.cuda.synchronize()
+            for name, start, end in marks if rep else ():
+                times[name].append(start.elapsed_time(end) * 1e3)
+        return {name: (statistics.median(us), sorted(us)[min(len(us) - 1, int(0.99 * len(us)))])
+                for name, us in times.items()}
+
+    bf16 = phases([("dispatch", lambda: buffer.dispatch(x, handle=handle)),
+                   ("combine", lambda: buffer.combine(recv, handle))])
+    fp8 = phases([("dispatch", lambda: buffer.dispatch(x_e4m3, handle=handle8)),
+                  ("combine", lambda: buffer.combine(recv, handle8))])
+    pattern = phases([("bf16", lambda: torch.index_select(x, 0, rows, out=copy_x)),
+                      ("fp8", lambda: (torch.index_select(q, 0, rows, out=copy_q),
+                                       torch.index_select(s, 0, rows, out=copy_s))),
+                      ("combine", lambda: torch.index_select(recv, 0, order, out=back))])
+    eager = phases([("dispatch bfloat16", lambda: buffer.dispatch(x, handle=handle)),
+                    ("combine bfloat16", lambda: buffer.combine(recv, handle)),
+                    ("dispatch float8_e4m3fn", lambda: buffer.dispatch(x_e4m3, handle=handle8)),
+                    ("combine after FP8", lambda: buffer.combine(recv, handle8))], ahead=False)
+    buffer.destroy()
+    base = {"mode": "normal", "tokens": T, "hidden": H, "experts": E, "topk": K, "world": W, "rows": n}
+    out = []
+    for phase, dtype, ours, pat in (("dispatch", "bfloat16", bf16["dispatch"], pattern["bf16"]),
+                                    ("dispatch", "float8_e4m3fn", fp8["dispatch"], pattern["fp8"]),
+                                    ("combine", "bfloat16", bf16["combine"], pattern["combine"])):
+        out.append(dict(base, phase=phase, dtype=dtype, us=ours[0], p99_us=ours[1], pattern_us=pat[0],
+                        pattern_p99_us=pat[1], eager_us=eager[f"{phase} {dtype}"][0]))
+    out[1]["combine_after_us"] = fp8["combine"][0]
+    out[2]["max_relative_error"] = err
+    return out
+
+
+def per_token_cast_to_fp8(x):
+    """DeepEP's utils: x [n, H] bfloat16 as e4m3 [n, H] and float32 scales [n, H / 128] (amax / 448 per 128)."""
+    m, n = x.shape
+    view = x.float().view(m, -1, 128)
+    amax = view.abs().amax(dim=2).view(m, -1).clamp(1e-4)
+    return (view * (448.0 / amax.unsqueeze(2))).to(torch.float8_e4m3fn).view(m, n), (amax / 448.0).view(m, -1)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tokens", type=int, default=128, help="tokens per rank (DeepEP's test: 128)")
@@ -152,6 +253,8 @@ def main():
     p.add_argument("--iters", type=int, default=300, help="timed pairs (default 300)")
     p.add_argument("--profile", action="store_true", help="print the eager pair's functions by own time")
     p.add_argument("--parts", action="store_true", help="time each step of the eager pair alone (rank 0 prints)")
+    p.add_argument("--normal-tokens", type=int, default=4096,
+                   help="tokens per rank of the normal-mode rows (DeepEP's test_intranode.py: 4096; 0: none)")
     p.add_argument("--json", default="deep-ep-ws1.json", help="output JSON (default deep-ep-ws1.json)")
     args = p.parse_args()
     comm = moecomm.init()
@@ -205,12 +308,15 @@ def main():
     if args.parts:
         bare = pair_fn(buffer, x, topk_idx, topk_weights, y, None, E)
         parts(comm, buffer, pair, bare, stats, topk_idx, topk_weights, y)
+    buffer.destroy()
+    results = [row] + (normal_rows(comm, args.normal_tokens, args.iters) if args.normal_tokens else [])
     if comm.rank == 0:
+        for r in results[1:]:
+            print(json.dumps(r))
         argv = [a for i, a in enumerate(sys.argv[1:]) if a != "--json" and sys.argv[i] != "--json"]
         with open(args.json, "w") as f:
             json.dump({"command": " ".join([f"mpirun -np {W} python tools/deep_ep_bench.py", *argv]),
-                       "environment": environment(), "results": [row]}, f, indent=1)
-    buffer.destroy()
+                       "environment": environment(), "results": results}, f, indent=1)
     comm.finalize()
 
 

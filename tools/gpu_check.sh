@@ -62,12 +62,13 @@
 #                                    --small --require-captured (every layer and form, no Python per call;
 #                                    preallocation off and on), then tools/jax_step.py (jitted 8-layer steps of every
 #                                    layer against the same calls in a CUDA graph and XLA alone; $OUT/jax-step.json)
-#   bash tools/gpu_check.sh deep-ep  moecomm.compat.deep_ep: the GPU suite's runs of tests/mpi_deep_ep.py (1 rank on
-#                                    both transports, 2 ranks over ipc) and of tools/deep_ep_bench.py; with
-#                                    $DEEPEP_TESTS (DeepEP's tests/ folder, fetched, never committed) its own
-#                                    test_low_latency.py unchanged at ${DEEPEP_RANKS:-1 2 4} ranks, bench_kineto
-#                                    included, `import deep_ep` answered by moecomm.compat.deep_ep (ranks sharing a
-#                                    GPU: tests/deep_ep_shared_gpu.py)
+#   bash tools/gpu_check.sh deep-ep  moecomm.compat.deep_ep: the GPU suite's runs of tests/mpi_deep_ep.py and
+#                                    mpi_deep_ep_normal.py (1 rank on both transports, 2 (and 4) ranks over ipc)
+#                                    and of tools/deep_ep_bench.py; with $DEEPEP_TESTS (DeepEP's tests/ folder,
+#                                    fetched, never committed) its own test_low_latency.py and test_intranode.py
+#                                    unchanged at ${DEEPEP_RANKS:-1 2 4} ranks, their timings included, `import
+#                                    deep_ep` answered by moecomm.compat.deep_ep (ranks sharing a GPU:
+#                                    tests/deep_ep_shared_gpu.py)
 #   bash tools/gpu_check.sh --help   this text
 #   bash tools/gpu_check.sh latency  the checks a kernel change needs (quick sweeps on both transports, the
 #                                    put-only path, world size 1, the model-sized and streamed cases (--full),
@@ -129,7 +130,7 @@ if [ "${1:-}" = jax ]; then  # moecomm.jax: correct first, then timed
   exit $status
 fi
 if [ "${1:-}" = deep-ep ]; then  # DeepEP's low-latency API: our checks, then DeepEP's own test
-  suite "mpi_deep_ep or deep_ep_pair"  # 1 rank on each transport, 2 sharing GPU 0; the pair eager and replayed
+  suite "mpi_deep_ep or deep_ep_pair"  # 1 rank on each transport, 2 (and 4) sharing GPU 0; the pair eager, replayed
   if [ -n "${DEEPEP_TESTS:-}" ]; then
     shim=$(mktemp -d); mkdir "$shim/deep_ep"
     printf '%s\n' "from moecomm.compat.deep_ep import *  # noqa: F401,F403" \
@@ -137,7 +138,8 @@ if [ "${1:-}" = deep-ep ]; then  # DeepEP's low-latency API: our checks, then De
     for n in ${DEEPEP_RANKS:-1 2 4}; do
       ( export MOECOMM_TRANSPORT=ipc PYTHONPATH=$shim:$PWD/tests:$PYTHONPATH STEP_TIMEOUT=${STEP_TIMEOUT:-400}
         cd "$DEEPEP_TESTS"
-        expect "Dispatch send/recv time" python3 test_low_latency.py --num-processes $n; [ $status = 0 ] ) || status=1
+        expect "Dispatch send/recv time" python3 test_low_latency.py --num-processes $n
+        expect "Best combine" python3 test_intranode.py --num-processes $n; [ $status = 0 ] ) || status=1
     done
   fi
   exit $status

@@ -36,9 +36,7 @@ rows grouped by source rank in token order, so a routing places its rows alike e
 is a dispatch of the handle's routing). One AllToAll per (the ranks' most tokens, rounded up to a power of two;
 hidden; routing by expert or by rank; bf16 or FP8 tokens), made at first use. The calls read counts on the host
 (the rows each rank received, for DeepEP's rank_prefix_matrix; the tokens per local expert), as DeepEP's do
-unless ``num_worst_tokens`` (then only the rows). The host transport only so far: on GPU transports the first
-dispatch refuses (the combined top-k weights, the ranks layout's float32 side rows, are the host transport's
-only; the layout itself runs on GPUs). torch is imported here only.
+unless ``num_worst_tokens`` (then only the rows). torch is imported here only.
 """
 import functools
 from collections import deque
@@ -464,10 +462,6 @@ class Buffer:
         num_worst_tokens, which n then is), handle, event); a cached dispatch returns (recv_x, None, None, None,
         None, event). recv_x's rows: sources in rank order, each source's tokens in token order."""
         self._normal("dispatch", previous_event)
-        if self.comm.transport.memory == "device":  # every rank alike (one transport), before any call
-            raise InvalidArgument("dispatch: DeepEP's normal mode runs on the host transport only so far in "
-                                  "moecomm.compat.deep_ep (its combined top-k weights do not run on GPUs yet; "
-                                  "moecomm.AllToAll(layout='ranks') gives its layout on GPUs)")
         x, scales = x if isinstance(x, tuple) else (x, None)
         cached = handle is not None
         if cached:
