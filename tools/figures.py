@@ -146,16 +146,24 @@ def grads():
 
 
 def deep_ep():
-    """moecomm.compat.deep_ep's low-latency pair at DeepEP's test shape, eager and from a CUDA graph
-    (deep-ep-ws1.json)."""
+    """moecomm.compat.deep_ep at world size 1 (deep-ep-ws1.json): the low-latency pair at DeepEP's test shape,
+    eager and from a CUDA graph; the normal mode's phases beside their memory pattern."""
+    results = _load("deep-ep-ws1.json")["results"]
     rows = [[f"{r['tokens']} tokens, hidden {r['hidden']}, {r['experts']} experts, top-{r['topk']}, FP8 dispatch",
              _with_p99({"median_us": r["eager_pair_us"], "p99_us": r["eager_pair_p99_us"]}), _us(r["host_pair_us"]),
              _with_p99({"median_us": r["graph_pair_us"], "p99_us": r["graph_pair_p99_us"]}),
              _us(r["deep_ep_test_avg_us"]) if "deep_ep_test_avg_us" in r else "-"]
-            for r in _load("deep-ep-ws1.json")["results"] if r["mode"] == "low_latency"]
+            for r in results if r["mode"] == "low_latency"]
+    normal = [[f"{r['phase']}, {r['dtype']}: {r['tokens']} tokens, hidden {r['hidden']}, top-{r['topk']} of "
+               f"{r['experts']} ({r['rows']} rows)", _with_p99({"median_us": r["us"], "p99_us": r["p99_us"]}),
+               _with_p99({"median_us": r["pattern_us"], "p99_us": r["pattern_p99_us"]}),
+               f"{r['us'] / r['pattern_us']:.2f}×", _us(r["eager_us"])]
+              for r in results if r["mode"] == "normal"]
     return _caption("deep-ep-ws1.json") + _table(
         ["DeepEP low-latency pair, world size 1", "eager (p99)", "host time", "CUDA graph (p99)",
-         "DeepEP's own test, eager (mean)"], rows)
+         "DeepEP's own test, eager (mean)"], rows) + ("\n" + _table(
+        ["DeepEP normal mode, world size 1", "device time (p99)", "the rows copied once (p99)", "ratio",
+         "eager (host included)"], normal) if normal else "")
 
 
 def dispatch_wire():
