@@ -6,7 +6,7 @@ test_intranode.py): the cached ``dispatch`` of bfloat16 and of FP8 tokens and th
 time beside ``pattern_us``, the same rows copied once by a plain kernel (torch's index_select) in the same run;
 checked bit for bit (dispatch) and against the tokens (combine) first.
 
-    mpirun -np 1 python tools/deep_ep_bench.py [--json deep-ep-ws1.json] [--profile] [--parts]
+    mpirun -np 1 python tools/deep_ep_bench.py [--json deep-ep-ws1.json] [--profile] [--parts] [--normal-tokens N]
 
 Times: CUDA events around each pair after a warm-up, median and p99 over ``--iters`` (an eager pair's events
 wait for the host where the host is the slower, as DeepEP's own test times it); ``host_pair_us``: the host's own
@@ -25,9 +25,11 @@ import statistics
 import sys
 import time
 
+import numpy as np
 import torch
 
 import moecomm
+from moecomm import reference
 from moecomm.bench import environment
 from moecomm.compat import deep_ep
 
@@ -160,8 +162,9 @@ def normal_rows(comm, tokens, iters):
     x = torch.randn((T, H), generator=gen, device="cuda").to(torch.bfloat16)
     topk_idx = torch.topk(torch.rand((T, E), generator=gen, device="cuda"), K, dim=-1).indices
     topk_weights = torch.rand((T, K), generator=gen, device="cuda")
-    x_e4m3 = per_token_cast_to_fp8(x)
-    x_e4m3 = (x_e4m3[0], x_e4m3[1].T.contiguous().T)  # column-major scales, as DeepEP's test passes them
+    q, s = reference.quantize_tokens(x.view(torch.int16).cpu().numpy().view(moecomm.bfloat16), "e4m3", np.float32)
+    x_e4m3 = (torch.from_numpy(q.view(np.uint8)).cuda().view(torch.float8_e4m3fn),  # scales column-major, as
+              torch.from_numpy(s).cuda().T.contiguous().T)  # DeepEP's test passes them (its per_token_cast_to_fp8)
     per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, E)
     layout = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
                   topk_idx=topk_idx, topk_weights=topk_weights)
@@ -234,14 +237,6 @@ def normal_rows(comm, tokens, iters):
     out[1]["combine_after_us"] = fp8["combine"][0]
     out[2]["max_relative_error"] = err
     return out
-
-
-def per_token_cast_to_fp8(x):
-    """DeepEP's utils: x [n, H] bfloat16 as e4m3 [n, H] and float32 scales [n, H / 128] (amax / 448 per 128)."""
-    m, n = x.shape
-    view = x.float().view(m, -1, 128)
-    amax = view.abs().amax(dim=2).view(m, -1).clamp(1e-4)
-    return (view * (448.0 / amax.unsqueeze(2))).to(torch.float8_e4m3fn).view(m, n), (amax / 448.0).view(m, -1)
 
 
 def main():
