@@ -188,8 +188,9 @@ def normal_rows(comm, tokens, iters):
     n = handle.rows
     copy_x, copy_q = torch.empty((rows.numel(), H), dtype=x.dtype, device="cuda"), torch.empty(
         (rows.numel(), H), dtype=torch.uint8, device="cuda")
-    q, s = x_e4m3[0].view(torch.uint8), x_e4m3[1].contiguous()
-    copy_s, back = torch.empty((rows.numel(), s.size(1)), dtype=s.dtype, device="cuda"), torch.empty_like(recv)
+    src_q, src_s = x_e4m3[0].view(torch.uint8), x_e4m3[1].contiguous()  # the pattern's FP8 sources
+    copy_s = torch.empty((rows.numel(), src_s.size(1)), dtype=src_s.dtype, device="cuda")
+    back = torch.empty_like(recv)
     order = torch.arange(n, device="cuda")
 
     def phases(steps, ahead=True, loops=20):
@@ -219,8 +220,8 @@ def normal_rows(comm, tokens, iters):
     fp8 = phases([("dispatch", lambda: buffer.dispatch(x_e4m3, handle=handle8)),
                   ("combine", lambda: buffer.combine(recv, handle8))])
     pattern = phases([("bf16", lambda: torch.index_select(x, 0, rows, out=copy_x)),
-                      ("fp8", lambda: (torch.index_select(q, 0, rows, out=copy_q),
-                                       torch.index_select(s, 0, rows, out=copy_s))),
+                      ("fp8", lambda: (torch.index_select(src_q, 0, rows, out=copy_q),
+                                       torch.index_select(src_s, 0, rows, out=copy_s))),
                       ("combine", lambda: torch.index_select(recv, 0, order, out=back))])
     eager = phases([("dispatch bfloat16", lambda: buffer.dispatch(x, handle=handle)),
                     ("combine bfloat16", lambda: buffer.combine(recv, handle)),
