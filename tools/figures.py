@@ -87,7 +87,7 @@ def ep2():
 
 
 def ws1():
-    """World size 1 on one H200, the local path (ws1-r1-decode.json)."""
+    """World size 1 on one GPU, the local path (ws1-r1-decode.json)."""
     res = _load("ws1-r1-decode.json")["results"]
     rows = []
     for label, config, tokens in ROWS:
