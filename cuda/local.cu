@@ -4,6 +4,44 @@
 
 using namespace moecomm;
 
+namespace {
+
+// The sources a dispatch call writes (moecomm.AllToAll.dispatch(sources=...)), carried in the dispatch record's
+// combine-only fields (moecomm/_abi.py: CALL_FIELDS); src_info null where the call gives none.
+__device__ __forceinline__ Sources call_sources(const Call& c) {
+  Sources s;
+  s.src_info = (int*)c.y;
+  s.layout_range = (long long*)c.out_tokens;
+  s.add_counts = (int*)c.out_dropped;
+  return s;
+}
+
+// This block's share of s.src_info [local_experts * cap] set to -1 (an empty slot).
+__device__ __forceinline__ void fill_sources(const Fixed& f, const Sources& s) {
+  const int slots = f.local_experts * f.cap, per = (slots + gridDim.x - 1) / gridDim.x;
+  const int end = min(slots, ((int)blockIdx.x + 1) * per);
+  for (int i = blockIdx.x * per + threadIdx.x; i < end; i += blockDim.x) s.src_info[i] = -1;
+}
+
+// What moecomm_source_layout (backward.cu) writes after this dispatch, at world size 1, by the last block once
+// dispatch_sent has stored the counts (every thread): record t is token t (as many as the signal counts: none
+// where the call failed), so each of its slots gets t; the one source's range in expert e starts at slot 0 and
+// holds c.out_num[e] slots; s.add_counts (or null) gains them. The other slots are -1 already (fill_sources).
+__device__ __forceinline__ void local_sources(const Fixed& f, const Call& c, const Sources& s) {
+  const int own = (int)own_count(f.sig[f.rank]), slots = f.local_experts * f.cap;
+  for (int p = threadIdx.x; p < own * f.topk; p += blockDim.x) {
+    const int slot = f.slot_of[p];
+    if (slot >= 0 && slot < slots) s.src_info[slot] = p / f.topk;
+  }
+  for (int e = threadIdx.x; e < f.local_experts; e += blockDim.x) {
+    const int n = own ? c.out_num[e] : 0;
+    s.layout_range[e] = n;  // (first slot 0 << 32) | n
+    if (s.add_counts) s.add_counts[e] += n;
+  }
+}
+
+}  // namespace
+
 // grid: f.max_tokens * parts blocks (gpu_plan.py: whole_kernels, small batches; _token_part_blocks: parts
 // up to top-k while half the resident grid has room, 1 where pairs may be dropped for capacity, whose drop word
 // is the token's). Block b takes token t = b / parts and its pairs k with k % parts == b % parts, so that a small
@@ -13,7 +51,10 @@ using namespace moecomm;
 // atomics in flight at once, and counts the block done; then the block stores the row into those slots. The
 // last block ends the receive half as moecomm_dispatch_local's does. It writes what
 // dispatch_send writes, but for the records: the token's own record is record t (f.recv_buf row t: metadata,
-// f.slot_of), so there are m of them and no record atomic; the signal carries m.
+// f.slot_of), so there are m of them and no record atomic; the signal carries m. A call given sources
+// (call_sources: gpu_plan.py's dispatch_sources) also writes them: every block fills its share of src_info with
+// -1 before it counts itself done, and the last block, once the counts are stored, writes the rest
+// (local_sources).
 extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, MOECOMM_BLOCKS_PER_SM)
     moecomm_dispatch_tokens(const Fixed f, const Call c) {
   after_previous_kernel();
@@ -41,6 +82,8 @@ extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, MOECOMM_BLOC
   zero_next_rows(f);
   const unsigned counted = f.tag_ring || f.gap_ring ? call_row(f) : 0u;  // tags' and confidence's row
   const int m = dispatch_begin(f, c, epoch);
+  const Sources sources = call_sources(c);
+  if (sources.src_info && warp > 0) fill_sources(f, sources);  // beside warp 0's routing
   TRACE(MOECOMM_TRACE_DISPATCH_SEND, 1);
   __shared__ uint8_t* xd[MOECOMM_MAX_TOPK];  // the token's rows of c.out_x and c.out_scale, compacted
   __shared__ uint8_t* sd[MOECOMM_MAX_TOPK];
@@ -106,6 +149,7 @@ extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, MOECOMM_BLOC
   // and error words (warp 0's), not the rows, which nothing in this kernel reads. A grid of one block is its
   // own last (the kernel's end orders its writes for the next kernel).
   __shared__ bool last;
+  if (sources.src_info) __syncthreads();  // the block's share of src_info filled before it counts itself done
   if (warp == 0) {
     __syncwarp();  // warp 0's atomics and words, observed by its lane 0 before its fence
     if (lane == 0) last = gridDim.x == 1 || count_block(&f.state[MOECOMM_S_DONE_DS], false);
@@ -114,7 +158,13 @@ extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, MOECOMM_BLOC
   if (t < m) row.store(f, xd, sd, n, 0, xt, scales);
   if (gap) count_gap(f, c, e, w, counted);  // off the slots' path: nothing of this call reads it
   TRACE(MOECOMM_TRACE_DISPATCH_SEND, 3);
-  if (last) dispatch_sent(f, c, epoch, true, m);
+  if (last) {
+    dispatch_sent(f, c, epoch, true, m);
+    if (sources.src_info) {
+      __syncthreads();  // the counts (c.out_num) and the signal, stored by other threads
+      local_sources(f, c, sources);
+    }
+  }
   TRACE_SPAN(MOECOMM_TRACE_DISPATCH_SEND, 1);
 }
 
