@@ -4,6 +4,45 @@
 
 using namespace moecomm;
 
+namespace {
+
+// The sources a dispatch call writes (moecomm.AllToAll.dispatch(sources=...)), carried in the dispatch record's
+// combine-only fields (moecomm/_abi.py: CALL_FIELDS); src_info null where the call gives none.
+__device__ __forceinline__ Sources call_sources(const Call& c) {
+  Sources s;
+  s.src_info = (int*)c.y;
+  s.layout_range = (long long*)c.out_tokens;
+  s.add_counts = (int*)c.out_dropped;
+  return s;
+}
+
+// The rest of what moecomm_source_layout (backward.cu) writes after this dispatch, at world size 1, by the last
+// block once dispatch_sent has stored the counts (every thread; c.out_num and the signal were stored before its
+// barrier). Each slot a pair took holds its token already (its block stored it beside f.slot_of); the one
+// source's range in expert e starts at slot 0 and holds c.out_num[e] slots, the slots past them get -1, and
+// s.add_counts (or null) gains them. Where the call failed (the signal counts no record) every slot is -1 and
+// every range 0. Each warp takes 32 experts at a time, their counts loaded at once, lane j's for expert e0 + j.
+__device__ __forceinline__ void local_sources(const Fixed& f, const Call& c, const Sources& s) {
+  const int lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+  const bool failed = own_count(f.sig[f.rank]) == 0;  // or no token: then every count is 0 anyway
+  for (int e0 = (threadIdx.x >> 5) * 32; e0 < f.local_experts; e0 += warps * 32) {
+    const int e = e0 + lane;
+    int n = 0;
+    if (e < f.local_experts) {
+      n = failed ? 0 : c.out_num[e];
+      const int before = s.add_counts ? s.add_counts[e] : 0;
+      s.layout_range[e] = n;  // (first slot 0 << 32) | n
+      if (s.add_counts) s.add_counts[e] = before + n;
+    }
+    for (int j = 0; j < 32 && e0 + j < f.local_experts; ++j) {
+      int* const slots = s.src_info + (size_t)(e0 + j) * f.cap;
+      for (int i = __shfl_sync(FULL, n, j) + lane; i < f.cap; i += 32) slots[i] = -1;
+    }
+  }
+}
+
+}  // namespace
+
 // grid: f.max_tokens * parts blocks (gpu_plan.py: whole_kernels, small batches; _token_part_blocks: parts
 // up to top-k while half the resident grid has room, 1 where pairs may be dropped for capacity, whose drop word
 // is the token's). Block b takes token t = b / parts and its pairs k with k % parts == b % parts, so that a small
@@ -13,7 +52,9 @@ using namespace moecomm;
 // atomics in flight at once, and counts the block done; then the block stores the row into those slots. The
 // last block ends the receive half as moecomm_dispatch_local's does. It writes what
 // dispatch_send writes, but for the records: the token's own record is record t (f.recv_buf row t: metadata,
-// f.slot_of), so there are m of them and no record atomic; the signal carries m.
+// f.slot_of), so there are m of them and no record atomic; the signal carries m. A call given sources
+// (call_sources: gpu_plan.py's dispatch_sources) also writes them: each pair's token into its slot of src_info
+// beside f.slot_of, and the last block, once the counts are stored, the rest (local_sources).
 extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, MOECOMM_BLOCKS_PER_SM)
     moecomm_dispatch_tokens(const Fixed f, const Call c) {
   after_previous_kernel();
@@ -41,6 +82,7 @@ extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, MOECOMM_BLOC
   zero_next_rows(f);
   const unsigned counted = f.tag_ring || f.gap_ring ? call_row(f) : 0u;  // tags' and confidence's row
   const int m = dispatch_begin(f, c, epoch);
+  const Sources sources = call_sources(c);
   TRACE(MOECOMM_TRACE_DISPATCH_SEND, 1);
   __shared__ uint8_t* xd[MOECOMM_MAX_TOPK];  // the token's rows of c.out_x and c.out_scale, compacted
   __shared__ uint8_t* sd[MOECOMM_MAX_TOPK];
@@ -95,6 +137,7 @@ extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, MOECOMM_BLOC
         f.own_of[pair] = make_int2(where, __float_as_int(w));
         f.ids_of[pair] = e;  // combine checks its ids against these
         f.slot_of[rec * f.topk + lane] = where;
+        if (sources.src_info && where >= 0) sources.src_info[where] = t;
         meta[1 + lane] = pe;
         ((float*)meta)[1 + f.topk + lane] = w;
         if (f.sent) f.sent[pair] = pe;  // the routing plan's (backward.cu)
@@ -114,7 +157,10 @@ extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, MOECOMM_BLOC
   if (t < m) row.store(f, xd, sd, n, 0, xt, scales);
   if (gap) count_gap(f, c, e, w, counted);  // off the slots' path: nothing of this call reads it
   TRACE(MOECOMM_TRACE_DISPATCH_SEND, 3);
-  if (last) dispatch_sent(f, c, epoch, true, m);
+  if (last) {
+    dispatch_sent(f, c, epoch, true, m);
+    if (sources.src_info) local_sources(f, c, sources);
+  }
   TRACE_SPAN(MOECOMM_TRACE_DISPATCH_SEND, 1);
 }
 

@@ -121,6 +121,8 @@ CALL_FIELDS = (
     ("out_x", "uint8_t*"),          # dispatch: [local_experts, cap, hidden] expert dtype
     ("out_scale", "uint8_t*"),      # dispatch: [local_experts, cap, scales] scale_dtype (scale_column: transposed)
     ("out_offsets", "int*"),        # dispatch, packed layout: [local_experts + 1] int32
+    # combine's three below; a dispatch given sources in the local path's small-batch kernel (gpu_plan.py:
+    # dispatch_sources; cuda/local.cu call_sources) carries them here: src_info, layout_range, add_counts (Sources)
     ("y", "const uint8_t*"),        # combine: [local_experts, cap, hidden] out_dtype
     ("out_tokens", "uint8_t*"),     # combine: [rows, hidden] out_dtype
     ("out_dropped", "uint8_t*"),    # combine: [rows, topk] uint8, 1: the pair was dropped for capacity; the ranks

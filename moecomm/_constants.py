@@ -49,7 +49,7 @@ ARGUMENTS = ("the order of calls", "out_expert_num_tokens", "out_expert_x", "out
              "dp_x_scale", "indices", "bound_m", "weights", "out_tokens", "expert_y", "stream", "do_send",
              "do_recv", "out_dropped", "out_expert_offsets", "plan", "plan.expert", "plan.origin", "plan.call",
              "out_grad_x", "grad_expert_x", "out_grad_expert_y", "out_grad_weights", "grad_out", "tags", "call_id",
-             "expert_weights", "out_weights")
+             "expert_weights", "out_weights", "sources", "out_src_info", "out_layout_range", "add_counts")
 
 # The reason a combine's signals carry when its expert ids differ from its dispatch's: a refused "indices".
 REASON_IDS_DIFFER = ERR_REFUSED | ARGUMENTS.index("indices") << REASON_ARG_SHIFT

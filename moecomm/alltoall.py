@@ -29,13 +29,33 @@ _ONE = (1,)
 _TAGS = (None,)  # tags: a row per token
 
 
+class SourceLayout(NamedTuple):
+    """Where a dispatch put each source rank's rows, as DeepEP's low-latency handle describes them (its
+    ``src_info`` and ``layout_range``), in the padded layout whose experts' slots are grouped by source rank
+    (``group_by_source=True``, or world size 1): the arrays :meth:`AllToAll.source_layout` writes, given to
+    :meth:`AllToAll.dispatch` (``sources=``) to be written by the dispatch's receive half itself.
+
+    Attributes:
+        out_src_info: [num_local_experts, expert_capacity] int32, written: the token (its row in the source
+            rank's dp_x) each slot holds, -1 where empty.
+        out_layout_range: [num_local_experts, world_size] int64, written: ``(first slot << 32) | slots`` of
+            each source rank's rows in each expert (consecutive, sources in rank order); 0 where none.
+        add_counts: [num_local_experts] int32, or None: each local expert's received tokens (its slots
+            written) added to it, as DeepEP's ``cumulative_local_expert_recv_stats``.
+    """
+    out_src_info: object
+    out_layout_range: object
+    add_counts: object = None
+
+
 class DispatchArgs(NamedTuple):
     """The arrays of one dispatch call, as :meth:`AllToAll.dispatch` takes them (shapes and dtypes there).
     ``moved_outputs``: a receive half may be given other output arrays than its send half, holding what
     the send half wrote (``moecomm.jax``: XLA may copy a buffer between the halves). ``promised``: the caller
     promises that these arrays come back call after call with the same address, shape, dtype and layout
     (:meth:`AllToAll.prepare_dispatch`): a call given the same objects as its phase's last checks that
-    instead of reading them again, and is refused where one changed."""
+    instead of reading them again, and is refused where one changed. ``sources``: a :class:`SourceLayout`
+    the call's receive half also writes (:meth:`AllToAll.dispatch`), or None."""
     out_expert_num_tokens: object
     out_expert_x: object
     out_expert_x_scale: object
@@ -50,6 +70,7 @@ class DispatchArgs(NamedTuple):
     stream: object = None
     moved_outputs: bool = False
     promised: bool = False
+    sources: object = None
     phase = "dispatch"  # class attributes, not fields
     array_fields = ("out_expert_num_tokens", "out_expert_x", "out_expert_x_scale", "dp_x", "dp_x_scale", "indices",
                     "bound_m", "weights", "out_expert_offsets", "tags", "call_id")  # what a call's reading reads
@@ -282,7 +303,7 @@ class AllToAll:
 
     def dispatch(self, out_expert_num_tokens, out_expert_x, out_expert_x_scale, dp_x, dp_x_scale,
                  indices, bound_m, do_send=True, do_recv=True, weights=None, stream=None, out_expert_offsets=None,
-                 tags=None, call_id=None):
+                 tags=None, call_id=None, sources=None):
         """Send each token to the ranks of its experts and lay it out per local expert. Collective.
 
         Args (``m`` = tokens this call, read from ``bound_m``; each per-token array has its own number of
@@ -324,6 +345,10 @@ class AllToAll:
                 raises OutOfStep on every rank instead of pairing calls of different steps (a rank that
                 skipped or repeated a call, a ``lax.cond`` whose predicate differs between ranks), which
                 counting calls alone cannot see.
+            sources: a :class:`SourceLayout` of arrays the receive half also writes, as a call of
+                :meth:`source_layout` right after it would (in the same launch where the launch plan's
+                ``dispatch_sources`` says so: the local path of small batches), or None. Only where
+                source_layout is (group_by_source=True, or world size 1), and with do_recv.
             stream: CUDA stream for device transports: an int handle, a CuPy, PyTorch or cuda.core stream,
                 or None for the current stream of the framework of ``dp_x`` on the communicator's device
                 (PyTorch's for a tensor, else CuPy's). Arrays from PyTorch or CuPy are taken to be written
@@ -342,7 +367,7 @@ class AllToAll:
         """
         self.run(_new_tuple(DispatchArgs, (out_expert_num_tokens, out_expert_x, out_expert_x_scale, dp_x, dp_x_scale,
                                            indices, bound_m, weights, out_expert_offsets, tags, call_id, stream,
-                                           False, False)), do_send, do_recv)
+                                           False, False, sources)), do_send, do_recv)
 
     def combine(self, out_tokens, indices, weights, expert_y, bound_m, do_send=True, do_recv=True,
                 stream=None, out_dropped=None, expert_weights=None, out_weights=None):
@@ -411,9 +436,9 @@ class AllToAll:
             if self._captured:  # nothing kept on the host (captured())
                 stream = self._arrays.begin(args.stream, args.first)
                 self._read(args, send, recv)
+                sources = None if phase == "combine" or args.sources is None else self._read_sources(args, recv)
                 self._arrays.order()
-                launch = self._backend.dispatch if phase == "dispatch" else self._backend.combine
-                return launch(self._records[phase], send, recv, stream)  # the record _read filled
+                return self._launch(phase, send, recv, stream, sources)  # the record _read filled
             try:
                 stream = self._arrays.begin(args.stream, args.first)
                 if send and phase == "dispatch" and self._order.done:  # a call left open: it ends here
@@ -422,12 +447,12 @@ class AllToAll:
                 if not (send or recv):
                     raise InvalidArgument(f"{phase}: do_send and do_recv are both False: nothing to run")
                 weights, outputs = self._read(args, send, recv)
+                sources = None if phase == "combine" or args.sources is None else self._read_sources(args, recv)
                 self._order.advance(phase, send, recv, weights, outputs)  # checks the order, then records it
             except InvalidArgument as e:
                 self._refuse(e, stream)
             self._arrays.order()
-            launch = self._backend.dispatch if phase == "dispatch" else self._backend.combine
-            launch(self._records[phase], send, recv, stream)  # the record _read filled
+            self._launch(phase, send, recv, stream, sources)
         except (CommTimeout, OutOfStep) as e:
             self._order.end()
             self.comm.fail(e)
@@ -439,6 +464,35 @@ class AllToAll:
             if previous is not None:
                 self._context.leave(previous)
             calls.lock.release()
+
+    def _launch(self, phase, send, recv, stream, sources):
+        """Hand the phase's call record (filled by _read) and the dispatch's sources to the backend's launch."""
+        if phase == "dispatch":
+            return self._backend.dispatch(self._records[phase], send, recv, stream, sources)
+        return self._backend.combine(self._records[phase], send, recv, stream)
+
+    def _read_sources(self, args, recv):
+        """A dispatch's ``sources`` (:class:`SourceLayout`) read and checked: their addresses (src_info,
+        layout_range, add_counts or the record's None)."""
+        sources = args.sources
+        if not recv:
+            raise InvalidArgument("sources: the receive half writes them: give them to the call that runs it "
+                                  "(do_recv=True)")
+        if not isinstance(sources, SourceLayout):
+            raise InvalidArgument(f"sources: a moecomm.SourceLayout, not {type(sources).__name__}")
+        with torch_function_off():
+            return self._source_arrays("sources", *sources)
+
+    def _source_arrays(self, what, out_src_info, out_layout_range, add_counts):
+        """The source layout's arrays read and checked (``what``: the call's name in refusals)."""
+        if not self.cfg.slots_by_source:
+            raise InvalidArgument(f"{what}: needs the padded layout with group_by_source=True (or world size 1): "
+                                  f"elsewhere an expert's rows from one source are not consecutive")
+        read = self._arrays.read
+        return (read(out_src_info, "out_src_info", _COUNTS, self._slots_shape, output=True),
+                read(out_layout_range, "out_layout_range", _RANGES, self._ranges_shape, output=True),
+                self._absent if add_counts is None else read(add_counts, "add_counts", _COUNTS, self._counts_shape,
+                                                             output=True))
 
     def _read(self, args, send, recv):
         """Read and check a call's arguments into its phase's call record; returns (whether router weights
@@ -699,20 +753,16 @@ class AllToAll:
                 each source rank's rows in each expert (consecutive, sources in rank order); 0 where none.
             add_counts: [num_local_experts] int32, or None: each local expert's received tokens (its slots
                 written) added to it, as DeepEP's ``cumulative_local_expert_recv_stats`` (in the same launch).
+
+        A dispatch given these arrays as its ``sources`` writes them itself (one call, and no launch of its own
+        on the local path of small batches).
         """
         self._live()
-        if not self.cfg.slots_by_source:
-            raise InvalidArgument("source_layout: needs the padded layout with group_by_source=True (or world "
-                                  "size 1): elsewhere an expert's rows from one source are not consecutive")
-        arrays = self._arrays
         with self._context or nullcontext():
-            s = arrays.begin(stream, out_src_info)
-            src_info = arrays.read(out_src_info, "out_src_info", _COUNTS, self._slots_shape, output=True)
-            layout_range = arrays.read(out_layout_range, "out_layout_range", _RANGES, self._ranges_shape, output=True)
-            counts = self._absent if add_counts is None else arrays.read(add_counts, "add_counts", _COUNTS,
-                                                                         self._counts_shape, output=True)
-            arrays.order()
-            self._backend.write_sources(src_info, layout_range, counts, s)
+            s = self._arrays.begin(stream, out_src_info)
+            sources = self._source_arrays("source_layout", out_src_info, out_layout_range, add_counts)
+            self._arrays.order()
+            self._backend.write_sources(*sources, s)
 
     @one_call
     def row_routing(self, out_indices, out_weights=None, stream=None):

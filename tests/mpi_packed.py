@@ -1,7 +1,8 @@
 """The layouts whose rows are placed grouped by source, on either transport: the packed layout (each rank's rows
 back to back, expert by expert) and the padded one with group_by_source, each expert's rows from each source
 rank equal to the reference's for every input dtype, with and without scales, sources in rank order (and as
-AllToAll.source_layout describes them in the padded layout, its add_counts included); combine
+AllToAll.source_layout describes them in the padded layout, its add_counts included, written by the dispatch
+given them as its sources too; the packed layout refuses them); combine
 through their expert_y equals the reference; a capacity (per rank packed, per expert padded) with "drop" drops
 the demand past it (exactly the reference's pairs on the host transport) and combine equals the reference
 without them; "error" raises CapacityExceeded on every rank and the next call is right.
@@ -62,12 +63,15 @@ def check(xp, a2a, comm, drawn, capacity, fails, label):
     ex = put(xp, np.zeros(c.expert_x_shape(), c.in_dtype))
     es = None if xs is None else xp.zeros(c.expert_x_scale_shape(), np.float32)
     m, d_ids = xp.array([M], np.int32), xp.asarray(ids)
-    a2a.dispatch(n, ex, es, put(xp, x), put(xp, xs), d_ids, m, weights=xp.asarray(w), out_expert_offsets=off)
-    sources = None
-    if not packed:  # the slots of each source rank (DeepEP's handle)
-        sources = (xp.zeros(c.expert_x_shape()[:-1], np.int32), xp.zeros((E_PER_RANK, W), np.int64),
-                   xp.full(E_PER_RANK, 3, np.int32))  # the counts added to 3
-        a2a.source_layout(*sources[:2], add_counts=sources[2])
+    layouts = []  # the slots of each source rank (DeepEP's handle): written by the dispatch, then by source_layout
+    if not packed:
+        layouts = [moecomm.SourceLayout(xp.zeros(c.expert_x_shape()[:-1], np.int32),
+                                        xp.zeros((E_PER_RANK, W), np.int64), xp.full(E_PER_RANK, base, np.int32))
+                   for base in (3, 5)]  # the counts added to these
+    a2a.dispatch(n, ex, es, put(xp, x), put(xp, xs), d_ids, m, weights=xp.asarray(w), out_expert_offsets=off,
+                 sources=layouts[0] if layouts else None)
+    if layouts:
+        a2a.source_layout(*layouts[1][:2], add_counts=layouts[1].add_counts)
     ex_h = get(ex, c.in_dtype)
     y = xp.asarray(ex_h.astype(np.float32).astype(np.float16))  # the expert: identity in the output dtype
     out, dropped = xp.zeros((M, H), np.float16), xp.zeros((M, K), np.uint8)
@@ -99,10 +103,11 @@ def check(xp, a2a, comm, drawn, capacity, fails, label):
     if not np.array_equal(n, counts):
         fails.append(f"{label}: counts {n.tolist()} != {counts.tolist()}")
         return
-    if sources is not None:
-        check_sources(get(sources[0], np.int32), get(sources[1], np.int64), ref["origin"], counts, W, fails, label)
-        if not np.array_equal(get(sources[2], np.int32), 3 + counts):
-            fails.append(f"{label}: source_layout's add_counts {get(sources[2], np.int32).tolist()} != 3 + "
+    for how, (src_info, layout_range, added), base in zip(("dispatch(sources=)", "source_layout"), layouts, (3, 5)):
+        check_sources(get(src_info, np.int32), get(layout_range, np.int64), ref["origin"], counts, W, fails,
+                      f"{label}, {how}")
+        if not np.array_equal(get(added, np.int32), base + counts):
+            fails.append(f"{label}, {how}: add_counts {get(added, np.int32).tolist()} != {base} + "
                          f"{counts.tolist()}")
     es_h = None if es is None else get(es, np.float32)
     for e in range(E_PER_RANK):  # each expert's rows from each source, as sets (sorted)
@@ -124,21 +129,36 @@ def check(xp, a2a, comm, drawn, capacity, fails, label):
 
 
 def check_sources(src_info, layout_range, origin, counts, W, fails, label):
-    """AllToAll.source_layout against the reference's origin (rows by source, then token): each source's
-    (first slot << 32) | slots in each expert, 0 where none; its slots' tokens as a set (arrival order on GPUs);
-    -1 in the empty slots."""
+    """A source layout (AllToAll.source_layout's arrays) against the reference's origin (rows by source, then
+    token): each source's (first slot << 32) | slots in each expert, 0 where none; its slots' tokens as a set
+    (arrival order on GPUs); -1 in the empty slots."""
     for e, n in enumerate(counts):
         src = origin[e, :n, 0]
         for q in range(W):
             a, b = (int(v) for v in np.searchsorted(src, [q, q + 1]))
             want = a << 32 | (b - a) if b > a else 0
             if layout_range[e, q] != want or sorted(src_info[e, a:b]) != sorted(origin[e, a:b, 1]):
-                fails.append(f"{label}: source_layout of expert {e}, source {q}: range {int(layout_range[e, q]):#x} "
+                fails.append(f"{label}: expert {e}, source {q}: range {int(layout_range[e, q]):#x} "
                              f"tokens {sorted(src_info[e, a:b])}, expected {want:#x} {sorted(origin[e, a:b, 1])}")
                 return
         if (src_info[e, n:] != -1).any():
-            fails.append(f"{label}: source_layout: expert {e}'s empty slots are not -1")
+            fails.append(f"{label}: expert {e}'s empty slots are not -1")
             return
+
+
+def refuse_sources(xp, a2a, comm, fails):
+    """The packed layout has no source layout: a dispatch given sources is refused on every rank, naming them."""
+    c, W = a2a.cfg, comm.world_size
+    sources = moecomm.SourceLayout(xp.zeros((E_PER_RANK, c.expert_capacity), np.int32),
+                                   xp.zeros((E_PER_RANK, W), np.int64))
+    try:
+        a2a.dispatch(xp.zeros(E_PER_RANK, np.int32), put(xp, np.zeros(c.expert_x_shape(), c.in_dtype)), None,
+                     put(xp, np.zeros((M, H), c.in_dtype)), None, xp.full((M, K), -1, np.int32),
+                     xp.array([M], np.int32), out_expert_offsets=xp.zeros(E_PER_RANK + 1, np.int32), sources=sources)
+        fails.append("packed: a dispatch given sources was not refused")
+    except moecomm.InvalidArgument as e:
+        if not str(e).startswith("sources: needs the padded layout"):
+            fails.append(f"packed: a dispatch given sources was refused as {e}")
 
 
 def main():
@@ -203,7 +223,9 @@ def main():
     for d in drawn:  # 2 tokens per rank: at most 2 * K * W <= cap rows per rank
         d[3][2:] = -1
     check(xp, a2a, comm, drawn, cap, fails, "packed 'error', the next call")
-    checks += 2
+    refuse_sources(xp, a2a, comm, fails)
+    check(xp, a2a, comm, drawn, cap, fails, "packed, the call after a refused one")
+    checks += 4
     a2a.destroy()
     finish(comm, fails, checks)
 

@@ -334,6 +334,25 @@ def test_world_size_1_takes_the_local_path_in_the_padded_layout():
     assert whole(cfg(1, 128, combine_wire="e4m3")) == {"dispatch": P.LOCAL_TOKENS, "combine": "moecomm_combine_wire"}
 
 
+def test_the_small_batches_local_dispatch_writes_the_sources_itself():
+    """A whole dispatch given sources (AllToAll.dispatch(sources=...)) writes them in its own launch where it is
+    the local path's small-batch kernel (LOCAL_TOKENS); elsewhere (a block with several tokens, world size 2)
+    the source layout's kernel runs after it; an AllToAll without a source layout has neither."""
+    from moecomm._config import AllToAllConfig
+    from moecomm.transport import gpu_plan as P
+
+    def plan(world, tokens, sms=132, **kw):
+        c = AllToAllConfig.create(world, 0, tokens, 288, 8, 7168, 56, "float8_e4m3fn", "bfloat16", None, 1, **kw)
+        return P.launch_plan(c, sms, "ipc")
+    assert plan(1, 128).dispatch_sources and plan(1, 128, group_by_source=True).dispatch_sources
+    assert plan(1, 128).summary()["dispatch_sources"]
+    assert not plan(1, 128, 44).dispatch_sources and P.SOURCE_LAYOUT in plan(1, 128, 44).grids  # 88 blocks
+    assert not plan(1, 4096).dispatch_sources
+    by_source = plan(2, 128, group_by_source=True)
+    assert not by_source.dispatch_sources and P.SOURCE_LAYOUT in by_source.grids
+    assert not plan(2, 128).dispatch_sources and P.SOURCE_LAYOUT not in plan(2, 128).grids
+
+
 def test_small_batches_spread_over_the_grid_at_world_size_1():
     """The local path's small-batch dispatch gives a token up to top-k blocks while the grid fills at most half
     of 2 per SM (one where pairs may be dropped for capacity: a token's drop word is one block's), and its

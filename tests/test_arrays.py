@@ -226,7 +226,7 @@ class FakeBackend(AllToAllBackend):
     def records(self):
         return self.calls
 
-    def dispatch(self, record, do_send, do_recv, stream):
+    def dispatch(self, record, do_send, do_recv, stream, sources=None):
         assert record is self.calls["dispatch"]  # AllToAll hands over the record it filled: this backend's
         self.launches.append(("dispatch", do_send, do_recv, stream, bytes(record)))
 

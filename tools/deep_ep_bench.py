@@ -113,11 +113,11 @@ def busy_timed(step, loops, busy, reps=15):
 
 
 def parts(comm, buffer, pair, bare_pair, stats, topk_idx, topk_weights, y):
-    """The eager pair's host time, step by step (rank 0 prints): whole, without the statistics, the source layout,
-    one prepared launch, the core's argument reading, then the pair with the source layout's launch, all launches,
-    and then the core's calls, left out (the last two leave the device behind the host: run last)."""
+    """The eager pair's host time, step by step (rank 0 prints): whole, without the statistics, one prepared
+    launch, the core's argument reading (the dispatch's handle arrays apart), then the pair with all launches,
+    and then the core's calls, left out (these two leave the device behind the host: run last)."""
     from moecomm._arrays import torch_function_off
-    from moecomm.alltoall import CombineArgs, DispatchArgs
+    from moecomm.alltoall import CombineArgs, DispatchArgs, SourceLayout
     from moecomm.bench import delay_kernel
     delay_args, delay = delay_kernel(comm.transport)
     stream = torch.cuda.current_stream().cuda_stream
@@ -131,21 +131,20 @@ def parts(comm, buffer, pair, bare_pair, stats, topk_idx, topk_weights, y):
     handle = buffer._last
     layer, x, bound_m = handle.layer, handle.x, handle.bound_m
     a2a, kept = layer.a2a, handle.outputs.kept
-    rows["AllToAll.source_layout (DeviceBuffers, the statistics added)"] = busy_timed(
-        lambda: a2a.source_layout(kept.src_info, kept.layout_range, stream, stats), 200, busy)
+    a2a.source_layout(kept.src_info, kept.layout_range, stream)  # its record set: relaunched, it writes the same
     launch = a2a._backend._source_layout
     rows["one prepared launch (the source-layout kernel's)"] = busy_timed(lambda: launch(stream), 200, busy)
-    d = DispatchArgs(kept.count, kept.recv_x, kept.scales, x, None, topk_idx, bound_m, stream=stream)
+    d = DispatchArgs(kept.count, kept.recv_x, kept.scales, x, None, topk_idx, bound_m, stream=stream,
+                     sources=SourceLayout(kept.src_info, kept.layout_range, stats))
     c = CombineArgs(kept.combined, topk_idx, topk_weights, y, bound_m, stream=stream)
     with torch_function_off():
         rows["_read_dispatch (core: the dispatch's 6 arrays)"] = busy_timed(lambda: a2a._read_dispatch(d), 2000, busy)
+        rows["_read_sources (core: the handle's 3 arrays)"] = busy_timed(lambda: a2a._read_sources(d, True), 2000,
+                                                                          busy)
         rows["_read_combine (core: the combine's 5 arrays)"] = busy_timed(lambda: a2a._read_combine(c), 2000, busy)
-    backend = a2a._backend
-    backend._source_layout = lambda *_: None  # what its launch costs inside a pair (the combine needs none of it)
-    rows["pair, the source-layout kernel's launch left out"] = busy_timed(pair, 50, busy)
-    backend._launch = lambda *_: None
+    a2a._backend._launch = a2a._backend._source_layout = lambda *_: None
     rows["pair, no launches (the device left behind from here)"] = busy_timed(pair, 200, busy)
-    a2a.run = a2a.source_layout = lambda *_, **__: None
+    a2a.run = lambda *_, **__: None
     rows["pair, no core calls (compat.deep_ep alone)"] = busy_timed(pair, 200, busy)
     if comm.rank == 0:
         for name, us in rows.items():

@@ -20,8 +20,8 @@ Calls captured into a CUDA graph (``torch.cuda.graph``) run under ``a2a.captured
 and a failed replayed call's combined rows are NaN. Every call runs on the current stream: the returned event is an
 EventOverlap of it with ``async_finish``, else empty (as DeepEP's). The handle is DeepEP's five-tuple: each slot's
 source token ``[L, T * R]`` int32 and per local expert and source rank ``(first slot << 32) | count`` int64 (the
-source's slots are consecutive, sources in rank order: ``AllToAll.source_layout``, one small kernel after the
-receive half, which also adds ``cumulative_local_expert_recv_stats``' counts), then
+source's slots are consecutive, sources in rank order: the dispatch's ``sources``, written by its receive half,
+which also adds ``cumulative_local_expert_recv_stats``' counts; in the dispatch's own launch at world size 1), then
 num_max_dispatch_tokens_per_rank, hidden and num_experts. The results live in two sets per shape, used in turn
 (DeepEP's own rule in low-latency mode: a program holds at most two calls' results at once), so no call allocates
 (bound_m is kept per token count). A dispatch left uncombined ends (``a2a.abort()``) when the next one begins; the
@@ -49,7 +49,7 @@ import moecomm
 
 from .._arrays import _PLAIN
 from .._errors import InvalidArgument
-from ..alltoall import CombineArgs, DispatchArgs
+from ..alltoall import CombineArgs, DispatchArgs, SourceLayout
 from ..torch import AllToAll as _Layer
 from ..torch import plain_torch
 
@@ -267,24 +267,22 @@ class Buffer:
         outs = self._outputs(layer, x)
         kept = outs.kept
         stream = layer._stream(x)
+        sources = SourceLayout(kept.src_info, kept.layout_range, stats)  # the handle's, written by the receive half
         args = DispatchArgs(kept.count, kept.recv_x, kept.scales, layer._arg(x), None, layer._arg(topk_idx), bound_m,
-                            stream=stream)
+                            stream=stream, sources=sources)
 
         receive = None
         if return_recv_hook:
             @plain_torch
-            def receive():  # the receive half, then the handle's arrays, on the stream current when it is called
-                now = layer._stream(x)
+            def receive():  # the receive half and the handle's arrays, on the stream current when it is called
                 with _recorded(layer):
-                    a2a.run(args._replace(stream=now), do_send=False)
-                    a2a.source_layout(kept.src_info, kept.layout_range, now, stats)
+                    a2a.run(args._replace(stream=layer._stream(x)), do_send=False)
 
             with _recorded(layer):
-                a2a.run(args, do_recv=False)
+                a2a.run(args._replace(sources=None), do_recv=False)
         else:  # one launch, as DeepEP's
             with _recorded(layer):
                 a2a.run(args)
-                a2a.source_layout(kept.src_info, kept.layout_range, stream, stats)
         handle = self._open = self._last = _Handle(
             (outs.src_info, outs.layout_range, num_max_dispatch_tokens_per_rank, hidden, num_experts), layer,
             bound_m, x, outs)
@@ -341,9 +339,9 @@ class Buffer:
         scales = new(c.expert_x_scale_shape(), c.scale_dtype, x, False) if c.hidden_dim_scale else None
         args = (new((c.num_local_experts,), np.int32, x, False), new(c.expert_x_shape(), c.expert_dtype, x, False),
                 scales, x, None, topk_idx)
-        a2a.run(DispatchArgs(*map(layer._arg, args), handle.bound_m))
         src_info, layout_range = torch.empty_like(handle[0]), torch.empty_like(handle[1])
-        a2a.source_layout(layer._arg(src_info), layer._arg(layout_range))  # before its combine, as the first's
+        a2a.run(DispatchArgs(*map(layer._arg, args), handle.bound_m,
+                             sources=SourceLayout(layer._arg(src_info), layer._arg(layout_range))))
         return _moved(y, _pairs(handle[0], handle[1]), _pairs(src_info, layout_range))
 
     @plain_torch

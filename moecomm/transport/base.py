@@ -78,10 +78,11 @@ class AllToAllBackend(abc.ABC):
         once: AllToAll fills a phase's before each of its calls."""
 
     @abc.abstractmethod
-    def dispatch(self, record, do_send: bool, do_recv: bool, stream) -> None:
+    def dispatch(self, record, do_send: bool, do_recv: bool, stream, sources=None) -> None:
         """Send (``do_send``) and/or receive and unpack (``do_recv``) the dispatch arrays of ``record`` (this
         backend's dispatch record, filled for this call), on ``stream`` (device transports; None on the host).
-        Collective."""
+        ``sources``: None, or (src_info, layout_range, add_counts) as :meth:`write_sources` takes them, written
+        once the receive half has run (``do_recv`` is then True). Collective."""
 
     @abc.abstractmethod
     def combine(self, record, do_send: bool, do_recv: bool, stream) -> None:

@@ -171,6 +171,7 @@ class GpuAllToAll(AllToAllBackend):
                         tag_ring=self.tag_ring, gap_ring=self.gap_ring),
             grad_row_bytes=_abi.grad_row_bytes(cfg))
         self._calls = {phase: _abi.Call() for phase in C.CALL_PHASES}  # the call records (records())
+        self._folded = False  # the dispatch record carries sources (dispatch())
         self._skipped = _abi.Call(skip=1)  # the call record of a half issued with no data
         def records(n, call):  # Fixed, the call record, and the half of a kernel of both (deep_ep.cu)
             k = _abi.KERNELS[n]
@@ -230,11 +231,19 @@ class GpuAllToAll(AllToAllBackend):
         _cuda.stream_synchronize(stream)
         self.check_error()
 
-    def dispatch(self, record, do_send, do_recv, stream):
+    def dispatch(self, record, do_send, do_recv, stream, sources=None):
         """``record``: the dispatch Call structure of records(), filled for this call; the kernels' prepared
-        launches took its address at construction, so launching them is handing it over."""
+        launches took its address at construction, so launching them is handing it over. ``sources`` (see
+        write_sources) ride in the record's combine-only fields (y, out_tokens, out_dropped: CALL_FIELDS) where
+        the plan's dispatch_sources says the whole dispatch writes them; else SOURCE_LAYOUT runs after it."""
+        folded = sources is not None and do_send and do_recv and self.plan.dispatch_sources
+        if folded or self._folded:  # set, or cleared after a call that set them
+            record.y, record.out_tokens, record.out_dropped = sources if folded else (0, 0, 0)
+            self._folded = folded
         self._launch("dispatch", do_send, do_recv, stream)
         self._dispatched = self._dispatched or do_recv
+        if sources is not None and not folded:
+            self.write_sources(*sources, stream)
 
     def combine(self, record, do_send, do_recv, stream):
         """``record``: the combine Call structure, as in :meth:`dispatch`."""

@@ -262,6 +262,9 @@ class LaunchPlan:
         backward: {operation ("plan", "dispatch_backward", "combine_backward"): its kernel} (gradients=True),
             else empty; their grids are in ``grids``.
         stage_rows: staging rows the kernels that stage rows need (a block's at blockIdx * STAGE_SLOTS).
+        dispatch_sources: a whole dispatch given sources (AllToAll.dispatch(sources=...)) writes them in its own
+            launch (the local path of small batches, LOCAL_TOKENS: its last block, from the records its blocks
+            wrote), instead of SOURCE_LAYOUT's launch after it.
     """
     variant: str
     sms: int
@@ -274,13 +277,15 @@ class LaunchPlan:
     senders: int
     backward: dict
     stage_rows: int
+    dispatch_sources: bool
 
     def summary(self):
         """The plan as ``a2a.stats()["plan"]`` reports it: plain Python values."""
         return {"variant": self.variant, "sm_budget": self.sms, "grids": dict(self.grids),
                 "halves": {h: list(k) for h, k in self.halves.items()},
                 "whole": {p: list(k) for p, k in self.whole.items()}, "fallback": dict(self.fallback),
-                "streamed": self.streamed, "combine_streams": self.combine_streams, "backward": dict(self.backward)}
+                "streamed": self.streamed, "combine_streams": self.combine_streams, "backward": dict(self.backward),
+                "dispatch_sources": self.dispatch_sources}
 
 
 def launch_plan(cfg, num_sms, variant, all_mapped=True):
@@ -313,4 +318,5 @@ def launch_plan(cfg, num_sms, variant, all_mapped=True):
     module = module_variant(cfg, sms, variant, all_mapped)
     return LaunchPlan(variant=module, sms=sms, grids=grids, halves=halves, whole=whole, fallback=fallback,
                       streamed=streamed(cfg, sms), combine_streams=combine_streams(cfg, sms, module),
-                      senders=dispatch_senders(cfg, sms), backward=backward, stage_rows=stage_rows)
+                      senders=dispatch_senders(cfg, sms), backward=backward, stage_rows=stage_rows,
+                      dispatch_sources=cfg.slots_by_source and whole.get("dispatch") == (LOCAL_TOKENS,))

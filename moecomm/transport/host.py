@@ -251,7 +251,7 @@ class HostAllToAll(AllToAllBackend):
         return self._records
 
     # dispatch -------------------------------------------------------------------------------
-    def dispatch(self, record, do_send, do_recv, stream):
+    def dispatch(self, record, do_send, do_recv, stream, sources=None):
         if do_send:
             self._started["dispatch"] = time.perf_counter()
             self._received = None  # until this dispatch's receive half
@@ -260,6 +260,8 @@ class HostAllToAll(AllToAllBackend):
             pending, self._dispatch_pending = self._dispatch_pending, None
             self._dispatch_recv(record, pending)
             self._timed("dispatch")
+            if sources is not None:
+                self.write_sources(*sources, stream)
 
     def _timed(self, phase):
         """timing=True: the phase's host time, send start to receive end."""
