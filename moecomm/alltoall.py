@@ -744,18 +744,10 @@ class AllToAll:
         (its ``src_info`` and ``layout_range``): in the padded layout whose experts' slots are grouped by source
         rank (``group_by_source=True``, or world size 1). Not collective; call it between the dispatch's receive
         half and its combine, as :meth:`plan` (on GPUs: one small kernel, ordered on ``stream`` after that receive
-        half; default the current stream of out_src_info's framework). Needs no ``gradients``.
-
-        Args:
-            out_src_info: [num_local_experts, expert_capacity] int32, written: the token (its row in the source
-                rank's dp_x) each slot holds, -1 where empty.
-            out_layout_range: [num_local_experts, world_size] int64, written: ``(first slot << 32) | slots`` of
-                each source rank's rows in each expert (consecutive, sources in rank order); 0 where none.
-            add_counts: [num_local_experts] int32, or None: each local expert's received tokens (its slots
-                written) added to it, as DeepEP's ``cumulative_local_expert_recv_stats`` (in the same launch).
-
-        A dispatch given these arrays as its ``sources`` writes them itself (one call, and no launch of its own
-        on the local path of small batches).
+        half; default the current stream of out_src_info's framework). Needs no ``gradients``. The arrays, their
+        shapes and dtypes: :class:`SourceLayout`'s fields (``add_counts`` added to in the same launch). A
+        dispatch given them as its ``sources`` writes them itself (one call, and no launch of its own on the
+        local path of small batches).
         """
         self._live()
         with self._context or nullcontext():
