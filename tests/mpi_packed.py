@@ -65,9 +65,9 @@ def check(xp, a2a, comm, drawn, capacity, fails, label):
     m, d_ids = xp.array([M], np.int32), xp.asarray(ids)
     layouts = []  # the slots of each source rank (DeepEP's handle): written by the dispatch, then by source_layout
     if not packed:
-        layouts = [moecomm.SourceLayout(xp.zeros(c.expert_x_shape()[:-1], np.int32),
-                                        xp.zeros((E_PER_RANK, W), np.int64), xp.full(E_PER_RANK, base, np.int32))
-                   for base in (3, 5)]  # the counts added to these
+        layouts = [moecomm.SourceLayout(xp.full(c.expert_x_shape()[:-1], 99, np.int32),  # no token is 99
+                                        xp.full((E_PER_RANK, W), 7, np.int64), xp.full(E_PER_RANK, base, np.int32))
+                   for base in (3, 5)]  # every slot and range written; the counts added to these
     a2a.dispatch(n, ex, es, put(xp, x), put(xp, xs), d_ids, m, weights=xp.asarray(w), out_expert_offsets=off,
                  sources=layouts[0] if layouts else None)
     if layouts:
