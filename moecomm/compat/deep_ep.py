@@ -529,12 +529,12 @@ class Buffer:
     def combine(self, x, handle, topk_weights=None, bias=None, config=None, previous_event=None,
                 async_finish=False, allocate_on_comm_stream=False):
         """DeepEP's normal-mode combine: x [n, hidden] bfloat16, a row per row of ``handle``'s dispatch (rows past
-        its n are ignored); topk_weights [n, top-k] float32 or None; bias: one or two [num_tokens, hidden]
-        bfloat16 tensors added, or None. Returns (combined_x [num_tokens, hidden] bfloat16: each token's rows
-        summed over the ranks that received it, combined_topk_weights [num_tokens, top-k] float32 (summed
-        alike) or None, event). A dispatch of the handle's routing is combined: the last one if it had that
-        routing (the handle's own, or a cached dispatch of it), else the handle's tokens are dispatched again
-        first (a dispatch's cost)."""
+        its n are ignored; read in place where its storage allows, else copied once: _in_place); topk_weights
+        [n, top-k] float32 or None; bias: one or two [num_tokens, hidden] bfloat16 tensors added, or None.
+        Returns (combined_x [num_tokens, hidden] bfloat16: each token's rows summed over the ranks that received
+        it, combined_topk_weights [num_tokens, top-k] float32 (summed alike) or None, event). A dispatch of the
+        handle's routing is combined: the last one if it had that routing (the handle's own, or a cached dispatch
+        of it), else the handle's tokens are dispatched again first (a dispatch's cost)."""
         self._normal("combine", previous_event)
         if not isinstance(handle, _NormalHandle):
             raise InvalidArgument("combine: the handle of a normal-mode dispatch of this Buffer")
@@ -549,11 +549,13 @@ class Buffer:
             self._end_normal()
             raise InvalidArgument(f"combine: x [{x.size(0)}, ...] and topk_weights [.., {K}] for the handle's {rows} "
                                   f"rows of top-k {K}")
-        y = self._combine_buffers.get(id(layer))
-        if y is None:
-            y = self._combine_buffers[id(layer)] = torch.zeros(c.expert_x_shape(), dtype=torch.bfloat16,
-                                                               device=x.device)
-        y[:rows].copy_(x[:rows])
+        y = _in_place(x, c.expert_x_shape())
+        if y is None:  # copied into the layer's expert_y
+            y = self._combine_buffers.get(id(layer))
+            if y is None:
+                y = self._combine_buffers[id(layer)] = torch.zeros(c.expert_x_shape(), dtype=torch.bfloat16,
+                                                                   device=x.device)
+            y[:rows].copy_(x[:rows])
         out = torch.empty((T, c.hidden_dim), dtype=torch.bfloat16, device=x.device)
         side = combined_w = None
         if topk_weights is not None:
@@ -575,6 +577,18 @@ class Buffer:
         self._layers.clear()
         if self._owned:
             self.comm.finalize()
+
+
+def _in_place(x, shape):
+    """x [n, hidden] seen as ``shape`` ([capacity, hidden], a normal-mode layer's expert_y) without a copy, where
+    its storage holds that many rows from its first (n = capacity, or a view of a dispatch's recv_x): the
+    combine reads only the handle's rows, all below n. None where it cannot be."""
+    capacity, hidden = shape
+    if x.dim() != 2 or x.size(1) != hidden or not x.is_contiguous():
+        return None
+    if x.untyped_storage().nbytes() < (x.storage_offset() + capacity * hidden) * x.element_size():
+        return None
+    return x.as_strided(shape, (hidden, 1))
 
 
 def _pairs(src_info, layout_range):
