@@ -218,7 +218,9 @@ def refusals(comm, buffer, fails):
     internode = deep_ep.Buffer(comm, int(1e9), int(1e9))
     for label, call in (("a cached dispatch given top-k", lambda: buffer.dispatch(x, handle=handle, topk_idx=topk_idx)),
                         ("num_worst_tokens too small", lambda: buffer.dispatch(**dict(args, num_worst_tokens=1))),
-                        ("internode normal mode", lambda: internode.get_dispatch_layout(topk_idx, E))):
+                        ("internode normal mode", lambda: internode.get_dispatch_layout(topk_idx, E)),
+                        ("a combine's x of another hidden size",
+                         lambda: buffer.combine(torch.zeros((handle.rows, H + 8), dtype=torch.bfloat16), handle))):
         try:
             call()
             fails.append(f"{label}: accepted")
@@ -228,7 +230,7 @@ def refusals(comm, buffer, fails):
     combined, _, _ = buffer.combine(recv_x, handle)
     if not torch.equal(combined, x * min(W, -(-K // E_PER_RANK))):  # token's ids 0..K-1: ceil(K / E_PER_RANK) ranks
         fails.append("the call after the refusals is wrong")
-    return 4
+    return 5
 
 
 def main():

@@ -545,10 +545,12 @@ class Buffer:
         layer, _ = self._normal_open
         a2a, arg, c = layer.a2a, layer._arg, layer.a2a.cfg
         rows, T, K = handle.rows, handle.x.size(0), c.experts_per_token
-        if x.size(0) < rows or (topk_weights is not None and tuple(topk_weights.shape[1:]) != (K,)):
+        H = c.hidden_dim
+        if (x.dim() != 2 or x.size(0) < rows or x.size(1) != H
+                or (topk_weights is not None and tuple(topk_weights.shape[1:]) != (K,))):
             self._end_normal()
-            raise InvalidArgument(f"combine: x [{x.size(0)}, ...] and topk_weights [.., {K}] for the handle's {rows} "
-                                  f"rows of top-k {K}")
+            raise InvalidArgument(f"combine: x {list(x.shape)} and topk_weights [.., {K}] for the handle's {rows} "
+                                  f"rows of hidden {H} and top-k {K}")
         y = _in_place(x, c.expert_x_shape())
         if y is None:  # copied into the layer's expert_y
             y = self._combine_buffers.get(id(layer))
