@@ -436,7 +436,7 @@ class AllToAll:
             if self._captured:  # nothing kept on the host (captured())
                 stream = self._arrays.begin(args.stream, args.first)
                 self._read(args, send, recv)
-                sources = None if phase == "combine" or args.sources is None else self._read_sources(args, recv)
+                sources = self._read_sources(args, recv)
                 self._arrays.order()
                 return self._launch(phase, send, recv, stream, sources)  # the record _read filled
             try:
@@ -447,7 +447,7 @@ class AllToAll:
                 if not (send or recv):
                     raise InvalidArgument(f"{phase}: do_send and do_recv are both False: nothing to run")
                 weights, outputs = self._read(args, send, recv)
-                sources = None if phase == "combine" or args.sources is None else self._read_sources(args, recv)
+                sources = self._read_sources(args, recv)
                 self._order.advance(phase, send, recv, weights, outputs)  # checks the order, then records it
             except InvalidArgument as e:
                 self._refuse(e, stream)
@@ -473,8 +473,10 @@ class AllToAll:
 
     def _read_sources(self, args, recv):
         """A dispatch's ``sources`` (:class:`SourceLayout`) read and checked: their addresses (src_info,
-        layout_range, add_counts or the record's None)."""
-        sources = args.sources
+        layout_range, add_counts or the record's None); None where the call has none (every combine)."""
+        sources = None if args.phase == "combine" else args.sources
+        if sources is None:
+            return None
         if not recv:
             raise InvalidArgument("sources: the receive half writes them: give them to the call that runs it "
                                   "(do_recv=True)")

@@ -558,7 +558,7 @@ class Buffer:
                 y = self._combine_buffers[id(layer)] = torch.zeros(c.expert_x_shape(), dtype=torch.bfloat16,
                                                                    device=x.device)
             y[:rows].copy_(x[:rows])
-        out = torch.empty((T, c.hidden_dim), dtype=torch.bfloat16, device=x.device)
+        out = torch.empty((T, H), dtype=torch.bfloat16, device=x.device)
         side = combined_w = None
         if topk_weights is not None:
             side = torch.zeros((c.expert_capacity, K), dtype=torch.float32, device=x.device)
@@ -582,13 +582,13 @@ class Buffer:
 
 
 def _in_place(x, shape):
-    """x [n, hidden] seen as ``shape`` ([capacity, hidden], a normal-mode layer's expert_y) without a copy, where
-    its storage holds that many rows from its first (n = capacity, or a view of a dispatch's recv_x): the
-    combine reads only the handle's rows, all below n. None where it cannot be."""
+    """x [n, hidden] (checked by the caller) seen as ``shape`` ([capacity, hidden], a normal-mode layer's
+    expert_y) without a copy, where it is contiguous and its storage holds that many rows from its first (n =
+    capacity, or a view of a dispatch's recv_x): the combine reads only the handle's rows, all below n. None
+    where it cannot be."""
     capacity, hidden = shape
-    if x.dim() != 2 or x.size(1) != hidden or not x.is_contiguous():
-        return None
-    if x.untyped_storage().nbytes() < (x.storage_offset() + capacity * hidden) * x.element_size():
+    held = x.untyped_storage().nbytes() // x.element_size() - x.storage_offset()
+    if not x.is_contiguous() or held < capacity * hidden:  # values from its first
         return None
     return x.as_strided(shape, (hidden, 1))
 
