@@ -347,11 +347,17 @@ class Buffer:
     @plain_torch
     def get_next_low_latency_combine_buffer(self, handle):
         """The bf16 [L, T * R, hidden] tensor a zero-copy low_latency_combine of this handle's AllToAll reads."""
-        layer = handle.layer
-        if id(layer) not in self._combine_buffers:
-            self._combine_buffers[id(layer)] = torch.empty(layer.a2a.cfg.expert_x_shape(), dtype=torch.bfloat16,
-                                                           device=handle[0].device)
-        return self._combine_buffers[id(layer)]
+        return self._combine_buffer(handle.layer, handle[0].device)
+
+    def _combine_buffer(self, layer, device):
+        """The layer's bf16 expert_y (its config's expert_x_shape(): [L, T * R, hidden] low-latency, [capacity,
+        hidden] normal mode), zeros, made once: what a zero-copy low-latency combine reads, and where a
+        normal-mode combine copies its x when it cannot read x in place (_in_place)."""
+        y = self._combine_buffers.get(id(layer))
+        if y is None:
+            y = self._combine_buffers[id(layer)] = torch.zeros(layer.a2a.cfg.expert_x_shape(), dtype=torch.bfloat16,
+                                                               device=device)
+        return y
 
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank, hidden, num_experts):
         """Nothing to clean: moecomm's buffers carry the call each word belongs to."""
@@ -553,10 +559,7 @@ class Buffer:
                                   f"rows of hidden {H} and top-k {K}")
         y = _in_place(x, c.expert_x_shape())
         if y is None:  # copied into the layer's expert_y
-            y = self._combine_buffers.get(id(layer))
-            if y is None:
-                y = self._combine_buffers[id(layer)] = torch.zeros(c.expert_x_shape(), dtype=torch.bfloat16,
-                                                                   device=x.device)
+            y = self._combine_buffer(layer, x.device)
             y[:rows].copy_(x[:rows])
         out = torch.empty((T, H), dtype=torch.bfloat16, device=x.device)
         side = combined_w = None
