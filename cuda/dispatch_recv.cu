@@ -4,7 +4,7 @@
 
 using namespace moecomm;
 
-static __device__ void place_rows(const Fixed& f, const Call& c, unsigned epoch);
+static __device__ void place_rows(const Fixed& f, const Call& c, unsigned epoch, bool whole);
 
 // One thread: wait for source s's signal; returns its record count (0 when it sent nothing usable), kept in
 // state[s_recv + s] for combine_send when `keep`.
@@ -78,7 +78,7 @@ static __device__ bool arrived(const Fixed& f, int src, int j, unsigned epoch, u
 // counted per local expert (c.out_num).
 // Telemetry (last block): the call's demand per local expert into f.ring, tokens received and pairs
 // dropped per expert; bytes received per source.
-__device__ void moecomm::dispatch_recv(const Fixed& f, const Call& c) {
+__device__ void moecomm::dispatch_recv(const Fixed& f, const Call& c, bool whole) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   TRACE(MOECOMM_TRACE_DISPATCH_RECV, 0);
   // The sources whose records are unpacked here: in the padded layout this rank's own tokens are in place
@@ -95,7 +95,9 @@ __device__ void moecomm::dispatch_recv(const Fixed& f, const Call& c) {
   // them one at a time (state[s_claim + src]) and each waits for its record's arrival word or the source's
   // signal (its count, which ends the claims). Otherwise, and for sources reached by puts, masked, or with
   // c.skip: the signal first, then the block's static share.
-  const bool streamed = f.streamed && !c.skip && part < parts && !(src == f.rank && !f.packed) && !f.mask[src] &&
+  // (This rank's own records: padded, none; whole, metadata only, written with no arrival word.)
+  const bool streamed = f.streamed && !c.skip && part < parts && !(src == f.rank && (!f.packed || whole)) &&
+                        !f.mask[src] &&
                         peer_ptr(f.peers, f.recv_buf, src) != nullptr;
   __shared__ unsigned count;
   __shared__ int cur[2], n[2];
@@ -211,7 +213,7 @@ __device__ void moecomm::dispatch_recv(const Fixed& f, const Call& c) {
     dispatch_counts(f, c, epoch);
     TRACE_LAST(MOECOMM_TRACE_DISPATCH_RECV);
   }
-  if (f.packed) place_rows(f, c, epoch);
+  if (f.packed) place_rows(f, c, epoch, whole);
 }
 
 // The rows' places once every count is known (f.packed), the receive half's last stage in every block of its
@@ -222,8 +224,9 @@ __device__ void moecomm::dispatch_recv(const Fixed& f, const Call& c) {
 // among them) of c.out_x ([cap, hidden], padded [L, cap, hidden]) and c.out_scale (scale_row(); or null) gets
 // the record's row and scales, and that row goes back into f.slot_of (combine_send reads expert_y there). The
 // ranks layout: the record's one row (source_first[src] plus the source's tokens below its own) into slot_of's
-// lane 0.
-static __device__ void place_rows(const Fixed& f, const Call& c, unsigned epoch) {
+// lane 0. `whole` (dispatch_send's): this rank's own records carry no row, which comes from c.x (its token's
+// row and scales, quantised as dispatch_send does where f.quant).
+static __device__ void place_rows(const Fixed& f, const Call& c, unsigned epoch, bool whole) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   __shared__ bool counted;
   if (threadIdx.x == 0) {
@@ -243,8 +246,12 @@ static __device__ void place_rows(const Fixed& f, const Call& c, unsigned epoch)
   __shared__ uint8_t* sdst[MOECOMM_MAX_TOPK];
   for (int j = blockIdx.x / f.world; j < records; j += parts) {
     const uint8_t* rec = f.recv_buf + ((size_t)src * f.max_tokens + j) * f.rec_bytes;
-    RowCopy copy;
-    copy.load(f, rec, rec + f.x_bytes);  // in flight while warp 0 finds the rows
+    const bool from_x = whole && src == f.rank;
+    const int t = from_x ? meta_of(rec, f)[0] : 0;
+    const uint8_t* const xs = from_x ? c.x + (size_t)t * source_row_bytes(f) : rec;
+    const uint8_t* const ss = from_x ? c.x_scale + (size_t)t * f.scale_bytes : rec + f.x_bytes;
+    RowCopy copy(from_x && f.quant);
+    copy.load(f, xs, ss);  // in flight while warp 0 finds the rows
     if (warp == 0) {
       int row = -1;
       if (f.packed == MOECOMM_PACK_RANKS) {  // one row: the source's first, plus its tokens below this one
@@ -266,7 +273,7 @@ static __device__ void place_rows(const Fixed& f, const Call& c, unsigned epoch)
       list_rows(f, c, row, xdst, sdst, &n);
     }
     __syncthreads();
-    copy.store(f, xdst, sdst, n, 0, rec, rec + f.x_bytes);
+    copy.store(f, xdst, sdst, n, 0, xs, ss);
     __syncthreads();
   }
 }

@@ -21,7 +21,8 @@ using namespace moecomm;
 // destination rank as a record (the receiver fans it out to its experts); tokens for this rank's own
 // experts go straight into their expert slots, and only the record's metadata (for combine) is kept.
 // The token row is read once and stored into every destination (with f.packed, this rank's own record
-// takes the row like a peer's: rows are placed by dispatch_recv's place_rows). Expert id -1 sends
+// takes the row like a peer's, rows placed by dispatch_recv's place_rows, but where the receive half runs in
+// this launch (`whole`): then it keeps the metadata only and place_rows reads the row from c.x). Expert id -1 sends
 // nothing, nor does an expert of a masked rank (f.mask; counted in f.counters). With an expert map (f.map) ids
 // are logical and each pair goes to one replica (physical(), passing over masked ranks); records carry
 // physical ids. With tags (f.num_tags) a record's metadata also carries its token's tag, and the pairs this
@@ -32,7 +33,7 @@ using namespace moecomm;
 // With c.skip (a refused call) nothing is sent and every signal carries SIG_BAD | c.reason; otherwise a
 // signal carries the count and the expert-map generation (state[GEN]).
 template <bool Pipelined>
-__device__ void moecomm::dispatch_send(const Fixed& f, const Call& c, int senders, bool local) {
+__device__ void moecomm::dispatch_send(const Fixed& f, const Call& c, int senders, bool local, bool whole) {
   TRACE(MOECOMM_TRACE_DISPATCH_SEND, 0);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const unsigned epoch = f.state[MOECOMM_S_EPOCH_DS] + 1;
@@ -73,6 +74,7 @@ __device__ void moecomm::dispatch_send(const Fixed& f, const Call& c, int sender
   Arrivals arr{words};
   const bool arrivals = f.streamed && senders < (int)gridDim.x;
   const bool own_of = (MOECOMM_STREAMS_COMBINE && f.comb_streamed) || f.world == 1;
+  const bool sends_rows = !(whole && f.packed && f.world == 1);  // else every record is the own, metadata only
   uint8_t* const recv_buf = f.recv_buf;
   // Pipelined (a block with a second token, no puts): warp 0 routes token i+1 into list b^1 and
   // writes its records' metadata while the other warps send token i from list b; with arrival words the last
@@ -130,9 +132,11 @@ __device__ void moecomm::dispatch_send(const Fixed& f, const Call& c, int sender
     const unsigned masked = __ballot_sync(FULL, dest == -2);
     if (lane == 0) tally(f, MOECOMM_C_MASKED_PAIRS, __popc(masked));
     e = dest >= 0 ? slot_id : -1;  // from here on: physical slots, -1 for pairs not sent
-    // packed layout: this rank's own experts get a record too (dispatch_recv places every row once the
-    // counts are known); padded: their rows go straight into their slots
-    const bool peer = first && (dest != f.rank || f.packed), local = dest == f.rank && !f.packed;
+    // this rank's own experts: in the packed layouts a record (dispatch_recv places every row once the counts
+    // are known), with the row but where the receive half runs in this launch (whole); padded: their rows go
+    // straight into their slots, and the own record keeps the metadata only
+    const bool own_record = dest == f.rank && (!f.packed || whole);  // metadata only
+    const bool peer = first && !own_record, local = dest == f.rank && !f.packed;
     uint8_t* sym = nullptr;
     uint8_t* p = peer ? peer_ptr(f.peers, recv_buf, dest) : nullptr;  // resolved alongside the slot atomic
     // both slot atomics in flight before either result is used
@@ -156,7 +160,7 @@ __device__ void moecomm::dispatch_send(const Fixed& f, const Call& c, int sender
       f.drop_buf[(size_t)f.rank * f.max_tokens + t] = epoch_signal(epoch, drops);
     if (p) p += rec_off;
     const unsigned direct = __ballot_sync(FULL, p != nullptr), put = __ballot_sync(FULL, peer && !p);
-    const unsigned rows_here = __ballot_sync(FULL, where >= 0), own = __ballot_sync(FULL, first && local);
+    const unsigned rows_here = __ballot_sync(FULL, where >= 0), own = __ballot_sync(FULL, first && own_record);
     const unsigned below = (1u << lane) - 1;
     const int nd = __popc(direct), staged = put ? 1 : 0;
     if (p) {
@@ -176,9 +180,9 @@ __device__ void moecomm::dispatch_send(const Fixed& f, const Call& c, int sender
       xd[b][pos] = c.out_x + (size_t)where * f.x_bytes;
       sd[b][pos] = scale_row(f, c, where);
     }
-    if (own) {  // this rank's record: metadata for combine, and where each of its experts put the row
+    if (own) {  // this rank's record: metadata (for combine; packed: for the receive half, which routes it)
       const uint8_t* mine = (const uint8_t*)__shfl_sync(FULL, (unsigned long long)sym, __ffs(own) - 1);
-      if (lane < f.topk) f.slot_of[(mine - recv_buf) / f.rec_bytes * f.topk + lane] = where;
+      if (lane < f.topk && !f.packed) f.slot_of[(mine - recv_buf) / f.rec_bytes * f.topk + lane] = where;
       if (lane == 0) recs[b][nd + staged] = (uint8_t*)mine;
     }
     if (own_of && lane < f.topk) f.own_of[(size_t)t * f.topk + lane] = make_int2(where, __float_as_int(w));
@@ -219,11 +223,11 @@ __device__ void moecomm::dispatch_send(const Fixed& f, const Call& c, int sender
     const bool ahead = pipelined && k >= 0 && n_put[b] >= 0;  // pipelined: a valid token to send
     const int ahead_nd = ahead ? n_direct[b] : 0;
     RowCopy row(f.quant != 0);
-    if (!pipelined) row.load(f, xt, scales);  // the token row and scales, in flight while warp 0 routes the token
+    if (!pipelined && sends_rows) row.load(f, xt, scales);  // the row and scales, in flight while warp 0 routes
     arr.release_pending(epoch);
     if (warp == 0) {
       next(pipelined ? i + senders : i, pipelined ? b ^ 1 : 0);
-    } else if (ahead && (int)threadIdx.x - 32 < copiers) {
+    } else if (ahead && ahead_nd + n_local[b] > 0 && (int)threadIdx.x - 32 < copiers) {
       row.load(f, xt, scales, threadIdx.x - 32, copiers);
       row.store(f, xd[b], sd[b], ahead_nd + n_local[b], ahead_nd, xt, scales, threadIdx.x - 32, copiers);
     }
@@ -272,5 +276,5 @@ extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, MOECOMM_BLOC
   dispatch_send<false>(f, c, gridDim.x);
   TRACE_SPAN(MOECOMM_TRACE_DISPATCH_SEND, 1);
 }
-template __device__ void moecomm::dispatch_send<false>(const Fixed&, const Call&, int, bool);
-template __device__ void moecomm::dispatch_send<true>(const Fixed&, const Call&, int, bool);
+template __device__ void moecomm::dispatch_send<false>(const Fixed&, const Call&, int, bool, bool);
+template __device__ void moecomm::dispatch_send<true>(const Fixed&, const Call&, int, bool, bool);

@@ -155,7 +155,11 @@ def streamed(cfg, sms):
     """Whether a block of the send share can hold more than STREAM_TOKENS tokens (prefill-sized batches), so that
     dispatch records carry arrival words and the receive half gains by unpacking them as they land. Otherwise
     every record is covered by its source's signal only, and the receive half waits for it: claiming records
-    one by one would only add a round trip to small batches."""
+    one by one would only add a round trip to small batches. Never at world size 1 in the packed layouts
+    (pack()): the one-launch dispatch's own records carry no row (place_rows reads it from x), so nothing lands
+    early, and the whole grid sends."""
+    if cfg.world_size == 1 and pack(cfg) != C.PACK_NONE:
+        return False
     return -(-cfg.max_num_tokens // cfg.dp_size) > C.STREAM_TOKENS * _send_share(cfg, sms)
 
 
