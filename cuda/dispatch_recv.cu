@@ -224,7 +224,8 @@ __device__ void moecomm::dispatch_recv(const Fixed& f, const Call& c, bool whole
 // among them) of c.out_x ([cap, hidden], padded [L, cap, hidden]) and c.out_scale (scale_row(); or null) gets
 // the record's row and scales, and that row goes back into f.slot_of (combine_send reads expert_y there). The
 // ranks layout: the record's one row (source_first[src] plus the source's tokens below its own) into slot_of's
-// lane 0. `whole` (dispatch_send's): this rank's own records carry no row, which comes from c.x (its token's
+// lane 0, and at world size 1 into f.own_of's first pair of its token (the rest -1 from dispatch_send), which
+// the local combine sums (local.cu). `whole` (dispatch_send's): this rank's own records carry no row, which comes from c.x (its token's
 // row and scales, quantised as dispatch_send does where f.quant).
 static __device__ void place_rows(const Fixed& f, const Call& c, unsigned epoch, bool whole) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -260,6 +261,8 @@ static __device__ void place_rows(const Fixed& f, const Call& c, unsigned epoch,
         if (lane == 0 && *slot >= 0) {
           row = (int)source_first(f)[src] + below;
           *slot = row;
+          if (f.world == 1)  // the local combine's pair (local.cu): the row, its weight 1 (a sum already)
+            f.own_of[(size_t)meta_of(rec, f)[0] * f.topk] = make_int2(row, __float_as_int(1.0f));
         }
       } else if (lane < f.topk) {
         int* slot = &f.slot_of[((size_t)src * f.max_tokens + j) * f.topk + lane];

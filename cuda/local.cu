@@ -191,6 +191,10 @@ extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, MOECOMM_BLOC
 // the dispatch's: every block stores it as the combine's (no block of this call reads it) and in its own word of
 // state[s_combined] (a combine replayed twice after one dispatch finds it there: ERR_ORDER); state[BAD_RECV] is
 // cleared by the next dispatch_send.
+// The ranks layout at world size 1 (f.packed == PACK_RANKS; gpu_plan.py: whole_kernels) sums alike: a token's one
+// row, from its first pair of f.own_of (place_rows, dispatch_recv.cu: its row, weight 1), and its side row from
+// c.weights (expert_weights [rows, topk] float32) into c.out_dropped (out_weights, the layout's), zeros where it
+// has none; the blocks clear the next dispatch's token bits (present()) as combine_send does.
 extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, MOECOMM_BLOCKS_PER_SM)
     moecomm_combine_local(const Fixed f, const Call c) {
   after_previous_kernel();
@@ -213,12 +217,16 @@ extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, MOECOMM_BLOC
   int2 own = make_int2(-1, 0);
   float w = 0.0f;
   int given = 0, dispatched = 0;
+  const bool ranks = f.packed == MOECOMM_PACK_RANKS;
+  if (ranks)  // the next dispatch's token bits (this call's were read by its place_rows)
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < present_words(f); i += gridDim.x * blockDim.x)
+      present(f, 0)[i] = 0;
   auto load_pairs = [&](int i) {
     const int t = i / slices;
     const size_t pair = (size_t)t * f.topk + lane;
     const bool pairs = t < rows_max && lane < f.topk, ids = pairs && warp == 0 && i % slices == 0;
     own = pairs ? f.own_of[pair] : make_int2(-1, 0);
-    w = c.partials ? __int_as_float(own.y) : pairs ? c.weights[pair] : 0.0f;
+    w = c.partials || ranks ? __int_as_float(own.y) : pairs ? c.weights[pair] : 0.0f;
     given = ids ? expert_id(c, pair, f.num_experts) : 0;
     dispatched = ids ? f.ids_of[pair] : 0;
   };
@@ -237,7 +245,12 @@ extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, MOECOMM_BLOC
       rows[warp][pos] = c.y + (size_t)own.x * f.out_row_bytes;
       wts[warp][pos] = w;
     }
-    if (c.out_dropped && s == 0 && warp == 0 && lane < f.topk) {
+    if (ranks && c.out_dropped && s == 0 && warp == 0) {  // out_weights: the row's side row, or zeros
+      const int row = __shfl_sync(FULL, own.x, 0);
+      if (lane < f.topk)
+        reinterpret_cast<float*>(c.out_dropped)[pair] = row >= 0 && c.weights ? c.weights[(size_t)row * f.topk + lane]
+                                                                              : 0.0f;
+    } else if (c.out_dropped && s == 0 && warp == 0 && lane < f.topk) {
       const uint64_t d = f.drop_buf ? f.drop_buf[(size_t)f.rank * f.max_tokens + t] : 0;
       c.out_dropped[pair] = (unsigned)(d >> 32) == epoch && ((d >> lane) & 1);
     }

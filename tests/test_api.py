@@ -312,8 +312,8 @@ def test_dispatch_streams_only_prefill_sized_batches():
 
 def test_world_size_1_takes_the_local_path_in_the_padded_layout():
     """At world size 1 the phases in one launch are the local path's kernels (cuda/local.cu), at every batch
-    size; the packed layout keeps the general kernels, and the FP8 combine wire its own combine (its dispatch is
-    local); at world size 2 nothing is local."""
+    size; the packed layout keeps the general kernels, the ranks layout the general dispatch beside the local
+    combine, and the FP8 combine wire its own combine (its dispatch is local); at world size 2 nothing is local."""
     from moecomm._config import AllToAllConfig
     from moecomm.transport import gpu_plan as P
 
@@ -331,6 +331,13 @@ def test_world_size_1_takes_the_local_path_in_the_padded_layout():
     assert whole(cfg(1, 128), 44) == P.LOCAL_KERNELS  # 88 blocks: some have two tokens
     assert not P.local(cfg(1, 128, layout="packed"))
     assert whole(cfg(1, 128, layout="packed")) == P.WHOLE_KERNELS
+    # the ranks layout combines each token's one row in place; its dispatch, and the packed layout's, never
+    # stream at world size 1 (the own records carry no row: nothing lands early)
+    ranks = cfg(1, 4096, layout="ranks")
+    assert whole(ranks) == dict(P.WHOLE_KERNELS, combine=P.LOCAL_KERNELS["combine"])
+    assert not P.streamed(ranks, 132) and not P.streamed(cfg(1, 4096, layout="packed"), 132)
+    assert P.streamed(cfg(2, 4096, layout="ranks"), 132)
+    assert whole(cfg(2, 128, layout="ranks"))["combine"] == P.WHOLE_KERNELS["combine"]
     assert whole(cfg(1, 128, combine_wire="e4m3")) == {"dispatch": P.LOCAL_TOKENS, "combine": "moecomm_combine_wire"}
 
 

@@ -228,14 +228,15 @@ def whole_kernels(cfg, sms):
     """{phase: the kernel that runs its two halves in one launch}: the local path's (local()), whose dispatch has
     a kernel of its own (LOCAL_TOKENS) where every token of max_num_tokens gets a block; else the dispatch of
     streamed (prefill-sized) batches is its own kernel, so the small batches' kernel carries none of its code;
-    so is the combine on an FP8 combine wire."""
+    so is the combine on an FP8 combine wire. The ranks layout at world size 1 combines on the local path too
+    (each token's one row where the dispatch placed it, read in place: no partial sum)."""
     whole = dict(WHOLE_KERNELS, dispatch=STREAMED_DISPATCH) if streamed(cfg, sms) else WHOLE_KERNELS
     whole = {phase: _on_wire(cfg, n) for phase, n in whole.items()}
     if local(cfg):
         every_token = _send_blocks(cfg, sms) >= cfg.max_num_tokens  # a block per token: no block has two
         whole["dispatch"] = LOCAL_TOKENS if every_token else LOCAL_KERNELS["dispatch"]
-        if cfg.combine_wire is None:
-            whole["combine"] = LOCAL_KERNELS["combine"]
+    if (local(cfg) or (cfg.world_size == 1 and cfg.layout == "ranks")) and cfg.combine_wire is None:
+        whole["combine"] = LOCAL_KERNELS["combine"]
     return whole
 
 
