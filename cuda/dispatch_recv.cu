@@ -56,7 +56,8 @@ static __device__ bool arrived(const Fixed& f, int src, int j, unsigned epoch, u
 }
 
 // grid: world * P blocks of MOECOMM_BLOCK_THREADS, spread over the sources with records to unpack (below), one
-// block per record at a time; each record is read once and stored into every local expert it goes to. Reads
+// block per record at a time (the packed layouts, not streamed: a warp per record, whose row moves only in
+// place_rows); each record is read once and stored into every local expert it goes to. Reads
 // f.recv_buf, f.arrive and f.sig (this rank's copies); writes c.out_num [local_experts] int32, c.out_x
 // [local_experts, cap, hidden] in_dtype, c.out_scale [local_experts, cap, scales] (or [local_experts, scales,
 // cap] column-major: scale_row(); or null), and f.slot_of [world, max_tokens, topk]: where record (src, j)'s
@@ -162,7 +163,9 @@ __device__ void moecomm::dispatch_recv(const Fixed& f, const Call& c, bool whole
     }
     if (!f.packed) list_rows(f, c, where, xdst[b], sdst[b], &n[b]);  // packed: place_rows places the rows
   };
-  if (!streamed) {  // a record at a time: its row in flight while warp 0 takes its slots
+  if (!streamed && f.packed) {  // no row moves here (place_rows places them): each warp routes records of its own
+    for (int j = part + warp * parts; j < records; j += parts * (THREADS / 32)) route(j, 0);
+  } else if (!streamed) {  // a record at a time: its row in flight while warp 0 takes its slots
     for (bool first = true;; first = false) {
       if (threadIdx.x == 0) cur[0] = take();
       __syncthreads();
