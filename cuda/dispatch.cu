@@ -10,7 +10,7 @@ extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, MOECOMM_BLOC
     moecomm_dispatch(const Fixed f, const Call c) {
   after_previous_kernel();
   TRACE_SPAN(MOECOMM_TRACE_DISPATCH_SEND, 0);
-  dispatch_send<false>(f, c, f.senders, false, true);
+  dispatch_send<false, true>(f, c, f.senders);
   dispatch_recv(f, c, true);
   TRACE_SPAN(MOECOMM_TRACE_DISPATCH_SEND, 1);
 }
@@ -23,7 +23,7 @@ extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, MOECOMM_BLOC
     moecomm_dispatch_streamed(const Fixed f, const Call c) {
   after_previous_kernel();
   TRACE_SPAN(MOECOMM_TRACE_DISPATCH_SEND, 0);
-  dispatch_send<true>(f, c, f.senders, false, true);
+  dispatch_send<true, true>(f, c, f.senders);
   dispatch_recv(f, c, true);
   TRACE_SPAN(MOECOMM_TRACE_DISPATCH_SEND, 1);
 }

@@ -22,7 +22,7 @@ using namespace moecomm;
 // experts go straight into their expert slots, and only the record's metadata (for combine) is kept.
 // The token row is read once and stored into every destination (with f.packed, this rank's own record
 // takes the row like a peer's, rows placed by dispatch_recv's place_rows, but where the receive half runs in
-// this launch (`whole`): then it keeps the metadata only and place_rows reads the row from c.x). Expert id -1 sends
+// this launch (Whole): then it keeps the metadata only and place_rows reads the row from c.x). Expert id -1 sends
 // nothing, nor does an expert of a masked rank (f.mask; counted in f.counters). With an expert map (f.map) ids
 // are logical and each pair goes to one replica (physical(), passing over masked ranks); records carry
 // physical ids. With tags (f.num_tags) a record's metadata also carries its token's tag, and the pairs this
@@ -32,41 +32,47 @@ using namespace moecomm;
 // for combine) or, with overflow="error", reported by dispatch_recv, which sees the expert's whole demand.
 // With c.skip (a refused call) nothing is sent and every signal carries SIG_BAD | c.reason; otherwise a
 // signal carries the count and the expert-map generation (state[GEN]).
-template <bool Pipelined>
-__device__ void moecomm::dispatch_send(const Fixed& f, const Call& c, int senders, bool local, bool whole) {
+template <bool Pipelined, bool Whole>
+__device__ void moecomm::dispatch_send(const Fixed& f, const Call& c, int senders, bool local) {
   TRACE(MOECOMM_TRACE_DISPATCH_SEND, 0);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const unsigned epoch = f.state[MOECOMM_S_EPOCH_DS] + 1;
   // Destinations of a token, in this order: records on mapped peers, the staged record (when some peer
   // needs a put), rows of this rank's experts. xd: where x goes, sd: where its scales go. recs: records that
   // get the metadata (mapped, staged, and this rank's own record, metadata only). Two lists: the pipelined
-  // loop (below) routes a token into one while the other is sent; the plain loop uses list 0.
-  __shared__ uint8_t* xd[2][MAX_FANOUT];
-  __shared__ uint8_t* sd[2][MAX_FANOUT];
-  __shared__ uint8_t* recs[2][MAX_FANOUT];
+  // loop (below) routes a token into one while the other is sent; the plain loop uses list 0; where no row is
+  // sent (sends_rows false) each warp routes tokens of its own into list `warp`.
+  constexpr int LISTS = Whole ? THREADS / 32 : 2;
+  __shared__ uint8_t* xd[LISTS][MAX_FANOUT];
+  __shared__ uint8_t* sd[LISTS][MAX_FANOUT];
+  __shared__ uint8_t* recs[LISTS][MAX_FANOUT];
   __shared__ uint8_t* remote[MAX_FANOUT];
   __shared__ int pes[MAX_FANOUT];
   __shared__ uint64_t* words[2][ARRIVAL_BATCH * MAX_FANOUT];  // arrival words of the block's mapped records
-  __shared__ int n_direct[2], n_put[2], n_local[2], n_meta[2], tok[2];  // n_put < 0: skip the token (invalid)
-  // warp 0: a token's ids and weights (lane k: its k-th); the block's first token's are loaded at once,
+  __shared__ int n_direct[LISTS], n_put[LISTS], n_local[LISTS], n_meta[LISTS], tok[2];  // n_put < 0: skip the token
+  // whether any token's row goes anywhere from here: not at world size 1 in a packed layout with the receive
+  // half in this launch, where every record is the own, metadata only (place_rows reads the rows from c.x)
+  const bool sends_rows = !(Whole && f.packed && f.world == 1);
+  const bool routes = warp == 0 || !sends_rows;  // this warp routes tokens
+  // a routing warp: a token's ids and weights (lane k: its k-th); the block's first token's are loaded at once,
   // beside bound_m and the epoch (any row < rows is readable; a skipped call has no rows)
   int e = -1;
   float w = 0.0f;
-  int tag = -1;  // warp 0 (every lane): the token's tag (tag_of)
+  int tag = -1;  // a routing warp (every lane): the token's tag (tag_of)
   auto load_ids = [&](int t) {
     e = -1;
     w = 0.0f;
-    if (warp == 0 && lane < f.topk && t < c.rows) {
+    if (routes && lane < f.topk && t < c.rows) {
       e = expert_id(c, (size_t)t * f.topk + lane, f.num_experts);
       if (c.weights) w = c.weights[(size_t)t * f.topk + lane];
     }
-    if (warp == 0) tag = tag_of(f, c, t);
+    if (routes) tag = tag_of(f, c, t);
   };
   auto token = [&](int i) { return f.rank % f.dp + i * f.dp; };  // the block's tokens: i = blockIdx.x + k * senders
   load_ids((int)blockIdx.x < senders ? token(blockIdx.x) : c.rows);
-  // warp 0, lane q: whether rank q is masked (world <= 32: looked up by a shuffle, not a load per token)
+  // a routing warp, lane q: whether rank q is masked (world <= 32: looked up by a shuffle, not a load per token)
   const bool mask_lanes = f.world <= 32;
-  const int masked_lane = warp == 0 && mask_lanes && lane < f.world ? f.mask[lane] : 0;
+  const int masked_lane = routes && mask_lanes && lane < f.world ? f.mask[lane] : 0;
   const int m = dispatch_begin(f, c, epoch);
   TRACE(MOECOMM_TRACE_DISPATCH_SEND, 1);
   const int lo = f.rank * f.local_experts;
@@ -74,13 +80,13 @@ __device__ void moecomm::dispatch_send(const Fixed& f, const Call& c, int sender
   Arrivals arr{words};
   const bool arrivals = f.streamed && senders < (int)gridDim.x;
   const bool own_of = (MOECOMM_STREAMS_COMBINE && f.comb_streamed) || f.world == 1;
-  const bool sends_rows = !(whole && f.packed && f.world == 1);  // else every record is the own, metadata only
   uint8_t* const recv_buf = f.recv_buf;
   // Pipelined (a block with a second token, no puts): warp 0 routes token i+1 into list b^1 and
   // writes its records' metadata while the other warps send token i from list b; with arrival words the last
   // warp only releases them (its fence off the copy). Otherwise a token at a time, its row in flight while
   // warp 0 routes it.
-  const bool pipelined = Pipelined && !HAS_PUTS && (int)blockIdx.x < senders && token(blockIdx.x + senders) < m;
+  const bool pipelined =
+      Pipelined && !HAS_PUTS && sends_rows && (int)blockIdx.x < senders && token(blockIdx.x + senders) < m;
   // warp 0: the metadata of token t into the records of list b
   auto write_meta = [&](int b, int t) {
     for (int j = 0; j < n_meta[b]; ++j) {
@@ -95,7 +101,7 @@ __device__ void moecomm::dispatch_send(const Fixed& f, const Call& c, int sender
       }
     }
   };
-  // warp 0 (every lane): check token t's experts, take slots (in parallel lanes), list its destinations in
+  // a routing warp (every lane): check token t's experts, take slots (in parallel lanes), list its destinations in
   // list b; pipelined, also write its records' metadata (no staged record then)
   auto route = [&](int t, int b) {
     int dest = -1, slot_id = -1;  // the pair's physical expert slot and its rank
@@ -133,9 +139,9 @@ __device__ void moecomm::dispatch_send(const Fixed& f, const Call& c, int sender
     if (lane == 0) tally(f, MOECOMM_C_MASKED_PAIRS, __popc(masked));
     e = dest >= 0 ? slot_id : -1;  // from here on: physical slots, -1 for pairs not sent
     // this rank's own experts: in the packed layouts a record (dispatch_recv places every row once the counts
-    // are known), with the row but where the receive half runs in this launch (whole); padded: their rows go
+    // are known), with the row but where the receive half runs in this launch (Whole); padded: their rows go
     // straight into their slots, and the own record keeps the metadata only
-    const bool own_record = dest == f.rank && (!f.packed || whole);  // metadata only
+    const bool own_record = dest == f.rank && (!f.packed || Whole);  // metadata only
     const bool peer = first && !own_record, local = dest == f.rank && !f.packed;
     uint8_t* sym = nullptr;
     uint8_t* p = peer ? peer_ptr(f.peers, recv_buf, dest) : nullptr;  // resolved alongside the slot atomic
@@ -182,7 +188,7 @@ __device__ void moecomm::dispatch_send(const Fixed& f, const Call& c, int sender
     }
     if (own) {  // this rank's record: metadata (for combine; packed: for the receive half, which routes it)
       const uint8_t* mine = (const uint8_t*)__shfl_sync(FULL, (unsigned long long)sym, __ffs(own) - 1);
-      if (lane < f.topk && !f.packed) f.slot_of[(mine - recv_buf) / f.rec_bytes * f.topk + lane] = where;
+      if (lane < f.topk && !(Whole && f.packed)) f.slot_of[(mine - recv_buf) / f.rec_bytes * f.topk + lane] = where;
       if (lane == 0) recs[b][nd + staged] = (uint8_t*)mine;
     }
     if (own_of && lane < f.topk) f.own_of[(size_t)t * f.topk + lane] = make_int2(where, __float_as_int(w));
@@ -213,7 +219,16 @@ __device__ void moecomm::dispatch_send(const Fixed& f, const Call& c, int sender
   // into list b^1; round -1 only routes the block's first. Otherwise round k routes and sends its token in
   // list 0.
   const int k0 = pipelined ? -1 : 0;
-  for (int k = k0; (int)blockIdx.x < senders; ++k) {
+  for (int i = blockIdx.x * LISTS + warp; !sends_rows && (int)blockIdx.x < senders; i += senders * LISTS) {
+    const int t = token(i);  // no row is sent: each warp routes tokens of its own and writes their metadata
+    if (t >= m) break;
+    load_ids(t);
+    route(t, warp);
+    __syncwarp();
+    if (n_put[warp] >= 0) write_meta(warp, t);
+    __syncwarp();  // list `warp` is rewritten for the warp's next token
+  }
+  for (int k = k0; sends_rows && (int)blockIdx.x < senders; ++k) {
     const int i = blockIdx.x + k * senders, b = k & 1;
     // list b is read before this round's barrier only: warp 0 refills it in the next round
     const int t = !pipelined ? token(i) : k < 0 ? 0 : tok[b];
@@ -223,11 +238,11 @@ __device__ void moecomm::dispatch_send(const Fixed& f, const Call& c, int sender
     const bool ahead = pipelined && k >= 0 && n_put[b] >= 0;  // pipelined: a valid token to send
     const int ahead_nd = ahead ? n_direct[b] : 0;
     RowCopy row(f.quant != 0);
-    if (!pipelined && sends_rows) row.load(f, xt, scales);  // the row and scales, in flight while warp 0 routes
+    if (!pipelined) row.load(f, xt, scales);  // the token row and scales, in flight while warp 0 routes the token
     arr.release_pending(epoch);
     if (warp == 0) {
       next(pipelined ? i + senders : i, pipelined ? b ^ 1 : 0);
-    } else if (ahead && ahead_nd + n_local[b] > 0 && (int)threadIdx.x - 32 < copiers) {
+    } else if (ahead && (!Whole || ahead_nd + n_local[b] > 0) && (int)threadIdx.x - 32 < copiers) {  // a row to send
       row.load(f, xt, scales, threadIdx.x - 32, copiers);
       row.store(f, xd[b], sd[b], ahead_nd + n_local[b], ahead_nd, xt, scales, threadIdx.x - 32, copiers);
     }
@@ -276,5 +291,7 @@ extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, MOECOMM_BLOC
   dispatch_send<false>(f, c, gridDim.x);
   TRACE_SPAN(MOECOMM_TRACE_DISPATCH_SEND, 1);
 }
-template __device__ void moecomm::dispatch_send<false>(const Fixed&, const Call&, int, bool, bool);
-template __device__ void moecomm::dispatch_send<true>(const Fixed&, const Call&, int, bool, bool);
+template __device__ void moecomm::dispatch_send<false>(const Fixed&, const Call&, int, bool);
+template __device__ void moecomm::dispatch_send<true>(const Fixed&, const Call&, int, bool);
+template __device__ void moecomm::dispatch_send<false, true>(const Fixed&, const Call&, int, bool);
+template __device__ void moecomm::dispatch_send<true, true>(const Fixed&, const Call&, int, bool);
