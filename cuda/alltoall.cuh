@@ -51,9 +51,9 @@ constexpr unsigned M_INVALID = 0x80000000u;
 // build without puts (HAS_PUTS, transport.cuh); the other kernels carry none of that code. `local` (local.cu:
 // world size 1, the padded layout, so that no record is unpacked): the send half's last block also ends the
 // receive half, dispatch_counts (the counts per local expert, telemetry, the receive half's call number).
-// Whole / `whole` (dispatch.cu: the receive half runs in the same launch, so c.x is still the call's): in the packed
-// layouts (f.packed) this rank's own record carries its token's metadata only, and place_rows reads the row
-// from c.x, so the rank's own rows are copied once (at world size 1, every row).
+// Whole / `whole` (dispatch.cu: the receive half runs in the same launch, so c.x is still the call's): in the
+// packed layouts (f.packed) this rank's own record carries its token's metadata only, and place_rows reads the
+// row from c.x, so the rank's own rows are copied once (at world size 1, every row).
 // combine_send returns its call number, which combine_recv waits for (the split kernel reads it back from
 // state[EPOCH_CS]). `stream`: the one-launch combine's streamed form (combine.cu). Wire: the combine's rows
 // travel on the FP8 combine wire (f.wire; weighted_sum), in kernels of their own (moecomm_combine*_wire), so

@@ -228,8 +228,8 @@ __device__ void moecomm::dispatch_recv(const Fixed& f, const Call& c, bool whole
 // the record's row and scales, and that row goes back into f.slot_of (combine_send reads expert_y there). The
 // ranks layout: the record's one row (source_first[src] plus the source's tokens below its own) into slot_of's
 // lane 0, and at world size 1 into f.own_of's first pair of its token (the rest -1 from dispatch_send), which
-// the local combine sums (local.cu). `whole` (dispatch_send's): this rank's own records carry no row, which comes from c.x (its token's
-// row and scales, quantised as dispatch_send does where f.quant).
+// the local combine sums (local.cu). `whole` (dispatch_send's Whole): this rank's own records carry no row,
+// which comes from c.x (its token's row and scales, quantised as dispatch_send does where f.quant).
 static __device__ void place_rows(const Fixed& f, const Call& c, unsigned epoch, bool whole) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   __shared__ bool counted;
