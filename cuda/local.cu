@@ -16,28 +16,29 @@ __device__ __forceinline__ Sources call_sources(const Call& c) {
   return s;
 }
 
-// The rest of what moecomm_source_layout (backward.cu) writes after this dispatch, at world size 1, by the last
-// block once dispatch_sent has stored the counts (every thread; c.out_num and the signal were stored before its
-// barrier). Each slot a pair took holds its token already (its block stored it beside f.slot_of); the one
-// source's range in expert e starts at slot 0 and holds c.out_num[e] slots, the slots past them get -1, and
-// s.add_counts (or null) gains them. Where the call failed (the signal counts no record) every slot is -1 and
-// every range 0. Each warp takes 32 experts at a time, their counts loaded at once, lane j's for expert e0 + j.
+// This block's share of s.src_info [local_experts * cap] set to -1 (an empty slot), by its warps but warp 0
+// (which routes the block's token meanwhile): slots [b * per, (b + 1) * per) of block b.
+__device__ __forceinline__ void fill_sources(const Fixed& f, const Sources& s) {
+  const int slots = f.local_experts * f.cap, per = (slots + gridDim.x - 1) / gridDim.x;
+  const int end = min(slots, ((int)blockIdx.x + 1) * per);
+  for (int i = blockIdx.x * per + threadIdx.x - 32; i < end; i += blockDim.x - 32) s.src_info[i] = -1;
+}
+
+// What moecomm_source_layout (backward.cu) writes after this dispatch, at world size 1, by the last block once
+// dispatch_sent has stored the counts (every thread, after a barrier): record t is token t (as many as the
+// signal counts: none where the call failed), so each of its slots gets t; the one source's range in expert e
+// starts at slot 0 and holds c.out_num[e] slots; s.add_counts (or null) gains them. The other slots are -1
+// already (fill_sources, every block before it counted itself done).
 __device__ __forceinline__ void local_sources(const Fixed& f, const Call& c, const Sources& s) {
-  const int lane = threadIdx.x & 31, warps = blockDim.x >> 5;
-  const bool failed = own_count(f.sig[f.rank]) == 0;  // or no token: then every count is 0 anyway
-  for (int e0 = (threadIdx.x >> 5) * 32; e0 < f.local_experts; e0 += warps * 32) {
-    const int e = e0 + lane;
-    int n = 0;
-    if (e < f.local_experts) {
-      n = failed ? 0 : c.out_num[e];
-      const int before = s.add_counts ? s.add_counts[e] : 0;
-      s.layout_range[e] = n;  // (first slot 0 << 32) | n
-      if (s.add_counts) s.add_counts[e] = before + n;
-    }
-    for (int j = 0; j < 32 && e0 + j < f.local_experts; ++j) {
-      int* const slots = s.src_info + (size_t)(e0 + j) * f.cap;
-      for (int i = __shfl_sync(FULL, n, j) + lane; i < f.cap; i += 32) slots[i] = -1;
-    }
+  const int own = (int)own_count(f.sig[f.rank]), slots = f.local_experts * f.cap;
+  for (int p = threadIdx.x; p < own * f.topk; p += blockDim.x) {
+    const int slot = f.slot_of[p];
+    if (slot >= 0 && slot < slots) s.src_info[slot] = p / f.topk;
+  }
+  for (int e = threadIdx.x; e < f.local_experts; e += blockDim.x) {
+    const int n = own ? c.out_num[e] : 0;
+    s.layout_range[e] = n;  // (first slot 0 << 32) | n
+    if (s.add_counts) s.add_counts[e] += n;
   }
 }
 
@@ -83,6 +84,7 @@ extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, MOECOMM_BLOC
   const unsigned counted = f.tag_ring || f.gap_ring ? call_row(f) : 0u;  // tags' and confidence's row
   const int m = dispatch_begin(f, c, epoch);
   const Sources sources = call_sources(c);
+  if (sources.src_info && warp > 0) fill_sources(f, sources);  // beside warp 0's routing
   TRACE(MOECOMM_TRACE_DISPATCH_SEND, 1);
   __shared__ uint8_t* xd[MOECOMM_MAX_TOPK];  // the token's rows of c.out_x and c.out_scale, compacted
   __shared__ uint8_t* sd[MOECOMM_MAX_TOPK];
@@ -137,7 +139,6 @@ extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, MOECOMM_BLOC
         f.own_of[pair] = make_int2(where, __float_as_int(w));
         f.ids_of[pair] = e;  // combine checks its ids against these
         f.slot_of[rec * f.topk + lane] = where;
-        if (sources.src_info && where >= 0) sources.src_info[where] = t;
         meta[1 + lane] = pe;
         ((float*)meta)[1 + f.topk + lane] = w;
         if (f.sent) f.sent[pair] = pe;  // the routing plan's (backward.cu)
@@ -149,6 +150,7 @@ extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, MOECOMM_BLOC
   // and error words (warp 0's), not the rows, which nothing in this kernel reads. A grid of one block is its
   // own last (the kernel's end orders its writes for the next kernel).
   __shared__ bool last;
+  if (sources.src_info) __syncthreads();  // the block's share of src_info filled before it counts itself done
   if (warp == 0) {
     __syncwarp();  // warp 0's atomics and words, observed by its lane 0 before its fence
     if (lane == 0) last = gridDim.x == 1 || count_block(&f.state[MOECOMM_S_DONE_DS], false);
@@ -159,7 +161,10 @@ extern "C" __global__ void __launch_bounds__(MOECOMM_BLOCK_THREADS, MOECOMM_BLOC
   TRACE(MOECOMM_TRACE_DISPATCH_SEND, 3);
   if (last) {
     dispatch_sent(f, c, epoch, true, m);
-    if (sources.src_info) local_sources(f, c, sources);
+    if (sources.src_info) {
+      __syncthreads();  // the counts (c.out_num) and the signal, stored by other threads
+      local_sources(f, c, sources);
+    }
   }
   TRACE_SPAN(MOECOMM_TRACE_DISPATCH_SEND, 1);
 }
