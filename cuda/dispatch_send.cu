@@ -87,7 +87,7 @@ __device__ void moecomm::dispatch_send(const Fixed& f, const Call& c, int sender
   // warp 0 routes it.
   const bool pipelined =
       Pipelined && !HAS_PUTS && sends_rows && (int)blockIdx.x < senders && token(blockIdx.x + senders) < m;
-  // warp 0: the metadata of token t into the records of list b
+  // a routing warp: the metadata of token t into the records of list b
   auto write_meta = [&](int b, int t) {
     for (int j = 0; j < n_meta[b]; ++j) {
       int* meta = meta_of(recs[b][j], f);

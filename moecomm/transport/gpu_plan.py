@@ -235,7 +235,7 @@ def whole_kernels(cfg, sms):
     if local(cfg):
         every_token = _send_blocks(cfg, sms) >= cfg.max_num_tokens  # a block per token: no block has two
         whole["dispatch"] = LOCAL_TOKENS if every_token else LOCAL_KERNELS["dispatch"]
-    if (local(cfg) or (cfg.world_size == 1 and cfg.layout == "ranks")) and cfg.combine_wire is None:
+    if (local(cfg) or (cfg.world_size == 1 and pack(cfg) == C.PACK_RANKS)) and cfg.combine_wire is None:
         whole["combine"] = LOCAL_KERNELS["combine"]
     return whole
 
